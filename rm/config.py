@@ -1,0 +1,167 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each YAML file under ``conf/<group>/`` inherits its group's schema through
+``defaults: [base_<group>, _self_]``, so a misspelt key or a wrong type fails at
+composition with Hydra's own message. Every default lives here and nowhere else:
+code reads the typed objects returned by :func:`to_run_config` and never calls
+``cfg.get(key, default)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class ModelConfig:
+    """The reward model's backbone.
+
+    The shape numbers are the model's real ones, so its size is known without a
+    download (the memory estimator reads them). ``pretrained`` null means "build
+    from these numbers with random weights", which is what the tiny model does.
+    """
+
+    name: str = MISSING
+    pretrained: Optional[str] = None  # hub id or local directory; null: random init from the shape below
+    tokenizer: Optional[str] = None  # null: same as `pretrained`; "builtin": rm's word-level tokenizer
+    model_type: str = "mistral"  # transformers model_type: mistral | llama | qwen2
+    vocab_size: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: Optional[int] = None  # null: hidden_size // num_attention_heads
+    max_position_embeddings: int = MISSING
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    trust_remote_code: bool = False  # never run code shipped with a checkpoint unless asked
+
+
+@dataclass
+class LoraConfig:
+    """PEFT LoRA settings; used only by memory profiles with ``use_lora: true``."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=lambda: list(ALL_LINEAR))
+
+
+@dataclass
+class MemoryProfileConfig:
+    """How memory is traded for speed: which weights train and which optimizer steps them."""
+
+    name: str = MISSING
+    use_lora: bool = False  # true: only LoRA adapters and the reward head train
+    optimizer: str = "adamw"  # adamw (torch AdamW)
+
+
+@dataclass
+class HardwareConfig:
+    """What the run may use, per device and per node."""
+
+    name: str = MISSING
+    accelerator: str = "cuda"  # cuda | cpu | auto (detect at start)
+    device_memory_gib: float = MISSING  # memory of one device as the vendor states it
+    bf16: bool = False  # device computes in bfloat16 natively
+    gpus_per_node: int = 1
+    host_ram_gib: float = MISSING  # RAM of one node
+
+
+@dataclass
+class DataConfig:
+    """Where the preference pairs come from and how they are cut to length."""
+
+    name: str = MISSING
+    source: str = "hub"  # hub | local | synthetic
+    path: Optional[str] = None  # hub dataset id (source=hub)
+    subsets: List[str] = field(default_factory=list)  # hub data_dirs, concatenated; empty: all
+    train_split: str = "train"
+    eval_split: str = "test"
+    train_files: List[str] = field(default_factory=list)  # source=local: jsonl / json / parquet, globs allowed
+    eval_files: List[str] = field(default_factory=list)
+    format: str = "auto"  # auto | hh | prompt | messages
+    margin_column: Optional[str] = None  # column with a per-pair margin for the loss
+    max_length: int = 512  # tokens per sequence; longer pairs follow `truncation`. Activations grow with it
+    truncation: str = "truncate"  # truncate (cut the prompt's start) | drop
+    on_malformed: str = "skip"  # skip (count) | error
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    synthetic_train_size: int = 8000  # source=synthetic: pairs generated for train
+    synthetic_test_size: int = 1000
+    synthetic_seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. Names follow transformers' TrainingArguments where one exists."""
+
+    seed: int = 42
+    max_steps: int = -1  # optimizer steps; -1: derive from num_train_epochs
+    num_train_epochs: float = 1.0
+    micro_batch_size: int = 1  # pairs per device per forward; activations grow with it
+    global_batch_size: int = 64  # pairs per optimizer step over all devices
+    eval_batch_size: int = 8  # pairs per device per eval forward
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    lr_scheduler_type: str = "cosine"  # linear | cosine | constant_with_warmup
+    warmup_ratio: float = 0.03
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp16 | fp32
+    gradient_checkpointing: bool = True  # true: recompute activations in backward, far less memory, ~30% slower
+    center_rewards_coefficient: float = 0.0  # >0 adds coef * mean(r^2) so rewards stay centred (TRL's name)
+    logging_steps: int = 10
+    eval_steps: int = 100  # 0: evaluate only at the end
+    save_steps: int = 500  # 0: save only at the end
+    save_total_limit: int = 2  # checkpoints kept
+    resume: bool = False  # continue from the newest checkpoint in the run directory
+    tensorboard: bool = False
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    lora: LoraConfig = MISSING
+    memory_profile: MemoryProfileConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = MISSING
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "lora": LoraConfig,
+    "memory_profile": MemoryProfileConfig,
+    "hardware": HardwareConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML files can inherit them (`defaults: [base_<group>]`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Turn the composed Hydra config into typed objects, once, at the entry point."""
+    return OmegaConf.to_object(cfg)
+
+
+register_configs()

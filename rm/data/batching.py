@@ -1,0 +1,66 @@
+"""Which pairs each process sees at each optimizer step.
+
+The order is a pure function of (seed, step): epoch ``e`` shuffles the pairs with
+a generator seeded ``seed + e``, optimizer step ``s`` takes the ``s``-th block of
+``global_batch_size`` pairs of its epoch, and rank ``r`` of ``world_size`` takes
+the ``r``-th slice of that block. A resumed run therefore sees exactly the
+batches an uninterrupted one would, with no sampler state to checkpoint. The
+last incomplete block of an epoch is dropped so every step has the same size.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import List
+
+import torch
+
+
+def steps_per_epoch(num_pairs: int, global_batch_size: int) -> int:
+    """Whole optimizer steps one pass over ``num_pairs`` pairs gives."""
+    return num_pairs // global_batch_size
+
+
+@lru_cache(maxsize=2)
+def _epoch_order(num_pairs: int, seed: int, epoch: int) -> List[int]:
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(num_pairs, generator=generator).tolist()
+
+
+def micro_batches_for_step(
+    step: int,
+    num_pairs: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    world_size: int,
+    rank: int,
+    seed: int,
+) -> List[List[int]]:
+    """Indices of this rank's micro-batches for optimizer step ``step`` (0-based).
+
+    Args:
+        step: optimizer step counted from the start of training.
+        num_pairs: size of the training set.
+        global_batch_size: pairs per optimizer step over all ranks.
+        micro_batch_size: pairs per forward pass on one rank.
+        world_size: number of processes.
+        rank: this process's index.
+        seed: training seed.
+
+    Returns:
+        ``global_batch_size // (micro_batch_size * world_size)`` lists of
+        ``micro_batch_size`` dataset indices each.
+
+    Example:
+        >>> micro_batches_for_step(0, 8, global_batch_size=4, micro_batch_size=1,
+        ...                        world_size=2, rank=1, seed=0)
+        [[7], [3]]
+    """
+    per_epoch = steps_per_epoch(num_pairs, global_batch_size)
+    if per_epoch == 0:
+        raise ValueError(f"{num_pairs} pairs cannot fill one global batch of {global_batch_size}")
+    epoch, offset = divmod(step, per_epoch)
+    block = _epoch_order(num_pairs, seed, epoch)[offset * global_batch_size : (offset + 1) * global_batch_size]
+    per_rank = global_batch_size // world_size
+    mine = block[rank * per_rank : (rank + 1) * per_rank]
+    return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]

@@ -1,0 +1,685 @@
+"""Pairwise preference data: load, normalise, tokenise.
+
+The pipeline has three steps, each usable on its own:
+
+1. :func:`load_preference_split` reads one split from the Hugging Face Hub
+   (optionally several ``data_dir`` subsets, concatenated) or from local
+   jsonl / json / parquet files.
+2. :func:`normalise_pairs` turns any accepted layout (``hh``, ``prompt``,
+   ``messages``, or ``auto``-detected) into exactly three columns:
+   ``chosen`` and ``rejected`` (the full text to score) and ``margin``.
+   Bad rows are skipped and counted, or raise, per ``on_malformed``.
+3. :func:`tokenize_pairs` turns those texts into token ids the reward model
+   scores, applying the truncation policy below.
+
+Accepted layouts (``format``):
+
+* ``hh``: ``chosen`` and ``rejected`` are complete transcripts, as in
+  Anthropic HH-RLHF (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``).
+* ``prompt``: ``prompt``, ``chosen`` and ``rejected`` strings; each scored text
+  is ``prompt + chosen`` / ``prompt + rejected`` (plain concatenation, so put
+  any separator you want in the data itself).
+* ``messages``: ``chosen`` and ``rejected`` are lists of
+  ``{"role": ..., "content": ...}`` messages, optionally with a ``prompt`` list
+  of messages prepended to both; rendered with the tokenizer's chat template
+  (``tokenizer.apply_chat_template(messages, tokenize=False)``).
+* ``auto``: picked from the column names and types (the dataset schema).
+
+Truncation policy
+-----------------
+Each side is tokenised with ``tokenizer(text, add_special_tokens=True)``.
+The tokenizer's EOS id is then appended unless the ids already end with it,
+the tokenizer has no EOS, or EOS equals the pad id. The reward is read at
+the last real token: transformers' sequence-classification heads take the
+rightmost token whose id is not the pad id, so a trailing EOS that is also
+the pad id would be skipped and is therefore not appended.
+
+A side longer than ``max_length`` tokens is handled per ``truncation``:
+
+* ``"truncate"`` (default): keep the special tokens the tokenizer prepends
+  (e.g. BOS) and cut tokens from the *left* of the body, i.e. from the
+  start of the prompt, until the side is exactly ``max_length`` tokens.
+  The end of the response and the final EOS (the reward token) always
+  survive; what is lost is the oldest context.
+* ``"drop"``: drop the whole pair.
+
+Pairs are dropped and counted, never silently altered, when:
+
+* after tokenisation/truncation the chosen and rejected ids are identical
+  (the loss would be a constant; this happens when two responses only differ
+  in the part that was cut, or tokenise to the same ids);
+* a side contains the pad id anywhere (``pad_in_text``): at the end it moves
+  the token the reward is read from, and collators that derive the attention
+  mask from pad ids would mask it anywhere. With ``on_malformed="error"``
+  this raises instead.
+
+Chosen and rejected are truncated independently (the shared prompt may lose
+a different number of tokens on each side); both keep their own ending.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import math
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import datasets
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("auto", "hh", "prompt", "messages")
+TRUNCATION = ("truncate", "drop")
+ON_MALFORMED = ("skip", "error")
+SOURCES = ("hub", "local")
+
+_EXTENSION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+_FORMAT_HELP = (
+    "hh (columns 'chosen', 'rejected': full transcript strings), "
+    "prompt (columns 'prompt', 'chosen', 'rejected': strings), "
+    "messages (columns 'chosen', 'rejected': lists of {'role', 'content'} "
+    "messages, optional 'prompt' list of messages)"
+)
+
+# map() batch size: large enough to amortise Python overhead, small enough that
+# one batch of long transcripts stays a few MB.
+_BATCH_SIZE = 1000
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+# --------------------------------------------------------------------------- #
+# Loading
+# --------------------------------------------------------------------------- #
+
+
+def _expand_files(files: Iterable[str], key: str) -> list[str]:
+    """Expands globs; every entry must match at least one file."""
+    resolved: list[str] = []
+    missing: list[str] = []
+    for entry in files:
+        pattern = os.path.expanduser(str(entry))
+        if glob.has_magic(pattern):
+            matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        else:
+            matches = [pattern] if os.path.isfile(pattern) else []
+        if not matches:
+            missing.append(str(entry))
+        resolved.extend(matches)
+    if missing:
+        shown = ", ".join(repr(m) for m in missing)
+        raise FileNotFoundError(
+            f"{key}: no file matches {shown} (relative paths are resolved against {os.getcwd()!r})"
+        )
+    # A glob and an explicit path may name the same file; loading it twice would
+    # silently duplicate pairs.
+    return list(dict.fromkeys(resolved))
+
+
+def _builder_for(paths: Sequence[str], key: str) -> str:
+    builders: dict[str, list[str]] = {}
+    for p in paths:
+        ext = os.path.splitext(p)[1].lower()
+        if ext not in _EXTENSION_BUILDERS:
+            raise ValueError(
+                f"{key}: unsupported file extension {ext or '(none)'!r} for {p!r}; "
+                f"accepted: {sorted(_EXTENSION_BUILDERS)}"
+            )
+        builders.setdefault(_EXTENSION_BUILDERS[ext], []).append(p)
+    if len(builders) > 1:
+        detail = "; ".join(f"{b}: {ps}" for b, ps in sorted(builders.items()))
+        raise ValueError(
+            f"{key}: files of one split must all be json/jsonl or all parquet, got a mix ({detail})"
+        )
+    return next(iter(builders))
+
+
+def load_preference_split(
+    source: str,
+    *,
+    path: str | None = None,
+    subsets: Sequence[str] = (),
+    split: str = "train",
+    files: Sequence[str] | str = (),
+    max_samples: int | None = None,
+    files_key: str | None = None,
+) -> datasets.Dataset:
+    """Loads one split of raw preference data, without interpreting its columns.
+
+    Args:
+        source: ``"hub"`` (a Hugging Face Hub dataset) or ``"local"`` (files).
+        path: Hub dataset id, e.g. ``"Anthropic/hh-rlhf"``. Required for ``"hub"``.
+        subsets: Hub ``data_dir`` values (e.g. ``["helpful-base", "helpful-online"]``),
+            each loaded and then concatenated in order. Empty: the whole dataset.
+        split: Split name (Hub split, and used in the default ``files_key``).
+        files: Local files for this split: paths or glob patterns, ``.jsonl`` /
+            ``.json`` (json builder) or ``.parquet``; one split may not mix the two
+            kinds. A single string is accepted as a one-element list.
+        max_samples: If given, keep only the first ``max_samples`` rows (after
+            concatenating subsets/files).
+        files_key: Config key named in error messages about ``files``; defaults
+            to ``f"data.{split}_files"``.
+
+    Returns:
+        The raw ``datasets.Dataset`` with the source's own columns.
+
+    Raises:
+        FileNotFoundError: A local path or glob matches no file; the message names
+            the pattern(s) and ``files_key``.
+        ValueError: Unknown ``source``, missing ``path``/``files``, an unsupported
+            or mixed file extension, or a non-positive ``max_samples``.
+    """
+    _check_choice("source", source, SOURCES)
+    if max_samples is not None and (isinstance(max_samples, bool) or int(max_samples) < 1):
+        raise ValueError(f"max_samples must be a positive integer or None, got {max_samples!r}")
+
+    if source == "hub":
+        if not path:
+            raise ValueError("source='hub' needs a dataset path, e.g. 'Anthropic/hh-rlhf'")
+        if isinstance(subsets, str):
+            subsets = [subsets]
+        if subsets:
+            parts = [datasets.load_dataset(path, data_dir=d, split=split) for d in subsets]
+            ds = parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        else:
+            ds = datasets.load_dataset(path, split=split)
+    else:
+        key = files_key or f"data.{split}_files"
+        if isinstance(files, (str, os.PathLike)):
+            files = [files]
+        files = list(files or ())
+        if not files:
+            raise ValueError(f"{key}: source='local' needs at least one file for split {split!r}")
+        resolved = _expand_files(files, key)
+        builder = _builder_for(resolved, key)
+        # Local files always land in the builder's single "train" split, whatever
+        # split they stand for.
+        ds = datasets.load_dataset(builder, data_files=resolved, split="train")
+
+    if max_samples is not None and len(ds) > max_samples:
+        ds = ds.select(range(int(max_samples)))
+    return ds
+
+
+# --------------------------------------------------------------------------- #
+# Normalising
+# --------------------------------------------------------------------------- #
+
+
+def _feature_kind(feature: Any) -> str:
+    if isinstance(feature, datasets.Value):
+        if feature.dtype in ("string", "large_string"):
+            return "string"
+        return feature.dtype
+    list_types = tuple(
+        t for t in (getattr(datasets, n, None) for n in ("List", "LargeList", "Sequence")) if isinstance(t, type)
+    )
+    if isinstance(feature, (list,) + list_types):
+        return "list"
+    return type(feature).__name__
+
+
+def detect_format(ds: datasets.Dataset) -> str:
+    """Detects the preference layout of a dataset from its columns and types.
+
+    Args:
+        ds: Raw dataset (e.g. from :func:`load_preference_split`).
+
+    Returns:
+        ``"hh"``, ``"prompt"`` or ``"messages"``.
+
+    Raises:
+        ValueError: The layout matches none of them; the message names the columns
+            (with types) found and the accepted formats.
+    """
+    feats = ds.features
+    kinds = {name: _feature_kind(f) for name, f in feats.items()}
+    chosen, rejected, prompt = kinds.get("chosen"), kinds.get("rejected"), kinds.get("prompt")
+    if chosen == rejected == "string":
+        if prompt is None:
+            return "hh"
+        if prompt == "string":
+            return "prompt"
+    elif chosen == rejected == "list" and prompt in (None, "list"):
+        return "messages"
+    found = ", ".join(f"{n} ({k})" for n, k in kinds.items()) or "(none)"
+    raise ValueError(
+        f"cannot detect the preference format: columns found: {found}; "
+        f"accepted formats: {_FORMAT_HELP}. Set the format explicitly or rename the columns."
+    )
+
+
+def _required_columns(fmt: str) -> tuple[str, ...]:
+    return ("prompt", "chosen", "rejected") if fmt == "prompt" else ("chosen", "rejected")
+
+
+class _RowProblem(Exception):
+    """A row-level problem; ``kind`` is the counts key it is filed under."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _check_text(column: str, value: Any, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise _RowProblem("malformed", f"'{column}' is {_type_name(value)}, expected a string")
+    if not allow_empty and not value.strip():
+        raise _RowProblem("empty", f"'{column}' is empty" if not value else f"'{column}' is whitespace only")
+    return value
+
+
+def _check_messages(column: str, value: Any, allow_empty: bool = False) -> list[dict]:
+    if not isinstance(value, (list, tuple)):
+        raise _RowProblem("malformed", f"'{column}' is {_type_name(value)}, expected a list of messages")
+    messages = []
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise _RowProblem(
+                "malformed", f"'{column}' message {j} is {_type_name(msg)}, expected a {{'role', 'content'}} dict"
+            )
+        for field in ("role", "content"):
+            if not isinstance(msg.get(field), str):
+                raise _RowProblem(
+                    "malformed",
+                    f"'{column}' message {j} has {field}={msg.get(field)!r}, expected a string",
+                )
+        # Arrow gives every message every key seen in the column (missing ones as
+        # None); a chat template would render those Nones literally.
+        messages.append({k: v for k, v in msg.items() if v is not None})
+    if not allow_empty:
+        if not messages:
+            raise _RowProblem("empty", f"'{column}' is an empty list of messages")
+        # The last message is the response being judged, whether or not the prompt
+        # is repeated inside the side.
+        if not messages[-1]["content"].strip():
+            raise _RowProblem("empty", f"'{column}' ends with an empty message")
+    return messages
+
+
+def _check_margin(column: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _RowProblem("malformed", f"'{column}' is {_type_name(value)}, expected a number")
+    if not math.isfinite(value):
+        raise _RowProblem("malformed", f"'{column}' is {value!r}, expected a finite number")
+    return float(value)
+
+
+def _render(tokenizer: Any, messages: list[dict], column: str) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as err:  # template errors are data errors for this row
+        raise _RowProblem("malformed", f"'{column}' could not be rendered by the chat template: {err}") from err
+    if not isinstance(text, str):
+        raise _RowProblem("malformed", f"'{column}' chat template returned {_type_name(text)}, expected a string")
+    return text
+
+
+def _pair_texts(row: dict, fmt: str, tokenizer: Any) -> tuple[str, str]:
+    if fmt == "hh":
+        return _check_text("chosen", row["chosen"]), _check_text("rejected", row["rejected"])
+    if fmt == "prompt":
+        # An empty prompt is legal (the responses carry the whole context).
+        prompt = _check_text("prompt", row["prompt"], allow_empty=True)
+        chosen = _check_text("chosen", row["chosen"])
+        rejected = _check_text("rejected", row["rejected"])
+        return prompt + chosen, prompt + rejected
+    prompt_msgs = _check_messages("prompt", row["prompt"], allow_empty=True) if "prompt" in row else []
+    chosen_msgs = _check_messages("chosen", row["chosen"])
+    rejected_msgs = _check_messages("rejected", row["rejected"])
+    return (
+        _render(tokenizer, prompt_msgs + chosen_msgs, "chosen"),
+        _render(tokenizer, prompt_msgs + rejected_msgs, "rejected"),
+    )
+
+
+_NORMALISED_FEATURES = datasets.Features(
+    {"chosen": datasets.Value("string"), "rejected": datasets.Value("string"), "margin": datasets.Value("float32")}
+)
+
+
+def normalise_pairs(
+    ds: datasets.Dataset,
+    fmt: str,
+    tokenizer: Any = None,
+    margin_column: str | None = None,
+    on_malformed: str = "skip",
+) -> tuple[datasets.Dataset, dict[str, int]]:
+    """Converts raw preference rows to ``chosen``/``rejected`` texts and a margin.
+
+    Each row is checked: a missing/None/non-string field (or, for ``messages``,
+    anything but a list of ``{"role": str, "content": str}`` dicts) is
+    *malformed*; an empty or whitespace-only ``chosen``/``rejected`` (for
+    ``messages``: an empty list, or a last message with blank content) is
+    *empty*; a pair whose two texts are equal is *identical*. Identical pairs
+    are always dropped (they carry no preference); the others are dropped or
+    raise per ``on_malformed``. An empty ``prompt`` is allowed.
+
+    Args:
+        ds: Raw dataset (from :func:`load_preference_split` or
+            ``datasets.Dataset.from_list``).
+        fmt: One of :data:`FORMATS`; ``"auto"`` uses :func:`detect_format`.
+        tokenizer: Needed only for ``"messages"`` (its chat template renders the
+            conversation); may be None otherwise.
+        margin_column: Column holding a numeric margin per pair, copied to
+            ``margin``. None: every margin is 0.0 (any ``margin`` column in the
+            data is then ignored).
+        on_malformed: ``"skip"`` drops and counts bad rows, ``"error"`` raises on
+            the first one.
+
+    Returns:
+        ``(dataset, counts)``. The dataset has exactly the columns ``chosen``
+        (str), ``rejected`` (str) and ``margin`` (float32), in input order.
+        ``counts`` has the int keys ``rows`` (input rows), ``malformed``,
+        ``empty``, ``identical`` and ``kept`` (= rows minus the other three).
+
+    Raises:
+        ValueError: Unknown ``fmt``/``on_malformed``; undetectable layout; a
+            required column or the requested ``margin_column`` is missing; no
+            tokenizer chat template for ``"messages"``; or, with
+            ``on_malformed="error"``, a bad row (message like
+            ``"row 17: 'rejected' is empty"``, row = index in ``ds``).
+    """
+    _check_choice("format", fmt, FORMATS)
+    _check_choice("on_malformed", on_malformed, ON_MALFORMED)
+    if fmt == "auto":
+        fmt = detect_format(ds)
+        logger.info("preference data: detected format %r", fmt)
+
+    columns = list(ds.column_names)
+    missing = [c for c in _required_columns(fmt) if c not in columns]
+    if missing:
+        raise ValueError(
+            f"format {fmt!r} needs column(s) {missing}, but the data has {columns}; accepted formats: {_FORMAT_HELP}"
+        )
+    if margin_column is not None and margin_column not in columns:
+        raise ValueError(f"margin_column {margin_column!r} is not a column of the data (columns: {columns})")
+    if fmt == "messages" and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "format 'messages' renders conversations with tokenizer.apply_chat_template, "
+            "but the tokenizer has no chat_template"
+        )
+    if fmt == "hh" and "prompt" in columns:
+        logger.warning("format 'hh' ignores the 'prompt' column; use format 'prompt' if chosen/rejected lack it")
+
+    counts = {"rows": len(ds), "malformed": 0, "empty": 0, "identical": 0, "kept": 0}
+    read = [c for c in ("prompt", "chosen", "rejected") if c in columns and (c != "prompt" or fmt != "hh")]
+    if margin_column is not None and margin_column not in read:
+        read.append(margin_column)
+
+    def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"chosen": [], "rejected": [], "margin": []}
+        for k, idx in enumerate(indices):
+            row = {c: batch[c][k] for c in read}
+            try:
+                chosen, rejected = _pair_texts(row, fmt, tokenizer)
+                margin = 0.0 if margin_column is None else _check_margin(margin_column, row[margin_column])
+            except _RowProblem as problem:
+                if on_malformed == "error":
+                    raise ValueError(f"row {idx}: {problem} (format {fmt!r})") from None
+                counts[problem.kind] += 1
+                continue
+            if chosen == rejected:
+                counts["identical"] += 1
+                continue
+            out["chosen"].append(chosen)
+            out["rejected"].append(rejected)
+            out["margin"].append(margin)
+        counts["kept"] += len(out["chosen"])
+        return out
+
+    result = ds.map(
+        convert,
+        with_indices=True,
+        batched=True,
+        batch_size=_BATCH_SIZE,
+        remove_columns=columns,
+        features=_NORMALISED_FEATURES,
+        # The counts are gathered while map runs; a cache hit would skip the
+        # function and report zeros.
+        load_from_cache_file=False,
+        desc="normalising preference pairs",
+    )
+    # Other columns (including ones read above) are gone; make the order fixed.
+    result = result.select_columns(["chosen", "rejected", "margin"])
+    return result, counts
+
+
+# --------------------------------------------------------------------------- #
+# Tokenising
+# --------------------------------------------------------------------------- #
+
+
+def _leading_special_ids(tokenizer: Any) -> list[int]:
+    """Ids the tokenizer prepends to any text (e.g. ``[BOS]``); truncation keeps them."""
+    # Compare a probe with and without special tokens rather than trusting
+    # bos_token_id alone: some tokenizers prepend other tokens (e.g. [CLS]),
+    # and some declare a BOS they never add.
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    if plain:
+        for k in range(len(with_special) - len(plain) + 1):
+            if with_special[k : k + len(plain)] == plain:
+                return list(with_special[:k])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [bos] if bos is not None and with_special[:1] == [bos] else []
+
+
+_TOKENIZED_FEATURES = datasets.Features(
+    {
+        "chosen_input_ids": datasets.List(datasets.Value("int32")),
+        "rejected_input_ids": datasets.List(datasets.Value("int32")),
+        "margin": datasets.Value("float32"),
+    }
+)
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text with the tokenizer's special tokens and the EOS rule of the module docstring."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    append_eos = eos is not None and eos != getattr(tokenizer, "pad_token_id", None)
+    encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+    if append_eos:
+        encoded = [ids if ids and ids[-1] == eos else ids + [eos] for ids in encoded]
+    return encoded
+
+
+def truncate_left(ids: list[int], lead: Sequence[int], max_length: int) -> list[int]:
+    """Cut ``ids`` to ``max_length`` from the left, keeping the leading special ids ``lead``.
+
+    >>> truncate_left([2, 10, 11, 12, 13, 3], lead=[2], max_length=4)
+    [2, 12, 13, 3]
+    """
+    if len(ids) <= max_length:
+        return ids
+    n_lead = len(lead) if lead and ids[: len(lead)] == list(lead) else 0
+    return ids[:n_lead] + ids[len(ids) - (max_length - n_lead) :]
+
+
+def leading_special_ids(tokenizer: Any) -> list[int]:
+    """The ids the tokenizer prepends to every text (e.g. BOS)."""
+    return _leading_special_ids(tokenizer)
+
+
+def tokenize_pairs(
+    ds: datasets.Dataset,
+    tokenizer: Any,
+    max_length: int,
+    truncation: str = "truncate",
+    on_malformed: str = "skip",
+) -> tuple[datasets.Dataset, dict[str, float]]:
+    """Tokenises normalised pairs, appends EOS and applies the truncation policy.
+
+    See the module docstring for the policy. Per side:
+    ``ids = tokenizer(text, add_special_tokens=True)["input_ids"]``, plus
+    ``tokenizer.eos_token_id`` if the tokenizer has an EOS different from its
+    pad token and the ids do not already end with it. A side longer than
+    ``max_length`` keeps the tokens the tokenizer prepends (e.g. BOS) and loses
+    tokens from the left of the rest (``"truncate"``), or the pair is dropped
+    (``"drop"``). Pairs whose ids end up identical are dropped; a side that
+    contains the pad id is dropped (``on_malformed="skip"``) or raises.
+
+    Args:
+        ds: Dataset with columns ``chosen``, ``rejected`` (str) and ``margin``, as
+            returned by :func:`normalise_pairs`.
+        tokenizer: A transformers tokenizer.
+        max_length: Maximum tokens per side, EOS and BOS included.
+        truncation: ``"truncate"`` or ``"drop"`` (see :data:`TRUNCATION`).
+        on_malformed: What to do with a side containing the pad id: ``"skip"``
+            (drop, count as ``pad_in_text``) or ``"error"`` (raise).
+
+    Returns:
+        ``(dataset, counts)``. The dataset has the columns ``chosen_input_ids``
+        and ``rejected_input_ids`` (lists of int, unpadded) and ``margin``
+        (float32). ``counts`` has ``pairs_in``, ``truncated`` (output pairs where
+        either side was cut), ``dropped_too_long``, ``identical_after_truncation``,
+        ``pad_in_text``, ``pairs_out`` (ints), and ``chosen_len_mean``,
+        ``chosen_len_max``, ``rejected_len_mean``, ``rejected_len_max``: token
+        lengths of all input pairs before truncation, EOS included (mean is a
+        float, 0.0 on empty input).
+
+    Raises:
+        ValueError: Unknown ``truncation``/``on_malformed``; missing columns;
+            ``max_length`` too small to keep the prepended special tokens and one
+            more token; or, with ``on_malformed="error"``, a side containing the
+            pad id (message names the row index and the side).
+    """
+    _check_choice("truncation", truncation, TRUNCATION)
+    _check_choice("on_malformed", on_malformed, ON_MALFORMED)
+    missing = [c for c in ("chosen", "rejected", "margin") if c not in ds.column_names]
+    if missing:
+        raise ValueError(
+            f"tokenize_pairs needs the columns of normalise_pairs (chosen, rejected, margin); "
+            f"missing {missing} in {ds.column_names}"
+        )
+    lead = _leading_special_ids(tokenizer)
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= len(lead):
+        raise ValueError(
+            f"max_length must be an integer greater than the {len(lead)} special token(s) the "
+            f"tokenizer prepends, got {max_length!r}"
+        )
+
+    pad = getattr(tokenizer, "pad_token_id", None)
+
+    counts: dict[str, float] = {
+        "pairs_in": len(ds),
+        "truncated": 0,
+        "dropped_too_long": 0,
+        "identical_after_truncation": 0,
+        "pad_in_text": 0,
+        "pairs_out": 0,
+    }
+    lengths = {"chosen_sum": 0, "chosen_max": 0, "rejected_sum": 0, "rejected_max": 0}
+
+    def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": []}
+        sides = {}
+        for side in ("chosen", "rejected"):
+            encoded = encode_texts(tokenizer, batch[side])
+            sides[side] = encoded
+            for ids in encoded:
+                lengths[f"{side}_sum"] += len(ids)
+                lengths[f"{side}_max"] = max(lengths[f"{side}_max"], len(ids))
+        for k, idx in enumerate(indices):
+            pair = {"chosen": sides["chosen"][k], "rejected": sides["rejected"][k]}
+            too_long = any(len(ids) > max_length for ids in pair.values())
+            if too_long:
+                if truncation == "drop":
+                    counts["dropped_too_long"] += 1
+                    continue
+                pair = {s: truncate_left(ids, lead, max_length) for s, ids in pair.items()}
+            if pad is not None:
+                bad = [s for s, ids in pair.items() if pad in ids]
+                if bad:
+                    if on_malformed == "error":
+                        raise ValueError(
+                            f"row {idx}: '{bad[0]}' contains the pad token id {pad} "
+                            f"({getattr(tokenizer, 'pad_token', None)!r}) in its text; the reward "
+                            "model would read the reward at the wrong token"
+                        )
+                    counts["pad_in_text"] += 1
+                    continue
+            if pair["chosen"] == pair["rejected"]:
+                counts["identical_after_truncation"] += 1
+                continue
+            counts["truncated"] += int(too_long)
+            out["chosen_input_ids"].append(pair["chosen"])
+            out["rejected_input_ids"].append(pair["rejected"])
+            out["margin"].append(batch["margin"][k])
+        counts["pairs_out"] += len(out["margin"])
+        return out
+
+    result = ds.map(
+        encode,
+        with_indices=True,
+        batched=True,
+        batch_size=_BATCH_SIZE,
+        remove_columns=ds.column_names,
+        features=_TOKENIZED_FEATURES,
+        # Counts and length statistics are gathered while map runs; a cache hit
+        # would skip the function and report zeros.
+        load_from_cache_file=False,
+        desc="tokenising preference pairs",
+    )
+    n = counts["pairs_in"]
+    for side in ("chosen", "rejected"):
+        counts[f"{side}_len_mean"] = lengths[f"{side}_sum"] / n if n else 0.0
+        counts[f"{side}_len_max"] = lengths[f"{side}_max"]
+    return result, counts
+
+
+# --------------------------------------------------------------------------- #
+# Reporting
+# --------------------------------------------------------------------------- #
+
+
+def format_counts(counts: dict) -> str:
+    """Summarises the counts of :func:`normalise_pairs` and/or :func:`tokenize_pairs` in one line.
+
+    Args:
+        counts: One counts dict, or both merged (``{**norm_counts, **tok_counts}``;
+            their keys do not overlap).
+
+    Returns:
+        E.g. ``"pairs 1000 -> 987 used: 5 truncated, 3 dropped (too long),
+        2 identical, 3 malformed skipped"``; only non-zero reasons are listed.
+    """
+    pairs_in = counts.get("rows", counts.get("pairs_in", 0))
+    pairs_out = counts.get("pairs_out", counts.get("kept", pairs_in))
+    parts = []
+    items = [
+        ("truncated", "{} truncated"),
+        ("dropped_too_long", "{} dropped (too long)"),
+        ("identical", None),
+        ("pad_in_text", "{} with pad token in text skipped"),
+        ("malformed", "{} malformed skipped"),
+        ("empty", "{} empty skipped"),
+    ]
+    for key, template in items:
+        if key == "identical":
+            n = counts.get("identical", 0) + counts.get("identical_after_truncation", 0)
+            template = "{} identical"
+        else:
+            n = counts.get(key, 0)
+        if n:
+            parts.append(template.format(n))
+    line = f"pairs {pairs_in} -> {pairs_out} used"
+    if parts:
+        line += ": " + ", ".join(parts)
+    if "chosen_len_mean" in counts:
+        line += (
+            f" (tokens before truncation: chosen mean {counts['chosen_len_mean']:.1f} max "
+            f"{counts['chosen_len_max']}, rejected mean {counts['rejected_len_mean']:.1f} max "
+            f"{counts['rejected_len_max']})"
+        )
+    return line

@@ -1,0 +1,43 @@
+"""Detect the devices a run will use (``hardware=auto``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from rm.config import HardwareConfig
+
+GIB = 1024**3
+
+
+def host_ram_gib() -> float:
+    """Physical RAM of this node in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
+    """Return ``hw`` unchanged, or for ``accelerator: auto`` the detected machine.
+
+    With several GPUs the smallest one's memory is used, since the run must fit
+    on every device.
+    """
+    if hw.accelerator != "auto":
+        return hw
+    ram = round(host_ram_gib(), 1)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        return dataclasses.replace(
+            hw,
+            name=f"auto:{torch.cuda.get_device_name(0)}",
+            accelerator="cuda",
+            device_memory_gib=round(smallest / GIB, 2),
+            bf16=torch.cuda.is_bf16_supported(),
+            gpus_per_node=count,
+            host_ram_gib=ram,
+        )
+    return dataclasses.replace(
+        hw, name="auto:cpu", accelerator="cpu", device_memory_gib=ram, bf16=False, gpus_per_node=1, host_ram_gib=ram
+    )

@@ -1,0 +1,151 @@
+"""Build the tokenizer and the reward model, and score batches with it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Tuple
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+
+from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def build_tokenizer(model_cfg: ModelConfig):
+    """Load the tokenizer and give it a pad token that is not a real token where possible.
+
+    Mistral and Llama ship without a pad token. transformers' sequence-classification
+    head reads the reward at the last token that is not the pad id, so the pad id
+    should never occur in text: we take ``unk`` (which byte-fallback tokenizers
+    never emit) before falling back to ``eos``. When pad equals eos the data
+    pipeline does not append eos (see ``rm.data.preference``).
+    """
+    if model_cfg.tokenizer == "builtin":
+        from rm.tokenizer import build_builtin_tokenizer
+
+        tokenizer = build_builtin_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_cfg.tokenizer or model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
+        log.info("tokenizer has no pad token: using %r (id %d)", tokenizer.pad_token, tokenizer.pad_token_id)
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):
+    return AutoConfig.for_model(
+        model_cfg.model_type,
+        vocab_size=model_cfg.vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.intermediate_size,
+        num_hidden_layers=model_cfg.num_hidden_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_key_value_heads,
+        head_dim=model_cfg.head_dim or model_cfg.hidden_size // model_cfg.num_attention_heads,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        rope_theta=model_cfg.rope_theta,
+        rms_norm_eps=model_cfg.rms_norm_eps,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        num_labels=1,
+        pad_token_id=pad_token_id,
+    )
+
+
+def build_model(model_cfg: ModelConfig, pad_token_id: int, precision: str, gradient_checkpointing: bool) -> PreTrainedModel:
+    """A one-output ``AutoModelForSequenceClassification`` in the compute dtype.
+
+    Args:
+        model_cfg: the ``model`` group.
+        pad_token_id: the tokenizer's pad id, stored in the model config so plain
+            transformers finds the reward token the same way after saving.
+        precision: ``bf16`` | ``fp16`` | ``fp32``; weights are loaded in it.
+        gradient_checkpointing: recompute activations during backward.
+
+    Returns:
+        The model, in training mode.
+    """
+    dtype = DTYPES[precision]
+    if model_cfg.pretrained:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_cfg.pretrained,
+            num_labels=1,
+            dtype=dtype,
+            attn_implementation=model_cfg.attn_implementation,
+            trust_remote_code=model_cfg.trust_remote_code,
+        )
+        model.config.pad_token_id = pad_token_id
+    else:
+        config = _config_from_shape(model_cfg, pad_token_id)
+        # Build directly in the target dtype: casting afterwards briefly holds two copies.
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=model_cfg.attn_implementation)
+        finally:
+            torch.set_default_dtype(previous)
+    if gradient_checkpointing:
+        # Non-reentrant checkpointing works with frozen inputs (LoRA) without enable_input_require_grads.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # The KV cache is useless for scoring and incompatible with gradient checkpointing.
+    model.config.use_cache = False
+    model.train()
+    return model
+
+
+def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, lora_cfg: LoraConfig) -> PreTrainedModel:
+    """Make the weights the profile trains trainable; wrap with PEFT LoRA when it asks for it."""
+    if not profile.use_lora:
+        model.requires_grad_(True)
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import TaskType, get_peft_model
+
+    peft_cfg = PeftLoraConfig(
+        task_type=TaskType.SEQ_CLS,  # also trains and saves the reward head ("score")
+        r=lora_cfg.r,
+        lora_alpha=lora_cfg.alpha,
+        lora_dropout=lora_cfg.dropout,
+        target_modules=list(lora_cfg.target_modules),
+    )
+    return get_peft_model(model, peft_cfg)
+
+
+def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
+    """(trainable, total) parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total
+
+
+def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: float, weight_decay: float,
+                    betas: Tuple[float, float], eps: float) -> torch.optim.Optimizer:
+    """The profile's optimizer over the trainable parameters.
+
+    Biases and norm weights get no weight decay, as in every transformers recipe.
+    ``fused=True`` steps all tensors in one kernel and, unlike ``foreach``, needs
+    no parameter-sized scratch buffer at the step (the peak of a full fine-tune).
+    """
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim < 2 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+
+
+def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Score a :class:`~rm.data.collator.PairCollator` batch in one forward pass.
+
+    Returns:
+        ``(chosen_rewards, rejected_rewards)``, each of shape ``(B,)``.
+    """
+    rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+    half = rewards.shape[0] // 2
+    return rewards[:half], rewards[half:]

@@ -1,0 +1,92 @@
+"""Score pairs or single texts with a trained reward model.
+
+    python -m rm.score --model outputs/.../final --input pairs.jsonl [--output scored.jsonl]
+
+Pairs (any layout ``rm.train`` reads: HH transcripts, prompt/chosen/rejected,
+conversational messages) get ``reward_chosen``/``reward_rejected`` and the
+pairwise accuracy is printed; rows with a ``text`` column get ``reward``.
+Only plain transformers is used to load the model, so this also checks that a
+saved model is usable outside ``rm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Sequence
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from rm.data.preference import (
+    encode_texts,
+    format_counts,
+    leading_special_ids,
+    load_preference_split,
+    normalise_pairs,
+    tokenize_pairs,
+    truncate_left,
+)
+
+
+@torch.no_grad()
+def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
+    """Rewards of already tokenised sequences, in order."""
+    rewards: List[float] = []
+    device = next(model.parameters()).device
+    for start in range(0, len(rows), batch_size):
+        batch = tokenizer.pad({"input_ids": list(rows[start : start + batch_size])}, return_tensors="pt")
+        out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
+        rewards += out.logits.squeeze(-1).float().cpu().tolist()
+    return rewards
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rm.score", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="directory written by rm.train (its final/)")
+    parser.add_argument("--input", required=True, nargs="+", help="jsonl / json / parquet file(s)")
+    parser.add_argument("--output", help="write the rows with their rewards here (jsonl)")
+    parser.add_argument("--format", default="auto", choices=("auto", "hh", "prompt", "messages", "text"))
+    parser.add_argument("--max-length", type=int, default=2048, help="tokens; longer sequences lose their start")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--on-malformed", default="skip", choices=("skip", "error"))
+    args = parser.parse_args(argv)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForSequenceClassification.from_pretrained(args.model).eval()
+    raw = load_preference_split("local", files=tuple(args.input))
+    is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and "chosen" not in raw.column_names)
+    records: List[dict] = []
+    if is_text:
+        bad = [i for i, t in enumerate(raw["text"]) if not isinstance(t, str) or not t.strip()]
+        if bad:
+            print(f"error: row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)", file=sys.stderr)
+            return 2
+        lead = leading_special_ids(tokenizer)
+        rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, raw["text"])]
+        rewards = score_token_rows(model, tokenizer, rows, args.batch_size)
+        records = [{"text": t, "reward": r} for t, r in zip(raw["text"], rewards)]
+        print(f"scored {len(records)} texts: mean reward {sum(rewards) / len(rewards):.4f}")
+    else:
+        pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed)
+        tokenised, tok_counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed)
+        print(format_counts({**norm_counts, **tok_counts}))
+        chosen = score_token_rows(model, tokenizer, tokenised["chosen_input_ids"], args.batch_size)
+        rejected = score_token_rows(model, tokenizer, tokenised["rejected_input_ids"], args.batch_size)
+        correct = sum(c > r for c, r in zip(chosen, rejected))
+        records = [
+            {"chosen": p["chosen"], "rejected": p["rejected"], "reward_chosen": c, "reward_rejected": r}
+            for p, c, r in zip(pairs, chosen, rejected)
+        ]
+        print(f"pairwise accuracy {correct / max(len(records), 1):.4f} over {len(records)} pairs")
+    if args.output:
+        with open(args.output, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""The one check of a run's settings before anything heavy, and the values it derives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+from rm.config import RunConfig
+
+CHOICES = {
+    "model.model_type": ("mistral", "llama", "qwen2"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "memory_profile.optimizer": ("adamw",),
+    "hardware.accelerator": ("cuda", "cpu", "auto"),
+    "data.source": ("hub", "local", "synthetic"),
+    "data.format": ("auto", "hh", "prompt", "messages"),
+    "data.truncation": ("truncate", "drop"),
+    "data.on_malformed": ("skip", "error"),
+    "train.precision": ("auto", "bf16", "fp16", "fp32"),
+    "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
+}
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work together; the message names every offending key."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Values derived from the config, computed once and logged at start."""
+
+    world_size: int
+    gradient_accumulation_steps: int
+    precision: str  # bf16 | fp16 | fp32, after resolving "auto"
+    device: str  # cuda | cpu
+    max_tokens_per_step: int  # global batch x 2 sequences x max_length
+
+
+def _lookup(cfg: RunConfig, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: RunConfig, world_size: int) -> Plan:
+    """Reject inconsistent settings and derive what the run needs.
+
+    ``cfg.hardware`` must already be resolved (``rm.hardware.resolve_hardware``).
+
+    Args:
+        cfg: the typed run config.
+        world_size: number of training processes.
+
+    Returns:
+        The derived :class:`Plan`.
+
+    Raises:
+        ConfigError: listing every problem found, one per line, each naming its keys.
+    """
+    errors: List[str] = []
+    for key, allowed in CHOICES.items():
+        value = _lookup(cfg, key)
+        if value not in allowed:
+            errors.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+    t, d, hw = cfg.train, cfg.data, cfg.hardware
+    positive = {
+        "train.micro_batch_size": t.micro_batch_size,
+        "train.global_batch_size": t.global_batch_size,
+        "train.eval_batch_size": t.eval_batch_size,
+        "train.learning_rate": t.learning_rate,
+        "data.max_length": d.max_length,
+    }
+    if cfg.memory_profile.use_lora:
+        positive["lora.r"] = cfg.lora.r
+        positive["lora.alpha"] = cfg.lora.alpha
+    for key, value in positive.items():
+        if not value > 0:
+            errors.append(f"{key}={value} must be > 0")
+    for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers"):
+        if getattr(t, key) < 0:
+            errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
+    if t.max_steps <= 0 and not t.num_train_epochs > 0:
+        errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
+    if not 0 <= t.warmup_ratio < 1:
+        errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    if cfg.memory_profile.use_lora and not cfg.lora.target_modules:
+        errors.append("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+
+    accumulation = 0
+    per_step = t.micro_batch_size * world_size
+    if per_step > 0 and t.global_batch_size > 0:
+        if t.global_batch_size % per_step:
+            errors.append(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={t.micro_batch_size} x world size {world_size} = {per_step}"
+            )
+        accumulation = t.global_batch_size // per_step
+
+    if d.max_length > cfg.model.max_position_embeddings:
+        errors.append(
+            f"data.max_length={d.max_length} exceeds model.max_position_embeddings="
+            f"{cfg.model.max_position_embeddings} of model={cfg.model.name}"
+        )
+    if d.source == "local" and not d.train_files:
+        errors.append("data.source=local needs data.train_files, e.g. data.train_files=[pairs.jsonl]")
+    if d.source == "hub" and not d.path:
+        errors.append("data.source=hub needs data.path, e.g. data.path=Anthropic/hh-rlhf")
+    if cfg.model.pretrained is None and cfg.model.tokenizer is None:
+        errors.append(f"model={cfg.model.name} has neither model.pretrained nor model.tokenizer: name a tokenizer")
+
+    device = "cpu" if hw.accelerator == "cpu" else "cuda"
+    precision = t.precision
+    if precision == "auto":
+        precision = "bf16" if (device == "cuda" and hw.bf16) else "fp32"
+    if precision == "bf16" and not hw.bf16:
+        errors.append(f"train.precision=bf16 but hardware={hw.name} has no bf16 (hardware.bf16=false): use fp32 or fp16")
+    if precision == "fp16" and device == "cpu":
+        errors.append(f"train.precision=fp16 needs a GPU; hardware={hw.name} is a CPU: use fp32")
+
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    return Plan(
+        world_size=world_size,
+        gradient_accumulation_steps=accumulation,
+        precision=precision,
+        device=device,
+        max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
+    )

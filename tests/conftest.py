@@ -1,0 +1,52 @@
+"""Shared fixtures: compose the real ``conf/`` tree the way ``rm.train`` does, on the CPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+import rm.config  # noqa: F401  (registers the schemas)
+from rm.config import to_run_config
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+# The tests run on 2-core machines; more threads than cores only adds contention.
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def compose_run(overrides=()):
+    """Compose ``conf/config.yaml`` with ``overrides`` and return the Hydra DictConfig."""
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=list(overrides))
+    finally:
+        GlobalHydra.instance().clear()
+
+
+# Small and quick but still a real run of the pipeline: the tiny model on synthetic pairs, CPU, fp32.
+FAST_TINY = [
+    "experiment=tiny",
+    "hardware=cpu",
+    "data.synthetic_train_size=512",
+    "data.synthetic_test_size=128",
+    "data.max_length=64",
+    "train.micro_batch_size=8",
+    "train.global_batch_size=16",
+    "train.eval_batch_size=64",
+    "train.logging_steps=2",
+]
+
+
+@pytest.fixture
+def tiny_cfg():
+    """Typed config of a fast tiny run; pass extra overrides to the returned factory."""
+
+    def make(*overrides):
+        return to_run_config(compose_run(FAST_TINY + list(overrides)))
+
+    return make

@@ -1,0 +1,482 @@
+"""Tests for rm.data.preference: loading, normalising, tokenising preference pairs."""
+
+from __future__ import annotations
+
+import json
+
+import datasets
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from rm.data.preference import (
+    FORMATS,
+    ON_MALFORMED,
+    TRUNCATION,
+    detect_format,
+    format_counts,
+    load_preference_split,
+    normalise_pairs,
+    tokenize_pairs,
+)
+
+# --------------------------------------------------------------------------- #
+# A tiny local tokenizer: one token per word or punctuation run.
+# --------------------------------------------------------------------------- #
+
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+WORDS = ["Human", "Assistant", ":", "hi", "hello", "good", "bad", "answer", "ok", "yes", "no", "what", "?"]
+WORDS += [f"p{i}" for i in range(1, 11)]
+VOCAB = {tok: i for i, tok in enumerate(SPECIALS + WORDS)}
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+
+# The newlines live inside an expression: transformers renders templates with
+# trim_blocks, which would eat a newline written right after a block tag.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{{ '\\n\\nHuman: ' if m['role'] == 'user' else '\\n\\nAssistant: ' }}{{ m['content'] }}"
+    "{% endfor %}"
+)
+
+
+def make_tokenizer(pad_token: str = "<pad>") -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", BOS)]
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        pad_token=pad_token,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    return make_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tok_pad_is_eos() -> PreTrainedTokenizerFast:
+    return make_tokenizer(pad_token="</s>")
+
+
+@pytest.fixture(autouse=True)
+def _datasets_cache(tmp_path, monkeypatch):
+    # Keep load_dataset's cache out of the user's home directory.
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+
+
+def ids_of(*tokens: str) -> list[int]:
+    return [VOCAB[t] for t in tokens]
+
+
+HH_ROWS = [
+    {"chosen": "\n\nHuman: hi\n\nAssistant: good answer", "rejected": "\n\nHuman: hi\n\nAssistant: bad answer"},
+    {"chosen": "\n\nHuman: what ?\n\nAssistant: yes", "rejected": "\n\nHuman: what ?\n\nAssistant: no"},
+]
+PROMPT_ROWS = [
+    {"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " good answer", "rejected": " bad answer"},
+    {"prompt": "\n\nHuman: what ?\n\nAssistant:", "chosen": " yes", "rejected": " no"},
+]
+MESSAGES_ROWS = [
+    {
+        "prompt": [{"role": "user", "content": "hi"}],
+        "chosen": [{"role": "assistant", "content": "good answer"}],
+        "rejected": [{"role": "assistant", "content": "bad answer"}],
+    },
+    {
+        "prompt": [{"role": "user", "content": "what ?"}],
+        "chosen": [{"role": "assistant", "content": "yes"}],
+        "rejected": [{"role": "assistant", "content": "no"}],
+    },
+]
+EXPECTED_TEXTS = [
+    ("\n\nHuman: hi\n\nAssistant: good answer", "\n\nHuman: hi\n\nAssistant: bad answer"),
+    ("\n\nHuman: what ?\n\nAssistant: yes", "\n\nHuman: what ?\n\nAssistant: no"),
+]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def write_json(path, rows):
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def write_parquet(path, rows):
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+WRITERS = {"jsonl": write_jsonl, "json": write_json, "parquet": write_parquet}
+
+
+def test_constants():
+    assert FORMATS == ("auto", "hh", "prompt", "messages")
+    assert TRUNCATION == ("truncate", "drop")
+    assert ON_MALFORMED == ("skip", "error")
+
+
+# --------------------------------------------------------------------------- #
+# Loading + format handling
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("ext", ["jsonl", "json", "parquet"])
+@pytest.mark.parametrize(
+    "rows,expected_format",
+    [(HH_ROWS, "hh"), (PROMPT_ROWS, "prompt"), (MESSAGES_ROWS, "messages")],
+    ids=["hh", "prompt", "messages"],
+)
+@pytest.mark.parametrize("fmt", ["auto", "explicit"])
+def test_load_and_normalise_each_format(tmp_path, tok, ext, rows, expected_format, fmt):
+    path = WRITERS[ext](tmp_path / f"data.{ext}", rows)
+    raw = load_preference_split("local", files=[path])
+    assert len(raw) == 2
+    assert detect_format(raw) == expected_format
+
+    ds, counts = normalise_pairs(raw, expected_format if fmt == "explicit" else "auto", tok)
+    assert ds.column_names == ["chosen", "rejected", "margin"]
+    assert list(zip(ds["chosen"], ds["rejected"])) == EXPECTED_TEXTS
+    assert ds["margin"] == [0.0, 0.0]
+    assert counts == {"rows": 2, "malformed": 0, "empty": 0, "identical": 0, "kept": 2}
+
+
+def test_messages_without_prompt_column(tok):
+    rows = [
+        {
+            "chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "good"}],
+            "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "bad"}],
+        }
+    ]
+    ds, _ = normalise_pairs(datasets.Dataset.from_list(rows), "auto", tok)
+    assert ds[0]["chosen"] == "\n\nHuman: hi\n\nAssistant: good"
+    assert ds[0]["rejected"] == "\n\nHuman: hi\n\nAssistant: bad"
+
+
+def test_unknown_layout_error_names_columns_and_formats(tok):
+    raw = datasets.Dataset.from_list([{"question": "q", "answer_a": "a", "answer_b": "b"}])
+    with pytest.raises(ValueError) as err:
+        normalise_pairs(raw, "auto", tok)
+    msg = str(err.value)
+    for word in ("question", "answer_a", "answer_b", "hh", "prompt", "messages"):
+        assert word in msg
+
+
+def test_explicit_format_missing_column(tok):
+    raw = datasets.Dataset.from_list(HH_ROWS)
+    with pytest.raises(ValueError, match="prompt"):
+        normalise_pairs(raw, "prompt", tok)
+
+
+def test_glob_and_several_files_concatenate_and_max_samples(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", HH_ROWS)
+    write_jsonl(tmp_path / "b.jsonl", HH_ROWS[:1])
+    raw = load_preference_split("local", files=[str(tmp_path / "*.jsonl")])
+    assert len(raw) == 3
+    # The same file named twice (glob + explicit) is loaded once.
+    raw = load_preference_split("local", files=[str(tmp_path / "*.jsonl"), str(tmp_path / "a.jsonl")])
+    assert len(raw) == 3
+    raw = load_preference_split("local", files=[str(tmp_path / "a.jsonl")], max_samples=1)
+    assert raw["chosen"] == [HH_ROWS[0]["chosen"]]
+
+
+def test_missing_file_error_names_path_and_key(tmp_path):
+    missing = str(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError) as err:
+        load_preference_split("local", split="train", files=[missing])
+    assert f"data.train_files: no file matches '{missing}'" in str(err.value)
+    with pytest.raises(FileNotFoundError, match=r"data\.eval_files: .*\*\.parquet"):
+        load_preference_split("local", files=[str(tmp_path / "*.parquet")], files_key="data.eval_files")
+
+
+def test_mixed_extensions_rejected(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", HH_ROWS)
+    b = write_parquet(tmp_path / "b.parquet", HH_ROWS)
+    with pytest.raises(ValueError, match="mix"):
+        load_preference_split("local", files=[a, b])
+    c = tmp_path / "c.csv"
+    c.write_text("chosen,rejected\n")
+    with pytest.raises(ValueError, match="'.csv'"):
+        load_preference_split("local", files=[str(c)])
+
+
+def test_counts_survive_a_second_call_on_file_backed_data(tmp_path, tok):
+    # map() on file-backed data writes cache files; a cache hit would skip the
+    # function that gathers the counts.
+    rows = HH_ROWS + [{"chosen": "", "rejected": "hi"}]
+    raw = load_preference_split("local", files=[write_jsonl(tmp_path / "d.jsonl", rows)])
+    first = normalise_pairs(raw, "hh", tok)[1]
+    second = normalise_pairs(raw, "hh", tok)[1]
+    assert first == second == {"rows": 3, "malformed": 0, "empty": 1, "identical": 0, "kept": 2}
+
+
+# --------------------------------------------------------------------------- #
+# Margins
+# --------------------------------------------------------------------------- #
+
+
+def test_margin_carried_through_to_token_ids(tok):
+    rows = [dict(r, score_gap=g) for r, g in zip(HH_ROWS, [1.5, 3])]
+    ds, _ = normalise_pairs(datasets.Dataset.from_list(rows), "auto", tok, margin_column="score_gap")
+    assert ds["margin"] == [1.5, 3.0]
+    out, _ = tokenize_pairs(ds, tok, max_length=32)
+    assert out.column_names == ["chosen_input_ids", "rejected_input_ids", "margin"]
+    assert out["margin"] == [1.5, 3.0]
+
+
+def test_requested_margin_column_missing(tok):
+    with pytest.raises(ValueError, match="'score_gap'"):
+        normalise_pairs(datasets.Dataset.from_list(HH_ROWS), "hh", tok, margin_column="score_gap")
+
+
+def test_bad_margin_value_is_malformed(tok):
+    rows = [dict(HH_ROWS[0], m=None), dict(HH_ROWS[1], m=float("nan")), dict(HH_ROWS[0], m=2.0)]
+    raw = datasets.Dataset.from_list(rows)
+    ds, counts = normalise_pairs(raw, "hh", tok, margin_column="m")
+    assert ds["margin"] == [2.0]
+    assert counts["malformed"] == 2
+    with pytest.raises(ValueError, match=r"row 0: 'm' is None"):
+        normalise_pairs(raw, "hh", tok, margin_column="m", on_malformed="error")
+
+
+# --------------------------------------------------------------------------- #
+# Malformed, empty and identical rows
+# --------------------------------------------------------------------------- #
+
+GOOD = {"chosen": "\n\nHuman: hi\n\nAssistant: good", "rejected": "\n\nHuman: hi\n\nAssistant: bad"}
+
+
+def test_hh_malformed_rows_skip_and_error(tok):
+    rows = [
+        GOOD,
+        {"chosen": GOOD["chosen"], "rejected": None},  # 1 malformed
+        {"chosen": "", "rejected": GOOD["rejected"]},  # 2 empty
+        {"chosen": GOOD["chosen"], "rejected": " \n\t "},  # 3 whitespace
+        {"chosen": GOOD["chosen"], "rejected": GOOD["chosen"]},  # 4 identical
+        {"chosen": "\n\nHuman: no\n\nAssistant: yes", "rejected": "\n\nHuman: no\n\nAssistant: no"},
+    ]
+    raw = datasets.Dataset.from_list(rows)
+    ds, counts = normalise_pairs(raw, "hh", tok)
+    assert ds["chosen"] == [GOOD["chosen"], rows[5]["chosen"]]
+    assert counts == {"rows": 6, "malformed": 1, "empty": 2, "identical": 1, "kept": 2}
+
+    with pytest.raises(ValueError, match=r"^row 1: 'rejected' is None"):
+        normalise_pairs(raw, "hh", tok, on_malformed="error")
+    with pytest.raises(ValueError, match=r"^row 1: 'chosen' is empty"):
+        normalise_pairs(raw.select([0, 2, 3]), "hh", tok, on_malformed="error")
+    with pytest.raises(ValueError, match=r"^row 1: 'rejected' is whitespace only"):
+        normalise_pairs(raw.select([0, 3]), "hh", tok, on_malformed="error")
+    # Identical pairs are dropped even in error mode: they are useless, not broken.
+    ds, counts = normalise_pairs(raw.select([0, 4]), "hh", tok, on_malformed="error")
+    assert len(ds) == 1 and counts["identical"] == 1
+
+
+def test_non_string_field_is_malformed(tok):
+    # Arrow keeps one type per column, so a wrong type shows up column-wide.
+    raw = datasets.Dataset.from_list([{"prompt": 7, "chosen": " good", "rejected": " bad"}] * 3)
+    with pytest.raises(ValueError, match="prompt"):
+        detect_format(raw)
+    ds, counts = normalise_pairs(raw, "prompt", tok)
+    assert len(ds) == 0 and counts["malformed"] == 3
+    with pytest.raises(ValueError, match=r"^row 0: 'prompt' is int, expected a string"):
+        normalise_pairs(raw, "prompt", tok, on_malformed="error")
+
+
+def test_prompt_format_malformed_and_empty_prompt_allowed(tok):
+    rows = [
+        {"prompt": "", "chosen": "\n\nHuman: hi\n\nAssistant: good", "rejected": "\n\nHuman: hi\n\nAssistant: no"},
+        {"prompt": None, "chosen": " good", "rejected": " bad"},
+        {"prompt": "\n\nHuman: hi\n\nAssistant:", "chosen": " good", "rejected": "   "},
+    ]
+    ds, counts = normalise_pairs(datasets.Dataset.from_list(rows), "auto", tok)
+    assert ds["chosen"] == [rows[0]["chosen"]]
+    assert counts == {"rows": 3, "malformed": 1, "empty": 1, "identical": 0, "kept": 1}
+
+
+def test_messages_wrong_structure(tok):
+    user = {"role": "user", "content": "hi"}
+    good = [user, {"role": "assistant", "content": "good"}]
+    bad = [user, {"role": "assistant", "content": "bad"}]
+    rows = [
+        {"chosen": good, "rejected": bad},
+        {"chosen": good, "rejected": [user, {"role": "assistant"}]},  # 1 content missing
+        {"chosen": [], "rejected": bad},  # 2 empty list
+        {"chosen": good, "rejected": [user, {"role": "assistant", "content": "  "}]},  # 3 blank response
+        {"chosen": [{"content": "good"}], "rejected": bad},  # 4 role missing
+        {"chosen": None, "rejected": bad},  # 5 not a list
+        {"chosen": good, "rejected": good},  # 6 identical
+    ]
+    raw = datasets.Dataset.from_list(rows)
+    ds, counts = normalise_pairs(raw, "messages", tok)
+    assert ds["rejected"] == ["\n\nHuman: hi\n\nAssistant: bad"]
+    assert counts == {"rows": 7, "malformed": 3, "empty": 2, "identical": 1, "kept": 1}
+
+    with pytest.raises(ValueError, match=r"^row 1: 'rejected' message 1 has content=None"):
+        normalise_pairs(raw, "messages", tok, on_malformed="error")
+    with pytest.raises(ValueError, match=r"^row 1: 'chosen' is an empty list"):
+        normalise_pairs(raw.select([0, 2]), "messages", tok, on_malformed="error")
+    with pytest.raises(ValueError, match=r"^row 0: 'chosen' is None, expected a list of messages"):
+        normalise_pairs(raw.select([5]), "messages", tok, on_malformed="error")
+
+
+def test_messages_column_of_strings_is_malformed(tok):
+    raw = datasets.Dataset.from_list([{"chosen": [{"role": "user", "content": "hi"}], "rejected": "hi"}])
+    with pytest.raises(ValueError, match="cannot detect"):
+        normalise_pairs(raw, "auto", tok)
+    with pytest.raises(ValueError, match=r"row 0: 'rejected' is str, expected a list of messages"):
+        normalise_pairs(raw, "messages", tok, on_malformed="error")
+
+
+def test_messages_needs_chat_template():
+    plain = make_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="chat_template"):
+        normalise_pairs(datasets.Dataset.from_list(MESSAGES_ROWS), "messages", plain)
+
+
+def test_synthetic_rows_via_from_list(tok):
+    ds, counts = normalise_pairs(datasets.Dataset.from_list(HH_ROWS), "auto", None)
+    assert list(zip(ds["chosen"], ds["rejected"])) == EXPECTED_TEXTS
+    assert counts["kept"] == 2
+
+
+# --------------------------------------------------------------------------- #
+# Tokenising and truncation
+# --------------------------------------------------------------------------- #
+
+
+def pairs(*rows, margin=0.0):
+    return datasets.Dataset.from_list([{"chosen": c, "rejected": r, "margin": margin} for c, r in rows])
+
+
+def test_eos_appended_and_bos_prepended(tok):
+    out, counts = tokenize_pairs(pairs(("Human: hi Assistant: good", "Human: hi Assistant: bad")), tok, 64)
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good", "</s>")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "bad", "</s>")
+    assert counts["truncated"] == 0 and counts["pairs_out"] == 1
+    assert counts["chosen_len_max"] == 8 and counts["chosen_len_mean"] == 8.0
+
+
+def test_eos_not_doubled(tok):
+    out, _ = tokenize_pairs(pairs(("hi good </s>", "hi bad")), tok, 64)
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad", "</s>")
+
+
+def test_eos_not_appended_when_pad_is_eos(tok_pad_is_eos):
+    assert tok_pad_is_eos.pad_token_id == tok_pad_is_eos.eos_token_id == EOS
+    out, counts = tokenize_pairs(pairs(("hi good", "hi bad")), tok_pad_is_eos, 64)
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
+    # With pad == eos, a literal EOS in the text is a pad inside the text.
+    out, counts = tokenize_pairs(pairs(("hi good </s>", "hi bad"), ("hi yes", "hi no")), tok_pad_is_eos, 64)
+    assert counts["pad_in_text"] == 1 and counts["pairs_out"] == 1
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "yes")
+
+
+LONG_CHOSEN = "\n\nHuman: p1 p2 p3 p4 p5 p6\n\nAssistant: good answer"
+LONG_REJECTED = "\n\nHuman: p1 p2 p3 p4 p5 p6\n\nAssistant: bad"
+
+
+def test_truncation_cuts_prompt_from_the_left(tok):
+    # Full chosen: <s> Human : p1 p2 p3 p4 p5 p6 Assistant : good answer </s> = 14 tokens.
+    # max_length 8 keeps <s> and the last 7 body tokens.
+    out, counts = tokenize_pairs(pairs((LONG_CHOSEN, LONG_REJECTED), margin=0.5), tok, max_length=8)
+    chosen, rejected = out[0]["chosen_input_ids"], out[0]["rejected_input_ids"]
+    assert chosen == ids_of("<s>", "p5", "p6", "Assistant", ":", "good", "answer", "</s>")
+    assert rejected == ids_of("<s>", "p4", "p5", "p6", "Assistant", ":", "bad", "</s>")
+    assert len(chosen) == len(rejected) == 8
+    assert chosen[0] == BOS and chosen[-1] == EOS
+    assert out[0]["margin"] == 0.5
+    assert counts["truncated"] == 1 and counts["pairs_out"] == 1
+    # Statistics describe the lengths before truncation.
+    assert counts["chosen_len_max"] == 14 and counts["rejected_len_max"] == 13
+
+
+def test_truncation_only_cuts_the_long_side(tok):
+    out, counts = tokenize_pairs(pairs((LONG_CHOSEN, "hi bad")), tok, max_length=10)
+    assert len(out[0]["chosen_input_ids"]) == 10
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad", "</s>")
+    assert counts["truncated"] == 1
+
+
+def test_drop_policy_drops_long_pairs(tok):
+    ds = pairs((LONG_CHOSEN, LONG_REJECTED), ("hi good", "hi bad"))
+    out, counts = tokenize_pairs(ds, tok, max_length=8, truncation="drop")
+    assert len(out) == 1
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
+    assert counts["dropped_too_long"] == 1 and counts["truncated"] == 0 and counts["pairs_out"] == 1
+    # A side of exactly max_length is not too long.
+    out, counts = tokenize_pairs(pairs(("hi good answer", "hi bad")), tok, max_length=5, truncation="drop")
+    assert len(out) == 1 and counts["dropped_too_long"] == 0
+
+
+def test_identical_after_truncation_dropped(tok):
+    # The pairs differ only in the start of the prompt, which truncation removes.
+    ds = pairs(
+        ("Human: p1 p2 p3 Assistant: good", "Human: p9 p2 p3 Assistant: good"),
+        ("Human: hi Assistant: good", "Human: hi Assistant: bad"),
+    )
+    out, counts = tokenize_pairs(ds, tok, max_length=6)
+    assert counts["identical_after_truncation"] == 1
+    assert counts["pairs_in"] == 2 and counts["pairs_out"] == 1
+    assert out[0]["rejected_input_ids"][-2:] == ids_of("bad", "</s>")
+    # Without truncation the same pair is kept.
+    out, counts = tokenize_pairs(ds, tok, max_length=64)
+    assert counts["identical_after_truncation"] == 0 and len(out) == 2
+
+
+def test_pad_in_text_skip_and_error(tok):
+    ds = pairs(("hi good", "hi bad"), ("hi <pad> good", "hi bad"))
+    out, counts = tokenize_pairs(ds, tok, 64)
+    assert len(out) == 1 and counts["pad_in_text"] == 1
+    with pytest.raises(ValueError, match=r"^row 1: 'chosen' contains the pad token id 0"):
+        tokenize_pairs(ds, tok, 64, on_malformed="error")
+
+
+def test_invalid_arguments(tok):
+    ds = pairs(("hi good", "hi bad"))
+    with pytest.raises(ValueError, match="truncation"):
+        tokenize_pairs(ds, tok, 8, truncation="cut")
+    with pytest.raises(ValueError, match="max_length"):
+        tokenize_pairs(ds, tok, 1)  # only room for BOS
+    with pytest.raises(ValueError, match="format"):
+        normalise_pairs(datasets.Dataset.from_list(HH_ROWS), "csv", tok)
+    with pytest.raises(ValueError, match="source"):
+        load_preference_split("s3", files=["x.jsonl"])
+
+
+def test_end_to_end_counts_and_summary(tmp_path, tok):
+    rows = HH_ROWS + [
+        {"chosen": LONG_CHOSEN, "rejected": LONG_REJECTED},
+        {"chosen": "", "rejected": "x"},
+        {"chosen": "hi", "rejected": "hi"},
+    ]
+    raw = load_preference_split("local", files=[write_jsonl(tmp_path / "e.jsonl", rows)])
+    ds, norm_counts = normalise_pairs(raw, "auto", tok)
+    out, tok_counts = tokenize_pairs(ds, tok, max_length=10)
+    assert len(out) == 3
+    line = format_counts({**norm_counts, **tok_counts})
+    assert line.startswith("pairs 5 -> 3 used: 1 truncated, 1 identical, 1 empty skipped (tokens before truncation:")
+
+
+def test_format_counts_example():
+    counts = {
+        "rows": 1000, "malformed": 3, "empty": 0, "identical": 1, "kept": 996,
+        "pairs_in": 996, "truncated": 5, "dropped_too_long": 3, "identical_after_truncation": 1,
+        "pad_in_text": 0, "pairs_out": 992,
+    }  # fmt: skip
+    assert format_counts(counts) == (
+        "pairs 1000 -> 992 used: 5 truncated, 3 dropped (too long), 2 identical, 3 malformed skipped"
+    )
+    assert format_counts({"rows": 4, "malformed": 0, "empty": 0, "identical": 0, "kept": 4}) == "pairs 4 -> 4 used"

@@ -1,0 +1,305 @@
+"""Tests for the synthetic preference data and the builtin word-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from rm.data import synthetic
+from rm.data.synthetic import VOCABULARY, generate_pairs, write_synthetic
+from rm.tokenizer import build_builtin_tokenizer
+
+SEP = "\n\nAssistant:"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_builtin_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def train_pairs():
+    return generate_pairs(2000, seed=0, split="train")
+
+
+@pytest.fixture(scope="module")
+def test_pairs():
+    return generate_pairs(1000, seed=0, split="test")
+
+
+def _split_last_answer(text: str) -> tuple[str, str]:
+    prefix, answer = text.rsplit(SEP, 1)
+    return prefix + SEP, answer
+
+
+# --- determinism and splits -------------------------------------------------
+
+
+def test_deterministic_for_same_arguments():
+    assert generate_pairs(200, seed=3, split="train") == generate_pairs(200, seed=3, split="train")
+
+
+def test_prefix_stable_across_n():
+    # Growing n only appends pairs, so a small dataset is a prefix of a large one.
+    assert generate_pairs(300, seed=3, split="train")[:100] == generate_pairs(100, seed=3, split="train")
+
+
+def test_different_seed_gives_different_pairs():
+    a = generate_pairs(200, seed=0, split="train")
+    b = generate_pairs(200, seed=1, split="train")
+    assert a != b
+    # Not merely shifted or mostly shared: most pairs differ position by position.
+    assert sum(x != y for x, y in zip(a, b)) > 150
+
+
+def test_train_and_test_are_disjoint(train_pairs, test_pairs):
+    train_keys = {(p["chosen"], p["rejected"]) for p in train_pairs}
+    # A different test seed must not leak into train either.
+    other_test = generate_pairs(1000, seed=7, split="test")
+    for p in test_pairs + other_test:
+        assert (p["chosen"], p["rejected"]) not in train_keys
+    assert test_pairs != generate_pairs(1000, seed=0, split="train")
+
+
+def test_invalid_arguments():
+    with pytest.raises(ValueError):
+        generate_pairs(10, seed=0, split="validation")
+    with pytest.raises(ValueError):
+        generate_pairs(-1, seed=0, split="train")
+    assert generate_pairs(0, seed=0, split="train") == []
+
+
+# --- format -------------------------------------------------------------------
+
+
+def test_hh_format(train_pairs):
+    assert len(train_pairs) == 2000
+    n_multi_turn = 0
+    for p in train_pairs:
+        assert set(p) == {"chosen", "rejected"}
+        chosen, rejected = p["chosen"], p["rejected"]
+        assert chosen != rejected
+        for text in (chosen, rejected):
+            assert text.startswith("\n\nHuman: ")
+            # The final turn is the assistant's, with a non-empty answer.
+            assert text.rfind(SEP) > text.rfind("\n\nHuman:")
+            assert _split_last_answer(text)[1].strip()
+        c_prefix, c_answer = _split_last_answer(chosen)
+        r_prefix, r_answer = _split_last_answer(rejected)
+        assert c_prefix == r_prefix
+        assert c_answer != r_answer
+        n_multi_turn += chosen.count("\n\nHuman:") > 1
+    # Filler turns make a good share of transcripts multi-turn.
+    assert 0.2 < n_multi_turn / len(train_pairs) < 0.8
+
+
+def test_vocabulary_is_sorted_and_unique():
+    assert list(VOCABULARY) == sorted(set(VOCABULARY))
+    for word in ("Human", "Assistant", ":", ".", "?"):
+        assert word in VOCABULARY
+
+
+def test_no_unknown_tokens(tokenizer, train_pairs):
+    texts = [t for p in train_pairs for t in (p["chosen"], p["rejected"])]
+    ids = tokenizer(texts)["input_ids"]
+    unk = tokenizer.unk_token_id
+    bad = [t for t, row in zip(texts, ids) if unk in row]
+    assert not bad, bad[:3]
+    # Every vocabulary word is actually used somewhere (no dead entries from typos).
+    used = {i for row in ids for i in row}
+    unused = [w for w in VOCABULARY if tokenizer.convert_tokens_to_ids(w) not in used]
+    assert set(unused) <= {"System"}, unused
+
+
+def test_length_spread(tokenizer, train_pairs):
+    # +1 for the EOS the pipeline appends.
+    lengths = [len(row) + 1 for row in tokenizer([p["chosen"] for p in train_pairs])["input_ids"]]
+    lengths.sort()
+    median = statistics.median(lengths)
+    p95 = lengths[int(0.95 * len(lengths))]
+    assert p95 >= 2 * median
+    assert sum(n < 128 for n in lengths) / len(lengths) > 0.9
+    assert sum(n < 256 for n in lengths) / len(lengths) > 0.99
+
+
+# --- tokenizer ---------------------------------------------------------------
+
+
+def test_tokenizer_special_tokens(tokenizer):
+    assert tokenizer.convert_tokens_to_ids(["<pad>", "<unk>", "<s>", "</s>"]) == [0, 1, 2, 3]
+    assert (tokenizer.pad_token_id, tokenizer.unk_token_id) == (0, 1)
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id) == (2, 3)
+    assert tokenizer.padding_side == "right"
+    assert len(tokenizer) == 4 + len(VOCABULARY)
+
+    ids = tokenizer("Hello! What is my name?")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id
+    assert tokenizer.eos_token_id not in ids
+    assert tokenizer.convert_ids_to_tokens(ids[1:]) == ["Hello", "!", "What", "is", "my", "name", "?"]
+    assert tokenizer("Hello!", add_special_tokens=False)["input_ids"] == ids[1:3]
+    # Out-of-vocabulary words map to <unk> rather than failing.
+    assert tokenizer("zebra", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
+
+
+def test_tokenizer_round_trip(tokenizer, train_pairs, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = AutoTokenizer.from_pretrained(tmp_path)
+    texts = [p["chosen"] for p in train_pairs[:50]] + ["an unknown zebra sentence"]
+    assert reloaded(texts)["input_ids"] == tokenizer(texts)["input_ids"]
+    for attr in ("pad_token", "unk_token", "bos_token", "eos_token", "padding_side", "model_max_length"):
+        assert getattr(reloaded, attr) == getattr(tokenizer, attr), attr
+    assert reloaded.chat_template == tokenizer.chat_template
+    assert reloaded.get_vocab() == tokenizer.get_vocab()
+    batch = reloaded(["Hello!", "What is my name?"], padding=True)
+    assert batch["input_ids"][0][-1] == reloaded.pad_token_id  # right padding
+
+
+def test_chat_template(tokenizer):
+    messages = [
+        {"role": "user", "content": "What is my name?"},
+        {"role": "assistant", "content": "Your name is Anna."},
+    ]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text == "\n\nHuman: What is my name?\n\nAssistant: Your name is Anna."
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt == "\n\nHuman: What is my name?\n\nAssistant:"
+    system = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be nice."}] + messages[:1], tokenize=False
+    )
+    assert system == "\n\nSystem: Be nice.\n\nHuman: What is my name?"
+    assert tokenizer.unk_token_id not in tokenizer(system)["input_ids"]
+
+
+# --- CLI ---------------------------------------------------------------------
+
+
+def test_write_synthetic_and_cli(tmp_path):
+    paths = write_synthetic(tmp_path / "a", n_train=30, n_test=12, seed=5)
+    assert set(paths) == {"train", "test"}
+    assert paths["train"].name == "train.jsonl" and paths["test"].name == "test.jsonl"
+    rows = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    assert rows == generate_pairs(30, seed=5, split="train")
+
+    out = tmp_path / "b"
+    cli_paths = synthetic.main(["--out", str(out), "--n-train", "25", "--n-test", "7", "--seed", "5"])
+    for split, n in (("train", 25), ("test", 7)):
+        lines = (out / f"{split}.jsonl").read_text().splitlines()
+        assert len(lines) == n
+        assert all(set(json.loads(line)) == {"chosen", "rejected"} for line in lines)
+        assert cli_paths[split] == out / f"{split}.jsonl"
+
+
+# --- learnability: the response alone is not enough ---------------------------
+
+
+def _word_index(tokenizer):
+    return {w: i for i, w in enumerate(VOCABULARY)}, tokenizer
+
+
+def _bow(texts, tokenizer) -> torch.Tensor:
+    """Bag-of-words counts over VOCABULARY (special tokens dropped)."""
+    n_special = 4
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    x = torch.zeros(len(texts), len(VOCABULARY))
+    for row, seq in enumerate(ids):
+        for i in seq:
+            x[row, i - n_special] += 1
+    return x
+
+
+def _fit_pairwise(score_fn, params, train_feats, steps=300, lr=0.05):
+    """Fits a pairwise logistic model: -logsigmoid(s(chosen) - s(rejected))."""
+    opt = torch.optim.Adam(params, lr=lr)
+    for _ in range(steps):
+        loss = -torch.nn.functional.logsigmoid(score_fn(*train_feats[0]) - score_fn(*train_feats[1])).mean()
+        loss = loss + 1e-4 * sum((p**2).sum() for p in params)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _pair_accuracy(score_fn, feats) -> float:
+    with torch.no_grad():
+        return (score_fn(*feats[0]) > score_fn(*feats[1])).float().mean().item()
+
+
+def _features(pairs, tokenizer):
+    """(prompt BoW, answer BoW) for the chosen and the rejected side."""
+    out = []
+    for key in ("chosen", "rejected"):
+        prompts, answers = zip(*(_split_last_answer(p[key]) for p in pairs))
+        out.append((_bow(list(prompts), tokenizer), _bow(list(answers), tokenizer)))
+    return out
+
+
+def test_response_only_baseline_cannot_solve_task(tokenizer, train_pairs, test_pairs):
+    torch.manual_seed(0)
+    train_feats = _features(train_pairs, tokenizer)
+    test_feats = _features(test_pairs, tokenizer)
+    v = len(VOCABULARY)
+
+    # Response-only bag of words: a linear score of the final answer.
+    w = torch.zeros(v, requires_grad=True)
+
+    def response_only(prompt, answer):
+        return answer @ w
+
+    _fit_pairwise(response_only, [w], train_feats)
+    response_acc = _pair_accuracy(response_only, test_feats)
+
+    # Best possible response-only memoriser: score each distinct answer string
+    # by how often it was chosen versus rejected in train.
+    counts = defaultdict(lambda: [0, 0])
+    for p in train_pairs:
+        counts[_split_last_answer(p["chosen"])[1]][0] += 1
+        counts[_split_last_answer(p["rejected"])[1]][1] += 1
+
+    def memo(answer):
+        c, r = counts[answer]
+        return (c + 1) / (c + r + 2)
+
+    memo_acc = sum(
+        memo(_split_last_answer(p["chosen"])[1]) > memo(_split_last_answer(p["rejected"])[1])
+        for p in test_pairs
+    ) / len(test_pairs)
+
+    # Prompt x response bilinear bag of words: can relate answer words to
+    # prompt words (it cannot express everything, e.g. distractor facts).
+    bil = torch.zeros(v, v, requires_grad=True)
+    w2 = torch.zeros(v, requires_grad=True)
+
+    def prompt_aware(prompt, answer):
+        return ((prompt > 0).float() @ bil * answer).sum(-1) + answer @ w2
+
+    _fit_pairwise(prompt_aware, [bil, w2], train_feats)
+    aware_acc = _pair_accuracy(prompt_aware, test_feats)
+
+    # The unhelpful pairs give the response-only models some signal, but far
+    # from all of it.
+    assert 0.5 < response_acc < 0.8, response_acc
+    assert 0.5 < memo_acc < 0.85, memo_acc
+    # Reading the prompt helps a lot, even with this crude model.
+    assert aware_acc > max(response_acc, memo_acc) + 0.1, (aware_acc, response_acc, memo_acc)
+
+
+def test_preference_is_determined_by_prompt(train_pairs, test_pairs):
+    # A prompt-aware model can reach 100% only if no answer is preferred for one
+    # occurrence of a prompt and dispreferred for another.
+    chosen_for = defaultdict(set)
+    rejected_for = defaultdict(set)
+    for p in train_pairs + test_pairs:
+        prefix, c_answer = _split_last_answer(p["chosen"])
+        chosen_for[prefix].add(c_answer)
+        rejected_for[prefix].add(_split_last_answer(p["rejected"])[1])
+    for prefix in chosen_for:
+        assert not chosen_for[prefix] & rejected_for[prefix], prefix
+    # Whereas the answer alone is ambiguous: most answer strings occur as both.
+    chosen_answers = {a for s in chosen_for.values() for a in s}
+    rejected_answers = {a for s in rejected_for.values() for a in s}
+    both = chosen_answers & rejected_answers
+    assert len(both) > 0.5 * len(chosen_answers)
