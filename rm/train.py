@@ -86,7 +86,7 @@ def summary(cfg: RunConfig, plan: Plan, model, optimizer, total_steps: int, num_
     lines = [
         f"model            {cfg.model.name} ({cfg.model.pretrained or 'random init from shape'})",
         f"parameters       {total:,} total, {trainable:,} trainable ({100 * trainable / total:.3f}%)",
-        f"memory profile   {cfg.memory_profile.name}: {type(optimizer).__name__}"
+        f"memory profile   {cfg.memory_profile.name}: {type(getattr(optimizer, 'optimizer', optimizer)).__name__}"
         + (f", LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} on {','.join(cfg.lora.target_modules)}" if cfg.memory_profile.use_lora else ""),
         f"hardware         {cfg.hardware.name}: {plan.device}, {cfg.hardware.device_memory_gib} GiB/device, precision {plan.precision}",
         f"batch            {t.micro_batch_size} pairs/micro-batch x {plan.gradient_accumulation_steps} accumulation"

@@ -169,9 +169,9 @@ def test_chat_template(tokenizer):
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
     assert prompt == "\n\nHuman: What is my name?\n\nAssistant:"
     system = tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be nice."}] + messages[:1], tokenize=False
+        [{"role": "system", "content": "Good morning."}] + messages[:1], tokenize=False
     )
-    assert system == "\n\nSystem: Be nice.\n\nHuman: What is my name?"
+    assert system == "\n\nSystem: Good morning.\n\nHuman: What is my name?"
     assert tokenizer.unk_token_id not in tokenizer(system)["input_ids"]
 
 
@@ -197,60 +197,65 @@ def test_write_synthetic_and_cli(tmp_path):
 # --- learnability: the response alone is not enough ---------------------------
 
 
-def _word_index(tokenizer):
-    return {w: i for i, w in enumerate(VOCABULARY)}, tokenizer
-
-
-def _bow(texts, tokenizer) -> torch.Tensor:
-    """Bag-of-words counts over VOCABULARY (special tokens dropped)."""
-    n_special = 4
-    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
-    x = torch.zeros(len(texts), len(VOCABULARY))
-    for row, seq in enumerate(ids):
+def _word_counts(texts, tokenizer) -> list[dict[int, int]]:
+    """Bag-of-words counts of each text, keyed by token id (no special tokens)."""
+    out = []
+    for seq in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        counts: dict[int, int] = defaultdict(int)
         for i in seq:
-            x[row, i - n_special] += 1
+            counts[i] += 1
+        out.append(counts)
+    return out
+
+
+def _pair_features(pairs, tokenizer, with_prompt: bool) -> torch.Tensor:
+    """Pairwise features phi(chosen) - phi(rejected), one row per pair.
+
+    Response-only: phi is the bag of words of the final answer. With the prompt:
+    additionally, for each answer word, its count if the word also occurs in
+    the prompt (a "copies from the prompt" feature). The prompt is shared by
+    both sides, so its own bag of words would cancel in the difference.
+    """
+    v = len(tokenizer)
+    prompts, c_answers = zip(*(_split_last_answer(p["chosen"]) for p in pairs))
+    r_answers = [_split_last_answer(p["rejected"])[1] for p in pairs]
+    x = torch.zeros(len(pairs), 2 * v if with_prompt else v)
+    for row, (pb, cb, rb) in enumerate(
+        zip(
+            _word_counts(prompts, tokenizer),
+            _word_counts(c_answers, tokenizer),
+            _word_counts(r_answers, tokenizer),
+        )
+    ):
+        for j in set(cb) | set(rb):
+            d = cb.get(j, 0) - rb.get(j, 0)
+            x[row, j] = d
+            if with_prompt and j in pb:
+                x[row, v + j] = d
     return x
 
 
-def _fit_pairwise(score_fn, params, train_feats, steps=300, lr=0.05):
-    """Fits a pairwise logistic model: -logsigmoid(s(chosen) - s(rejected))."""
-    opt = torch.optim.Adam(params, lr=lr)
+def _fit_and_score(train_x: torch.Tensor, test_x: torch.Tensor, steps: int = 300) -> float:
+    """Pairwise logistic regression (-logsigmoid(w . diff)); returns test accuracy."""
+    w = torch.zeros(train_x.shape[1], requires_grad=True)
+    opt = torch.optim.Adam([w], lr=0.05)
     for _ in range(steps):
-        loss = -torch.nn.functional.logsigmoid(score_fn(*train_feats[0]) - score_fn(*train_feats[1])).mean()
-        loss = loss + 1e-4 * sum((p**2).sum() for p in params)
+        loss = -torch.nn.functional.logsigmoid(train_x @ w).mean() + 1e-4 * (w**2).sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
-
-
-def _pair_accuracy(score_fn, feats) -> float:
     with torch.no_grad():
-        return (score_fn(*feats[0]) > score_fn(*feats[1])).float().mean().item()
-
-
-def _features(pairs, tokenizer):
-    """(prompt BoW, answer BoW) for the chosen and the rejected side."""
-    out = []
-    for key in ("chosen", "rejected"):
-        prompts, answers = zip(*(_split_last_answer(p[key]) for p in pairs))
-        out.append((_bow(list(prompts), tokenizer), _bow(list(answers), tokenizer)))
-    return out
+        margin = test_x @ w
+    # Ties (e.g. an unseen word) count as half right, like a coin flip.
+    return ((margin > 0).float() + 0.5 * (margin == 0).float()).mean().item()
 
 
 def test_response_only_baseline_cannot_solve_task(tokenizer, train_pairs, test_pairs):
     torch.manual_seed(0)
-    train_feats = _features(train_pairs, tokenizer)
-    test_feats = _features(test_pairs, tokenizer)
-    v = len(VOCABULARY)
-
-    # Response-only bag of words: a linear score of the final answer.
-    w = torch.zeros(v, requires_grad=True)
-
-    def response_only(prompt, answer):
-        return answer @ w
-
-    _fit_pairwise(response_only, [w], train_feats)
-    response_acc = _pair_accuracy(response_only, test_feats)
+    response_acc = _fit_and_score(
+        _pair_features(train_pairs, tokenizer, with_prompt=False),
+        _pair_features(test_pairs, tokenizer, with_prompt=False),
+    )
 
     # Best possible response-only memoriser: score each distinct answer string
     # by how often it was chosen versus rejected in train.
@@ -263,21 +268,20 @@ def test_response_only_baseline_cannot_solve_task(tokenizer, train_pairs, test_p
         c, r = counts[answer]
         return (c + 1) / (c + r + 2)
 
-    memo_acc = sum(
-        memo(_split_last_answer(p["chosen"])[1]) > memo(_split_last_answer(p["rejected"])[1])
-        for p in test_pairs
-    ) / len(test_pairs)
+    memo_acc = 0.0
+    for p in test_pairs:
+        c = memo(_split_last_answer(p["chosen"])[1])
+        r = memo(_split_last_answer(p["rejected"])[1])
+        memo_acc += (c > r) + 0.5 * (c == r)
+    memo_acc /= len(test_pairs)
 
-    # Prompt x response bilinear bag of words: can relate answer words to
-    # prompt words (it cannot express everything, e.g. distractor facts).
-    bil = torch.zeros(v, v, requires_grad=True)
-    w2 = torch.zeros(v, requires_grad=True)
-
-    def prompt_aware(prompt, answer):
-        return ((prompt > 0).float() @ bil * answer).sum(-1) + answer @ w2
-
-    _fit_pairwise(prompt_aware, [bil, w2], train_feats)
-    aware_acc = _pair_accuracy(prompt_aware, test_feats)
+    # Same model plus "answer word occurs in the prompt" features: crude (it
+    # cannot compare numbers or check category membership), but it relates
+    # the answer to the prompt.
+    aware_acc = _fit_and_score(
+        _pair_features(train_pairs, tokenizer, with_prompt=True),
+        _pair_features(test_pairs, tokenizer, with_prompt=True),
+    )
 
     # The unhelpful pairs give the response-only models some signal, but far
     # from all of it.
@@ -298,8 +302,9 @@ def test_preference_is_determined_by_prompt(train_pairs, test_pairs):
         rejected_for[prefix].add(_split_last_answer(p["rejected"])[1])
     for prefix in chosen_for:
         assert not chosen_for[prefix] & rejected_for[prefix], prefix
-    # Whereas the answer alone is ambiguous: most answer strings occur as both.
-    chosen_answers = {a for s in chosen_for.values() for a in s}
+    # Whereas the answer alone is ambiguous: in most pairs the chosen answer
+    # string is the rejected answer of some other pair.
     rejected_answers = {a for s in rejected_for.values() for a in s}
-    both = chosen_answers & rejected_answers
-    assert len(both) > 0.5 * len(chosen_answers)
+    pairs = train_pairs + test_pairs
+    ambiguous = sum(_split_last_answer(p["chosen"])[1] in rejected_answers for p in pairs)
+    assert ambiguous > 0.5 * len(pairs)

@@ -143,3 +143,9 @@ def test_lora_profile_trains_adapters_and_head_only(tiny_cfg, tmp_path):
     assert lora_b and all(saved[k].abs().sum() > 0 for k in lora_b)  # peft initialises lora_B at zero
     adapter = load_file(tmp_path / "final" / "adapter_model.safetensors")
     assert any("score" in k for k in adapter), "the reward head must be saved with the adapter"
+
+
+def test_tensorboard_when_asked(tiny_cfg, tmp_path):
+    pytest.importorskip("tensorboard")
+    rm_train.train(tiny_cfg("train.max_steps=2", "train.eval_steps=0", "train.tensorboard=true"), tmp_path)
+    assert list(tmp_path.rglob("events.out.tfevents.*")), "no tensorboard event file written"

@@ -11,12 +11,13 @@ the final answer. Several task families are mixed:
 * **Fact recall** – the human states a fact ("My favourite colour is red.",
   possibly several turns earlier, sometimes next to a same-category fact about
   someone else) and later asks for it. The chosen answer uses the stated value,
-  the rejected one another value of the same closed set.
+  the rejected one another value of the same closed set (by default never the
+  relative's value; see ``_DISTRACTOR_AS_REJECTED_PROB``).
 * **Repeat** – the human asks the assistant to repeat a few words; the rejected
   answer swaps one word for another word of the same set.
 * **Compare** – "Which number is larger/smaller, seven or three?"; both answers
-  name one of the two numbers.
-* **Membership** – "Is a fox an animal?"; the answers are a bare yes or no.
+  name one of the two numbers, without repeating "larger"/"smaller".
+* **Membership** – "Is fox an animal?"; the answers are a bare yes or no.
 * **Unhelpful** – on a minority of pairs (any family) the rejected answer is
   replaced by a generic refusal such as "I don't know.".
 
@@ -27,7 +28,7 @@ carries no information about which side is preferred; only relating it to the
 prompt (copying, comparing, checking membership) does. The yes/no answers do
 not even repeat the question. Only the unhelpful pairs can be scored from the
 response alone, which puts a response-only model around 50% on most pairs and
-roughly 60-70% overall, while a model that reads prompt and response can be
+roughly 55-65% overall (a bag-of-words model on the answers measures ~0.57), while a model that reads prompt and response can be
 right on every pair.
 
 Filler turns (greetings, chit-chat) of varied length come before the task so

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# bash scripts/setup.sh [extras]      e.g. bash scripts/setup.sh dev
+# Installs torch first, then rm in editable mode with its dependencies.
+# torch comes first because a bare `torch` requirement resolved by pip on a
+# CPU-only Linux machine pulls the multi-GB CUDA build. Choose the build with
+# TORCH_SPEC / TORCH_INDEX_URL:
+#   CPU-only machine (default):  TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+#   CUDA machine:                TORCH_INDEX_URL= (empty: PyPI's default CUDA build)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="${1:-dev}"
+TORCH_SPEC="${TORCH_SPEC:-torch==2.13.0}"
+PIP="${PIP:-python -m pip}"
+
+if python -c "import torch" 2>/dev/null; then
+  echo "torch $(python -c 'import torch; print(torch.__version__)') already installed: keeping it"
+elif [ -n "${TORCH_INDEX_URL+x}" ] && [ -z "${TORCH_INDEX_URL}" ]; then
+  $PIP install "$TORCH_SPEC"
+elif $PIP install --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "$TORCH_SPEC" 2>/dev/null; then
+  :
+else
+  # Machines without the PyTorch index (e.g. a mirror-only network) may carry a local CPU wheel
+  # that pip finds for the exact pinned version.
+  $PIP install "$TORCH_SPEC"
+fi
+$PIP install -e ".[${extras}]"
+python -c "import torch, transformers, peft, accelerate, datasets, hydra; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| hydra', hydra.__version__)"
