@@ -111,6 +111,7 @@ class TrainConfig:
     micro_batch_size: int = 1  # pairs per device per forward; activations grow with it
     global_batch_size: int = 64  # pairs per optimizer step over all devices
     eval_batch_size: int = 8  # pairs per device per eval forward
+    group_by_length: bool = True  # sort each step's pairs by length into micro-batches: less padding, same gradient
     learning_rate: float = 1e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

@@ -144,16 +144,24 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
             log.info("resumed from %s at step %d", checkpoint, start_step)
 
     # ---- loop
+    lengths = None
+    if t.group_by_length:
+        lengths = [max(len(c), len(r)) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
     metrics = MetricsLog(run_dir, accelerator)
     device = accelerator.device
     eval_metrics: Dict[str, float] = {}
     window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
-    progress = tqdm(total=total_steps, initial=start_step, disable=not accelerator.is_main_process, desc="train")
+    # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
+    progress = tqdm(
+        total=total_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process,
+        mininterval=0.1 if sys.stderr.isatty() else 30,
+    )
     step = start_step
     with StopRequest() as stop:
         while step < total_steps and not stop.signum:
             micro_batches = micro_batches_for_step(
-                step, len(train_set), t.global_batch_size, t.micro_batch_size, world_size, accelerator.process_index, t.seed
+                step, len(train_set), t.global_batch_size, t.micro_batch_size, world_size, accelerator.process_index, t.seed,
+                lengths,
             )
             for i, indices in enumerate(micro_batches):
                 batch = collator(train_set.select(indices))
@@ -187,7 +195,7 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
                     "tokens_per_s": tokens / elapsed,
                 }
                 metrics.write("train", step, values)
-                progress.set_postfix(loss=f"{values['loss']:.4f}")
+                progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
                 window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
             if eval_set is not None and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
                 eval_metrics = evaluate(model, eval_set, collator, t.eval_batch_size, accelerator)

@@ -50,3 +50,20 @@ def tiny_cfg():
         return to_run_config(compose_run(FAST_TINY + list(overrides)))
 
     return make
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    deselected = sum("slow" in item.keywords for item in terminalreporter.stats.get("deselected", []))
+    if deselected and "not slow" in (config.getoption("markexpr") or ""):
+        terminalreporter.write_line(
+            f"{deselected} slow test(s) not run (minutes each); run them with: python -m pytest -m slow"
+        )

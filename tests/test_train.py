@@ -30,7 +30,11 @@ def learned_run(tmp_path_factory):
     from rm.config import to_run_config
 
     cfg = to_run_config(
-        compose_run(FAST_TINY + ["data.synthetic_train_size=2048", "train.max_steps=60", "train.eval_steps=30"])
+        compose_run(
+            FAST_TINY
+            + ["data.max_length=128", "data.synthetic_train_size=8192", "data.synthetic_test_size=256",
+               "train.global_batch_size=32", "train.max_steps=400", "train.eval_steps=200"]
+        )
     )
     run_dir = tmp_path_factory.mktemp("learned")
     result = rm_train.train(cfg, run_dir)
@@ -41,7 +45,9 @@ def test_eval_accuracy_rises_well_above_chance(learned_run):
     _, run_dir, result = learned_run
     assert result["status"] == "ok"
     evals = [m for m in read_metrics(run_dir) if m["event"] == "eval"]
-    assert [m["step"] for m in evals] == [30, 60]
+    assert [m["step"] for m in evals] == [200, 400]
+    # Refusal pairs alone (a fifth of the data) give about 0.6; more needs the answer read against the
+    # prompt. Measured: 0.80 at step 400 (the full demo goes on to 0.93).
     assert result["eval_accuracy"] >= 0.75, result
     train_events = [m for m in read_metrics(run_dir) if m["event"] == "train"]
     assert all({"step", "loss", "lr", "tokens_per_s"} <= m.keys() for m in train_events)
@@ -149,3 +155,15 @@ def test_tensorboard_when_asked(tiny_cfg, tmp_path):
     pytest.importorskip("tensorboard")
     rm_train.train(tiny_cfg("train.max_steps=2", "train.eval_steps=0", "train.tensorboard=true"), tmp_path)
     assert list(tmp_path.rglob("events.out.tfevents.*")), "no tensorboard event file written"
+
+
+@pytest.mark.slow
+def test_demo_reaches_90_percent(tmp_path):
+    """The README's demo, exactly as a user runs it (about 2 minutes on 2 cores)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "rm.train", "experiment=tiny", f"hydra.run.dir={tmp_path}"],
+        cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    final = [m for m in read_metrics(tmp_path) if m["event"] == "eval"][-1]
+    assert final["step"] == 800 and final["eval_accuracy"] >= 0.90, final

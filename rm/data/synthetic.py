@@ -6,30 +6,32 @@ trained on it gives a meaningful accuracy number.
 
 Every pair is two full transcripts (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``)
 that share everything up to the last ``"\\n\\nAssistant:"`` and differ only in
-the final answer. Several task families are mixed:
+the final answer. Two task families are mixed, both of which need the answer
+to be checked against the prompt (a copy, which a 2-layer transformer learns
+in a few hundred steps):
 
 * **Fact recall** – the human states a fact ("My favourite colour is red.",
   possibly several turns earlier, sometimes next to a same-category fact about
   someone else) and later asks for it. The chosen answer uses the stated value,
   the rejected one another value of the same closed set (by default never the
   relative's value; see ``_DISTRACTOR_AS_REJECTED_PROB``).
-* **Repeat** – the human asks the assistant to repeat a few words; the rejected
-  answer swaps one word for another word of the same set.
-* **Compare** – "Which number is larger/smaller, seven or three?"; both answers
-  name one of the two numbers, without repeating "larger"/"smaller".
-* **Membership** – "Is fox an animal?"; the answers are a bare yes or no.
+* **Repeat** – the human asks the assistant to repeat one or two words; the
+  rejected answer swaps one word for another word of the same set.
 * **Unhelpful** – on a minority of pairs (any family) the rejected answer is
   replaced by a generic refusal such as "I don't know.".
 
-Why a response-only model cannot reach 100%: in the first four families the
-value in the answer is drawn uniformly from a closed set, and every value is as
-likely to be the chosen one as the rejected one, so the final answer alone
-carries no information about which side is preferred; only relating it to the
-prompt (copying, comparing, checking membership) does. The yes/no answers do
-not even repeat the question. Only the unhelpful pairs can be scored from the
-response alone, which puts a response-only model around 50% on most pairs and
-roughly 55-65% overall (a bag-of-words model on the answers measures ~0.57), while a model that reads prompt and response can be
-right on every pair.
+Tasks that need world knowledge (which number is larger, is a fox an animal)
+were tried and left out: a tiny model does not learn them within the demo's
+few minutes on a CPU.
+
+Why a response-only model cannot reach 100%: in both families the value in the
+answer is drawn uniformly from a closed set, and every value is as likely to
+be the chosen one as the rejected one, so the final answer alone carries no
+information about which side is preferred; only relating it to the prompt
+does. Only the unhelpful pairs can be scored from the response alone, which
+puts a response-only model near 50% on most pairs and around 60% overall
+(``tests/test_synthetic.py`` measures a bag-of-words model on the answers),
+while a model that reads prompt and response can be right on every pair.
 
 Filler turns (greetings, chit-chat) of varied length come before the task so
 that sequence lengths have a long-tailed spread: most transcripts are short, a
@@ -85,10 +87,6 @@ FRUITS = ("apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum
 CITIES = ("Paris", "London", "Tokyo", "Berlin", "Rome", "Madrid", "Cairo", "Lima")
 NAMES = ("Anna", "Ben", "Carla", "David", "Elena", "Frank", "Grace", "Hugo")
 SPORTS = ("tennis", "football", "golf", "hockey", "chess", "boxing", "rugby", "cricket")
-NUMBERS = (
-    "one", "two", "three", "four", "five", "six",
-    "seven", "eight", "nine", "ten", "eleven", "twelve",
-)
 RELATIVES = ("sister", "brother", "friend", "mother", "father", "cousin")
 
 # Fact-recall templates: (statement about me, statement about a relative,
@@ -156,30 +154,6 @@ _REPEAT_QUESTIONS = (
 )
 _REPEAT_ANSWERS = ("{w}.", "Sure : {w}.")
 
-_COMPARE_QUESTIONS = (
-    "Which number is {d}, {a} or {b}?",
-    "Tell me which is {d} : {a} or {b}?",
-)
-# The answer does not repeat "larger"/"smaller": otherwise a response-only
-# model could rank "twelve is larger" above "three is larger" on its own.
-_COMPARE_ANSWERS = ("{x}.", "It is {x}.", "The answer is {x}.")
-_DIRECTIONS = ("larger", "smaller")
-
-# Category name -> members; membership questions pick a member of the named
-# category (answer yes) or of another category (answer no).
-_CATEGORIES = (
-    ("a colour", COLOURS),
-    ("an animal", ANIMALS),
-    ("a fruit", FRUITS),
-    ("a city", CITIES),
-    ("a sport", SPORTS),
-)
-_MEMBER_QUESTIONS = ("Is {x} {c}?", "Tell me, is {x} {c}?", "Would you say {x} is {c}?")
-# Bare yes/no answers: repeating the item or category would let a
-# response-only model recognise true statements without reading the prompt.
-_YES_ANSWERS = ("Yes, it is.", "Yes.", "Yes, that is right.")
-_NO_ANSWERS = ("No, it is not.", "No.", "No, that is not right.")
-
 _UNHELPFUL = (
     "I don't know.",
     "Sorry, I cannot help with that.",
@@ -218,7 +192,7 @@ _FILLER_TURN_WEIGHTS = (50, 25, 13, 8, 4)  # for 0, 1, 2, ... turns
 _FILLER_SENTENCE_WEIGHTS = (70, 20, 8, 2)  # for 1, 2, 3, 4 sentences
 
 # Mix of task families (relative weights).
-_TASK_WEIGHTS = {"fact": 40, "repeat": 15, "compare": 20, "member": 25}
+_TASK_WEIGHTS = {"fact": 60, "repeat": 40}
 # Probability that the rejected answer is replaced by a generic refusal. This
 # is the only signal a response-only model can use.
 _UNHELPFUL_PROB = 0.2
@@ -239,16 +213,14 @@ def _literal_texts() -> list[str]:
         templates += [me, rel, *questions, *answers]
     templates += list(_FACT_LEADS) + list(_ACKS)
     templates += list(_REPEAT_QUESTIONS) + list(_REPEAT_ANSWERS)
-    templates += list(_COMPARE_QUESTIONS) + list(_COMPARE_ANSWERS)
-    templates += list(_MEMBER_QUESTIONS) + list(_YES_ANSWERS) + list(_NO_ANSWERS)
     templates += list(_UNHELPFUL) + list(_FILLER_HUMAN) + list(_FILLER_ASSISTANT)
     texts = [
         literal
         for template in templates
         for literal, _field, _spec, _conv in string.Formatter().parse(template)
     ]
-    values = COLOURS + ANIMALS + FRUITS + CITIES + NAMES + SPORTS + NUMBERS + RELATIVES
-    texts += list(values) + list(_DIRECTIONS) + [c for c, _ in _CATEGORIES]
+    values = COLOURS + ANIMALS + FRUITS + CITIES + NAMES + SPORTS + RELATIVES
+    texts += list(values)
     texts += list(_ROLE_WORDS)
     return texts
 
@@ -313,7 +285,7 @@ def _task_fact(rng: random.Random) -> tuple[list[tuple[str, str]], str, str]:
 
 
 def _task_repeat(rng: random.Random) -> tuple[list[tuple[str, str]], str, str]:
-    k = rng.randint(2, 4)
+    k = rng.randint(1, 2)
     words = rng.sample(_REPEAT_WORDS, k)
     altered = list(words)
     altered[rng.randrange(k)] = _other(rng, _REPEAT_WORDS, *words)
@@ -326,41 +298,9 @@ def _task_repeat(rng: random.Random) -> tuple[list[tuple[str, str]], str, str]:
     )
 
 
-def _task_compare(rng: random.Random) -> tuple[list[tuple[str, str]], str, str]:
-    i, j = rng.sample(range(len(NUMBERS)), 2)
-    direction = rng.choice(_DIRECTIONS)
-    right, wrong = (max(i, j), min(i, j)) if direction == "larger" else (min(i, j), max(i, j))
-    question = rng.choice(_COMPARE_QUESTIONS).format(d=direction, a=NUMBERS[i], b=NUMBERS[j])
-    answer = rng.choice(_COMPARE_ANSWERS)
-    return (
-        [("Human", question)],
-        answer.format(x=NUMBERS[right]),
-        answer.format(x=NUMBERS[wrong]),
-    )
-
-
-def _task_member(rng: random.Random) -> tuple[list[tuple[str, str]], str, str]:
-    c_idx = rng.randrange(len(_CATEGORIES))
-    category, members = _CATEGORIES[c_idx]
-    is_member = rng.random() < 0.5
-    if is_member:
-        item = rng.choice(members)
-    else:
-        other = rng.choice([m for k, (_, m) in enumerate(_CATEGORIES) if k != c_idx])
-        item = rng.choice(other)
-    question = rng.choice(_MEMBER_QUESTIONS).format(x=item, c=category)
-    # Same answer style on both sides, so only the yes/no differs.
-    style = rng.randrange(len(_YES_ANSWERS))
-    yes, no = _YES_ANSWERS[style], _NO_ANSWERS[style]
-    chosen, rejected = (yes, no) if is_member else (no, yes)
-    return [("Human", question)], chosen, rejected
-
-
 _TASKS = {
     "fact": _task_fact,
     "repeat": _task_repeat,
-    "compare": _task_compare,
-    "member": _task_member,
 }
 
 

@@ -1,0 +1,271 @@
+"""One training-step interface over accelerate (one process, DDP) and DeepSpeed's own engine (ZeRO 1-3, offload).
+
+``rm.train`` talks to an engine only through the names below, which are the
+subset of ``accelerate.Accelerator`` it needs (``device``, ``process_index``,
+``num_processes``, ``is_main_process``, ``autocast``, ``reduce``,
+``wait_for_everyone``) plus ``backward``, ``step``, ``save_state``,
+``load_state`` and ``save_model``. So the same loop runs on one CPU, on 8 GPUs
+with DDP, and under ZeRO-3 with offload.
+
+Why DeepSpeed's engine directly rather than through accelerate: accelerate
+1.15 does not start DeepSpeed with several processes on a machine without
+CUDA (it reports one process on every rank), while ``deepspeed.initialize``
+does, with gloo. Going straight to DeepSpeed keeps one code path for CPU tests
+and GPU runs. The DeepSpeed config is generated from the Hydra config by
+:func:`deepspeed_config`; there is no hand-kept JSON.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+
+
+def deepspeed_config(
+    *,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    world_size: int,
+    precision: str,
+    max_grad_norm: float,
+    zero_stage: int,
+    offload_optimizer: bool,
+    offload_params: bool,
+    optimizer_params: Optional[Dict] = None,
+) -> Dict:
+    """The DeepSpeed JSON for a run, derived from rm's settings.
+
+    Args:
+        micro_batch_size: pairs per process per forward.
+        gradient_accumulation_steps: micro-batches per optimizer step.
+        world_size: number of processes.
+        precision: ``bf16`` | ``fp16`` | ``fp32``.
+        max_grad_norm: clipping threshold; 0 disables.
+        zero_stage: 0-3.
+        offload_optimizer: keep optimizer states on the CPU and step there (ZeRO-Offload).
+        offload_params: keep ZeRO-3 parameter partitions on the CPU too.
+        optimizer_params: with ``offload_optimizer``, the AdamW hyper-parameters
+            (``lr``, ``betas``, ``eps``, ``weight_decay``); DeepSpeed then builds its
+            CPU Adam. Otherwise the client's torch optimizer is used.
+
+    Returns:
+        A dict for ``deepspeed.initialize(config=...)``.
+
+    Example:
+        >>> cfg = deepspeed_config(micro_batch_size=2, gradient_accumulation_steps=4, world_size=8,
+        ...     precision="bf16", max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False)
+        >>> cfg["train_batch_size"], cfg["bf16"], cfg["zero_optimization"]["stage"]
+        (64, {'enabled': True}, 2)
+    """
+    zero: Dict = {"stage": zero_stage}
+    if zero_stage >= 2:
+        zero.update(contiguous_gradients=True, overlap_comm=True)
+    if zero_stage == 3:
+        # Without this, saving a ZeRO-3 model writes empty placeholder tensors.
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config: Dict = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
+        "gradient_clipping": max_grad_norm,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16"},
+        "zero_optimization": zero,
+        # A torch AdamW is a well-tested client optimizer; DeepSpeed only asks for this flag.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # rm logs progress itself
+        "wall_clock_breakdown": False,
+    }
+    if offload_optimizer:
+        params = dict(optimizer_params or {})
+        config["optimizer"] = {"type": "AdamW", "params": {**params, "betas": list(params.get("betas", (0.9, 0.999)))}}
+    return config
+
+
+def _rng_state() -> Dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class AccelerateEngine:
+    """One process, or DDP over torchrun's processes (NCCL on GPUs, gloo on CPUs), through accelerate."""
+
+    def __init__(self, cpu: bool, precision: str, gradient_accumulation_steps: int, max_grad_norm: float):
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=MIXED_PRECISION[precision])
+        self.accumulation = gradient_accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.device = self.accelerator.device
+        self.process_index = self.accelerator.process_index
+        self.num_processes = self.accelerator.num_processes
+        self.is_main_process = self.accelerator.is_main_process
+        self._micro = 0
+
+    def prepare(self, model, optimizer_factory: Callable, scheduler_factory: Callable):
+        optimizer = optimizer_factory(model)
+        scheduler = scheduler_factory(optimizer)
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        return self.model
+
+    def autocast(self):
+        return self.accelerator.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate the gradient of one micro-batch's mean loss."""
+        self._micro += 1
+        # Gradients are all-reduced once per optimizer step, not once per micro-batch.
+        sync = self._micro == self.accumulation
+        with nullcontext() if sync else self.accelerator.no_sync(self.model):
+            self.accelerator.backward(loss / self.accumulation)
+
+    def step(self) -> Optional[float]:
+        """Clip, step optimizer and schedule, clear gradients; return the gradient norm before clipping."""
+        self._micro = 0
+        norm = None
+        if self.max_grad_norm > 0:
+            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def optimizer_name(self) -> str:
+        return type(self.optimizer.optimizer).__name__
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction=reduction)
+
+    def wait_for_everyone(self) -> None:
+        self.accelerator.wait_for_everyone()
+
+    def save_state(self, directory: Path) -> None:
+        self.accelerator.save_state(str(directory))
+
+    def load_state(self, directory: Path) -> None:
+        self.accelerator.load_state(str(directory))
+
+    def unwrapped_model(self):
+        return self.accelerator.unwrap_model(self.model)
+
+    def save_model(self, directory: Path) -> None:
+        """Write a transformers (or PEFT adapter) directory from rank 0."""
+        self.accelerator.wait_for_everyone()
+        self.unwrapped_model().save_pretrained(
+            directory, is_main_process=self.is_main_process, save_function=self.accelerator.save, safe_serialization=True
+        )
+
+    def end(self) -> None:
+        self.accelerator.end_training()
+
+
+class DeepSpeedEngine:
+    """DeepSpeed's engine (ZeRO stage 1-3, optional CPU offload), launched by torchrun, on GPUs or CPUs."""
+
+    def __init__(self, cpu: bool, config: Dict):
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
+        self.config = config
+        self.process_index = dist.get_rank()
+        self.num_processes = dist.get_world_size()
+        self.is_main_process = self.process_index == 0
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if cpu:
+            self.device = torch.device("cpu")
+        else:
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+
+    def prepare(self, model, optimizer_factory: Callable, scheduler_factory: Callable):
+        import deepspeed
+
+        # With offload DeepSpeed builds its CPU Adam from the config; otherwise it wraps our torch AdamW.
+        offload = "optimizer" in self.config
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=[p for p in model.parameters() if p.requires_grad] if offload else None,
+            optimizer=None if offload else optimizer_factory(model),
+            lr_scheduler=scheduler_factory,
+            config=self.config,
+        )
+        return self.engine
+
+    def autocast(self):
+        # DeepSpeed casts the module to bf16/fp16 itself; autocast on top would only add casts.
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # only advances DeepSpeed's micro-step counter
+
+    def step(self) -> Optional[float]:
+        self.engine.step()  # at the boundary: clip, optimizer step, scheduler step, zero grads
+        norm = self.engine.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def optimizer_name(self) -> str:
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return f"{type(inner).__name__} under DeepSpeed ZeRO-{self.config['zero_optimization']['stage']}"
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor if reduction == "sum" else tensor / self.num_processes
+
+    def wait_for_everyone(self) -> None:
+        dist.barrier()
+
+    def save_state(self, directory: Path) -> None:
+        self.engine.save_checkpoint(str(directory), tag="state")
+        torch.save(_rng_state(), Path(directory) / f"rng_state_{self.process_index}.pth")
+
+    def load_state(self, directory: Path) -> None:
+        self.engine.load_checkpoint(str(directory), tag="state")
+        _set_rng_state(torch.load(Path(directory) / f"rng_state_{self.process_index}.pth", weights_only=False))
+
+    def unwrapped_model(self):
+        return self.engine.module
+
+    def save_model(self, directory: Path) -> None:
+        """Write a transformers directory; under ZeRO-3 the shards are gathered into one state dict first."""
+        state_dict = None
+        if self.config["zero_optimization"]["stage"] == 3:
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()  # every rank takes part
+        if self.is_main_process:
+            kwargs = {"state_dict": state_dict} if state_dict is not None else {}
+            self.engine.module.save_pretrained(directory, safe_serialization=True, **kwargs)
+        dist.barrier()
+
+    def end(self) -> None:
+        dist.barrier()
