@@ -40,21 +40,21 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(accelerator, run_dir: Path, step: int, keep: int) -> Path:
+def save_checkpoint(engine, run_dir: Path, step: int, keep: int) -> Path:
     """Save model, optimizer, scheduler and RNG states for ``step``; keep the newest ``keep``.
 
-    Every process takes part (accelerate gathers what it must); the main process
-    alone renames and prunes.
+    Every process takes part (each writes its own shards under ZeRO); the main
+    process alone renames and prunes.
     """
     root = checkpoint_root(run_dir)
     final = root / f"checkpoint-{step}"
     tmp = root / f".tmp-checkpoint-{step}"
-    if accelerator.is_main_process:
+    if engine.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    engine.wait_for_everyone()
+    engine.save_state(tmp)
+    engine.wait_for_everyone()
+    if engine.is_main_process:
         with open(tmp / STATE_FILE, "w") as f:
             json.dump({"step": step}, f)
             f.flush()
@@ -63,12 +63,12 @@ def save_checkpoint(accelerator, run_dir: Path, step: int, keep: int) -> Path:
         os.replace(tmp, final)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    engine.wait_for_everyone()
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> int:
+def load_checkpoint(engine, path: Path) -> int:
     """Restore the states saved by :func:`save_checkpoint`; return the step to continue from."""
-    accelerator.load_state(str(path))
+    engine.load_state(path)
     with open(Path(path) / STATE_FILE) as f:
         return int(json.load(f)["step"])

@@ -54,15 +54,18 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: List[str] = field(default_factory=lambda: list(ALL_LINEAR))
+    merge_on_save: bool = False  # also write final/merged: adapters folded into the base, loads with plain transformers
 
 
 @dataclass
 class MemoryProfileConfig:
-    """How memory is traded for speed: which weights train and which optimizer steps them."""
+    """How memory is traded for speed: which weights train, which optimizer steps them, where its states live."""
 
     name: str = MISSING
     use_lora: bool = False  # true: only LoRA adapters and the reward head train
-    optimizer: str = "adamw"  # adamw (torch AdamW)
+    optimizer: str = "adamw"  # adamw (torch, fused) | adamw_8bit (bitsandbytes; paged on CUDA)
+    offload_optimizer: bool = False  # true: AdamW states and step on the CPU (DeepSpeed ZeRO-Offload)
+    quantize_base: str = "none"  # none | nf4 (frozen base in 4-bit NF4 through bitsandbytes: QLoRA)
 
 
 @dataclass
@@ -75,6 +78,16 @@ class HardwareConfig:
     bf16: bool = False  # device computes in bfloat16 natively
     gpus_per_node: int = 1
     host_ram_gib: float = MISSING  # RAM of one node
+
+
+@dataclass
+class DistributedConfig:
+    """How processes share the work. Launch several with ``train_rm_distributed.sh`` (torchrun)."""
+
+    name: str = MISSING
+    strategy: str = "auto"  # auto (deepspeed ZeRO-2 when the profile offloads, else ddp) | ddp | deepspeed
+    zero_stage: int = 2  # deepspeed: 1 shards optimizer states, 2 also gradients, 3 also weights
+    offload_params: bool = False  # deepspeed ZeRO-3: weight shards live on the CPU between uses
 
 
 @dataclass
@@ -138,6 +151,7 @@ class RunConfig:
     lora: LoraConfig = MISSING
     memory_profile: MemoryProfileConfig = MISSING
     hardware: HardwareConfig = MISSING
+    distributed: DistributedConfig = MISSING
     data: DataConfig = MISSING
     train: TrainConfig = MISSING
 
@@ -147,6 +161,7 @@ GROUPS = {
     "lora": LoraConfig,
     "memory_profile": MemoryProfileConfig,
     "hardware": HardwareConfig,
+    "distributed": DistributedConfig,
     "data": DataConfig,
     "train": TrainConfig,
 }

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import socket
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -93,6 +94,12 @@ def deepspeed_config(
         params = dict(optimizer_params or {})
         config["optimizer"] = {"type": "AdamW", "params": {**params, "betas": list(params.get("betas", (0.9, 0.999)))}}
     return config
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _rng_state() -> Dict:
@@ -191,6 +198,10 @@ class DeepSpeedEngine:
     def __init__(self, cpu: bool, config: Dict):
         import deepspeed
 
+        if "RANK" not in os.environ:
+            # Started without torchrun (one process): give DeepSpeed the rendezvous torchrun would,
+            # otherwise it falls back to MPI discovery.
+            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
         self.config = config
         self.process_index = dist.get_rank()

@@ -58,7 +58,9 @@ def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):
     )
 
 
-def build_model(model_cfg: ModelConfig, pad_token_id: int, precision: str, gradient_checkpointing: bool) -> PreTrainedModel:
+def build_model(
+    model_cfg: ModelConfig, pad_token_id: int, precision: str, gradient_checkpointing: bool, quantize_base: str = "none"
+) -> PreTrainedModel:
     """A one-output ``AutoModelForSequenceClassification`` in the compute dtype.
 
     Args:
@@ -67,18 +69,27 @@ def build_model(model_cfg: ModelConfig, pad_token_id: int, precision: str, gradi
             transformers finds the reward token the same way after saving.
         precision: ``bf16`` | ``fp16`` | ``fp32``; weights are loaded in it.
         gradient_checkpointing: recompute activations during backward.
+        quantize_base: ``nf4`` loads the weights in 4-bit NF4 through bitsandbytes (QLoRA).
 
     Returns:
         The model, in training mode.
     """
     dtype = DTYPES[precision]
     if model_cfg.pretrained:
+        quantization = None
+        if quantize_base == "nf4":
+            from transformers import BitsAndBytesConfig
+
+            quantization = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+            )
         model = AutoModelForSequenceClassification.from_pretrained(
             model_cfg.pretrained,
             num_labels=1,
             dtype=dtype,
             attn_implementation=model_cfg.attn_implementation,
             trust_remote_code=model_cfg.trust_remote_code,
+            quantization_config=quantization,
         )
         model.config.pad_token_id = pad_token_id
     else:
@@ -105,8 +116,15 @@ def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, l
         model.requires_grad_(True)
         return model
     from peft import LoraConfig as PeftLoraConfig
-    from peft import TaskType, get_peft_model
+    from peft import TaskType, get_peft_model, prepare_model_for_kbit_training
 
+    if profile.quantize_base != "none":
+        # Casts norms and the head to fp32 for stable 4-bit training; keeps our checkpointing choice.
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=model.is_gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     peft_cfg = PeftLoraConfig(
         task_type=TaskType.SEQ_CLS,  # also trains and saves the reward head ("score")
         r=lora_cfg.r,
@@ -129,14 +147,22 @@ def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: fl
     """The profile's optimizer over the trainable parameters.
 
     Biases and norm weights get no weight decay, as in every transformers recipe.
-    ``fused=True`` steps all tensors in one kernel and, unlike ``foreach``, needs
-    no parameter-sized scratch buffer at the step (the peak of a full fine-tune).
+    torch AdamW runs ``fused=True``: one kernel for all tensors and, unlike
+    ``foreach``, no parameter-sized scratch buffer at the step (the peak of a
+    full fine-tune). The 8-bit profile uses bitsandbytes' AdamW8bit (block-wise
+    quantised states), paged on CUDA so that state pages can spill to host RAM
+    under pressure instead of failing.
     """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if profile.optimizer == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        cls = bnb.optim.PagedAdamW8bit if torch.cuda.is_available() else bnb.optim.AdamW8bit
+        return cls(groups, lr=lr, betas=betas, eps=eps)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 

@@ -1,15 +1,15 @@
 """Train a pairwise (Bradley-Terry) reward model: ``python -m rm.train [hydra overrides]``.
 
-Reads top to bottom: setup (validate, accelerator), build (tokenizer, data,
+Reads top to bottom: setup (validate, engine), build (tokenizer, data,
 model, optimizer), loop (accumulate, clip, step, log, evaluate, checkpoint),
 save (a directory that plain transformers loads).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
-from contextlib import nullcontext
 import os
 import signal
 import sys
@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Dict
 
+import datasets
 import hydra
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
@@ -31,6 +31,7 @@ from rm.config import RunConfig, to_run_config
 from rm.data.batching import micro_batches_for_step, steps_per_epoch
 from rm.data.build import build_datasets
 from rm.data.collator import PairCollator
+from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config
 from rm.hardware import resolve_hardware
 from rm.loss import bradley_terry_loss
 from rm.metrics import MetricsLog, evaluate
@@ -38,9 +39,6 @@ from rm.model import apply_memory_profile, build_model, build_optimizer, build_t
 from rm.validate import ConfigError, Plan, validate
 
 log = logging.getLogger("rm.train")
-
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
-
 
 class StopRequest:
     """Turns SIGTERM (SLURM pre-emption, ``kill``) and SIGINT (Ctrl-C) into a checkpoint and a clean exit.
@@ -80,15 +78,20 @@ def total_training_steps(cfg: RunConfig, num_pairs: int) -> int:
     return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
 
 
-def summary(cfg: RunConfig, plan: Plan, model, optimizer, total_steps: int, num_pairs: int) -> str:
-    trainable, total = count_parameters(model)
+def summary(cfg: RunConfig, plan: Plan, engine, total_steps: int, num_pairs: int) -> str:
+    trainable, total = count_parameters(engine.unwrapped_model())
     t = cfg.train
+    states = "CPU (ZeRO-Offload)" if cfg.memory_profile.offload_optimizer else plan.device
+    sharding = f"DeepSpeed ZeRO-{plan.zero_stage}" if plan.strategy == "deepspeed" else ("DDP" if plan.world_size > 1 else "one process")
     lines = [
         f"model            {cfg.model.name} ({cfg.model.pretrained or 'random init from shape'})",
         f"parameters       {total:,} total, {trainable:,} trainable ({100 * trainable / total:.3f}%)",
-        f"memory profile   {cfg.memory_profile.name}: {type(getattr(optimizer, 'optimizer', optimizer)).__name__}"
+        f"memory profile   {cfg.memory_profile.name}: {engine.optimizer_name()}, optimizer states on {states}"
         + (f", LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} on {','.join(cfg.lora.target_modules)}" if cfg.memory_profile.use_lora else ""),
-        f"hardware         {cfg.hardware.name}: {plan.device}, {cfg.hardware.device_memory_gib} GiB/device, precision {plan.precision}",
+        f"precision        weights {plan.precision}{' (base 4-bit NF4)' if cfg.memory_profile.quantize_base != 'none' else ''},"
+        f" compute {plan.precision}, gradients and optimizer states follow the trained weights",
+        f"hardware         {cfg.hardware.name}: {plan.device}, {cfg.hardware.device_memory_gib} GiB/device",
+        f"distributed      {sharding}, {plan.world_size} process(es)",
         f"batch            {t.micro_batch_size} pairs/micro-batch x {plan.gradient_accumulation_steps} accumulation"
         f" x {plan.world_size} processes = {t.global_batch_size} pairs/step",
         f"tokens per step  at most {plan.max_tokens_per_step:,} ({t.global_batch_size} pairs x 2 x max_length {cfg.data.max_length})",
@@ -99,40 +102,62 @@ def summary(cfg: RunConfig, plan: Plan, model, optimizer, total_steps: int, num_
     return "run summary\n  " + "\n  ".join(lines)
 
 
+def build_engine(cfg: RunConfig, plan: Plan):
+    """The engine the plan asks for: DeepSpeed's for ZeRO, accelerate's for one process or DDP."""
+    t = cfg.train
+    if plan.strategy == "deepspeed":
+        config = deepspeed_config(
+            micro_batch_size=t.micro_batch_size,
+            gradient_accumulation_steps=plan.gradient_accumulation_steps,
+            world_size=plan.world_size,
+            precision=plan.precision,
+            max_grad_norm=t.max_grad_norm,
+            zero_stage=plan.zero_stage,
+            offload_optimizer=cfg.memory_profile.offload_optimizer,
+            offload_params=cfg.distributed.offload_params,
+            optimizer_params={
+                "lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon, "weight_decay": t.weight_decay,
+            },
+        )
+        return DeepSpeedEngine(cpu=plan.device == "cpu", config=config)
+    return AccelerateEngine(
+        cpu=plan.device == "cpu", precision=plan.precision,
+        gradient_accumulation_steps=plan.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm,
+    )
+
+
 def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
     """Run one training job into ``run_dir``; return the final eval metrics and the status."""
     # ---- setup: validate everything before anything heavy
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.hardware = resolve_hardware(cfg.hardware)
     plan = validate(cfg, world_size)
     t = cfg.train
-    accelerator = Accelerator(
-        cpu=plan.device == "cpu",
-        mixed_precision=MIXED_PRECISION[plan.precision],
-        log_with="tensorboard" if t.tensorboard else None,
-        project_dir=str(run_dir),
-    )
+    engine = build_engine(cfg, plan)
+    if engine.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if plan.strategy == "deepspeed":  # a record of what DeepSpeed was given, generated, never edited
+            (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
     set_seed(t.seed)
-    if t.tensorboard:
-        accelerator.init_trackers("tensorboard")
 
     # ---- build
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
     collator = PairCollator(tokenizer.pad_token_id)
-    model = build_model(cfg.model, tokenizer.pad_token_id, plan.precision, t.gradient_checkpointing)
+    model = build_model(
+        cfg.model, tokenizer.pad_token_id, plan.precision, t.gradient_checkpointing, cfg.memory_profile.quantize_base
+    )
     model = apply_memory_profile(model, cfg.memory_profile, cfg.lora)
-    optimizer = build_optimizer(
-        model, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon
-    )
     total_steps = total_training_steps(cfg, len(train_set))
-    scheduler = get_scheduler(
-        t.lr_scheduler_type, optimizer, num_warmup_steps=math.ceil(t.warmup_ratio * total_steps), num_training_steps=total_steps
+    model = engine.prepare(
+        model,
+        lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon),
+        lambda opt: get_scheduler(
+            t.lr_scheduler_type, opt, num_warmup_steps=math.ceil(t.warmup_ratio * total_steps), num_training_steps=total_steps
+        ),
     )
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
-    log.info(summary(cfg, plan, model, optimizer, total_steps, len(train_set)))
+    log.info(summary(cfg, plan, engine, total_steps, len(train_set)))
 
     start_step = 0
     if t.resume:
@@ -140,57 +165,52 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
         if checkpoint is None:
             log.warning("train.resume=true but %s holds no complete checkpoint: starting from step 0", run_dir)
         else:
-            start_step = load_checkpoint(accelerator, checkpoint)
+            start_step = load_checkpoint(engine, checkpoint)
             log.info("resumed from %s at step %d", checkpoint, start_step)
 
     # ---- loop
     lengths = None
     if t.group_by_length:
         lengths = [max(len(c), len(r)) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
-    metrics = MetricsLog(run_dir, accelerator)
-    device = accelerator.device
+    metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
+    device = engine.device
     eval_metrics: Dict[str, float] = {}
     window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
     # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
     progress = tqdm(
-        total=total_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process,
+        total=total_steps, initial=start_step, desc="train", disable=not engine.is_main_process,
         mininterval=0.1 if sys.stderr.isatty() else 30,
     )
     step = start_step
     with StopRequest() as stop:
         while step < total_steps and not stop.signum:
             micro_batches = micro_batches_for_step(
-                step, len(train_set), t.global_batch_size, t.micro_batch_size, world_size, accelerator.process_index, t.seed,
+                step, len(train_set), t.global_batch_size, t.micro_batch_size, plan.world_size, engine.process_index, t.seed,
                 lengths,
             )
-            for i, indices in enumerate(micro_batches):
+            for indices in micro_batches:
                 batch = collator(train_set.select(indices))
-                last = i == len(micro_batches) - 1
-                # Gradients are all-reduced once per optimizer step, not per micro-batch.
-                with accelerator.no_sync(model) if not last else nullcontext():
-                    with accelerator.autocast():
-                        chosen, rejected = pair_rewards(
-                            model, batch["input_ids"].to(device), batch["attention_mask"].to(device)
-                        )
-                        loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
-                    accelerator.backward(loss / len(micro_batches))
+                with engine.autocast():
+                    chosen, rejected = pair_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                    loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
+                engine.backward(loss)
                 window_loss += loss.item() / len(micro_batches)
                 window_tokens += int(batch["attention_mask"].sum())
-            grad_norm = accelerator.clip_grad_norm_(model.parameters(), t.max_grad_norm) if t.max_grad_norm > 0 else None
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = engine.step()
             step += 1
             window_steps += 1
             progress.update(1)
 
+            # A signal must stop every rank at the same step, or the next collective would hang.
+            if engine.reduce(torch.tensor(float(stop.signum > 0), device=device)).item() and not stop.signum:
+                stop.signum = signal.SIGTERM
             if t.logging_steps and (step % t.logging_steps == 0 or step == total_steps):
                 elapsed = time.perf_counter() - window_start
-                tokens = int(accelerator.reduce(torch.tensor(window_tokens, device=device), reduction="sum"))
+                tokens = int(engine.reduce(torch.tensor(window_tokens, device=device), reduction="sum"))
                 values = {
-                    "loss": window_loss / window_steps,
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                    "loss": float(engine.reduce(torch.tensor(window_loss / window_steps, device=device), reduction="mean")),
+                    "lr": engine.lr(),
+                    "grad_norm": grad_norm,
                     "epoch": step * t.global_batch_size / len(train_set),
                     "tokens_per_s": tokens / elapsed,
                 }
@@ -198,38 +218,49 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
                 progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
                 window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
             if eval_set is not None and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
-                eval_metrics = evaluate(model, eval_set, collator, t.eval_batch_size, accelerator)
+                eval_metrics = evaluate(model, eval_set, collator, t.eval_batch_size, engine)
                 metrics.write("eval", step, eval_metrics)
                 log.info("step %d: %s", step, "  ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
             if t.save_steps and step % t.save_steps == 0 and step < total_steps:
-                save_checkpoint(accelerator, run_dir, step, t.save_total_limit)
+                save_checkpoint(engine, run_dir, step, t.save_total_limit)
         progress.close()
 
         if stop.signum:
-            path = save_checkpoint(accelerator, run_dir, step, t.save_total_limit)
+            path = save_checkpoint(engine, run_dir, step, t.save_total_limit)
             log.warning(
                 "stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
                 step, total_steps, path, run_dir,
             )
-            accelerator.end_training()
+            metrics.close()
+            engine.end()
             return {**eval_metrics, "status": "interrupted", "step": step, "signal": stop.signum}
 
     # ---- save
     final_dir = run_dir / "final"
-    accelerator.wait_for_everyone()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(
-        final_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save, safe_serialization=True
-    )
-    if accelerator.is_main_process:
+    engine.save_model(final_dir)
+    if engine.is_main_process:
         tokenizer.save_pretrained(final_dir)
+        if cfg.memory_profile.use_lora and cfg.lora.merge_on_save:
+            merged = engine.unwrapped_model().merge_and_unload()
+            merged.save_pretrained(final_dir / "merged", safe_serialization=True)
+            tokenizer.save_pretrained(final_dir / "merged")
+    engine.wait_for_everyone()
     log.info("saved the reward model to %s", final_dir)
-    accelerator.end_training()
+    metrics.close()
+    engine.end()
     return {**eval_metrics, "status": "ok", "step": step}
+
+
+def _quiet_other_ranks() -> None:
+    """Only rank 0 speaks: other ranks keep warnings and errors."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+        datasets.disable_progress_bars()
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
     try:
         result = train(run_cfg, Path(HydraConfig.get().runtime.output_dir))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import List
 
@@ -10,7 +11,9 @@ from rm.config import RunConfig
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
     "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
-    "memory_profile.optimizer": ("adamw",),
+    "memory_profile.optimizer": ("adamw", "adamw_8bit"),
+    "memory_profile.quantize_base": ("none", "nf4"),
+    "distributed.strategy": ("auto", "ddp", "deepspeed"),
     "hardware.accelerator": ("cuda", "cpu", "auto"),
     "data.source": ("hub", "local", "synthetic"),
     "data.format": ("auto", "hh", "prompt", "messages"),
@@ -33,6 +36,8 @@ class Plan:
     gradient_accumulation_steps: int
     precision: str  # bf16 | fp16 | fp32, after resolving "auto"
     device: str  # cuda | cpu
+    strategy: str  # ddp | deepspeed, after resolving "auto" (ddp also covers a single process)
+    zero_stage: int  # 0 unless strategy is deepspeed
     max_tokens_per_step: int  # global batch x 2 sequences x max_length
 
 
@@ -119,6 +124,8 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
     if precision == "fp16" and device == "cpu":
         errors.append(f"train.precision=fp16 needs a GPU; hardware={hw.name} is a CPU: use fp32")
 
+    strategy, zero_stage = _check_profile_and_distribution(cfg, device, errors)
+
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return Plan(
@@ -126,5 +133,56 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         gradient_accumulation_steps=accumulation,
         precision=precision,
         device=device,
+        strategy=strategy,
+        zero_stage=zero_stage,
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
     )
+
+
+def _installed(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _check_profile_and_distribution(cfg: RunConfig, device: str, errors: List[str]):
+    """Resolve ``distributed.strategy=auto`` and reject profile/strategy pairs that cannot work."""
+    profile, dist, hw = cfg.memory_profile, cfg.distributed, cfg.hardware
+    strategy = dist.strategy
+    if strategy == "auto":
+        strategy = "deepspeed" if profile.offload_optimizer else "ddp"
+    zero_stage = dist.zero_stage if strategy == "deepspeed" else 0
+
+    if strategy == "deepspeed":
+        if zero_stage not in (1, 2, 3):
+            errors.append(f"distributed.zero_stage={dist.zero_stage} must be 1, 2 or 3 with distributed.strategy=deepspeed")
+        if not _installed("deepspeed"):
+            errors.append(f"distributed={dist.name} needs DeepSpeed: pip install 'rm-reward[deepspeed]'")
+    if profile.offload_optimizer and strategy != "deepspeed":
+        errors.append(
+            f"memory_profile={profile.name} offloads the optimizer through DeepSpeed ZeRO-Offload, but "
+            f"distributed={dist.name} uses {strategy}: use distributed=zero2 (or zero3, or auto)"
+        )
+    if dist.offload_params and not (strategy == "deepspeed" and zero_stage == 3):
+        errors.append(f"distributed.offload_params=true needs ZeRO-3 (distributed=zero3_offload), got distributed={dist.name}")
+    if profile.optimizer == "adamw_8bit":
+        if not _installed("bitsandbytes"):
+            errors.append(f"memory_profile={profile.name} needs bitsandbytes: pip install 'rm-reward[bnb]'")
+        if strategy == "deepspeed":
+            errors.append(
+                f"memory_profile={profile.name} (bitsandbytes 8-bit AdamW) with distributed={dist.name}: ZeRO does not "
+                "shard bitsandbytes' quantised states; use distributed=ddp, or memory_profile=offload / full with ZeRO"
+            )
+    if profile.quantize_base != "none":
+        if device != "cuda":
+            errors.append(
+                f"memory_profile={profile.name} loads the base in 4-bit through bitsandbytes, which needs a CUDA GPU; "
+                f"hardware={hw.name} is a CPU: use memory_profile=lora"
+            )
+        if not profile.use_lora:
+            errors.append(f"memory_profile.quantize_base={profile.quantize_base} needs memory_profile.use_lora=true (a 4-bit base cannot train)")
+        if cfg.model.pretrained is None:
+            errors.append(f"memory_profile={profile.name} quantises pretrained weights; model={cfg.model.name} has none")
+        if strategy == "deepspeed" and zero_stage == 3:
+            errors.append(f"memory_profile={profile.name} with distributed={dist.name}: ZeRO-3 cannot shard 4-bit weights")
+        if not _installed("bitsandbytes"):
+            errors.append(f"memory_profile={profile.name} needs bitsandbytes: pip install 'rm-reward[bnb]'")
+    return strategy, zero_stage
