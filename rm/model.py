@@ -136,9 +136,13 @@ def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, l
 
 
 def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    """(trainable, total) parameter counts; under ZeRO-3 the full sizes, not the local shards."""
+
+    def size(p):
+        return getattr(p, "ds_numel", p.numel())
+
+    trainable = sum(size(p) for p in model.parameters() if p.requires_grad)
+    total = sum(size(p) for p in model.parameters())
     return trainable, total
 
 

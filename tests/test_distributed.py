@@ -1,0 +1,99 @@
+"""Profile/strategy validation, the generated DeepSpeed config, and the launcher's arguments."""
+
+import subprocess
+
+import pytest
+
+from rm.engine import deepspeed_config
+from rm.validate import ConfigError, validate
+from tests.conftest import CONF_DIR
+
+ROOT = CONF_DIR.parent
+
+
+def test_auto_picks_zero2_for_offload_and_ddp_otherwise(tiny_cfg):
+    pytest.importorskip("deepspeed")
+    assert (validate(tiny_cfg("memory_profile=offload"), 1).strategy, validate(tiny_cfg("memory_profile=offload"), 1).zero_stage) == ("deepspeed", 2)
+    plan = validate(tiny_cfg("memory_profile=full"), 1)
+    assert (plan.strategy, plan.zero_stage) == ("ddp", 0)
+    assert validate(tiny_cfg("distributed=zero3"), 2).zero_stage == 3
+
+
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["memory_profile=offload", "distributed=ddp"], "memory_profile=offload offloads the optimizer through DeepSpeed ZeRO-Offload, but distributed=ddp"),
+        (["memory_profile=8bit", "distributed=zero2"], "memory_profile=8bit (bitsandbytes 8-bit AdamW) with distributed=zero2"),
+        (["memory_profile=qlora"], "memory_profile=qlora loads the base in 4-bit through bitsandbytes, which needs a CUDA GPU"),
+        (["distributed=zero2", "distributed.offload_params=true"], "distributed.offload_params=true needs ZeRO-3"),
+        (["distributed=zero2", "distributed.zero_stage=5"], "distributed.zero_stage=5 must be 1, 2 or 3"),
+    ],
+)
+def test_conflicting_combinations_are_rejected_naming_the_keys(tiny_cfg, overrides, needle):
+    with pytest.raises(ConfigError) as info:
+        validate(tiny_cfg(*overrides), world_size=1)
+    assert needle in str(info.value)
+
+
+def test_deepspeed_config_follows_the_run_settings():
+    cfg = deepspeed_config(
+        micro_batch_size=4, gradient_accumulation_steps=2, world_size=8, precision="bf16", max_grad_norm=1.0,
+        zero_stage=3, offload_optimizer=True, offload_params=True,
+        optimizer_params={"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
+    )
+    assert cfg["train_batch_size"] == 4 * 2 * 8
+    assert cfg["gradient_accumulation_steps"] == 2 and cfg["gradient_clipping"] == 1.0
+    assert cfg["bf16"] == {"enabled": True} and cfg["fp16"] == {"enabled": False}
+    zero = cfg["zero_optimization"]
+    assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert zero["stage3_gather_16bit_weights_on_model_save"] is True
+    assert cfg["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+    plain = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="fp32",
+                             max_grad_norm=0.0, zero_stage=2, offload_optimizer=False, offload_params=False)
+    assert "optimizer" not in plain and "offload_optimizer" not in plain["zero_optimization"]
+
+
+def launcher(*args, env=None):
+    return subprocess.run(["bash", "train_rm_distributed.sh", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        ([], "SUBSET NUM_GPUS"),
+        (["helpful", "eight"], "NUM_GPUS must be a positive integer, got 'eight'"),
+        (["helpful", "0"], "NUM_GPUS must be a positive integer"),
+        (["no/such/path", "2"], "SUBSET must be helpful, harmless, synthetic, or an existing file or directory"),
+    ],
+)
+def test_launcher_rejects_bad_arguments(args, needle):
+    proc = launcher(*args)
+    assert proc.returncode == 2 and needle in proc.stderr
+
+
+def test_launcher_needs_a_shared_run_dir_on_several_nodes():
+    import os
+
+    proc = launcher("helpful", "8", env={**os.environ, "NNODES": "2"})
+    assert proc.returncode == 2 and "RUN_DIR" in proc.stderr
+
+
+def test_launcher_composes_the_torchrun_command(tmp_path):
+    """The printed command, with a fake torchrun that only echoes what it got."""
+    import os
+
+    (tmp_path / "torchrun").write_text("#!/usr/bin/env bash\necho \"torchrun-args: $*\"\n")
+    (tmp_path / "torchrun").chmod(0o755)
+    (tmp_path / "pairs").mkdir()
+    (tmp_path / "pairs" / "train.jsonl").write_text("{}\n")
+    (tmp_path / "pairs" / "test.jsonl").write_text("{}\n")
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "NNODES": "2", "NODE_RANK": "1",
+           "MASTER_ADDR": "node0", "MASTER_PORT": "4242", "RUN_DIR": "/shared/run"}
+    proc = launcher(str(tmp_path / "pairs"), "4", "lora=r64", env=env)
+    assert proc.returncode == 0, proc.stderr
+    got = proc.stdout.splitlines()[-1]
+    assert got.startswith("torchrun-args: --nnodes 2 --nproc_per_node 4 --node_rank 1 --master_addr node0 --master_port 4242 -m rm.train")
+    assert f"data=local data.train_files=[{tmp_path}/pairs/train.jsonl] data.eval_files=[{tmp_path}/pairs/test.jsonl]" in got
+    assert got.endswith("hydra.run.dir=/shared/run lora=r64")
+    assert proc.stdout.startswith("+ torchrun")
