@@ -142,6 +142,7 @@ class TrainConfig:
     save_total_limit: int = 2  # checkpoints kept
     resume: bool = False  # continue from the newest checkpoint in the run directory
     tensorboard: bool = False
+    track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured
     dataloader_num_workers: int = 0
 
 

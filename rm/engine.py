@@ -96,6 +96,23 @@ def deepspeed_config(
     return config
 
 
+def tensors_in(obj, depth: int = 3):
+    """Tensors reachable from ``obj`` through attributes, lists, tuples and dicts, ``depth`` levels down."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth > 0:
+        if isinstance(obj, dict):
+            children = list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            children = list(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, torch.nn.Module):
+            children = list(vars(obj).values())
+        else:
+            children = []
+        for child in children:
+            yield from tensors_in(child, depth - 1)
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -165,6 +182,12 @@ class AccelerateEngine:
 
     def optimizer_name(self) -> str:
         return type(self.optimizer.optimizer).__name__
+
+    def state_tensors(self):
+        """Weights, buffers and optimizer states: what a memory count starts from."""
+        yield from self.model.parameters()
+        yield from self.model.buffers()
+        yield from tensors_in(self.optimizer.optimizer.state)
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction=reduction)
@@ -248,6 +271,12 @@ class DeepSpeedEngine:
     def optimizer_name(self) -> str:
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         return f"{type(inner).__name__} under DeepSpeed ZeRO-{self.config['zero_optimization']['stage']}"
+
+    def state_tensors(self):
+        """Weights, buffers, and the flat partitions and states DeepSpeed's optimizer holds."""
+        yield from self.engine.module.parameters()
+        yield from self.engine.module.buffers()
+        yield from tensors_in(self.optimizer, depth=4)
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
         tensor = tensor.clone()

@@ -34,6 +34,7 @@ from rm.data.collator import PairCollator
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config
 from rm.hardware import resolve_hardware
 from rm.loss import bradley_terry_loss
+from rm.memory_monitor import MemoryMonitor
 from rm.metrics import MetricsLog, evaluate
 from rm.model import apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
 from rm.validate import ConfigError, Plan, validate
@@ -88,8 +89,7 @@ def summary(cfg: RunConfig, plan: Plan, engine, total_steps: int, num_pairs: int
         f"parameters       {total:,} total, {trainable:,} trainable ({100 * trainable / total:.3f}%)",
         f"memory profile   {cfg.memory_profile.name}: {engine.optimizer_name()}, optimizer states on {states}"
         + (f", LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} on {','.join(cfg.lora.target_modules)}" if cfg.memory_profile.use_lora else ""),
-        f"precision        weights {plan.precision}{' (base 4-bit NF4)' if cfg.memory_profile.quantize_base != 'none' else ''},"
-        f" compute {plan.precision}, gradients and optimizer states follow the trained weights",
+        f"precision        {dtypes(cfg, plan)}",
         f"hardware         {cfg.hardware.name}: {plan.device}, {cfg.hardware.device_memory_gib} GiB/device",
         f"distributed      {sharding}, {plan.world_size} process(es)",
         f"batch            {t.micro_batch_size} pairs/micro-batch x {plan.gradient_accumulation_steps} accumulation"
@@ -100,6 +100,23 @@ def summary(cfg: RunConfig, plan: Plan, engine, total_steps: int, num_pairs: int
         f"gradient ckpt    {'on' if t.gradient_checkpointing else 'off'}",
     ]
     return "run summary\n  " + "\n  ".join(lines)
+
+
+def dtypes(cfg: RunConfig, plan: Plan) -> str:
+    """Where precision lives, in words, as the profile and engine set it up."""
+    profile = cfg.memory_profile
+    base = "4-bit NF4" if profile.quantize_base != "none" else plan.precision
+    # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the base dtype.
+    trained = f"adapters fp32 + head {plan.precision}" if profile.use_lora else plan.precision
+    if plan.strategy == "deepspeed":
+        master = "fp32 master weights + " if plan.precision != "fp32" else ""
+        states = f"{master}fp32 AdamW states (DeepSpeed)"
+    elif profile.optimizer == "adamw_8bit":
+        states = "8-bit AdamW states (fp32 for tensors under 4096 elements)"
+    else:
+        states = "AdamW states like the weights they update"
+    frozen = f"frozen base {base}, " if profile.use_lora else ""
+    return f"{frozen}trained weights {trained}, gradients alike, {states}; compute {plan.precision}"
 
 
 def build_engine(cfg: RunConfig, plan: Plan):
@@ -182,7 +199,10 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
         mininterval=0.1 if sys.stderr.isatty() else 30,
     )
     step = start_step
-    with StopRequest() as stop:
+    monitor = MemoryMonitor(device, track_cpu_tensors=t.track_memory)
+    # What exists before the loop (weights, buffers, restored optimizer states) counts towards the peak.
+    monitor.register(engine.state_tensors())
+    with StopRequest() as stop, monitor:
         while step < total_steps and not stop.signum:
             micro_batches = micro_batches_for_step(
                 step, len(train_set), t.global_batch_size, t.micro_batch_size, plan.world_size, engine.process_index, t.seed,
@@ -213,6 +233,7 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
                     "grad_norm": grad_norm,
                     "epoch": step * t.global_batch_size / len(train_set),
                     "tokens_per_s": tokens / elapsed,
+                    "step_time_s": elapsed / window_steps,
                 }
                 metrics.write("train", step, values)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
@@ -234,6 +255,9 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
             metrics.close()
             engine.end()
             return {**eval_metrics, "status": "interrupted", "step": step, "signal": stop.signum}
+
+    if engine.is_main_process:
+        (run_dir / "memory.json").write_text(json.dumps({"measured": monitor.snapshot()}, indent=2))
 
     # ---- save
     final_dir = run_dir / "final"
