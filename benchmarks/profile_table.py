@@ -67,49 +67,63 @@ def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "memory_profiles.md"))
-    args = parser.parse_args()
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for profile in ["none", "full", "lora", "8bit", "offload"]:
-            # Counting tensors dispatches every operator through Python (5-8x slower here), so the
-            # step time comes from a second, untracked run.
-            row = run(profile, args.steps, Path(tmp), track_memory=True)
-            if profile != "none":
-                row["step_time_s"] = run(profile, args.steps, Path(tmp), track_memory=False)["step_time_s"]
-            rows.append(row)
-            print(json.dumps(rows[-1]), flush=True)
+def render(rows: list, steps: int) -> str:
     floor = rows[0]["peak_rss_mib"]
+    full = next(r for r in rows if r["profile"] == "full")["peak_tensor_mib"]
     lines = [
         "# Memory profiles: what lives where, measured on a CPU",
         "",
-        f"Regenerate: `python benchmarks/profile_table.py` ({args.steps} steps per profile; "
+        f"Regenerate: `python benchmarks/profile_table.py` ({steps} steps per profile; "
         f"machine: {os.cpu_count()} CPU cores, {platform.machine()}, torch {__import__('torch').__version__}).",
         "",
         "A ~50M-parameter Mistral-architecture model (hidden 768, 8 layers, built-in vocabulary), fp32, 16 pairs per",
-        "step in micro-batches of 8, sequences up to 64 tokens. Peak = the training process's peak resident memory,",
-        f"which includes Python and its libraries: importing them alone takes {floor:.0f} MiB.",
+        "step in micro-batches of 8, sequences up to 64 tokens. Peak tensors = the peak of live tensor bytes during",
+        "training, counted exactly (`train.track_memory=true`); peak RSS = the process's peak resident memory, which",
+        f"adds Python, the libraries and malloc's caches (importing them alone takes {floor:.0f} MiB).",
+        "Step times come from separate runs without counting (counting slows these steps 5-8x).",
         "On a GPU the same split decides device memory; GPU figures are not measured yet (no GPU was available).",
         "",
         "| profile | what lives where | peak tensors (MiB) | vs `full` | peak RSS (MiB) | step time (s) |",
         "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
-    full = next(r for r in rows if r["profile"] == "full")["peak_tensor_mib"]
     for r in rows[1:]:
+        tensors, ratio = f"{r['peak_tensor_mib']:.0f}", f"{r['peak_tensor_mib'] / full:.2f}x"
+        if r["profile"] == "offload":
+            tensors, ratio = "not measured", "-"
         lines.append(
-            f"| `{r['profile']}` | {WHERE[r['profile']]} | {r['peak_tensor_mib']:.0f} | {r['peak_tensor_mib'] / full:.2f}x"
-            f" | {r['peak_rss_mib']:.0f} | {r['step_time_s']:.2f} |"
+            f"| `{r['profile']}` | {WHERE[r['profile']]} | {tensors} | {ratio} | {r['peak_rss_mib']:.0f} | {r['step_time_s']:.2f} |"
         )
     lines += [
         "",
-        "On a CPU, `offload` moves nothing off the device (the device is the CPU: its row counts the CPU-side",
-        "states too) and adds DeepSpeed's own buffers, so it shows the cost side only; on a GPU it removes the",
-        "AdamW states (8 bytes/parameter in fp32, plus fp32 master weights under bf16) from device memory.",
+        "`offload` runs through DeepSpeed, which swaps parameter storages in place; the tensor counter over-counted",
+        "there (more than the process's resident memory), so rm disables it under DeepSpeed and this row has RSS only.",
+        "On a CPU `offload` moves nothing off the device anyway (the device is the CPU) and adds DeepSpeed's buffers,",
+        "so it shows the cost side only; on a GPU it removes the AdamW states (8 bytes/parameter in fp32, plus fp32",
+        "master weights under bf16) from device memory.",
     ]
-    Path(args.out).write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "docs" / "memory_profiles.md"))
+    parser.add_argument("--rows", help="render the table from the JSON rows an earlier run printed, without running")
+    args = parser.parse_args()
+    if args.rows:
+        rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.startswith("{")]
+    else:
+        rows = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for profile in ["none", "full", "lora", "8bit", "offload"]:
+                # Counting tensors dispatches every operator through Python (5-8x slower here), so the
+                # step time comes from a second, untracked run.
+                row = run(profile, args.steps, Path(tmp), track_memory=True)
+                if profile != "none":
+                    row["step_time_s"] = run(profile, args.steps, Path(tmp), track_memory=False)["step_time_s"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    Path(args.out).write_text(render(rows, args.steps))
     print(f"wrote {args.out}")
 
 
