@@ -648,3 +648,34 @@ def _timing_check() -> None:
 
 if __name__ == "__main__":
     _timing_check()
+
+
+@functools.lru_cache(maxsize=256)
+def inference_peak_bytes(shape: LayerShape, batch: int, seq_len: int, dtype: torch.dtype,
+                         attn_implementation: str = "sdpa", lora_r: int = 0, lora_targets: tuple = (),
+                         lora_alpha: int = 32, lora_dropout: float = 0.05, padded: bool = True) -> int:
+    """Peak bytes above the weights of one scoring forward under ``torch.no_grad`` (evaluation).
+
+    Nothing is kept for backward, so each layer's output replaces the last and the peak does not
+    grow with depth: a 2-layer trace gives it for any number of layers.
+    """
+    from unittest import mock
+
+    import transformers.masking_utils as masking_utils
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    timeline = StorageTimeline()
+    with torch.device("meta"):
+        model = _build(shape, 2, dtype, False, attn_implementation, lora_r, tuple(lora_targets), lora_alpha, lora_dropout)
+    with FakeTensorMode(), mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packed_sequences):
+        _materialize_fake(model)
+        model.eval()
+        input_ids = torch.ones(batch, seq_len, dtype=torch.long)
+        attention_mask = torch.ones(batch, seq_len, dtype=torch.long) if padded else None
+        timeline.ignore(list(model.parameters()) + list(model.buffers()) + [input_ids, attention_mask])
+        with torch.no_grad(), timeline:
+            timeline.mark("start")
+            model(input_ids=input_ids, attention_mask=attention_mask)
+        live = timeline.live()
+        del model
+    return max(live) if live else 0

@@ -147,6 +147,20 @@ class TrainConfig:
 
 
 @dataclass
+class PreflightConfig:
+    """The memory check that runs before any weight loads."""
+
+    name: str = MISSING
+    mode: str = "error"  # error: refuse a run that will not fit | warn: say so and go on | off
+    auto_micro_batch: bool = False  # pick the largest micro-batch that fits; accumulation keeps the global batch
+
+
+@dataclass
+class EstimateOutput:
+    json: bool = False  # python -m rm.estimate estimate.json=true: print JSON instead of a table
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     lora: LoraConfig = MISSING
@@ -155,6 +169,8 @@ class RunConfig:
     distributed: DistributedConfig = MISSING
     data: DataConfig = MISSING
     train: TrainConfig = MISSING
+    preflight: PreflightConfig = MISSING
+    estimate: EstimateOutput = field(default_factory=EstimateOutput)
 
 
 GROUPS = {
@@ -165,6 +181,7 @@ GROUPS = {
     "distributed": DistributedConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "preflight": PreflightConfig,
 }
 
 

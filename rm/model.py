@@ -15,6 +15,13 @@ log = logging.getLogger(__name__)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype weights are stored in: bf16 runs train bf16 weights directly (what TRL users do
+    with bf16 models); fp16 needs fp32 master weights under autocast, or the gradient scaler
+    cannot unscale fp16 gradients."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
 def build_tokenizer(model_cfg: ModelConfig):
     """Load the tokenizer and give it a pad token that is not a real token where possible.
 
@@ -67,21 +74,22 @@ def build_model(
         model_cfg: the ``model`` group.
         pad_token_id: the tokenizer's pad id, stored in the model config so plain
             transformers finds the reward token the same way after saving.
-        precision: ``bf16`` | ``fp16`` | ``fp32``; weights are loaded in it.
+        precision: ``bf16`` | ``fp16`` | ``fp32``; weights are stored in :func:`weight_dtype`.
         gradient_checkpointing: recompute activations during backward.
         quantize_base: ``nf4`` loads the weights in 4-bit NF4 through bitsandbytes (QLoRA).
 
     Returns:
         The model, in training mode.
     """
-    dtype = DTYPES[precision]
+    dtype = weight_dtype(precision)
     if model_cfg.pretrained:
         quantization = None
         if quantize_base == "nf4":
             from transformers import BitsAndBytesConfig
 
             quantization = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                bnb_4bit_compute_dtype=DTYPES[precision],
             )
         model = AutoModelForSequenceClassification.from_pretrained(
             model_cfg.pretrained,

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Dict
+from typing import Dict, Sequence
 
 import datasets
 import hydra
@@ -32,6 +32,7 @@ from rm.data.batching import micro_batches_for_step, steps_per_epoch
 from rm.data.build import build_datasets
 from rm.data.collator import PairCollator
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config
+from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, suggestions
 from rm.hardware import resolve_hardware
 from rm.loss import bradley_terry_loss
 from rm.memory_monitor import MemoryMonitor
@@ -143,13 +144,52 @@ def build_engine(cfg: RunConfig, plan: Plan):
     )
 
 
-def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
-    """Run one training job into ``run_dir``; return the final eval metrics and the status."""
-    # ---- setup: validate everything before anything heavy
+class PreflightRefusal(RuntimeError):
+    """The estimated peak exceeds device memory; the message holds the breakdown and what would fit."""
+
+
+def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]):
+    """Estimate the peak before anything loads; refuse, warn, or pick the micro-batch, as configured.
+
+    Returns:
+        ``(plan, estimate)``; the plan is re-derived when ``preflight.auto_micro_batch`` changed the
+        micro-batch. ``estimate`` is ``None`` with ``preflight=off``.
+    """
+    if cfg.preflight.mode == "off":
+        return plan, None
+    if cfg.preflight.auto_micro_batch:
+        micro = best_micro_batch(list(overrides), cfg, plan)
+        if micro is not None and micro != cfg.train.micro_batch_size:
+            log.info("preflight.auto_micro_batch: train.micro_batch_size %d -> %d (the global batch stays %d)",
+                     cfg.train.micro_batch_size, micro, cfg.train.global_batch_size)
+            cfg.train.micro_batch_size = micro
+            overrides = [*overrides, f"train.micro_batch_size={micro}"]
+            plan = validate(cfg, plan.world_size)
+    est = estimate_run(cfg, plan)
+    label = f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, {plan.world_size} process(es), hardware={cfg.hardware.name}"
+    table = format_table(est, label)
+    if est.fits:
+        log.info("%s", table)
+        return plan, est
+    advice = format_suggestions(suggestions(list(overrides), cfg, plan))
+    if cfg.preflight.mode == "error":
+        raise PreflightRefusal(f"{table}\n{advice}\n(preflight=warn trains anyway; preflight=off skips the check)")
+    log.warning("%s\n%s\npreflight=warn: training anyway", table, advice)
+    return plan, est
+
+
+def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[str, float]:
+    """Run one training job into ``run_dir``; return the final eval metrics and the status.
+
+    ``overrides`` are the Hydra overrides the config came from; the pre-flight check
+    re-composes them with candidate changes to say which would fit.
+    """
+    # ---- setup: validate and estimate memory before anything heavy
     run_dir = Path(run_dir)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.hardware = resolve_hardware(cfg.hardware)
     plan = validate(cfg, world_size)
+    plan, estimate = preflight(cfg, plan, overrides)
     t = cfg.train
     engine = build_engine(cfg, plan)
     if engine.is_main_process:
@@ -262,7 +302,9 @@ def train(cfg: RunConfig, run_dir: Path) -> Dict[str, float]:
             return {**eval_metrics, "status": "interrupted", "step": step, "signal": stop.signum}
 
     if engine.is_main_process:
-        (run_dir / "memory.json").write_text(json.dumps({"measured": monitor.snapshot()}, indent=2))
+        (run_dir / "memory.json").write_text(json.dumps(
+            {"estimate": estimate.to_dict() if estimate else None, "measured": monitor.snapshot()}, indent=2
+        ))
 
     # ---- save
     final_dir = run_dir / "final"
@@ -292,10 +334,13 @@ def main(cfg: DictConfig) -> float:
     _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
     try:
-        result = train(run_cfg, Path(HydraConfig.get().runtime.output_dir))
+        result = train(run_cfg, Path(HydraConfig.get().runtime.output_dir), HydraConfig.get().overrides.task)
     except ConfigError as err:
         log.error("%s", err)
         sys.exit(2)
+    except PreflightRefusal as err:
+        log.error("refusing to start: the estimated peak does not fit in device memory\n%s", err)
+        sys.exit(3)
     if result["status"] == "interrupted":
         sys.exit(128 + result["signal"])
     return result.get("eval_accuracy", float("nan"))

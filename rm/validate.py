@@ -21,6 +21,7 @@ CHOICES = {
     "data.on_malformed": ("skip", "error"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
+    "preflight.mode": ("error", "warn", "off"),
 }
 
 
