@@ -187,6 +187,9 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         lora_alpha=lora.alpha if lora else 32, lora_dropout=lora.dropout if lora else 0.05,
     ) + 2 * (2 * t.eval_batch_size) * cfg.data.max_length * 8
 
+    if m.pretrained:
+        # from_pretrained reads the checkpoint into host memory in every process before moving it.
+        host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
     overhead = 0
     usable = int(cfg.hardware.device_memory_gib * GIB)
     if plan.device == "cuda":

@@ -122,3 +122,13 @@ def test_estimate_cli_json():
     assert {"peak_bytes", "usable_bytes", "fits", "peak_phase", "weights", "gradients", "optimizer_states",
             "activations", "host_ram_bytes_per_node"} <= data.keys()
     assert data["fits"] is True and data["usable_bytes"] == 80 * GIB and data["world_size"] == 8
+
+
+def test_gpu_report_lists_the_device_and_every_profile():
+    proc = subprocess.run([sys.executable, "-m", "rm.gpu_report", "experiment=tiny"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert ("no CUDA device" in out) or ("cuda:0" in out)
+    for profile in ("full", "lora", "8bit", "offload", "qlora"):
+        assert f"  {profile}" in out

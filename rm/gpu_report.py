@@ -1,0 +1,60 @@
+"""What this machine has, and which memory profiles of a config fit on it.
+
+    python -m rm.gpu_report [the same overrides as rm.train]
+
+Replaces the hand-written GPU check scripts: devices with total and free memory, then the
+pre-flight estimate of every memory profile for the composed config on the detected hardware.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from rm.config import to_run_config
+from rm.estimate import GIB, compose, estimate_run
+from rm.hardware import host_ram_gib, resolve_hardware
+from rm.validate import ConfigError, validate
+
+PROFILES = ("full", "lora", "8bit", "offload", "qlora")
+
+
+def device_lines() -> list:
+    if not torch.cuda.is_available():
+        return [f"no CUDA device; CPU with {host_ram_gib():.1f} GiB RAM"]
+    lines = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        props = torch.cuda.get_device_properties(i)
+        lines.append(f"cuda:{i} {props.name}: {total / GIB:.2f} GiB total, {free / GIB:.2f} GiB free, "
+                     f"compute capability {props.major}.{props.minor}, bf16 {'yes' if torch.cuda.is_bf16_supported() else 'no'}")
+    return lines
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(raw: DictConfig) -> None:
+    print("\n".join(device_lines()))
+    base = to_run_config(raw)
+    hardware = resolve_hardware(base.hardware)
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("memory_profile=")]
+    world = hardware.gpus_per_node if hardware.accelerator == "cuda" else 1
+    print(f"\nmodel={base.model.name}, {world} process(es), {hardware.device_memory_gib} GiB per device ({hardware.name})")
+    for profile in PROFILES:
+        cfg = compose([*overrides, f"memory_profile={profile}"])
+        cfg.hardware = hardware
+        try:
+            est = estimate_run(cfg, validate(cfg, world))
+        except ConfigError as err:
+            print(f"  {profile:<8} cannot run here: {str(err).splitlines()[-1].strip(' -')}")
+            continue
+        verdict = "fits" if est.fits else "does not fit"
+        print(f"  {profile:<8} peak {est.peak_bytes / GIB:7.2f} GiB ({est.peak_phase}): {verdict}")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
