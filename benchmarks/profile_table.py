@@ -88,18 +88,16 @@ def render(rows: list, steps: int) -> str:
     ]
     for r in rows[1:]:
         tensors, ratio = f"{r['peak_tensor_mib']:.0f}", f"{r['peak_tensor_mib'] / full:.2f}x"
-        if r["profile"] == "offload":
-            tensors, ratio = "not measured", "-"
         lines.append(
             f"| `{r['profile']}` | {WHERE[r['profile']]} | {tensors} | {ratio} | {r['peak_rss_mib']:.0f} | {r['step_time_s']:.2f} |"
         )
     lines += [
         "",
-        "`offload` runs through DeepSpeed, which swaps parameter storages in place; the tensor counter over-counted",
-        "there (more than the process's resident memory), so rm disables it under DeepSpeed and this row has RSS only.",
-        "On a CPU `offload` moves nothing off the device anyway (the device is the CPU) and adds DeepSpeed's buffers,",
-        "so it shows the cost side only; on a GPU it removes the AdamW states (8 bytes/parameter in fp32, plus fp32",
-        "master weights under bf16) from device memory.",
+        "On a CPU `offload` moves nothing off the device (the device is the CPU, so its row counts the CPU-side fp32",
+        "master copy, AdamW moments and gradient copy too) and adds DeepSpeed's two gradient buckets, so it shows the",
+        "cost side only; on a GPU it removes the AdamW states (8 bytes/parameter, plus fp32 master weights under",
+        "bf16) from device memory. DeepSpeed allocates each bucket at its configured size whatever the model;",
+        "rm caps the buckets at the trainable parameter count (DeepSpeed's default, 5e8 elements, would add 4 GB here).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket, in elements
 
 
 def deepspeed_config(
@@ -42,6 +43,7 @@ def deepspeed_config(
     offload_optimizer: bool,
     offload_params: bool,
     optimizer_params: Optional[Dict] = None,
+    trainable_params: Optional[int] = None,
 ) -> Dict:
     """The DeepSpeed JSON for a run, derived from rm's settings.
 
@@ -57,6 +59,9 @@ def deepspeed_config(
         optimizer_params: with ``offload_optimizer``, the AdamW hyper-parameters
             (``lr``, ``betas``, ``eps``, ``weight_decay``); DeepSpeed then builds its
             CPU Adam. Otherwise the client's torch optimizer is used.
+        trainable_params: caps DeepSpeed's gradient buckets (default 5e8 elements). Each
+            stage-2 bucket is allocated at full size and two are alive at once, so a small
+            model would otherwise reserve 2 x 5e8 elements of gradient buffer.
 
     Returns:
         A dict for ``deepspeed.initialize(config=...)``.
@@ -68,6 +73,8 @@ def deepspeed_config(
         (64, {'enabled': True}, 2)
     """
     zero: Dict = {"stage": zero_stage}
+    bucket = min(DEEPSPEED_BUCKET, trainable_params or DEEPSPEED_BUCKET)
+    zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
     if zero_stage >= 2:
         zero.update(contiguous_gradients=True, overlap_comm=True)
     if zero_stage == 3:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
+from rm.engine import DEEPSPEED_BUCKET
 from rm.validate import Plan
 
 GIB = 1024**3
@@ -150,15 +151,18 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         uncalibrated.append("DeepSpeed buffers")
         shard = math.ceil(counts.trainable / n)
         states = shard * (4 + 8)  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
+        bucket = min(DEEPSPEED_BUCKET, counts.trainable)  # as rm.engine.deepspeed_config sets it
         if stage >= 2:
             gradients = shard * trained_bytes
-            # The gradient reduction bucket (DeepSpeed's default reduce_bucket_size, 5e8 elements).
-            temporaries += min(500_000_000, counts.trainable) * trained_bytes
+            # Two contiguous gradient buckets, each allocated at full size (measured on CPU).
+            temporaries += 2 * bucket * trained_bytes
         if stage == 3:
             temporaries += counts.largest_layer * wbytes  # one layer gathered at a time
-        if profile.offload_optimizer:
+        if profile.offload_optimizer and plan.device == "cuda":
             host = plan_procs_per_node(cfg, plan) * (states + shard * 4)  # + fp32 gradient copy on the host
             states = 0
+        elif profile.offload_optimizer:
+            states += shard * 4  # on a CPU "offloaded" states share the device's memory, with an fp32 gradient copy
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
 

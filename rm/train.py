@@ -32,7 +32,7 @@ from rm.data.batching import micro_batches_for_step, steps_per_epoch
 from rm.data.build import build_datasets
 from rm.data.collator import PairCollator
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config
-from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, suggestions
+from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
 from rm.loss import bradley_terry_loss
 from rm.memory_monitor import MemoryMonitor
@@ -136,6 +136,7 @@ def build_engine(cfg: RunConfig, plan: Plan):
             optimizer_params={
                 "lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon, "weight_decay": t.weight_decay,
             },
+            trainable_params=parameter_counts(cfg.model, cfg.lora if cfg.memory_profile.use_lora else None).trainable,
         )
         return DeepSpeedEngine(cpu=plan.device == "cpu", config=config)
     return AccelerateEngine(
@@ -239,12 +240,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
         mininterval=0.1 if sys.stderr.isatty() else 30,
     )
     step = start_step
-    track_cpu = t.track_memory and plan.strategy != "deepspeed"
-    if t.track_memory and not track_cpu:
-        # Measured: under DeepSpeed the count exceeded the process's resident memory (DeepSpeed swaps
-        # parameter storages in place); a wrong figure is worse than none.
-        log.warning("train.track_memory=true is not supported with DeepSpeed on a CPU yet: memory.json will say so")
-    monitor = MemoryMonitor(device, track_cpu_tensors=track_cpu)
+    monitor = MemoryMonitor(device, track_cpu_tensors=t.track_memory)
     # What exists before the loop (weights, buffers, restored optimizer states) counts towards the peak.
     monitor.register(engine.state_tensors())
     with StopRequest() as stop, monitor:

@@ -97,3 +97,17 @@ def test_launcher_composes_the_torchrun_command(tmp_path):
     assert f"data=local data.train_files=[{tmp_path}/pairs/train.jsonl] data.eval_files=[{tmp_path}/pairs/test.jsonl]" in got
     assert got.endswith("hydra.run.dir=/shared/run lora=r64")
     assert proc.stdout.startswith("+ torchrun")
+
+
+def test_deepspeed_buckets_are_capped_at_the_trainable_parameters():
+    """DeepSpeed allocates each stage-2 gradient bucket at its full size (5e8 elements by default,
+    2 GB in fp32, two alive at once), whatever the model: measured with the tensor counter."""
+    small = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="fp32",
+                             max_grad_norm=1.0, zero_stage=2, offload_optimizer=True, offload_params=False,
+                             trainable_params=361_216)
+    assert small["zero_optimization"]["reduce_bucket_size"] == 361_216
+    assert small["zero_optimization"]["allgather_bucket_size"] == 361_216
+    big = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="bf16",
+                           max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False,
+                           trainable_params=7_110_664_192)
+    assert big["zero_optimization"]["reduce_bucket_size"] == 500_000_000
