@@ -121,11 +121,11 @@ class TrainConfig:
     seed: int = 42
     max_steps: int = -1  # optimizer steps; -1: derive from num_train_epochs
     num_train_epochs: float = 1.0
-    micro_batch_size: int = 1  # pairs per device per forward; activations grow with it
+    micro_batch_size: int = 4  # pairs per device per forward (8 sequences); activations grow with it
     global_batch_size: int = 64  # pairs per optimizer step over all devices
     eval_batch_size: int = 8  # pairs per device per eval forward
     group_by_length: bool = True  # sort each step's pairs by length into micro-batches: less padding, same gradient
-    learning_rate: float = 1e-5
+    learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
@@ -137,7 +137,7 @@ class TrainConfig:
     gradient_checkpointing: bool = True  # true: recompute activations in backward, far less memory, ~30% slower
     center_rewards_coefficient: float = 0.0  # >0 adds coef * mean(r^2) so rewards stay centred (TRL's name)
     logging_steps: int = 10
-    eval_steps: int = 100  # 0: evaluate only at the end
+    eval_steps: int = 200  # 0: evaluate only at the end
     save_steps: int = 500  # 0: save only at the end
     save_total_limit: int = 2  # checkpoints kept
     resume: bool = False  # continue from the newest checkpoint in the run directory
