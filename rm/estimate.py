@@ -7,7 +7,7 @@ Weights, gradients and optimizer states are arithmetic on exact parameter counts
 (from the model's shape numbers; no weights are read). Activations come from
 tracing one real decoder layer with fake tensors (``rm.activations``), which
 follows the transformers implementation exactly. Terms not yet calibrated on a
-GPU (the CUDA context, DeepSpeed's buffers) are reported as such.
+GPU (the CUDA context) or at all (DeepSpeed ZeRO-3 buffers) are reported as such.
 """
 
 from __future__ import annotations
@@ -144,25 +144,36 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         weights = weights // n
     gradients = counts.trainable * trained_bytes
     temporaries = 0
+    overhead_buffers = 0  # communication and staging buffers that live as long as the engine
 
     # Optimizer states, where they live, and what the host keeps.
     host = 0
     if plan.strategy == "deepspeed":
-        uncalibrated.append("DeepSpeed buffers")
+        if stage == 3:
+            uncalibrated.append("DeepSpeed ZeRO-3 buffers")
         shard = math.ceil(counts.trainable / n)
         states = shard * (4 + 8)  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
         bucket = min(DEEPSPEED_BUCKET, counts.trainable)  # as rm.engine.deepspeed_config sets it
         if stage >= 2:
             gradients = shard * trained_bytes
-            # Two contiguous gradient buckets, each allocated at full size (measured on CPU).
+            # Two contiguous gradient buckets (overlap_comm), each allocated at full size during backward.
             temporaries += 2 * bucket * trained_bytes
         if stage == 3:
             temporaries += counts.largest_layer * wbytes  # one layer gathered at a time
-        if profile.offload_optimizer and plan.device == "cuda":
-            host = plan_procs_per_node(cfg, plan) * (states + shard * 4)  # + fp32 gradient copy on the host
-            states = 0
-        elif profile.offload_optimizer:
-            states += shard * 4  # on a CPU "offloaded" states share the device's memory, with an fp32 gradient copy
+        if profile.offload_optimizer:
+            # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
+            # master weights and moments, the fp32 gradient partition, a weight-dtype copy of the
+            # partition for the upload, per-parameter accumulation buffers when accumulating, and a
+            # staging buffer the size of the largest parameter; the device keeps its twin.
+            largest = max(counts.trainable_tensors) * trained_bytes
+            gradients = 0
+            states += shard * (4 + trained_bytes) + largest
+            if plan.gradient_accumulation_steps > 1:
+                states += shard * trained_bytes
+            overhead_buffers = largest
+            if plan.device == "cuda":
+                host = plan_procs_per_node(cfg, plan) * states
+                states = 0
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
 
@@ -194,10 +205,10 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     if m.pretrained:
         # from_pretrained reads the checkpoint into host memory in every process before moving it.
         host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
-    overhead = 0
+    overhead = overhead_buffers
     usable = int(cfg.hardware.device_memory_gib * GIB)
     if plan.device == "cuda":
-        overhead = CUDA_CONTEXT_BYTES
+        overhead += CUDA_CONTEXT_BYTES
         uncalibrated.append("CUDA context")
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
