@@ -77,7 +77,11 @@ class HardwareConfig:
     device_memory_gib: float = MISSING  # memory of one device as the vendor states it
     bf16: bool = False  # device computes in bfloat16 natively
     gpus_per_node: int = 1
-    host_ram_gib: float = MISSING  # RAM of one node
+    host_ram_gib: int = MISSING  # RAM of one node
+    # What a cluster job asks for (hydra/launcher=submitit_slurm reads these):
+    nodes: int = 1
+    time_limit_min: int = 1440
+    slurm_partition: Optional[str] = None
 
 
 @dataclass
@@ -161,6 +165,21 @@ class EstimateOutput:
 
 
 @dataclass
+class SweepConfig:
+    """How a job of a multirun (``-m``) ends when it fails for a reason other than a refusal.
+
+    raise: Hydra's own behaviour. The job is recorded as failed; the basic sweeper runs the
+        remaining jobs and the multirun exits non-zero at the end; Optuna stops the study.
+    continue: the job is recorded as failed and returns no objective (Optuna counts a failed trial);
+        every sweeper goes on and the multirun exits 0.
+    A job the pre-flight estimate refuses is always recorded as refused, returns no objective, and
+    the sweep goes on.
+    """
+
+    on_failure: str = "raise"  # raise | continue
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     lora: LoraConfig = MISSING
@@ -171,6 +190,7 @@ class RunConfig:
     train: TrainConfig = MISSING
     preflight: PreflightConfig = MISSING
     estimate: EstimateOutput = field(default_factory=EstimateOutput)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
 
 
 GROUPS = {
@@ -191,6 +211,23 @@ def register_configs() -> None:
     cs.store(name="base_config", node=RunConfig)
     for group, schema in GROUPS.items():
         cs.store(group=group, name=f"base_{group}", node=schema)
+    _rename_submitit_slurm_schema(cs)
+
+
+def _rename_submitit_slurm_schema(cs: ConfigStore) -> None:
+    """Let ``conf/hydra/launcher/submitit_slurm.yaml`` extend hydra-submitit-launcher's schema.
+
+    A YAML file and a ConfigStore entry of the same name trigger Hydra's deprecated automatic
+    schema matching; Hydra's migration is to store the schema under another name and list it in
+    the YAML's defaults. The plugin registers its schema itself, so it is moved here.
+    """
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # discovers the plugins, which register their configs
+    launchers = cs.repo.get("hydra", {}).get("launcher", {})
+    node = launchers.pop("submitit_slurm.yaml", None)
+    if node is not None:
+        cs.store(group="hydra/launcher", name="submitit_slurm_schema", node=node.node, provider=node.provider)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:

@@ -36,8 +36,8 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
             device_memory_gib=round(smallest / GIB, 2),
             bf16=torch.cuda.is_bf16_supported(),
             gpus_per_node=count,
-            host_ram_gib=ram,
+            host_ram_gib=int(ram),
         )
     return dataclasses.replace(
-        hw, name="auto:cpu", accelerator="cpu", device_memory_gib=ram, bf16=False, gpus_per_node=1, host_ram_gib=ram
+        hw, name="auto:cpu", accelerator="cpu", device_memory_gib=ram, bf16=False, gpus_per_node=1, host_ram_gib=int(ram)
     )

@@ -15,13 +15,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Sequence
+from typing import Dict, Optional, Sequence
 
 import datasets
 import hydra
 import torch
 from accelerate.utils import set_seed
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from transformers import get_scheduler
@@ -31,11 +32,12 @@ from rm.config import RunConfig, to_run_config
 from rm.data.batching import micro_batches_for_step, steps_per_epoch
 from rm.data.build import build_datasets
 from rm.data.collator import PairCollator
-from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config
+from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
 from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
 from rm.loss import bradley_terry_loss
 from rm.memory_monitor import MemoryMonitor
+from rm.sweep import job_record, write_job_record
 from rm.metrics import MetricsLog, evaluate
 from rm.model import apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
 from rm.validate import ConfigError, Plan, validate
@@ -148,6 +150,11 @@ def build_engine(cfg: RunConfig, plan: Plan):
 class PreflightRefusal(RuntimeError):
     """The estimated peak exceeds device memory; the message holds the breakdown and what would fit."""
 
+    def __init__(self, message: str, estimate, fits=()):
+        super().__init__(message)
+        self.estimate = estimate
+        self.fits = list(fits)  # override sets that would fit, cheapest first
+
 
 def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]):
     """Estimate the peak before anything loads; refuse, warn, or pick the micro-batch, as configured.
@@ -172,9 +179,11 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]):
     if est.fits:
         log.info("%s", table)
         return plan, est
-    advice = format_suggestions(suggestions(list(overrides), cfg, plan))
+    found = suggestions(list(overrides), cfg, plan)
+    advice = format_suggestions(found)
     if cfg.preflight.mode == "error":
-        raise PreflightRefusal(f"{table}\n{advice}\n(preflight=warn trains anyway; preflight=off skips the check)")
+        raise PreflightRefusal(f"{table}\n{advice}\n(preflight=warn trains anyway; preflight=off skips the check)", est,
+                               [" ".join(extra) for extra, _ in found])
     log.warning("%s\n%s\npreflight=warn: training anyway", table, advice)
     return plan, est
 
@@ -240,6 +249,8 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
         mininterval=0.1 if sys.stderr.isatty() else 30,
     )
     step = start_step
+    # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
+    run_tokens, paused_s, loop_start = 0, 0.0, time.perf_counter()
     monitor = MemoryMonitor(device, track_cpu_tensors=t.track_memory)
     # What exists before the loop (weights, buffers, restored optimizer states) counts towards the peak.
     monitor.register(engine.state_tensors())
@@ -257,6 +268,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
                 engine.backward(loss)
                 window_loss += loss.item() / len(micro_batches)
                 window_tokens += int(batch["attention_mask"].sum())
+                run_tokens += int(batch["attention_mask"].sum())
             grad_norm = engine.step()
             step += 1
             window_steps += 1
@@ -279,13 +291,24 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
                 metrics.write("train", step, values)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
                 window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
+            pause_start = time.perf_counter()
             if eval_set is not None and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
                 eval_metrics = evaluate(model, eval_set, collator, t.eval_batch_size, engine)
                 metrics.write("eval", step, eval_metrics)
                 log.info("step %d: %s", step, "  ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
             if t.save_steps and step % t.save_steps == 0 and step < total_steps:
                 save_checkpoint(engine, run_dir, step, t.save_total_limit)
+            paused_s += time.perf_counter() - pause_start
         progress.close()
+        train_s = time.perf_counter() - loop_start - paused_s
+        run_tokens = int(engine.reduce(torch.tensor(run_tokens, device=device), reduction="sum"))
+        measured = monitor.snapshot()
+        run_stats = {
+            "tokens_per_s": run_tokens / train_s if train_s > 0 else None,
+            "measured_peak_bytes": measured.get("peak_allocated_bytes"),
+            "estimated_peak_bytes": estimate.peak_bytes if estimate else None,
+            "usable_bytes": estimate.usable_bytes if estimate else None,
+        }
 
         if stop.signum:
             path = save_checkpoint(engine, run_dir, step, t.save_total_limit)
@@ -295,11 +318,11 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
             )
             metrics.close()
             engine.end()
-            return {**eval_metrics, "status": "interrupted", "step": step, "signal": stop.signum}
+            return {**eval_metrics, **run_stats, "status": "interrupted", "step": step, "signal": stop.signum}
 
     if engine.is_main_process:
         (run_dir / "memory.json").write_text(json.dumps(
-            {"estimate": estimate.to_dict() if estimate else None, "measured": monitor.snapshot()}, indent=2
+            {"estimate": estimate.to_dict() if estimate else None, "measured": measured}, indent=2
         ))
 
     # ---- save
@@ -315,7 +338,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     log.info("saved the reward model to %s", final_dir)
     metrics.close()
     engine.end()
-    return {**eval_metrics, "status": "ok", "step": step}
+    return {**eval_metrics, **run_stats, "status": "ok", "step": step}
 
 
 def _quiet_other_ranks() -> None:
@@ -326,19 +349,51 @@ def _quiet_other_ranks() -> None:
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def main(cfg: DictConfig) -> Optional[float]:
+    """One job: exits 2 on a config error and 3 on a refusal; in a multirun (``-m``) both are
+    recorded in ``job_result.json`` and the sweep goes on (``rm.sweep``). Returns the final eval
+    accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
+    the Optuna sweeper records as a failed (infeasible) trial rather than a value to learn from."""
+    join_submitit_tasks()
     _quiet_other_ranks()
+    hydra_cfg = HydraConfig.get()
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
     run_cfg = to_run_config(cfg)
+    is_main = int(os.environ.get("RANK", "0")) == 0
+
+    def record(status, **fields):
+        if multirun and is_main:
+            write_job_record(run_dir, job_record(overrides, status, job=hydra_cfg.job.num, **fields))
+
     try:
-        result = train(run_cfg, Path(HydraConfig.get().runtime.output_dir), HydraConfig.get().overrides.task)
-    except ConfigError as err:
-        log.error("%s", err)
-        sys.exit(2)
+        result = train(run_cfg, run_dir, overrides)
     except PreflightRefusal as err:
         log.error("refusing to start: the estimated peak does not fit in device memory\n%s", err)
+        record("refused", estimate=err.estimate,
+               error=f"would fit with: {err.fits[0]}" if err.fits else "no single change found that fits")
+        if multirun:
+            return None
         sys.exit(3)
+    except ConfigError as err:
+        log.error("%s", err)
+        record("failed", error=err)
+        if not multirun:
+            sys.exit(2)
+        if run_cfg.sweep.on_failure == "continue":
+            return None
+        raise
+    except Exception as err:
+        record("failed", error=err)
+        if multirun and run_cfg.sweep.on_failure == "continue":
+            log.exception("job failed; sweep.on_failure=continue: the sweep goes on")
+            return None
+        raise
     if result["status"] == "interrupted":
+        record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
+                                              "a checkpoint was written, resume with train.resume=true")
         sys.exit(128 + result["signal"])
+    record("ok", result=result)
     return result.get("eval_accuracy", float("nan"))
 
 

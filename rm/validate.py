@@ -22,6 +22,7 @@ CHOICES = {
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
     "preflight.mode": ("error", "warn", "off"),
+    "sweep.on_failure": ("raise", "continue"),
 }
 
 
@@ -77,6 +78,8 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         "train.eval_batch_size": t.eval_batch_size,
         "train.learning_rate": t.learning_rate,
         "data.max_length": d.max_length,
+        "hardware.nodes": hw.nodes,
+        "hardware.time_limit_min": hw.time_limit_min,
     }
     if cfg.memory_profile.use_lora:
         positive["lora.r"] = cfg.lora.r

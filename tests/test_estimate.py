@@ -57,6 +57,23 @@ def test_mistral_7b_model_states_by_hand():
     assert lora.total == p + 41_943_040 + 4_096
 
 
+def test_mistral_7b_offload_keeps_states_on_the_host_by_hand():
+    """ZeRO-Offload on 8 GPUs, bf16: each process's partition is 7,110,664,192 / 8 = 888,833,024
+    parameters; the host keeps per process fp32 master (4 bytes), fp32 moments (8), the fp32
+    gradient partition (4) and a bf16 copy for the upload (2), plus a bf16 staging buffer the size
+    of the largest parameter (the 32000 x 4096 embedding); the device keeps the bf16 weights, its
+    own staging buffer and two bf16 gradient buckets of 5e8 elements, and no gradient partition."""
+    cfg, plan = planned(["memory_profile=offload", "hardware=gpu_64g", "train.micro_batch_size=1",
+                         "train.global_batch_size=8", "data.max_length=384"], world=8)
+    est = estimate_run(cfg, plan)
+    shard, largest = 888_833_024, 131_072_000
+    assert plan.gradient_accumulation_steps == 1
+    assert (est.optimizer_states, est.gradients) == (0, 0)
+    assert est.host_ram_bytes_per_node == 8 * (shard * 18 + 2 * largest) + 8 * 2 * 7_110_664_192  # + checkpoint load
+    assert est.overhead == GIB + 2 * largest
+    assert est.temporaries >= 2 * 500_000_000 * 2
+
+
 def test_64gb_cards_fit_full_fine_tuning_with_zero_but_not_plain_data_parallel():
     """The 8 x 64 GB report: full fine-tune, 4 pairs x 512 tokens per GPU, no activation checkpointing."""
     base = ["memory_profile=full", "hardware=gpu_64g", "train.gradient_checkpointing=false"]

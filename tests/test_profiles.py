@@ -112,8 +112,8 @@ def test_offload_profile_trains_on_deepspeed_cpu_adam(tiny_cfg, tmp_path):
     memory = json.loads((tmp_path / "memory.json").read_text())
     # Counted live tensor bytes: the tiny model's states and buckets, not 2 GB default buckets.
     assert memory["measured"]["peak_allocated_bytes"] < 100 * 2**20
-    # Under DeepSpeed the estimate is not yet calibrated: within 10% here (measured -5.45%).
-    assert memory["estimate"]["peak_bytes"] == pytest.approx(memory["measured"]["peak_allocated_bytes"], rel=0.10)
+    # ZeRO-Offload's host buffers are modelled: within 1% (measured -0.001%).
+    assert memory["estimate"]["peak_bytes"] == pytest.approx(memory["measured"]["peak_allocated_bytes"], rel=0.01)
     ds = json.loads((tmp_path / "deepspeed_config.json").read_text())
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and ds["train_batch_size"] == 16
 

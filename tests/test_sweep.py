@@ -1,0 +1,162 @@
+"""Hydra multirun sweeps: refusals and failures are recorded and the sweep goes on; Optuna; SLURM launcher."""
+
+import csv
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from rm.sweep import format_summary, job_record
+from tests.conftest import CONF_DIR
+
+ROOT = CONF_DIR.parent
+# Four steps of the tiny model; 0.032 GiB of "device" memory, between the estimates of the jobs
+# (full 27.1 MiB, 8bit 25.1, lora r8 32.5, lora r16 33.4, offload 34.5), so some are refused.
+SMALL_RUN = [
+    "experiment=tiny", "hardware=cpu", "data.synthetic_train_size=256", "data.synthetic_test_size=64",
+    "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16", "train.eval_batch_size=16",
+    "train.max_steps=4", "train.eval_steps=0", "train.logging_steps=2",
+]
+
+
+def multirun(args, sweep_dir, timeout=600):
+    proc = subprocess.run(
+        [sys.executable, "-m", "rm.train", "-m", *SMALL_RUN, *args, f"hydra.sweep.dir={sweep_dir}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    return proc
+
+
+def summary_rows(sweep_dir):
+    with (sweep_dir / "summary.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
+    proc = multirun(["hardware.device_memory_gib=0.032", "train.track_memory=true",
+                     "memory_profile=full,lora,8bit,offload", "lora.r=8,16"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = summary_rows(tmp_path)
+    assert len(rows) == 8
+    status = {(r["overrides"].split()[-2], r["overrides"].split()[-1]): r["status"] for r in rows}
+    assert status == {
+        ("memory_profile=full", "lora.r=8"): "ok", ("memory_profile=full", "lora.r=16"): "ok",
+        ("memory_profile=lora", "lora.r=8"): "ok", ("memory_profile=lora", "lora.r=16"): "refused",
+        ("memory_profile=8bit", "lora.r=8"): "ok", ("memory_profile=8bit", "lora.r=16"): "ok",
+        ("memory_profile=offload", "lora.r=8"): "refused", ("memory_profile=offload", "lora.r=16"): "refused",
+    }
+    usable = 0.032 * 1024**3
+    for r in rows:
+        assert float(r["usable_bytes"]) == pytest.approx(usable)
+        if r["status"] == "refused":
+            assert float(r["estimated_peak_bytes"]) > usable and r["measured_peak_bytes"] == ""
+            assert r["error"].startswith("would fit with: ")
+            assert not (tmp_path / r["job_dir"] / "final").exists()
+        else:
+            assert float(r["estimated_peak_bytes"]) <= usable
+            assert float(r["measured_peak_bytes"]) == pytest.approx(float(r["estimated_peak_bytes"]), rel=0.02)
+            assert float(r["tokens_per_s"]) > 0 and 0 <= float(r["eval_accuracy"]) <= 1 and float(r["eval_loss"]) > 0
+            final = tmp_path / r["job_dir"] / "final"
+            assert (final / "config.json").exists() or (final / "adapter_config.json").exists()
+    assert json.loads((tmp_path / "summary.json").read_text())[3]["status"] == "refused"
+    # The table at the end names every job by what differs between them.
+    assert "8 jobs: 5 ok, 3 refused, 0 failed" in proc.stderr + proc.stdout
+    assert "memory_profile=offload lora.r=16" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("on_failure,exit_ok", [("raise", False), ("continue", True)])
+def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, on_failure, exit_ok):
+    # The second job asks for a data file that does not exist: it fails when its data load, not at validation.
+    proc = multirun([f"sweep.on_failure={on_failure}", "train.max_steps=2",
+                     "data.source=synthetic,local", "data.train_files=[missing.jsonl]", "data.eval_files=[missing.jsonl]",
+                     "train.seed=1,2"], tmp_path)
+    assert (proc.returncode == 0) == exit_ok, proc.stderr[-3000:]
+    rows = summary_rows(tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed", "failed"]
+    assert all("missing.jsonl" in r["error"] for r in rows[2:])
+    assert "4 jobs: 2 ok, 0 refused, 2 failed" in proc.stderr + proc.stdout or not exit_ok
+
+
+def test_optuna_study_of_three_trials_counts_refusals_as_failed_trials(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
+    # lora.r=32 does not fit in 0.0319 GiB (32.7 MiB; r16 needs 33.4), r4 does. The sampler's seed is
+    # train.seed: with 1, TPE's three random start-up trials draw r = 4, 32, 4.
+    proc = subprocess.run(
+        [sys.executable, "-m", "rm.train", "-m", "hparams_search=lora_optuna", *SMALL_RUN, "hardware.device_memory_gib=0.0319",
+         "train.seed=1", "hydra.sweeper.n_trials=3",
+         "hydra.sweeper.sampler.n_startup_trials=3",
+         "lora.r=choice(4,32)", f"hydra.sweep.dir={tmp_path}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = summary_rows(tmp_path)
+    assert len(rows) == 3 and {r["status"] for r in rows} == {"ok", "refused"}
+    for r in rows:
+        assert r["status"] == ("refused" if "lora.r=32" in r["overrides"] else "ok"), r
+    best = (tmp_path / "optimization_results.yaml").read_text()
+    ok = [float(r["eval_accuracy"]) for r in rows if r["status"] == "ok"]
+    assert ok, "every trial refused: the test's memory limit is wrong"
+    assert f"best_value: {max(ok)}" in best
+
+
+def test_slurm_launcher_takes_gpus_nodes_and_time_from_the_hardware_group(tmp_path, monkeypatch):
+    submitit = pytest.importorskip("submitit")
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
+    from omegaconf import OmegaConf
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
+            "hydra/launcher=submitit_slurm", "hardware=h100_80g", "hardware.nodes=2", "hardware.time_limit_min=720",
+            "hardware.slurm_partition=gpu", f"hydra.sweep.dir={tmp_path}", "hydra.job.name=rm",
+        ])
+    GlobalHydra.instance().clear()
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    params = OmegaConf.to_container(launcher, resolve=True)
+    assert {k: params[k] for k in ("nodes", "gpus_per_node", "tasks_per_node", "timeout_min", "partition", "mem_gb")} == {
+        "nodes": 2, "gpus_per_node": 8, "tasks_per_node": 8, "timeout_min": 720, "partition": "gpu", "mem_gb": 2048}
+
+    # What sbatch would receive, built the way the plugin builds its executor. No cluster here:
+    # submitit only checks that an `srun` exists, so a stub that is never run stands in for it.
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{__import__('os').environ['PATH']}")
+    executor = submitit.AutoExecutor(folder=params.pop("submitit_folder"), cluster="slurm",
+                                     slurm_max_num_timeout=params.pop("max_num_timeout"))
+    base = set(OmegaConf.structured(BaseQueueConf).keys())
+    params = {k if k in base else f"slurm_{k}": v for k, v in params.items() if k != "_target_"}
+    executor.update_parameters(**params)
+    script = executor._executor._make_submission_file_text("python -m rm.train", "uid")
+    for line in ("#SBATCH --nodes=2", "#SBATCH --gpus-per-node=8", "#SBATCH --ntasks-per-node=8",
+                 "#SBATCH --time=720", "#SBATCH --partition=gpu", "#SBATCH --mem=2048GB", "#SBATCH --job-name=rm"):
+        assert line in script, script
+
+
+def test_summary_table_shows_what_differs_and_why_jobs_did_not_train():
+    records = [
+        {**job_record(["a=1", "x=1"], "ok", job=0, result={"eval_accuracy": 0.9, "eval_loss": 0.3, "tokens_per_s": 100.0}),
+         "job_dir": "0"},
+        {**job_record(["a=1", "x=2"], "refused", job=1, error="would fit with: memory_profile=lora"), "job_dir": "1"},
+        {**job_record(["a=1", "x=3"], "failed", job=2, error=ValueError("bad\nsecond line")), "job_dir": "2"},
+    ]
+    table = format_summary(records)
+    assert "x=1" in table and "a=1 x=1" not in table and "common to every job: a=1" in table
+    assert "would fit with: memory_profile=lora" in table and "ValueError: bad" in table and "second line" not in table
+    assert "3 jobs: 1 ok, 1 refused, 1 failed" in table
+    assert math.isclose(records[0]["eval_accuracy"], 0.9)
+
+
+def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
+    proc = multirun(["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "train.max_steps=2", "train.seed=1,2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = summary_rows(tmp_path)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and [r["overrides"].split()[-1] for r in rows] == ["train.seed=1", "train.seed=2"]
+    assert "Joblib.Parallel(n_jobs=2" in proc.stderr + proc.stdout
