@@ -224,6 +224,11 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     phases = {
         "forward/backward": backward + temporaries,
         "optimizer step": step + temporaries,
+        # DeepSpeed ZeRO-1/2 (no offload) while accumulating: at the end of a backward, a fresh gradient
+        # partition is filled while the previous micro-batch's is still held (measured on CPU).
+        "gradient reduction": (weights + states + 2 * gradients + temporaries
+                               if plan.strategy == "deepspeed" and not profile.offload_optimizer
+                               and plan.gradient_accumulation_steps > 1 else 0),
         "evaluation": weights + states + kept_gradients + evaluation,
         "load": weights,
     }
