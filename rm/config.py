@@ -10,7 +10,7 @@ code reads the typed objects returned by :func:`to_run_config` and never calls
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -106,10 +106,15 @@ class DataConfig:
     eval_split: str = "test"
     train_files: List[str] = field(default_factory=list)  # source=local: jsonl / json / parquet, globs allowed
     eval_files: List[str] = field(default_factory=list)
+    # More eval sets, name -> local files, each loaded like the main eval split and reported as eval_<name>_*:
+    # +data.extra_eval_files.hard=[hard/*.parquet] (the + because a new name is a new key to Hydra)
+    extra_eval_files: Dict[str, List[str]] = field(default_factory=dict)
     format: str = "auto"  # auto | hh | prompt | messages
     margin_column: Optional[str] = None  # column with a per-pair margin for the loss
     max_length: int = 512  # tokens per sequence; longer pairs follow `truncation`. Activations grow with it
-    truncation: str = "truncate"  # truncate (cut the prompt's start) | drop
+    truncation: str = "truncate"  # truncate (cut the prompt's start) | drop | error (stop, naming the row)
+    identical_pairs: str = "drop"  # drop | keep: chosen == rejected after truncation trains nothing (loss ln 2)
+    duplicates: str = "keep"  # keep | drop: a pair with the same token ids as an earlier pair of its split
     on_malformed: str = "skip"  # skip (count) | error
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
@@ -180,6 +185,20 @@ class SweepConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Training-health alarms and what a non-finite step does (``rm.health`` documents each alarm)."""
+
+    ln2_steps: int = 50  # alarm when the loss of each of the first N steps is within ln2_tolerance of ln 2; 0: off
+    ln2_tolerance: float = 0.02
+    chance_after_steps: int = 100  # alarm when an eval from this step on has accuracy <= 0.5 + chance_tolerance
+    chance_tolerance: float = 0.02
+    max_abs_reward: float = 100.0  # alarm when the mean |reward| over a step exceeds it; 0: off
+    on_nonfinite: str = "stop"  # NaN/inf loss or gradient norm: stop (keep the last good checkpoint) | skip the step
+    max_consecutive_skips: int = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
+    fp32_head: Optional[bool] = None  # reward head weights and compute in fp32; null: on with fp16/bf16, off in fp32
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = MISSING
     lora: LoraConfig = MISSING
@@ -191,6 +210,7 @@ class RunConfig:
     preflight: PreflightConfig = MISSING
     estimate: EstimateOutput = field(default_factory=EstimateOutput)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 GROUPS = {

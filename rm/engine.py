@@ -3,9 +3,10 @@
 ``rm.train`` talks to an engine only through the names below, which are the
 subset of ``accelerate.Accelerator`` it needs (``device``, ``process_index``,
 ``num_processes``, ``is_main_process``, ``autocast``, ``reduce``,
-``wait_for_everyone``) plus ``backward``, ``step``, ``save_state``,
-``load_state`` and ``save_model``. So the same loop runs on one CPU, on 8 GPUs
-with DDP, and under ZeRO-3 with offload.
+``wait_for_everyone``) plus ``backward``, ``clip_gradients``, ``step``,
+``grad_norm``, ``gradients_of`` (the health checks of ``rm.health``), ``save_state``,
+``load_state`` and ``model_state_dict`` (what ``rm.export`` saves). So the same
+loop runs on one CPU, on 8 GPUs with DDP, and under ZeRO-3 with offload.
 
 Why DeepSpeed's engine directly rather than through accelerate: accelerate
 1.15 does not start DeepSpeed with several processes on a machine without
@@ -17,12 +18,13 @@ and GPU runs. The DeepSpeed config is generated from the Hydra config by
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import socket
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -169,6 +171,7 @@ class AccelerateEngine:
         self.num_processes = self.accelerator.num_processes
         self.is_main_process = self.accelerator.is_main_process
         self._micro = 0
+        self._norm: Optional[float] = None
 
     def prepare(self, model, optimizer_factory: Callable, scheduler_factory: Callable):
         optimizer = optimizer_factory(model)
@@ -187,16 +190,39 @@ class AccelerateEngine:
         with nullcontext() if sync else self.accelerator.no_sync(self.model):
             self.accelerator.backward(loss / self.accumulation)
 
-    def step(self) -> Optional[float]:
-        """Clip, step optimizer and schedule, clear gradients; return the gradient norm before clipping."""
+    def clip_gradients(self) -> float:
+        """Unscale (fp16), clip to ``max_grad_norm`` when it is > 0, and return the norm before clipping.
+
+        Called before :meth:`step`, so that a non-finite norm can keep the update from the weights.
+        """
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf  # inf: the norm, no clipping
+        self._norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm))
+        return self._norm
+
+    def step(self, skip: bool = False) -> bool:
+        """Step optimizer and schedule and clear gradients; return whether the weights changed.
+
+        ``skip`` drops the update: the gradients are cleared, weights and optimizer states
+        stay, and the schedule still advances (its step follows the data, not the updates).
+        """
         self._micro = 0
-        norm = None
-        if self.max_grad_norm > 0:
-            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
-        self.optimizer.step()
+        if skip:
+            scaler = self.accelerator.scaler
+            if scaler is not None:  # fp16: clip_gradients unscaled; update() resets that and lowers the scale
+                scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return norm
+        return not skip and not self.optimizer.step_was_skipped
+
+    def grad_norm(self) -> Optional[float]:
+        """The norm :meth:`clip_gradients` returned for the last step."""
+        return self._norm
+
+    def gradients_of(self, module_name: str) -> List[Optional[torch.Tensor]]:
+        """Gradients of the trainable parameters under ``module_name`` (any wrapper: DDP, PEFT's copy)."""
+        return [p.grad for name, p in self.model.named_parameters() if module_name in name.split(".") and p.requires_grad]
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -225,12 +251,10 @@ class AccelerateEngine:
     def unwrapped_model(self):
         return self.accelerator.unwrap_model(self.model)
 
-    def save_model(self, directory: Path) -> None:
-        """Write a transformers (or PEFT adapter) directory from rank 0."""
+    def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """None: every process holds the whole model, whose own state dict is the one to save."""
         self.accelerator.wait_for_everyone()
-        self.unwrapped_model().save_pretrained(
-            directory, is_main_process=self.is_main_process, save_function=self.accelerator.save, safe_serialization=True
-        )
+        return None
 
     def end(self) -> None:
         self.accelerator.end_training()
@@ -281,10 +305,34 @@ class DeepSpeedEngine:
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # only advances DeepSpeed's micro-step counter
 
-    def step(self) -> Optional[float]:
-        self.engine.step()  # at the boundary: clip, optimizer step, scheduler step, zero grads
+    def clip_gradients(self) -> None:
+        """DeepSpeed clips inside ``engine.step``, after its own overflow check: no norm before the update."""
+        return None
+
+    def step(self, skip: bool = False) -> bool:
+        """At the boundary: clip, optimizer step, scheduler step, zero grads; return whether the weights changed.
+
+        DeepSpeed offers no way to drop accumulated gradients from outside. A ``skip`` asked
+        for a non-finite loss relies on its overflow check, which drops an update whose
+        gradients are not finite (every ZeRO stage, fp32/bf16/fp16); the caller sees from
+        the return value whether it did.
+        """
+        self.engine.step()
+        return self.engine.was_step_applied()
+
+    def grad_norm(self) -> Optional[float]:
         norm = self.engine.get_global_grad_norm()
         return float(norm) if norm is not None else None
+
+    def gradients_of(self, module_name: str) -> List[Optional[torch.Tensor]]:
+        """Full gradients of the trainable parameters under ``module_name``, assembled from ZeRO's partitions.
+
+        Every rank must call it: under ZeRO-2/3 assembling a gradient is a collective.
+        """
+        from deepspeed.utils import safe_get_full_grad
+
+        return [safe_get_full_grad(p) for name, p in self.engine.module.named_parameters()
+                if module_name in name.split(".") and p.requires_grad]
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -318,15 +366,14 @@ class DeepSpeedEngine:
     def unwrapped_model(self):
         return self.engine.module
 
-    def save_model(self, directory: Path) -> None:
-        """Write a transformers directory; under ZeRO-3 the shards are gathered into one state dict first."""
+    def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Under ZeRO-3 the shards gathered into one state dict (every rank must call; rank 0 gets it);
+        otherwise None: stages 1-2 keep whole weights on every rank."""
         state_dict = None
         if self.config["zero_optimization"]["stage"] == 3:
-            state_dict = self.engine._zero3_consolidated_16bit_state_dict()  # every rank takes part
-        if self.is_main_process:
-            kwargs = {"state_dict": state_dict} if state_dict is not None else {}
-            self.engine.module.save_pretrained(directory, safe_serialization=True, **kwargs)
+            state_dict = self.engine._zero3_consolidated_16bit_state_dict()
         dist.barrier()
+        return state_dict
 
     def end(self) -> None:
         dist.barrier()

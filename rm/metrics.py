@@ -5,30 +5,46 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
 from rm.data.collator import PairCollator
+from rm.diagnostics import PairScores, pair_diagnostics
 from rm.loss import bradley_terry_loss
 from rm.model import pair_rewards
 
 
 @torch.no_grad()
-def evaluate(model, eval_set, collator: PairCollator, batch_size: int, engine) -> Dict[str, float]:
-    """Pairwise accuracy, mean reward margin and loss over ``eval_set``.
+def evaluate(
+    model, eval_set, collator: PairCollator, batch_size: int, engine, prefix: str = "eval_"
+) -> Tuple[Dict[str, float], PairScores]:
+    """Pairwise accuracy, mean reward margin, loss and the diagnostics of :mod:`rm.diagnostics` over ``eval_set``.
 
     Each process scores a strided share of the pairs; sums are reduced across
     processes, so the result covers every pair exactly once. A tie counts as wrong.
     Every process runs the same number of forward passes (one with nothing left
     scores pair 0 and discards it), because under ZeRO-3 each forward gathers
     the weights collectively.
+
+    Args:
+        prefix: put before every key: ``eval_`` for the main eval set, ``eval_<name>_`` for the
+            extra sets of ``data.extra_eval_files``.
+
+    Returns:
+        ``(metrics, scores)``: ``{prefix}accuracy``, ``{prefix}margin``, ``{prefix}loss``,
+        ``{prefix}pairs`` and the diagnostics' keys, prefixed; and every pair's rewards and
+        lengths (the same on every process), which the end-of-run plot draws.
     """
     was_training = model.training
     model.eval()
     indices = list(range(engine.process_index, len(eval_set), engine.num_processes))
     per_rank = -(-len(eval_set) // engine.num_processes)
     sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # pairs, correct, margin, loss
+    # Rows: chosen reward, rejected reward, chosen length, rejected length. The strided shares are
+    # disjoint, so a sum over processes of these zero-filled rows is a gather that every backend
+    # (gloo, NCCL, DeepSpeed) already supports through ``engine.reduce``.
+    per_pair = torch.zeros(len(eval_set), 4, dtype=torch.float64, device=engine.device)
     for start in range(0, per_rank, batch_size):
         chunk = indices[start : start + batch_size]
         if not chunk:
@@ -47,15 +63,47 @@ def evaluate(model, eval_set, collator: PairCollator, batch_size: int, engine) -
             dtype=torch.float64,
             device=engine.device,
         )
+        lengths = batch["attention_mask"].sum(dim=1).to(engine.device, torch.float64)
+        per_pair[torch.tensor(chunk, device=engine.device)] = torch.stack(
+            [chosen.double(), rejected.double(), lengths[:n], lengths[n:]], dim=1
+        )
     sums = engine.reduce(sums, reduction="sum")
+    per_pair = engine.reduce(per_pair, reduction="sum").cpu()
     model.train(was_training)
     pairs = max(sums[0].item(), 1.0)
-    return {
-        "eval_accuracy": sums[1].item() / pairs,
-        "eval_margin": sums[2].item() / pairs,
-        "eval_loss": sums[3].item() / pairs,
-        "eval_pairs": int(sums[0].item()),
+    scores = PairScores(*per_pair.unbind(dim=1))
+    metrics = {
+        f"{prefix}accuracy": sums[1].item() / pairs,
+        f"{prefix}margin": sums[2].item() / pairs,
+        f"{prefix}loss": sums[3].item() / pairs,
+        f"{prefix}pairs": int(sums[0].item()),
     }
+    metrics.update({f"{prefix}{key}": value for key, value in pair_diagnostics(scores).items()})
+    return metrics, scores
+
+
+def evaluate_sets(
+    model, eval_set, extra_eval_sets: Mapping[str, object], collator: PairCollator, batch_size: int, engine
+) -> Tuple[Dict[str, float], Dict[str, PairScores]]:
+    """:func:`evaluate` on the main eval set (``eval_`` keys; skipped when ``None``) and on each
+    named extra set (``eval_<name>_`` keys), merged into one dict.
+
+    Returns:
+        ``(metrics, scores)``, ``scores`` keyed by prefix without its trailing ``_``
+        (``"eval"``, ``"eval_<name>"``), the names the metric keys carry.
+    """
+    named = ({"eval": eval_set} if eval_set is not None else {}) | {f"eval_{n}": s for n, s in extra_eval_sets.items()}
+    metrics: Dict[str, float] = {}
+    scores: Dict[str, PairScores] = {}
+    for name, dataset in named.items():
+        values, scores[name] = evaluate(model, dataset, collator, batch_size, engine, prefix=f"{name}_")
+        metrics.update(values)
+    return metrics, scores
+
+
+def format_eval(metrics: Mapping[str, float]) -> str:
+    """One log line of eval metrics; the per-bucket keys stay in ``metrics.jsonl`` and the plot."""
+    return "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "_len_diff_" not in k)
 
 
 class MetricsLog:

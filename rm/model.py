@@ -25,11 +25,12 @@ def weight_dtype(precision: str) -> torch.dtype:
 def build_tokenizer(model_cfg: ModelConfig):
     """Load the tokenizer and give it a pad token that is not a real token where possible.
 
-    Mistral and Llama ship without a pad token. transformers' sequence-classification
-    head reads the reward at the last token that is not the pad id, so the pad id
-    should never occur in text: we take ``unk`` (which byte-fallback tokenizers
-    never emit) before falling back to ``eos``. When pad equals eos the data
-    pipeline does not append eos (see ``rm.data.preference``).
+    Mistral and Llama ship without a pad token. rm reads the reward at the last
+    real token by the attention mask (:func:`sequence_rewards`), but plain
+    transformers reads it at the last token that is not the pad id, so the pad id
+    should never occur in text for the two to agree: we take ``unk`` (which
+    byte-fallback tokenizers never emit) before falling back to ``eos``. When pad
+    equals eos the data pipeline does not append eos (see ``rm.data.preference``).
     """
     if model_cfg.tokenizer == "builtin":
         from rm.tokenizer import build_builtin_tokenizer
@@ -178,12 +179,75 @@ def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: fl
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position of the last real token (the last 1 of the mask) in each row, whatever the padding side.
+
+    Example:
+        >>> last_token_index(torch.tensor([[1, 1, 1, 0], [0, 0, 1, 1], [1, 1, 1, 1]]))
+        tensor([2, 3, 3])
+    """
+    # argmax returns the first maximum, so on the flipped mask it finds the last 1.
+    return attention_mask.shape[-1] - 1 - attention_mask.flip(-1).argmax(-1)
+
+
+def reward_head(model: torch.nn.Module) -> torch.nn.Module:
+    """The ``score`` head of a sequence-classification model, through DDP, DeepSpeed and PEFT wrappers.
+
+    Under PEFT it is the ``ModulesToSaveWrapper`` whose output is that of the trained copy.
+
+    Raises:
+        TypeError: the model has no ``score`` head (encoder models pool before their head).
+    """
+    while isinstance(getattr(model, "module", None), torch.nn.Module):  # DDP, DeepSpeed's engine
+        model = model.module
+    if hasattr(model, "get_base_model"):  # PEFT
+        model = model.get_base_model()
+    head = getattr(model, "score", None)
+    if not isinstance(head, torch.nn.Module):
+        raise TypeError(f"{type(model).__name__} has no `score` head: rm reads per-token rewards from decoder models")
+    return head
+
+
+def sequence_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """One reward per row, read at its last real token (by the attention mask), in one forward pass.
+
+    transformers' sequence-classification models pool at the rightmost token whose id is not
+    the pad id, which skips a final EOS when EOS doubles as the pad token. So the per-token
+    output of the ``score`` head is caught with a forward hook and read at the last 1 of the
+    mask instead. The model itself is called as usual, so DeepSpeed ZeRO-3's module hooks
+    gather the parameters and PEFT's wrappers run. Left-padded rows get positions counted
+    from their first real token, so their rewards equal those of right padding (models with
+    absolute position embeddings need it; rotary ones only change by rounding).
+
+    Args:
+        model: a ``*ForSequenceClassification`` model with a ``score`` head, possibly wrapped.
+        input_ids: ``(N, T)`` token ids.
+        attention_mask: ``(N, T)``, 1 on real tokens.
+
+    Returns:
+        ``(N,)`` rewards, differentiable.
+    """
+    caught = []
+    handle = reward_head(model).register_forward_hook(lambda module, args, output: caught.append(output))
+    kwargs = {}
+    if not bool(attention_mask[:, 0].all()):  # some row is left-padded
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    finally:
+        handle.remove()
+    if len(caught) != 1 or caught[0].dim() != 3:
+        raise TypeError(f"expected one per-token (N, T, 1) output of the reward head, got {[tuple(o.shape) for o in caught]}")
+    rows = torch.arange(input_ids.shape[0], device=caught[0].device)
+    return caught[0][rows, last_token_index(attention_mask).to(caught[0].device)].squeeze(-1)
+
+
 def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Score a :class:`~rm.data.collator.PairCollator` batch in one forward pass.
+    """Score a :class:`~rm.data.collator.PairCollator` batch in one forward pass (:func:`sequence_rewards`).
 
     Returns:
         ``(chosen_rewards, rejected_rewards)``, each of shape ``(B,)``.
     """
-    rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+    rewards = sequence_rewards(model, input_ids, attention_mask)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]

@@ -6,7 +6,8 @@ Pairs (any layout ``rm.train`` reads: HH transcripts, prompt/chosen/rejected,
 conversational messages) get ``reward_chosen``/``reward_rejected`` and the
 pairwise accuracy is printed; rows with a ``text`` column get ``reward``.
 Only plain transformers is used to load the model, so this also checks that a
-saved model is usable outside ``rm``.
+saved model is usable outside ``rm``; the reward is read as in training, at the
+last real token (``rm.model.sequence_rewards``).
 """
 
 from __future__ import annotations
@@ -28,17 +29,18 @@ from rm.data.preference import (
     tokenize_pairs,
     truncate_left,
 )
+from rm.model import sequence_rewards
 
 
 @torch.no_grad()
 def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
-    """Rewards of already tokenised sequences, in order."""
+    """Rewards of already tokenised sequences, in order, read at each one's last real token."""
     rewards: List[float] = []
     device = next(model.parameters()).device
     for start in range(0, len(rows), batch_size):
         batch = tokenizer.pad({"input_ids": list(rows[start : start + batch_size])}, return_tensors="pt")
-        out = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device))
-        rewards += out.logits.squeeze(-1).float().cpu().tolist()
+        out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+        rewards += out.float().cpu().tolist()
     return rewards
 
 

@@ -30,16 +30,20 @@ from transformers import get_scheduler
 from rm.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from rm.config import RunConfig, to_run_config
 from rm.data.batching import micro_batches_for_step, steps_per_epoch
-from rm.data.build import build_datasets
+from rm.data.audit import format_audit, write_audit
+from rm.data.build import build_datasets, build_extra_eval_sets
 from rm.data.collator import PairCollator
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
+from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
+from rm.health import HEAD, SKIP, STOP, HealthMonitor, fp32_head_enabled, keep_head_in_fp32
 from rm.loss import bradley_terry_loss
 from rm.memory_monitor import MemoryMonitor
 from rm.sweep import job_record, write_job_record
-from rm.metrics import MetricsLog, evaluate
-from rm.model import apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
+from rm.metrics import MetricsLog, evaluate_sets, format_eval
+from rm.plots import write_eval_plots
+from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
 from rm.validate import ConfigError, Plan, validate
 
 log = logging.getLogger("rm.train")
@@ -109,8 +113,11 @@ def dtypes(cfg: RunConfig, plan: Plan) -> str:
     """Where precision lives, in words, as the profile and engine set it up."""
     profile = cfg.memory_profile
     base = "4-bit NF4" if profile.quantize_base != "none" else plan.precision
-    # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the base dtype.
-    trained = f"adapters fp32 + head {plan.precision}" if profile.use_lora else plan.precision
+    # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the head's dtype.
+    head = "fp32" if fp32_head_enabled(cfg.health.fp32_head, plan.precision) and plan.strategy != "deepspeed" else plan.precision
+    trained = f"adapters fp32 + head {head}" if profile.use_lora else plan.precision
+    if not profile.use_lora and head != plan.precision:
+        trained += " (reward head fp32)"
     if plan.strategy == "deepspeed":
         master = "fp32 master weights + " if plan.precision != "fp32" else ""
         states = f"{master}fp32 AdamW states (DeepSpeed)"
@@ -210,11 +217,22 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
 
     # ---- build
     tokenizer = build_tokenizer(cfg.model)
-    train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
+    train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
+    if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
+        write_audit(run_dir / "data_audit.json", data_audit)
+    log.info("%s", format_audit(data_audit))
+    health = HealthMonitor.from_config(  # training-health alarms (rm.health), written to metrics.jsonl
+        cfg.health, metrics=MetricsLog(run_dir, engine.is_main_process), is_main_process=engine.is_main_process,
+        loss_scaling=plan.precision == "fp16",
+    )
+    health.check_data(tokenizer.pad_token_id, tokenizer.pad_token, data_audit)  # no pad id at all: ConfigError
     collator = PairCollator(tokenizer.pad_token_id)
+    extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     model = build_model(
         cfg.model, tokenizer.pad_token_id, plan.precision, t.gradient_checkpointing, cfg.memory_profile.quantize_base
     )
+    if fp32_head_enabled(cfg.health.fp32_head, plan.precision):
+        keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
     model = apply_memory_profile(model, cfg.memory_profile, cfg.lora)
     total_steps = total_training_steps(cfg, len(train_set))
     model = engine.prepare(
@@ -242,6 +260,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
     device = engine.device
     eval_metrics: Dict[str, float] = {}
+    eval_scores = {}  # per eval set, every pair's rewards and lengths at the last evaluation: the end-of-run plot
     window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
     # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
     progress = tqdm(
@@ -266,10 +285,18 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
                     chosen, rejected = pair_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
                     loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
                 engine.backward(loss)
+                health.observe(loss, chosen, rejected)
                 window_loss += loss.item() / len(micro_batches)
                 window_tokens += int(batch["attention_mask"].sum())
                 run_tokens += int(batch["attention_mask"].sum())
-            grad_norm = engine.step()
+            # Checked before the optimizer applies the update, so that a NaN never reaches the weights.
+            action = health.before_update(step + 1, engine.clip_gradients(), engine.gradients_of(HEAD), engine.reduce)
+            if action == STOP:
+                break
+            applied = engine.step(skip=action == SKIP)
+            if health.after_update(step + 1, applied) == STOP:  # e.g. DeepSpeed dropped a non-finite update itself
+                break
+            grad_norm = engine.grad_norm()
             step += 1
             window_steps += 1
             progress.update(1)
@@ -292,15 +319,18 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
                 progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
                 window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
             pause_start = time.perf_counter()
-            if eval_set is not None and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
-                eval_metrics = evaluate(model, eval_set, collator, t.eval_batch_size, engine)
+            if (eval_set is not None or extra_eval_sets) and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
+                eval_metrics, eval_scores = evaluate_sets(model, eval_set, extra_eval_sets, collator, t.eval_batch_size, engine)
                 metrics.write("eval", step, eval_metrics)
-                log.info("step %d: %s", step, "  ".join(f"{k} {v:.4f}" for k, v in eval_metrics.items()))
+                health.check_eval(step, eval_metrics.get("eval_accuracy"))
+                log.info("step %d: %s", step, format_eval(eval_metrics))
             if t.save_steps and step % t.save_steps == 0 and step < total_steps:
                 save_checkpoint(engine, run_dir, step, t.save_total_limit)
             paused_s += time.perf_counter() - pause_start
         progress.close()
         train_s = time.perf_counter() - loop_start - paused_s
+        if engine.is_main_process and eval_scores:  # after train_s: drawing is not training time
+            log.info("eval plots: %s", write_eval_plots(eval_scores, run_dir / "eval_plots.png"))
         run_tokens = int(engine.reduce(torch.tensor(run_tokens, device=device), reduction="sum"))
         measured = monitor.snapshot()
         run_stats = {
@@ -308,6 +338,8 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
             "measured_peak_bytes": measured.get("peak_allocated_bytes"),
             "estimated_peak_bytes": estimate.peak_bytes if estimate else None,
             "usable_bytes": estimate.usable_bytes if estimate else None,
+            "alarms": health.fired,
+            "skipped_steps": health.skipped_steps,
         }
 
         if stop.signum:
@@ -319,22 +351,36 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
             metrics.close()
             engine.end()
             return {**eval_metrics, **run_stats, "status": "interrupted", "step": step, "signal": stop.signum}
+        if health.stop_reason:  # no checkpoint: the newest one on disk stays the last good one
+            log.error(
+                "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
+                "(continue from it with train.resume=true hydra.run.dir=%s once the cause is fixed)",
+                step + 1, total_steps, health.stop_reason, latest_checkpoint(run_dir) or "none (none was due yet)", run_dir,
+            )
+            metrics.close()
+            engine.end()
+            return {**eval_metrics, **run_stats, "status": "stopped_nonfinite", "step": step, "reason": health.stop_reason}
 
     if engine.is_main_process:
         (run_dir / "memory.json").write_text(json.dumps(
             {"estimate": estimate.to_dict() if estimate else None, "measured": measured}, indent=2
         ))
 
-    # ---- save
+    # ---- save: one bundle, reloaded in a fresh model and checked on a probe batch (rm.export)
     final_dir = run_dir / "final"
-    engine.save_model(final_dir)
-    if engine.is_main_process:
-        tokenizer.save_pretrained(final_dir)
-        if cfg.memory_profile.use_lora and cfg.lora.merge_on_save:
-            merged = engine.unwrapped_model().merge_and_unload()
-            merged.save_pretrained(final_dir / "merged", safe_serialization=True)
-            tokenizer.save_pretrained(final_dir / "merged")
-    engine.wait_for_everyone()
+
+    def fresh_base():  # what an adapter is reloaded onto: a random-init base is rebuilt from its seed
+        set_seed(t.seed)
+        return build_model(cfg.model, tokenizer.pad_token_id, plan.precision, False, cfg.memory_profile.quantize_base)
+
+    probe_set = eval_set if eval_set is not None else train_set
+    export_final(
+        engine, model, tokenizer, final_dir,
+        probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
+        reward_stats=reward_stats_from_eval(eval_metrics, step), compute_dtype=DTYPES[plan.precision],
+        merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
+        base_factory=fresh_base if cfg.memory_profile.use_lora else None,
+    )
     log.info("saved the reward model to %s", final_dir)
     metrics.close()
     engine.end()
@@ -350,9 +396,10 @@ def _quiet_other_ranks() -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> Optional[float]:
-    """One job: exits 2 on a config error and 3 on a refusal; in a multirun (``-m``) both are
-    recorded in ``job_result.json`` and the sweep goes on (``rm.sweep``). Returns the final eval
-    accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
+    """One job: exits 2 on a config error, 3 on a refusal and 4 when a non-finite loss or gradient
+    stopped it (``rm.health``); in a multirun (``-m``) the first two are recorded in
+    ``job_result.json`` and the sweep goes on (``rm.sweep``), the third follows ``sweep.on_failure``.
+    Returns the final eval accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
     the Optuna sweeper records as a failed (infeasible) trial rather than a value to learn from."""
     join_submitit_tasks()
     _quiet_other_ranks()
@@ -393,6 +440,14 @@ def main(cfg: DictConfig) -> Optional[float]:
         record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
                                               "a checkpoint was written, resume with train.resume=true")
         sys.exit(128 + result["signal"])
+    if result["status"] == "stopped_nonfinite":
+        error = f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it"
+        record("failed", result=result, error=error)
+        if not multirun:
+            sys.exit(4)
+        if run_cfg.sweep.on_failure == "continue":
+            return None
+        raise RuntimeError(error)  # like any failed job under sweep.on_failure=raise
     record("ok", result=result)
     return result.get("eval_accuracy", float("nan"))
 

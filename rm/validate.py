@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from typing import List
 
 from rm.config import RunConfig
+from rm.diagnostics import eval_keys
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
@@ -17,12 +19,15 @@ CHOICES = {
     "hardware.accelerator": ("cuda", "cpu", "auto"),
     "data.source": ("hub", "local", "synthetic"),
     "data.format": ("auto", "hh", "prompt", "messages"),
-    "data.truncation": ("truncate", "drop"),
+    "data.truncation": ("truncate", "drop", "error"),
+    "data.identical_pairs": ("drop", "keep"),
+    "data.duplicates": ("keep", "drop"),
     "data.on_malformed": ("skip", "error"),
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
     "preflight.mode": ("error", "warn", "off"),
     "sweep.on_failure": ("raise", "continue"),
+    "health.on_nonfinite": ("stop", "skip"),
 }
 
 
@@ -92,6 +97,12 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
             errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
     if t.max_steps <= 0 and not t.num_train_epochs > 0:
         errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
+    h = cfg.health
+    for key in ("ln2_steps", "ln2_tolerance", "chance_after_steps", "chance_tolerance", "max_abs_reward"):
+        if getattr(h, key) < 0:
+            errors.append(f"health.{key}={getattr(h, key)} must be >= 0")
+    if h.max_consecutive_skips < 1:
+        errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
     if not 0 <= t.warmup_ratio < 1:
         errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     if cfg.memory_profile.use_lora and not cfg.lora.target_modules:
@@ -116,6 +127,7 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         errors.append("data.source=local needs data.train_files, e.g. data.train_files=[pairs.jsonl]")
     if d.source == "hub" and not d.path:
         errors.append("data.source=hub needs data.path, e.g. data.path=Anthropic/hh-rlhf")
+    _check_extra_eval_files(d.extra_eval_files, errors)
     if cfg.model.pretrained is None and cfg.model.tokenizer is None:
         errors.append(f"model={cfg.model.name} has neither model.pretrained nor model.tokenizer: name a tokenizer")
 
@@ -141,6 +153,22 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         zero_stage=zero_stage,
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
     )
+
+
+def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:
+    """Each name must make metric keys of its own: ``eval_<name>_...`` may not collide with another set's keys."""
+    owners = {key: "the main eval set" for key in eval_keys("eval_")}
+    for name, files in extra_eval_files.items():
+        key = f"data.extra_eval_files.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name):
+            errors.append(f"{key}: a name is letters, digits, '_' and '-', starting with a letter or digit")
+        if not files:
+            errors.append(f"{key} lists no file: give at least one jsonl / json / parquet path")
+        keys = eval_keys(f"eval_{name}_")
+        clash = next((k for k in keys if k in owners), None)
+        if clash:
+            errors.append(f"{key}: its metric {clash} is also a metric of {owners[clash]}; pick another name")
+        owners.update({k: key for k in keys})
 
 
 def _installed(module: str) -> bool:

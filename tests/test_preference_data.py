@@ -9,8 +9,12 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
+from rm.validate import CHOICES
+
 from rm.data.preference import (
+    DUPLICATES,
     FORMATS,
+    IDENTICAL_PAIRS,
     ON_MALFORMED,
     TRUNCATION,
     detect_format,
@@ -122,8 +126,14 @@ WRITERS = {"jsonl": write_jsonl, "json": write_json, "parquet": write_parquet}
 
 def test_constants():
     assert FORMATS == ("auto", "hh", "prompt", "messages")
-    assert TRUNCATION == ("truncate", "drop")
+    assert TRUNCATION == ("truncate", "drop", "error")
     assert ON_MALFORMED == ("skip", "error")
+    assert IDENTICAL_PAIRS == ("drop", "keep")
+    assert DUPLICATES == ("keep", "drop")
+    # The config validation accepts exactly what the pipeline implements.
+    assert CHOICES["data.format"] == FORMATS and CHOICES["data.truncation"] == TRUNCATION
+    assert CHOICES["data.on_malformed"] == ON_MALFORMED and CHOICES["data.identical_pairs"] == IDENTICAL_PAIRS
+    assert CHOICES["data.duplicates"] == DUPLICATES
 
 
 # --------------------------------------------------------------------------- #
@@ -148,7 +158,7 @@ def test_load_and_normalise_each_format(tmp_path, tok, ext, rows, expected_forma
     assert ds.column_names == ["chosen", "rejected", "margin"]
     assert list(zip(ds["chosen"], ds["rejected"])) == EXPECTED_TEXTS
     assert ds["margin"] == [0.0, 0.0]
-    assert counts == {"rows": 2, "malformed": 0, "empty": 0, "identical": 0, "kept": 2}
+    assert counts == {"rows": 2, "malformed": 0, "empty": 0, "identical": 0, "kept": 2, "empty_chosen": 0, "empty_rejected": 0}
 
 
 def test_messages_without_prompt_column(tok):
@@ -217,7 +227,7 @@ def test_counts_survive_a_second_call_on_file_backed_data(tmp_path, tok):
     raw = load_preference_split("local", files=[write_jsonl(tmp_path / "d.jsonl", rows)])
     first = normalise_pairs(raw, "hh", tok)[1]
     second = normalise_pairs(raw, "hh", tok)[1]
-    assert first == second == {"rows": 3, "malformed": 0, "empty": 1, "identical": 0, "kept": 2}
+    assert first == second == {"rows": 3, "malformed": 0, "empty": 1, "identical": 0, "kept": 2, "empty_chosen": 1, "empty_rejected": 0}
 
 
 # --------------------------------------------------------------------------- #
@@ -268,7 +278,7 @@ def test_hh_malformed_rows_skip_and_error(tok):
     raw = datasets.Dataset.from_list(rows)
     ds, counts = normalise_pairs(raw, "hh", tok)
     assert ds["chosen"] == [GOOD["chosen"], rows[5]["chosen"]]
-    assert counts == {"rows": 6, "malformed": 1, "empty": 2, "identical": 1, "kept": 2}
+    assert counts == {"rows": 6, "malformed": 1, "empty": 2, "identical": 1, "kept": 2, "empty_chosen": 1, "empty_rejected": 1}
 
     with pytest.raises(ValueError, match=r"^row 1: 'rejected' is None"):
         normalise_pairs(raw, "hh", tok, on_malformed="error")
@@ -300,7 +310,7 @@ def test_prompt_format_malformed_and_empty_prompt_allowed(tok):
     ]
     ds, counts = normalise_pairs(datasets.Dataset.from_list(rows), "auto", tok)
     assert ds["chosen"] == [rows[0]["chosen"]]
-    assert counts == {"rows": 3, "malformed": 1, "empty": 1, "identical": 0, "kept": 1}
+    assert counts == {"rows": 3, "malformed": 1, "empty": 1, "identical": 0, "kept": 1, "empty_chosen": 0, "empty_rejected": 1}
 
 
 def test_messages_wrong_structure(tok):
@@ -319,7 +329,7 @@ def test_messages_wrong_structure(tok):
     raw = datasets.Dataset.from_list(rows)
     ds, counts = normalise_pairs(raw, "messages", tok)
     assert ds["rejected"] == ["\n\nHuman: hi\n\nAssistant: bad"]
-    assert counts == {"rows": 7, "malformed": 3, "empty": 2, "identical": 1, "kept": 1}
+    assert counts == {"rows": 7, "malformed": 3, "empty": 2, "identical": 1, "kept": 1, "empty_chosen": 1, "empty_rejected": 1}
 
     with pytest.raises(ValueError, match=r"^row 1: 'rejected' message 1 has content=None"):
         normalise_pairs(raw, "messages", tok, on_malformed="error")
@@ -473,7 +483,7 @@ def test_end_to_end_counts_and_summary(tmp_path, tok):
 def test_format_counts_example():
     counts = {
         "rows": 1000, "malformed": 3, "empty": 0, "identical": 1, "kept": 996,
-        "pairs_in": 996, "truncated": 5, "dropped_too_long": 3, "identical_after_truncation": 1,
+        "pairs_in": 996, "truncated": 5, "dropped_too_long": 3, "identical_after_truncation": 1, "dropped_identical": 1,
         "pad_in_text": 0, "pairs_out": 992,
     }  # fmt: skip
     assert format_counts(counts) == (

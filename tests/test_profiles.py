@@ -149,6 +149,11 @@ def test_two_process_zero3_offload_saves_a_loadable_model(tiny_cfg, tmp_path):
     final_eval = [e for e in events if e["event"] == "eval"][-1]
     # The saved weights are the gathered ZeRO-3 shards: the full model, giving the run's own rewards.
     assert reload_eval_loss(tmp_path, tiny_cfg()) == pytest.approx(final_eval["eval_loss"], rel=1e-5)
+    # rm.export checked it inside the run: both ranks scored the probe, rank 0 reloaded and compared.
+    assert f"export verified: {tmp_path / 'final'} reloads" in proc.stdout + proc.stderr
+    from rm.export import verify_bundle
+
+    assert verify_bundle(tmp_path / "final") <= 1e-6
 
 
 def test_measured_peaks_follow_what_each_profile_keeps(tiny_cfg, tmp_path):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Dict, Tuple
 
 import datasets
 
 from rm.config import DataConfig
+from rm.data.audit import audit_split, pair_lengths
 from rm.data.preference import format_counts, load_preference_split, normalise_pairs, tokenize_pairs
 from rm.data.synthetic import generate_pairs
+from rm.data.preference import _expand_files
 
 log = logging.getLogger(__name__)
 
@@ -39,14 +42,25 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     Returns:
         The tokenised dataset (``chosen_input_ids``, ``rejected_input_ids``,
         ``margin``) and the merged counts of normalisation and tokenisation.
+
+    Raises:
+        ValueError: A row the policies refuse (``data.on_malformed=error``,
+            ``data.truncation=error``; the message starts with the data and split
+            and names the row), or no usable pair left.
     """
     raw = _raw_split(data_cfg, split)
-    pairs, norm_counts = normalise_pairs(
-        raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column, on_malformed=data_cfg.on_malformed
-    )
-    tokenised, tok_counts = tokenize_pairs(
-        pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed
-    )
+    try:
+        pairs, norm_counts = normalise_pairs(
+            raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
+            on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
+        )
+        tokenised, tok_counts = tokenize_pairs(
+            pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
+            identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates,
+        )
+    except ValueError as err:
+        # The row index alone does not say which data or split it counts in.
+        raise ValueError(f"data {data_cfg.name} [{split}]: {err}") from err
     counts = {**norm_counts, **tok_counts}
     log.info("data %s [%s]: %s", data_cfg.name, split, format_counts(counts))
     if len(tokenised) == 0:
@@ -55,10 +69,46 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
 
 
 def build_datasets(data_cfg: DataConfig, tokenizer):
-    """The train set and, when one is configured, the eval set (else ``None``)."""
-    train, train_counts = build_split(data_cfg, tokenizer, "train")
+    """The train set, the eval set when one is configured (else ``None``), and the pair audit.
+
+    Returns:
+        ``(train, eval, audit)``; ``audit`` is ``{"data": name, "policies": {...},
+        "splits": {"train": ..., "eval": ...}}`` with one
+        :func:`rm.data.audit.audit_split` per split, what ``data_audit.json`` holds.
+    """
     has_eval = data_cfg.source in ("hub", "synthetic") or bool(data_cfg.eval_files)
-    if not has_eval:
-        return train, None, {"train": train_counts}
-    evaluation, eval_counts = build_split(data_cfg, tokenizer, "eval")
-    return train, evaluation, {"train": train_counts, "eval": eval_counts}
+    sets, audits = {}, {}
+    for split in ("train", "eval") if has_eval else ("train",):
+        sets[split], counts = build_split(data_cfg, tokenizer, split)
+        audits[split] = audit_split(counts, *pair_lengths(sets[split]))
+    policies = {
+        "max_length": data_cfg.max_length,
+        "truncation": data_cfg.truncation,
+        "identical_pairs": data_cfg.identical_pairs,
+        "duplicates": data_cfg.duplicates,
+        "on_malformed": data_cfg.on_malformed,
+    }
+    audit = {"data": data_cfg.name, "policies": policies, "splits": audits}
+    return sets["train"], sets.get("eval"), audit
+
+
+def build_extra_eval_sets(data_cfg: DataConfig, tokenizer) -> Dict[str, datasets.Dataset]:
+    """The named eval sets of ``data.extra_eval_files``, each built exactly like the main eval split.
+
+    Each set goes through :func:`build_split` as the eval split of a local source, so ``format``,
+    ``max_length``, ``truncation``, ``on_malformed``, ``max_eval_samples`` and every other policy of
+    the main eval split apply to it unchanged.
+
+    Returns:
+        ``{name: tokenised dataset}`` in config order; empty when none are configured.
+
+    Raises:
+        FileNotFoundError: a pattern matches no file; the message names ``data.extra_eval_files.<name>``.
+    """
+    sets = {}
+    for name, files in data_cfg.extra_eval_files.items():
+        # Resolved here so that a missing file is reported under its own key, not data.eval_files.
+        resolved = _expand_files(files, f"data.extra_eval_files.{name}")
+        own = replace(data_cfg, name=f"{data_cfg.name}:extra_eval_files.{name}", source="local", eval_files=resolved)
+        sets[name], _ = build_split(own, tokenizer, "eval")
+    return sets

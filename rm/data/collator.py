@@ -16,9 +16,10 @@ class PairCollator:
     ``pad_to_multiple_of``); the attention mask marks real tokens.
 
     Args:
-        pad_token_id: id written into padding positions. It must not occur inside
-            a sequence, because transformers reads the reward at the last token
-            that is not the pad id (``tokenize_pairs`` drops rows where it does).
+        pad_token_id: id written into padding positions. rm reads the reward at
+            the last 1 of the attention mask (``rm.model.sequence_rewards``); plain
+            transformers reads it at the last token that is not the pad id, which
+            agrees only while the pad id does not end a sequence.
         pad_to_multiple_of: round the padded length up to a multiple of this
             (8 suits tensor cores); ``None`` pads to the longest row only.
 

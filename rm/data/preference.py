@@ -25,8 +25,8 @@ Accepted layouts (``format``):
   (``tokenizer.apply_chat_template(messages, tokenize=False)``).
 * ``auto``: picked from the column names and types (the dataset schema).
 
-Truncation policy
------------------
+Policies: truncation, identical pairs, duplicates
+-------------------------------------------------
 Each side is tokenised with ``tokenizer(text, add_special_tokens=True)``.
 The tokenizer's EOS id is then appended unless the ids already end with it,
 the tokenizer has no EOS, or EOS equals the pad id. The reward is read at
@@ -34,7 +34,8 @@ the last real token: transformers' sequence-classification heads take the
 rightmost token whose id is not the pad id, so a trailing EOS that is also
 the pad id would be skipped and is therefore not appended.
 
-A side longer than ``max_length`` tokens is handled per ``truncation``:
+A side longer than ``max_length`` tokens is handled per ``truncation``
+(``data.truncation``):
 
 * ``"truncate"`` (default): keep the special tokens the tokenizer prepends
   (e.g. BOS) and cut tokens from the *left* of the body, i.e. from the
@@ -42,36 +43,64 @@ A side longer than ``max_length`` tokens is handled per ``truncation``:
   The end of the response and the final EOS (the reward token) always
   survive; what is lost is the oldest context.
 * ``"drop"``: drop the whole pair.
+* ``"error"``: stop at the first such pair, naming its row (0-based index in
+  the split as read, files concatenated in order), the side and its length.
 
-Pairs are dropped and counted, never silently altered, when:
+Chosen and rejected are truncated independently (the shared prompt may lose
+a different number of tokens on each side); both keep their own ending.
 
-* after tokenisation/truncation the chosen and rejected ids are identical
-  (the loss would be a constant; this happens when two responses only differ
-  in the part that was cut, or tokenise to the same ids);
-* a side contains the pad id anywhere (``pad_in_text``): at the end it moves
+Identical pairs (``identical_pairs``, ``data.identical_pairs``): a pair whose
+chosen and rejected token ids are equal *after truncation* trains nothing
+(the loss sits at ln 2 with zero gradient). ``"drop"`` (default) removes it
+(pairs with equal texts as soon as they are read, in :func:`normalise_pairs`);
+``"keep"`` leaves it in. Three counts describe them: equal texts
+(``identical_text``), equal ids before truncation (texts that tokenise alike,
+e.g. words unknown to a word-level tokenizer) and equal ids after truncation
+(responses that differ only in the part that was cut).
+
+Duplicates (``duplicates``, ``data.duplicates``): a pair whose chosen and
+rejected ids (after truncation) both equal those of an earlier pair of the
+same split is a duplicate. ``"keep"`` (default) keeps and counts it;
+``"drop"`` keeps only the first occurrence.
+
+Other rows dropped and counted, never silently altered:
+
+* malformed rows and rows with an empty ``chosen`` or ``rejected``, per
+  ``on_malformed`` (``"skip"`` counts them, ``"error"`` raises), see
+  :func:`normalise_pairs`;
+* a side containing the pad id anywhere (``pad_in_text``): at the end it moves
   the token the reward is read from, and collators that derive the attention
   mask from pad ids would mask it anywhere. With ``on_malformed="error"``
   this raises instead.
 
-Chosen and rejected are truncated independently (the shared prompt may lose
-a different number of tokens on each side); both keep their own ending.
+The checks run in this order, each on the pairs the previous ones kept:
+malformed/empty, length, pad id, identical, duplicate. Every row read is
+accounted for in the counts (``rm.data.audit`` checks that they add up and
+``rm.train`` writes them to ``data_audit.json``).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import logging
 import math
 import os
+from array import array
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import datasets
 
+from rm.data.audit import length_stats
+
 logger = logging.getLogger(__name__)
 
 FORMATS = ("auto", "hh", "prompt", "messages")
-TRUNCATION = ("truncate", "drop")
+TRUNCATION = ("truncate", "drop", "error")
+IDENTICAL_PAIRS = ("drop", "keep")
+DUPLICATES = ("keep", "drop")
 ON_MALFORMED = ("skip", "error")
 SOURCES = ("hub", "local")
 
@@ -307,6 +336,19 @@ def _check_messages(column: str, value: Any, allow_empty: bool = False) -> list[
     return messages
 
 
+def _empty_sides(row: dict, fmt: str) -> list[str]:
+    """The sides of a row that are empty (a row with an empty side is dropped whole)."""
+    check = _check_messages if fmt == "messages" else _check_text
+    sides = []
+    for side in ("chosen", "rejected"):
+        try:
+            check(side, row[side])
+        except _RowProblem as problem:
+            if problem.kind == "empty":
+                sides.append(side)
+    return sides
+
+
 def _check_margin(column: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _RowProblem("malformed", f"'{column}' is {_type_name(value)}, expected a number")
@@ -346,6 +388,7 @@ def _pair_texts(row: dict, fmt: str, tokenizer: Any) -> tuple[str, str]:
 _NORMALISED_FEATURES = datasets.Features(
     {"chosen": datasets.Value("string"), "rejected": datasets.Value("string"), "margin": datasets.Value("float32")}
 )
+_ROW_FEATURES = datasets.Features({**_NORMALISED_FEATURES, "row": datasets.Value("int64")})
 
 
 def normalise_pairs(
@@ -354,6 +397,8 @@ def normalise_pairs(
     tokenizer: Any = None,
     margin_column: str | None = None,
     on_malformed: str = "skip",
+    identical: str = "drop",
+    row_index: bool = False,
 ) -> tuple[datasets.Dataset, dict[str, int]]:
     """Converts raw preference rows to ``chosen``/``rejected`` texts and a margin.
 
@@ -362,8 +407,9 @@ def normalise_pairs(
     *malformed*; an empty or whitespace-only ``chosen``/``rejected`` (for
     ``messages``: an empty list, or a last message with blank content) is
     *empty*; a pair whose two texts are equal is *identical*. Identical pairs
-    are always dropped (they carry no preference); the others are dropped or
-    raise per ``on_malformed``. An empty ``prompt`` is allowed.
+    are dropped or kept per ``identical`` (see the module docstring); the
+    others are dropped or raise per ``on_malformed``. An empty ``prompt`` is
+    allowed.
 
     Args:
         ds: Raw dataset (from :func:`load_preference_split` or
@@ -376,12 +422,20 @@ def normalise_pairs(
             data is then ignored).
         on_malformed: ``"skip"`` drops and counts bad rows, ``"error"`` raises on
             the first one.
+        identical: ``"drop"`` or ``"keep"`` pairs whose two texts are equal (see
+            :data:`IDENTICAL_PAIRS`).
+        row_index: Also return a ``row`` column with each pair's index in ``ds``,
+            which :func:`tokenize_pairs` names in its errors.
 
     Returns:
         ``(dataset, counts)``. The dataset has exactly the columns ``chosen``
-        (str), ``rejected`` (str) and ``margin`` (float32), in input order.
-        ``counts`` has the int keys ``rows`` (input rows), ``malformed``,
-        ``empty``, ``identical`` and ``kept`` (= rows minus the other three).
+        (str), ``rejected`` (str) and ``margin`` (float32), in input order (and
+        ``row``, int64, with ``row_index``). ``counts`` has the int keys ``rows``
+        (input rows), ``malformed``, ``empty``, ``identical`` (dropped because
+        the texts are equal; 0 with ``identical="keep"``) and ``kept`` (= rows
+        minus the other three), and ``empty_chosen`` / ``empty_rejected``: rows
+        whose chosen / rejected side is empty (a row with both empty counts in
+        both; the row is counted once in ``empty``).
 
     Raises:
         ValueError: Unknown ``fmt``/``on_malformed``; undetectable layout; a
@@ -392,6 +446,7 @@ def normalise_pairs(
     """
     _check_choice("format", fmt, FORMATS)
     _check_choice("on_malformed", on_malformed, ON_MALFORMED)
+    _check_choice("identical", identical, IDENTICAL_PAIRS)
     if fmt == "auto":
         fmt = detect_format(ds)
         logger.info("preference data: detected format %r", fmt)
@@ -412,13 +467,13 @@ def normalise_pairs(
     if fmt == "hh" and "prompt" in columns:
         logger.warning("format 'hh' ignores the 'prompt' column; use format 'prompt' if chosen/rejected lack it")
 
-    counts = {"rows": len(ds), "malformed": 0, "empty": 0, "identical": 0, "kept": 0}
+    counts = {"rows": len(ds), "malformed": 0, "empty": 0, "identical": 0, "kept": 0, "empty_chosen": 0, "empty_rejected": 0}
     read = [c for c in ("prompt", "chosen", "rejected") if c in columns and (c != "prompt" or fmt != "hh")]
     if margin_column is not None and margin_column not in read:
         read.append(margin_column)
 
     def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {"chosen": [], "rejected": [], "margin": []}
+        out: dict[str, list] = {"chosen": [], "rejected": [], "margin": [], "row": []}
         for k, idx in enumerate(indices):
             row = {c: batch[c][k] for c in read}
             try:
@@ -428,14 +483,20 @@ def normalise_pairs(
                 if on_malformed == "error":
                     raise ValueError(f"row {idx}: {problem} (format {fmt!r})") from None
                 counts[problem.kind] += 1
+                if problem.kind == "empty":
+                    for side in _empty_sides(row, fmt):
+                        counts[f"empty_{side}"] += 1
                 continue
-            if chosen == rejected:
+            if chosen == rejected and identical == "drop":
                 counts["identical"] += 1
                 continue
             out["chosen"].append(chosen)
             out["rejected"].append(rejected)
             out["margin"].append(margin)
+            out["row"].append(idx)
         counts["kept"] += len(out["chosen"])
+        if not row_index:
+            del out["row"]
         return out
 
     result = ds.map(
@@ -444,14 +505,14 @@ def normalise_pairs(
         batched=True,
         batch_size=_BATCH_SIZE,
         remove_columns=columns,
-        features=_NORMALISED_FEATURES,
+        features=_ROW_FEATURES if row_index else _NORMALISED_FEATURES,
         # The counts are gathered while map runs; a cache hit would skip the
         # function and report zeros.
         load_from_cache_file=False,
         desc="normalising preference pairs",
     )
     # Other columns (including ones read above) are gone; make the order fixed.
-    result = result.select_columns(["chosen", "rejected", "margin"])
+    result = result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else []))
     return result, counts
 
 
@@ -511,51 +572,75 @@ def leading_special_ids(tokenizer: Any) -> list[int]:
     return _leading_special_ids(tokenizer)
 
 
+def _pair_key(chosen: list[int], rejected: list[int]) -> bytes:
+    """A 16-byte digest of a pair's ids: remembering every pair of a large split costs little.
+
+    ``-1`` separates the sides (no token id is negative). A collision between two
+    different pairs has probability ~2**-128 per pair compared.
+    """
+    return hashlib.blake2b(array("q", [*chosen, -1, *rejected]).tobytes(), digest_size=16).digest()
+
+
 def tokenize_pairs(
     ds: datasets.Dataset,
     tokenizer: Any,
     max_length: int,
     truncation: str = "truncate",
     on_malformed: str = "skip",
+    identical: str = "drop",
+    duplicates: str = "keep",
 ) -> tuple[datasets.Dataset, dict[str, float]]:
-    """Tokenises normalised pairs, appends EOS and applies the truncation policy.
+    """Tokenises normalised pairs, appends EOS and applies the policies of the module docstring.
 
-    See the module docstring for the policy. Per side:
-    ``ids = tokenizer(text, add_special_tokens=True)["input_ids"]``, plus
-    ``tokenizer.eos_token_id`` if the tokenizer has an EOS different from its
-    pad token and the ids do not already end with it. A side longer than
+    Per side: ``ids = tokenizer(text, add_special_tokens=True)["input_ids"]``,
+    plus ``tokenizer.eos_token_id`` if the tokenizer has an EOS different from
+    its pad token and the ids do not already end with it. A side longer than
     ``max_length`` keeps the tokens the tokenizer prepends (e.g. BOS) and loses
     tokens from the left of the rest (``"truncate"``), or the pair is dropped
-    (``"drop"``). Pairs whose ids end up identical are dropped; a side that
-    contains the pad id is dropped (``on_malformed="skip"``) or raises.
+    (``"drop"``), or this raises (``"error"``). A side that contains the pad id
+    is dropped (``on_malformed="skip"``) or raises. Pairs whose ids end up
+    identical, then pairs repeating an earlier pair's ids, are dropped or kept
+    per ``identical`` and ``duplicates``.
 
     Args:
         ds: Dataset with columns ``chosen``, ``rejected`` (str) and ``margin``, as
-            returned by :func:`normalise_pairs`.
+            returned by :func:`normalise_pairs`; with its ``row`` column, errors
+            name that row instead of the index in ``ds``.
         tokenizer: A transformers tokenizer.
         max_length: Maximum tokens per side, EOS and BOS included.
-        truncation: ``"truncate"`` or ``"drop"`` (see :data:`TRUNCATION`).
+        truncation: One of :data:`TRUNCATION`.
         on_malformed: What to do with a side containing the pad id: ``"skip"``
             (drop, count as ``pad_in_text``) or ``"error"`` (raise).
+        identical: One of :data:`IDENTICAL_PAIRS`.
+        duplicates: One of :data:`DUPLICATES`.
 
     Returns:
         ``(dataset, counts)``. The dataset has the columns ``chosen_input_ids``
         and ``rejected_input_ids`` (lists of int, unpadded) and ``margin``
-        (float32). ``counts`` has ``pairs_in``, ``truncated`` (output pairs where
-        either side was cut), ``dropped_too_long``, ``identical_after_truncation``,
-        ``pad_in_text``, ``pairs_out`` (ints), and ``chosen_len_mean``,
-        ``chosen_len_max``, ``rejected_len_mean``, ``rejected_len_max``: token
-        lengths of all input pairs before truncation, EOS included (mean is a
-        float, 0.0 on empty input).
+        (float32). ``counts`` has the ints ``pairs_in``; ``truncated`` (output
+        pairs where either side was cut); the drops ``dropped_too_long``,
+        ``pad_in_text``, ``dropped_identical``, ``dropped_duplicate``;
+        ``pairs_out``; ``identical_text`` and ``identical_before_truncation``
+        (input pairs whose texts / full ids are equal), ``identical_after_truncation``
+        (pairs past the length and pad checks whose ids are equal, kept or not)
+        and ``duplicates`` (pairs past the identical check that repeat an earlier
+        one, kept or not). Then ``{side}_len_{stat}`` for side ``chosen`` /
+        ``rejected`` and stat ``min``, ``mean``, ``median``, ``p95``, ``max``:
+        token lengths of all input pairs before truncation, EOS included
+        (:func:`rm.data.audit.length_stats`; all 0 on empty input).
 
     Raises:
-        ValueError: Unknown ``truncation``/``on_malformed``; missing columns;
-            ``max_length`` too small to keep the prepended special tokens and one
-            more token; or, with ``on_malformed="error"``, a side containing the
-            pad id (message names the row index and the side).
+        ValueError: Unknown ``truncation``/``on_malformed``/``identical``/``duplicates``;
+            missing columns; ``max_length`` too small to keep the prepended
+            special tokens and one more token; with ``truncation="error"``, a side
+            longer than ``max_length``; or, with ``on_malformed="error"``, a side
+            containing the pad id (messages name the row, the side and, for
+            length, its tokens).
     """
     _check_choice("truncation", truncation, TRUNCATION)
     _check_choice("on_malformed", on_malformed, ON_MALFORMED)
+    _check_choice("identical", identical, IDENTICAL_PAIRS)
+    _check_choice("duplicates", duplicates, DUPLICATES)
     missing = [c for c in ("chosen", "rejected", "margin") if c not in ds.column_names]
     if missing:
         raise ValueError(
@@ -570,30 +655,43 @@ def tokenize_pairs(
         )
 
     pad = getattr(tokenizer, "pad_token_id", None)
+    has_row = "row" in ds.column_names
 
     counts: dict[str, float] = {
         "pairs_in": len(ds),
         "truncated": 0,
         "dropped_too_long": 0,
-        "identical_after_truncation": 0,
         "pad_in_text": 0,
+        "dropped_identical": 0,
+        "dropped_duplicate": 0,
         "pairs_out": 0,
+        "identical_text": 0,
+        "identical_before_truncation": 0,
+        "identical_after_truncation": 0,
+        "duplicates": 0,
     }
-    lengths = {"chosen_sum": 0, "chosen_max": 0, "rejected_sum": 0, "rejected_max": 0}
+    histograms: dict[str, Counter] = {"chosen": Counter(), "rejected": Counter()}
+    seen: set[bytes] = set()
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": []}
-        sides = {}
-        for side in ("chosen", "rejected"):
-            encoded = encode_texts(tokenizer, batch[side])
-            sides[side] = encoded
-            for ids in encoded:
-                lengths[f"{side}_sum"] += len(ids)
-                lengths[f"{side}_max"] = max(lengths[f"{side}_max"], len(ids))
+        sides = {side: encode_texts(tokenizer, batch[side]) for side in ("chosen", "rejected")}
+        for side, encoded in sides.items():
+            histograms[side].update(len(ids) for ids in encoded)
         for k, idx in enumerate(indices):
+            row = batch["row"][k] if has_row else idx
             pair = {"chosen": sides["chosen"][k], "rejected": sides["rejected"][k]}
-            too_long = any(len(ids) > max_length for ids in pair.values())
-            if too_long:
+            counts["identical_text"] += batch["chosen"][k] == batch["rejected"][k]
+            counts["identical_before_truncation"] += pair["chosen"] == pair["rejected"]
+            long_sides = [s for s, ids in pair.items() if len(ids) > max_length]
+            if long_sides:
+                if truncation == "error":
+                    side = long_sides[0]
+                    raise ValueError(
+                        f"row {row}: '{side}' is {len(pair[side])} tokens (special tokens included), more than "
+                        f"max_length={max_length}; truncation='error' stops at over-length pairs "
+                        "('truncate' cuts the start of the prompt, 'drop' skips the pair)"
+                    )
                 if truncation == "drop":
                     counts["dropped_too_long"] += 1
                     continue
@@ -603,7 +701,7 @@ def tokenize_pairs(
                 if bad:
                     if on_malformed == "error":
                         raise ValueError(
-                            f"row {idx}: '{bad[0]}' contains the pad token id {pad} "
+                            f"row {row}: '{bad[0]}' contains the pad token id {pad} "
                             f"({getattr(tokenizer, 'pad_token', None)!r}) in its text; the reward "
                             "model would read the reward at the wrong token"
                         )
@@ -611,8 +709,17 @@ def tokenize_pairs(
                     continue
             if pair["chosen"] == pair["rejected"]:
                 counts["identical_after_truncation"] += 1
-                continue
-            counts["truncated"] += int(too_long)
+                if identical == "drop":
+                    counts["dropped_identical"] += 1
+                    continue
+            key = _pair_key(pair["chosen"], pair["rejected"])
+            if key in seen:
+                counts["duplicates"] += 1
+                if duplicates == "drop":
+                    counts["dropped_duplicate"] += 1
+                    continue
+            seen.add(key)
+            counts["truncated"] += bool(long_sides)
             out["chosen_input_ids"].append(pair["chosen"])
             out["rejected_input_ids"].append(pair["rejected"])
             out["margin"].append(batch["margin"][k])
@@ -631,10 +738,9 @@ def tokenize_pairs(
         load_from_cache_file=False,
         desc="tokenising preference pairs",
     )
-    n = counts["pairs_in"]
-    for side in ("chosen", "rejected"):
-        counts[f"{side}_len_mean"] = lengths[f"{side}_sum"] / n if n else 0.0
-        counts[f"{side}_len_max"] = lengths[f"{side}_max"]
+    for side, histogram in histograms.items():
+        for stat, value in length_stats(histogram).items():
+            counts[f"{side}_len_{stat}"] = value
     return result, counts
 
 
@@ -652,34 +758,32 @@ def format_counts(counts: dict) -> str:
 
     Returns:
         E.g. ``"pairs 1000 -> 987 used: 5 truncated, 3 dropped (too long),
-        2 identical, 3 malformed skipped"``; only non-zero reasons are listed.
+        2 identical, 3 malformed skipped"``; only non-zero reasons are listed,
+        and identical pairs or duplicates that were kept are listed as such
+        (``"4 identical kept"``).
     """
     pairs_in = counts.get("rows", counts.get("pairs_in", 0))
     pairs_out = counts.get("pairs_out", counts.get("kept", pairs_in))
-    parts = []
+    dropped_identical = counts.get("identical", 0) + counts.get("dropped_identical", 0)
     items = [
-        ("truncated", "{} truncated"),
-        ("dropped_too_long", "{} dropped (too long)"),
-        ("identical", None),
-        ("pad_in_text", "{} with pad token in text skipped"),
-        ("malformed", "{} malformed skipped"),
-        ("empty", "{} empty skipped"),
+        (counts.get("truncated", 0), "{} truncated"),
+        (counts.get("dropped_too_long", 0), "{} dropped (too long)"),
+        (dropped_identical, "{} identical"),
+        (counts.get("pad_in_text", 0), "{} with pad token in text skipped"),
+        (counts.get("malformed", 0), "{} malformed skipped"),
+        (counts.get("empty", 0), "{} empty skipped"),
+        (counts.get("dropped_duplicate", 0), "{} duplicates dropped"),
+        (counts.get("identical_after_truncation", 0) - counts.get("dropped_identical", 0), "{} identical kept"),
+        (counts.get("duplicates", 0) - counts.get("dropped_duplicate", 0), "{} duplicates kept"),
     ]
-    for key, template in items:
-        if key == "identical":
-            n = counts.get("identical", 0) + counts.get("identical_after_truncation", 0)
-            template = "{} identical"
-        else:
-            n = counts.get(key, 0)
-        if n:
-            parts.append(template.format(n))
+    parts = [template.format(n) for n, template in items if n]
     line = f"pairs {pairs_in} -> {pairs_out} used"
     if parts:
         line += ": " + ", ".join(parts)
     if "chosen_len_mean" in counts:
-        line += (
-            f" (tokens before truncation: chosen mean {counts['chosen_len_mean']:.1f} max "
-            f"{counts['chosen_len_max']}, rejected mean {counts['rejected_len_mean']:.1f} max "
-            f"{counts['rejected_len_max']})"
-        )
+        line += " (tokens before truncation: " + ", ".join(
+            f"{side} mean {counts[f'{side}_len_mean']:.1f} median {counts[f'{side}_len_median']:g} "
+            f"p95 {counts[f'{side}_len_p95']} max {counts[f'{side}_len_max']}"
+            for side in ("chosen", "rejected")
+        ) + ")"
     return line

@@ -1,0 +1,332 @@
+"""The final model directory as one verified bundle, and ``python -m rm.export``.
+
+A bundle holds what a user needs to score text the way training did:
+
+* the weights (``model.safetensors`` + ``config.json``), or for LoRA the PEFT adapter
+  with the reward head (``adapter_model.safetensors`` + ``adapter_config.json``);
+* the tokenizer with its pad token, and its chat template (``chat_template.jinja``) if any;
+* ``pad_token_id`` in the saved model config. An adapter directory carries no model config:
+  a ``config.json`` there makes transformers take it for a complete model, so the pad id
+  comes from the bundle's tokenizer when :func:`load_bundle` loads the base;
+* ``reward_stats.json``: mean and standard deviation of the rewards (chosen and rejected
+  together) on the eval set at the last evaluation, for users who normalise rewards;
+* ``reward_probe.json``: a few pairs of the eval set (train set without one), padded, with
+  the rewards the in-memory model gave them and the compute dtype.
+
+After writing, :func:`verify_bundle` loads the directory into a fresh model and scores the
+probe; a difference beyond :data:`TOLERANCE` raises :class:`ExportMismatch`, which fails the
+run. The same check runs for full, LoRA adapter, merged and ZeRO-3 outputs.
+
+    python -m rm.export outputs/<date>/<time>            # verify final/ again
+    python -m rm.export outputs/<date>/<time> --merge    # fold the adapter into final/merged, verify it
+    python -m rm.export final/ --merge --out merged/ --base mistralai/Mistral-7B-v0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Dict, Mapping, Optional, Sequence, Union
+
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from rm.model import last_token_index, sequence_rewards
+
+log = logging.getLogger(__name__)
+
+PROBE_FILE = "reward_probe.json"
+STATS_FILE = "reward_stats.json"
+ADAPTER_CONFIG = "adapter_config.json"
+PROBE_PAIRS = 4  # pairs of the probe batch: 8 sequences of different lengths, so padding is exercised
+
+# Allowed |reloaded - in-memory| per unit of (1 + |reward|), by compute dtype. The same weights
+# reloaded in the same dtype give the same rewards to the last bit on a CPU; the slack is for
+# what legitimately differs: a merged LoRA (W + BA rounded once, measured 2e-7 on the tiny model
+# in fp32), autocast on the reload where DeepSpeed computed in bf16 without it, other kernels on
+# another device. Half-precision tolerances are a few units of their rounding (bf16 eps 7.8e-3,
+# fp16 9.8e-4) accumulated over the layers. A wrong tensor, head or pad position moves rewards
+# by O(1).
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class ExportMismatch(RuntimeError):
+    """The saved bundle does not give back what the in-memory model gave."""
+
+
+@torch.no_grad()
+def probe_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, autocast: Callable = nullcontext) -> torch.Tensor:
+    """Rewards of a probe batch in eval mode (no dropout), as float32 on the CPU.
+
+    Under ZeRO-3 every process must call this: the forward gathers the parameters collectively.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast():
+            rewards = sequence_rewards(model, input_ids, attention_mask)
+    finally:
+        model.train(was_training)
+    return rewards.float().cpu()
+
+
+def reward_stats_from_eval(metrics: Mapping[str, float], step: int) -> Optional[Dict[str, float]]:
+    """``{"mean", "std", "pairs", "step"}`` from the last eval metrics, or None (logged) without them."""
+    if "eval_reward_mean" not in metrics or "eval_reward_std" not in metrics:
+        log.warning("no eval_reward_mean/eval_reward_std in the last eval metrics (no eval set?): %s not written", STATS_FILE)
+        return None
+    return {"mean": metrics["eval_reward_mean"], "std": metrics["eval_reward_std"],
+            "pairs": metrics.get("eval_pairs"), "step": step}
+
+
+def save_bundle(
+    model,
+    tokenizer,
+    directory: Path,
+    *,
+    state_dict: Optional[Dict[str, torch.Tensor]] = None,
+    reward_stats: Optional[Mapping[str, float]] = None,
+    probe: Optional[Mapping[str, torch.Tensor]] = None,
+    compute_dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a model directory (one process).
+
+    Args:
+        model: the unwrapped model: a transformers ``*ForSequenceClassification`` or a PEFT model,
+            whose ``save_pretrained`` writes the adapter with the reward head.
+        tokenizer: its tokenizer; it must have a pad token.
+        directory: where to write.
+        state_dict: the weights to write instead of ``model.state_dict()`` (ZeRO-3's gathered shards).
+        reward_stats: written as ``reward_stats.json`` when given (see :func:`reward_stats_from_eval`).
+        probe: ``input_ids``, ``attention_mask`` and ``rewards`` (the in-memory model's), written as
+            ``reward_probe.json`` for :func:`verify_bundle`.
+        compute_dtype: the dtype the rewards were computed in; picks the tolerance.
+
+    Returns:
+        ``directory``.
+
+    Raises:
+        ValueError: the tokenizer has no pad token.
+        ExportMismatch: the tokenizer does not reload with the same pad token and chat template.
+    """
+    directory = Path(directory)
+    if tokenizer.pad_token_id is None:
+        raise ValueError("the tokenizer has no pad token: set one before saving (rm.model.build_tokenizer does)")
+    model.config.pad_token_id = tokenizer.pad_token_id  # for PEFT this is the base config, which is not written
+    model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
+    tokenizer.save_pretrained(directory)
+    reloaded = AutoTokenizer.from_pretrained(directory)
+    if (reloaded.pad_token_id, reloaded.chat_template) != (tokenizer.pad_token_id, tokenizer.chat_template):
+        raise ExportMismatch(
+            f"{directory}: the tokenizer reloads with pad id {reloaded.pad_token_id} and "
+            f"{'a' if reloaded.chat_template else 'no'} chat template; saved: pad id {tokenizer.pad_token_id} and "
+            f"{'a' if tokenizer.chat_template else 'no'} chat template"
+        )
+    if reward_stats is not None:
+        (directory / STATS_FILE).write_text(json.dumps(dict(reward_stats), indent=2) + "\n")
+    if probe is not None:
+        record = {k: probe[k].tolist() for k in ("input_ids", "attention_mask", "rewards")}
+        record["compute_dtype"] = DTYPE_NAMES[compute_dtype]
+        (directory / PROBE_FILE).write_text(json.dumps(record) + "\n")
+    return directory
+
+
+def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] = None, device="cpu"):
+    """Load a bundle into a fresh model, in eval mode.
+
+    Args:
+        directory: a bundle written by :func:`save_bundle`.
+        base_model: for an adapter, the base to load it onto: a freshly built model, or a hub id /
+            directory; default: ``base_model_name_or_path`` of ``adapter_config.json``. Ignored
+            for a full model.
+        device: where to put the model.
+
+    Raises:
+        ValueError: an adapter whose base is not on disk (a random init) and no ``base_model``.
+    """
+    directory = Path(directory)
+    if not (directory / ADAPTER_CONFIG).is_file():
+        return AutoModelForSequenceClassification.from_pretrained(directory).to(device).eval()
+    from peft import PeftModel
+
+    if not isinstance(base_model, torch.nn.Module):
+        name = base_model or json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        if not name:
+            raise ValueError(
+                f"{directory} is an adapter whose base model is not on disk (it was a random init, so "
+                "adapter_config.json names none): pass the base, or train with lora.merge_on_save=true"
+            )
+        pad_token_id = AutoTokenizer.from_pretrained(directory).pad_token_id
+        # Hub checkpoints default to two labels and, for Mistral/Llama, no pad id.
+        base_model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, pad_token_id=pad_token_id)
+    return PeftModel.from_pretrained(base_model, directory).to(device).eval()
+
+
+def verify_bundle(directory: Path, *, base_model: Union[torch.nn.Module, str, None] = None, device="cpu") -> float:
+    """Reload ``directory`` in a fresh model and compare its rewards on the probe with the recorded ones.
+
+    Args:
+        directory: a bundle with ``reward_probe.json``.
+        base_model: for an adapter, see :func:`load_bundle`.
+        device: where to run the reloaded model.
+
+    Returns:
+        The largest absolute reward difference.
+
+    Raises:
+        ExportMismatch: a reward differs by more than ``TOLERANCE[dtype] * (1 + |reward|)``, or the
+            saved config's pad id is not the tokenizer's.
+    """
+    directory = Path(directory)
+    probe = json.loads((directory / PROBE_FILE).read_text())
+    dtype = {name: d for d, name in DTYPE_NAMES.items()}[probe["compute_dtype"]]
+    input_ids, attention_mask = torch.tensor(probe["input_ids"]), torch.tensor(probe["attention_mask"])
+    expected = torch.tensor(probe["rewards"], dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    model = load_bundle(directory, base_model, device)
+    if model.config.pad_token_id != tokenizer.pad_token_id:
+        raise ExportMismatch(f"{directory}: config pad_token_id {model.config.pad_token_id} != tokenizer's {tokenizer.pad_token_id}")
+    device = torch.device(device)
+    autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
+    got = probe_rewards(model, input_ids.to(device), attention_mask.to(device), autocast)
+    diff = (got - expected).abs()
+    tol = TOLERANCE[dtype]
+    worst = float(diff.max())
+    if not torch.isfinite(got).all() or (diff > tol * (1 + expected.abs())).any():
+        raise ExportMismatch(
+            f"{directory} does not reproduce the in-memory rewards: max abs difference {worst:.6g} on "
+            f"{len(expected)} probe sequences (tolerance {tol:g} x (1 + |reward|) in {probe['compute_dtype']});\n"
+            f"  in memory: {[round(x, 5) for x in expected.tolist()]}\n  reloaded:  {[round(x, 5) for x in got.tolist()]}"
+        )
+    ends_in_pad = int((input_ids.gather(1, last_token_index(attention_mask)[:, None]) == tokenizer.pad_token_id).sum())
+    if ends_in_pad:
+        log.warning("%d probe sequences end in the pad id (pad == eos?): plain transformers' `.logits` reads their reward "
+                    "at another token; read rewards with rm.model.sequence_rewards", ends_in_pad)
+    log.info("export verified: %s reloads with rewards within %.3g of the in-memory model (%d probe sequences, %s)",
+             directory, worst, len(expected), probe["compute_dtype"])
+    return worst
+
+
+def merge_adapter(adapter_dir: Path, out_dir: Path, *, base_model: Union[torch.nn.Module, str, None] = None,
+                  device="cpu") -> Path:
+    """Fold a LoRA adapter into its base: a plain ``AutoModelForSequenceClassification`` directory, verified.
+
+    The merged bundle keeps the adapter's probe and reward statistics, so it is checked against the
+    rewards of the in-memory model that trained the adapter.
+
+    Returns:
+        ``out_dir``.
+    """
+    adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
+    merged = load_bundle(adapter_dir, base_model, device).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
+    save_bundle(merged, tokenizer, out_dir)
+    for name in (STATS_FILE, PROBE_FILE):
+        if (adapter_dir / name).is_file():
+            shutil.copyfile(adapter_dir / name, out_dir / name)
+    verify_bundle(out_dir, device=device)
+    return out_dir
+
+
+def export_final(
+    engine,
+    model,
+    tokenizer,
+    directory: Path,
+    *,
+    probe: Mapping[str, torch.Tensor],
+    reward_stats: Optional[Mapping[str, float]],
+    compute_dtype: torch.dtype,
+    merge: bool = False,
+    base_factory: Optional[Callable[[], torch.nn.Module]] = None,
+) -> Path:
+    """Save the trained model as a bundle and verify it; every process calls this.
+
+    Every process gathers the weights (ZeRO-3) and scores the probe in memory; the main process
+    writes, reloads and compares (and with ``merge`` writes and verifies ``merged/``); the verdict
+    is shared, so every process fails on a mismatch rather than waiting for rank 0.
+
+    Args:
+        engine: an ``rm.engine`` engine.
+        model: the prepared model the training loop calls.
+        tokenizer: its tokenizer.
+        directory: the bundle's directory (the run's ``final/``).
+        probe: a collated batch (``input_ids``, ``attention_mask``), the same on every process.
+        reward_stats: for ``reward_stats.json``; None writes none.
+        compute_dtype: the dtype the run computes in.
+        merge: also write ``directory/merged``, the adapter folded into the base.
+        base_factory: builds a fresh base for an adapter (needed when the base was a random init
+            or is quantised); None loads the one named in ``adapter_config.json``.
+
+    Raises:
+        ExportMismatch: on every process, when a reload does not give the in-memory rewards.
+    """
+    directory = Path(directory)
+    state_dict = engine.model_state_dict()
+    input_ids, attention_mask = probe["input_ids"].to(engine.device), probe["attention_mask"].to(engine.device)
+    expected = probe_rewards(model, input_ids, attention_mask, engine.autocast)
+    error: Optional[ExportMismatch] = None
+    if engine.is_main_process:
+        save_bundle(
+            engine.unwrapped_model(), tokenizer, directory, state_dict=state_dict, reward_stats=reward_stats,
+            probe={"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"], "rewards": expected},
+            compute_dtype=compute_dtype,
+        )
+        del state_dict
+        adapter = (directory / ADAPTER_CONFIG).is_file()
+        try:
+            verify_bundle(directory, base_model=base_factory() if adapter and base_factory else None, device=engine.device)
+            if merge:
+                merge_adapter(directory, directory / "merged", device=engine.device,
+                              base_model=base_factory() if base_factory else None)
+        except ExportMismatch as err:
+            error = err
+    failed = engine.reduce(torch.tensor(float(error is not None), device=engine.device)).item()
+    if error is not None:
+        raise error
+    if failed:
+        raise ExportMismatch(f"the main process found that {directory} does not reproduce the in-memory rewards")
+    return directory
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m rm.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("path", type=Path, help="a run directory (its final/ is used) or a bundle directory")
+    parser.add_argument("--merge", action="store_true", help="fold a LoRA adapter into a plain model directory")
+    parser.add_argument("--out", type=Path, help="where the merged model goes (default: <bundle>/merged)")
+    parser.add_argument("--base", help="the adapter's base model, a hub id or directory (default: adapter_config.json's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    bundle = args.path / "final" if (args.path / "final" / PROBE_FILE).is_file() else args.path
+    if not (bundle / PROBE_FILE).is_file():
+        print(f"error: {args.path} holds no bundle ({PROBE_FILE} missing): give a run directory or its final/", file=sys.stderr)
+        return 2
+    try:
+        if args.merge:
+            if not (bundle / ADAPTER_CONFIG).is_file():
+                print(f"error: {bundle} is not a LoRA adapter ({ADAPTER_CONFIG} missing): nothing to merge", file=sys.stderr)
+                return 2
+            out = merge_adapter(bundle, args.out or bundle / "merged", base_model=args.base, device=args.device)
+            print(f"merged model written and verified: {out}")
+        else:
+            verify_bundle(bundle, base_model=args.base, device=args.device)
+            print(f"verified: {bundle}")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except ExportMismatch as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
