@@ -175,8 +175,12 @@ class AccelerateEngine:
 
     def prepare(self, model, optimizer_factory: Callable, scheduler_factory: Callable):
         optimizer = optimizer_factory(model)
-        scheduler = scheduler_factory(optimizer)
-        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        # The schedule stays outside accelerate: its prepared scheduler steps once per process on each
+        # call under DDP (it assumes per-process dataloader steps), which would run the schedule
+        # world_size times too fast; rm counts optimizer steps itself.
+        self.scheduler = scheduler_factory(self.optimizer.optimizer)
+        self.accelerator.register_for_checkpointing(self.scheduler)
         return self.model
 
     def autocast(self):

@@ -141,6 +141,23 @@ def test_two_process_zero2_matches_one_process(tiny_cfg, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
+def test_two_process_ddp_matches_one_process_and_its_schedule(tiny_cfg, tmp_path):
+    """DDP through accelerate: the same trajectory as one process, and the learning-rate schedule
+    advances once per optimizer step (accelerate's prepared scheduler would step once per process)."""
+    steps = ["train.max_steps=10", "train.eval_steps=0", "train.logging_steps=1", "train.warmup_ratio=0.3"]
+    one, _ = run_cli(steps, tmp_path / "one")
+    two, proc = run_cli(["distributed=ddp", *steps], tmp_path / "two", nproc=2)
+    assert "DDP, 2 process(es)" in proc.stdout + proc.stderr
+    lr_one = [e["lr"] for e in one if e["event"] == "train"]
+    lr_two = [e["lr"] for e in two if e["event"] == "train"]
+    assert len(lr_one) == 10 and lr_two == pytest.approx(lr_one, rel=1e-9)
+    a = [e for e in one if e["event"] == "eval"][-1]
+    b = [e for e in two if e["event"] == "eval"][-1]
+    assert b["eval_loss"] == pytest.approx(a["eval_loss"], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
 def test_two_process_zero3_offload_saves_a_loadable_model(tiny_cfg, tmp_path):
     pytest.importorskip("deepspeed")
     events, proc = run_cli(
