@@ -150,6 +150,7 @@ class TrainConfig:
     save_steps: int = 500  # 0: save only at the end
     save_total_limit: int = 2  # checkpoints kept
     resume: bool = False  # continue from the newest checkpoint in the run directory
+    overwrite: bool = False  # start afresh in a run directory that holds an earlier run (deletes its outputs)
     tensorboard: bool = False
     track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured
     dataloader_num_workers: int = 0

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from rm.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from rm.checkpoint import CheckpointError, check_run_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from rm.config import RunConfig, to_run_config
 from rm.data.batching import micro_batches_for_step, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
@@ -208,6 +208,8 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     plan = validate(cfg, world_size)
     plan, estimate = preflight(cfg, plan, overrides)
     t = cfg.train
+    if int(os.environ.get("RANK", "0")) == 0:  # one process decides (torchrun stops the others if it refuses)
+        check_run_dir(run_dir, t.resume, t.overwrite)
     engine = build_engine(cfg, plan)
     if engine.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -422,11 +424,19 @@ def main(cfg: DictConfig) -> Optional[float]:
         if multirun:
             return None
         sys.exit(3)
-    except ConfigError as err:
+    except (ConfigError, FileExistsError) as err:
         log.error("%s", err)
         record("failed", error=err)
         if not multirun:
             sys.exit(2)
+        if run_cfg.sweep.on_failure == "continue":
+            return None
+        raise
+    except CheckpointError as err:
+        log.error("%s", err)
+        record("failed", error=err)
+        if not multirun:
+            sys.exit(5)
         if run_cfg.sweep.on_failure == "continue":
             return None
         raise
