@@ -81,8 +81,10 @@ accounted for in the counts (``rm.data.audit`` checks that they add up and
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
+import json
 import logging
 import math
 import os
@@ -227,13 +229,75 @@ def load_preference_split(
             raise ValueError(f"{key}: source='local' needs at least one file for split {split!r}")
         resolved = _expand_files(files, key)
         builder = _builder_for(resolved, key)
+        if builder == "json":
+            for file in resolved:
+                _check_utf8(file, key)
         # Local files always land in the builder's single "train" split, whatever
         # split they stand for.
-        ds = datasets.load_dataset(builder, data_files=resolved, split="train")
+        try:
+            ds = datasets.load_dataset(builder, data_files=resolved, split="train")
+        except datasets.exceptions.DatasetGenerationError as err:
+            raise ValueError(_unreadable(resolved, key, builder, err)) from err
 
     if max_samples is not None and len(ds) > max_samples:
         ds = ds.select(range(int(max_samples)))
     return ds
+
+
+def _check_utf8(file: str, key: str) -> None:
+    """Raise naming the line and byte of the first byte sequence that is not UTF-8.
+
+    JSON text must be UTF-8; a file in another encoding would otherwise fail half-way
+    through normalisation with a decoder error that names neither file nor row.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, offset = 1, 0
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                at = offset + err.start
+                line += chunk[: err.start].count(b"\n")
+                raise ValueError(
+                    f"{key}: {file} line {line} (byte {at}) is not UTF-8 ({err.reason}); "
+                    "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+                ) from None
+            line += chunk.count(b"\n")
+            offset += len(chunk)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{key}: {file} ends inside a UTF-8 character ({err.reason}): the file is cut short") from None
+
+
+def _unreadable(files: Sequence[str], key: str, builder: str, err: Exception) -> str:
+    """Why ``datasets`` could not read local files, naming the file and line where JSON is invalid.
+
+    A line that does not parse always stops the run: skipping part of a file that does not
+    parse would lose rows without a count of how many.
+    """
+    if builder == "json":
+        for file in files:
+            with open(file, encoding="utf-8") as f:
+                text = f.read()
+            if file.endswith(".json") and text.lstrip().startswith("["):
+                try:
+                    json.loads(text)
+                except json.JSONDecodeError as bad:
+                    return f"{key}: {file} line {bad.lineno}: invalid JSON ({bad.msg})"
+                continue
+            for number, line in enumerate(text.splitlines(), start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as bad:
+                    return f"{key}: {file} line {number}: invalid JSON ({bad.msg} at column {bad.colno})"
+                if not isinstance(row, dict):
+                    return f"{key}: {file} line {number}: expected a JSON object per line, got {type(row).__name__}"
+    cause = err.__cause__ or err.__context__ or err
+    return f"{key}: could not read {', '.join(files)}: {type(cause).__name__}: {cause}"
 
 
 # --------------------------------------------------------------------------- #
@@ -738,6 +802,8 @@ def tokenize_pairs(
         load_from_cache_file=False,
         desc="tokenising preference pairs",
     )
+    if len(result) == 0:  # datasets skips the map on empty input and keeps no columns: give the schema back
+        result = datasets.Dataset.from_dict({name: [] for name in _TOKENIZED_FEATURES}, features=_TOKENIZED_FEATURES)
     for side, histogram in histograms.items():
         for stat, value in length_stats(histogram).items():
             counts[f"{side}_len_{stat}"] = value
