@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import List
 
-from rm.config import RunConfig
+from rm.config import ALL_LINEAR, RunConfig
 from rm.diagnostics import eval_keys
 
 CHOICES = {
@@ -107,6 +107,12 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     if cfg.memory_profile.use_lora and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+    unknown = [m for m in cfg.lora.target_modules if m not in ALL_LINEAR] if cfg.memory_profile.use_lora else []
+    if unknown:
+        errors.append(
+            f"lora.target_modules: {', '.join(unknown)} is not a linear layer of model_type={cfg.model.model_type}; "
+            f"accepted: {', '.join(ALL_LINEAR)}"
+        )
 
     accumulation = 0
     per_step = t.micro_batch_size * world_size
