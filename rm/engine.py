@@ -365,7 +365,9 @@ class DeepSpeedEngine:
 
     def load_state(self, directory: Path) -> None:
         self.engine.load_checkpoint(str(directory), tag="state")
-        _set_rng_state(torch.load(Path(directory) / f"rng_state_{self.process_index}.pth", weights_only=False))
+        from accelerate.utils import load as safe_load  # torch.load(weights_only=True) allowing numpy's RNG arrays
+
+        _set_rng_state(safe_load(Path(directory) / f"rng_state_{self.process_index}.pth"))
 
     def unwrapped_model(self):
         return self.engine.module
