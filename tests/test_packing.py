@@ -15,6 +15,7 @@ from rm.data.collator import PackedPairCollator, PairCollator
 from rm.loss import bradley_terry_loss
 from rm.model import build_model, pair_rewards
 from rm.validate import ConfigError, validate
+from tests.conftest import FAST_TINY
 
 # Lengths 1..9 mixed, so padded rows carry many pad tokens and packed sequences of length 1
 # sit next to each other (position ids 0, 0: the boundary the packing detection must see).
@@ -109,3 +110,22 @@ def test_packed_training_gives_the_padded_weights(tiny_cfg, tmp_path):
         torch.testing.assert_close(packed[key], padded[key], rtol=1e-4, atol=1e-5, msg=key)
     lines = [json.loads(x) for x in (tmp_path / "packed" / "metrics.jsonl").read_text().splitlines()]
     assert any(x.get("tokens_per_s") for x in lines)
+
+
+@pytest.mark.parametrize("budget", [0, 128])
+def test_packed_estimate_matches_measured_peak(tmp_path, budget):
+    """The estimate follows the packed row (1 x budget tokens, or micro-batch x 2 x max_length), not a padded batch.
+
+    data.max_length=16 truncates every synthetic sequence to 16 tokens, so each pair is 32 tokens and
+    each micro-batch fills its row exactly: 128 tokens = 4 pairs for the budget; 8 x 2 x 16 = 256
+    tokens without one. The live-tensor count (train.track_memory) is then exactly what is estimated.
+    """
+    from rm.estimate import compose
+
+    overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
+                 "train.track_memory=true", "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"]
+    rm_train.train(compose(overrides), tmp_path, overrides)
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
+    assert memory["estimate"]["peak_phase"] == "forward/backward"
+    assert estimate == pytest.approx(measured, rel=0.01), (estimate, measured)
