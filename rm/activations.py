@@ -370,8 +370,15 @@ _PHASES_1 = ("start", "layer0", "norm", "backward", "layer0_bwd", "end")
 @functools.lru_cache(maxsize=256)
 def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: torch.dtype,
            gradient_checkpointing: bool, attn_implementation: str, lora_r: int, lora_targets: Tuple[str, ...],
-           lora_alpha: int, lora_dropout: float, padded: bool, accumulating: bool = False) -> _Trace:
-    """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases."""
+           lora_alpha: int, lora_dropout: float, padded: bool, accumulating: bool = False, packed: bool = False) -> _Trace:
+    """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases.
+
+    ``packed``: one row of ``seq_len`` tokens holding several sequences (``train.packing``): no
+    mask, position ids restarting per sequence, from which transformers builds a block-diagonal
+    (1,1,T,T) mask. Under fake tensors it cannot read the position ids and takes that packed
+    path anyway, which here is the real one.
+    """
+    import contextlib
     from unittest import mock
 
     import transformers.masking_utils as masking_utils
@@ -387,7 +394,8 @@ def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: 
     with torch.device("meta"):
         model = _build(shape, num_layers, dtype, gradient_checkpointing, attn_implementation, lora_r, lora_targets,
                        lora_alpha, lora_dropout)
-    with FakeTensorMode(), mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packed_sequences):
+    no_packing = mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packed_sequences)
+    with FakeTensorMode(), contextlib.nullcontext() if packed else no_packing:
         _materialize_fake(model)
         # pad id 0 never appears in the ids, so the reward is read at the last position (as with right
         # padding and one pad token, the cost of the gather does not depend on where it reads).
@@ -396,13 +404,16 @@ def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: 
         # SDPA runs is_causal with enable_gqa). With padding the mask cannot be dropped: transformers
         # builds a (B,1,T,T) boolean mask and SDPA repeats K/V to all heads, which costs more. Under
         # fake tensors transformers cannot read the mask, so passing one reproduces the padded path.
-        attention_mask = torch.ones(batch, seq_len, dtype=torch.long) if padded else None
+        attention_mask = torch.ones(batch, seq_len, dtype=torch.long) if padded and not packed else None
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if packed:
+            inputs = {"input_ids": input_ids, "position_ids": torch.arange(seq_len).unsqueeze(0)}
         if accumulating:
             # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
             # gradient into it and frees the new one, a transient we want on the timeline.
-            pairwise_loss(model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)).backward()
+            pairwise_loss(model(**inputs).logits.squeeze(-1)).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        timeline.ignore(list(model.parameters()) + list(model.buffers()) + grads + [input_ids, attention_mask])
+        timeline.ignore(list(model.parameters()) + list(model.buffers()) + grads + list(inputs.values()))
         del grads
 
         layers = _layers_of(model)
@@ -431,7 +442,7 @@ def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: 
         try:
             with timeline:
                 timeline.mark("start")
-                rewards = model(input_ids=input_ids, attention_mask=attention_mask).logits.squeeze(-1)
+                rewards = model(**inputs).logits.squeeze(-1)
                 loss = pairwise_loss(rewards)
                 del rewards
                 timeline.mark("backward")
@@ -471,6 +482,7 @@ def measure_layer(
     lora_dropout: float = 0.05,
     padded: bool = False,
     accumulating: bool = False,
+    packed: bool = False,
 ) -> LayerMemory:
     """Measure one decoder layer (and the parts outside the layers) by tracing a fake two-layer model.
 
@@ -493,12 +505,14 @@ def measure_layer(
             new parameter gradient, adds it in place and frees it: a transient of up to a
             few parameter-sized tensors that the first micro-batch does not have (there the
             new gradient becomes ``.grad`` itself and is excluded as a gradient).
+        packed: ``batch`` 1 row of ``seq_len`` tokens holding several sequences (``train.packing``):
+            position ids restart per sequence and transformers builds a block-diagonal mask.
 
     Returns:
         A :class:`LayerMemory`; cached per distinct arguments.
     """
     args = (shape, 2, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r,
-            tuple(lora_targets), lora_alpha, lora_dropout, padded, accumulating)
+            tuple(lora_targets), lora_alpha, lora_dropout, padded, accumulating, packed)
     trace = _trace(*args)
     at, peak = trace.at, trace.peak
     saved = at["norm"] - at["layer1"]
@@ -530,6 +544,7 @@ def estimate_activations(
     lora_dropout: float = 0.05,
     padded: bool = False,
     accumulating: bool = False,
+    packed: bool = False,
 ) -> Dict[str, Any]:
     """Peak activation bytes of one forward+backward of the whole reward model.
 
@@ -542,7 +557,7 @@ def estimate_activations(
 
     Args:
         shape, batch, seq_len, dtype, gradient_checkpointing, attn_implementation,
-        lora_r, lora_targets, lora_alpha, lora_dropout, padded, accumulating: as for
+        lora_r, lora_targets, lora_alpha, lora_dropout, padded, accumulating, packed: as for
         :func:`measure_layer`.
         num_layers: decoder layers of the real model.
 
@@ -559,7 +574,7 @@ def estimate_activations(
     targets = tuple(lora_targets)
     if num_layers == 1:
         trace = _trace(shape, 1, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r, targets,
-                       lora_alpha, lora_dropout, padded, accumulating)
+                       lora_alpha, lora_dropout, padded, accumulating, packed)
         at, peak = trace.at, trace.peak
         phases = {
             "forward": max(peak["start"], peak["layer0"]),
@@ -583,9 +598,9 @@ def estimate_activations(
 
     layer = measure_layer(shape, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r, targets,
                           lora_alpha=lora_alpha, lora_dropout=lora_dropout, padded=padded,
-                          accumulating=accumulating)
+                          accumulating=accumulating, packed=packed)
     trace = _trace(shape, 2, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r, targets,
-                   lora_alpha, lora_dropout, padded, accumulating)
+                   lora_alpha, lora_dropout, padded, accumulating, packed)
     at, peak = trace.at, trace.peak
     shift = (num_layers - 2) * layer.saved_bytes  # the layers the traced model lacks, all steady-state
     layers_saved = layer.first_layer_saved_bytes + (num_layers - 1) * layer.saved_bytes

@@ -134,6 +134,9 @@ class TrainConfig:
     global_batch_size: int = 64  # pairs per optimizer step over all devices
     eval_batch_size: int = 8  # pairs per device per eval forward
     group_by_length: bool = True  # sort each step's pairs by length into micro-batches: less padding, same gradient
+    packing: bool = False  # concatenate a micro-batch's sequences into one row, no pad tokens: less compute, same gradient
+    max_tokens_per_micro_batch: int = 0  # packing: cut each step's pairs into micro-batches of at most this many tokens
+    # (0: micro_batch_size pairs each); activations follow this budget; must be 0 or >= 2 x data.max_length
     learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

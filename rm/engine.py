@@ -186,13 +186,23 @@ class AccelerateEngine:
     def autocast(self):
         return self.accelerator.autocast()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Accumulate the gradient of one micro-batch's mean loss."""
+    def backward(self, loss: torch.Tensor, share: Optional[float] = None, last: Optional[bool] = None) -> None:
+        """Accumulate the gradient of one micro-batch's mean loss.
+
+        Args:
+            loss: the micro-batch's mean loss.
+            share: the micro-batch's fraction of this rank's pairs in the step; packed steps
+                (``train.packing``) cut them into micro-batches of unequal sizes, and weighting each
+                mean by its share keeps the gradient that of the mean over the step. ``None``:
+                ``1 / gradient_accumulation_steps`` (equal micro-batches).
+            last: whether this is the step's last micro-batch; ``None``: the
+                ``gradient_accumulation_steps``-th since the last step.
+        """
         self._micro += 1
         # Gradients are all-reduced once per optimizer step, not once per micro-batch.
-        sync = self._micro == self.accumulation
+        sync = self._micro == self.accumulation if last is None else last
         with nullcontext() if sync else self.accelerator.no_sync(self.model):
-            self.accelerator.backward(loss / self.accumulation)
+            self.accelerator.backward(loss / self.accumulation if share is None else loss * share)
 
     def clip_gradients(self) -> float:
         """Unscale (fp16), clip to ``max_grad_norm`` when it is > 0, and return the norm before clipping.

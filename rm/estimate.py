@@ -178,11 +178,18 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
 
     # Activations of one micro-batch (2 sequences per pair), padded to max_length as the worst case.
+    # Packed (train.packing): one row of at most the token budget, or of micro-batch x 2 x max_length.
+    batch, seq_len = 2 * t.micro_batch_size, cfg.data.max_length
+    accumulating = plan.gradient_accumulation_steps > 1
+    if t.packing:
+        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * t.micro_batch_size * cfg.data.max_length
+        # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
+        accumulating = accumulating or seq_len < 2 * (t.global_batch_size // n) * cfg.data.max_length
     act = estimate_activations(
         shape_from_model_config(m),
         m.num_hidden_layers,
-        batch=2 * t.micro_batch_size,
-        seq_len=cfg.data.max_length,
+        batch=batch,
+        seq_len=seq_len,
         dtype=weight_dtype(plan.precision),
         gradient_checkpointing=t.gradient_checkpointing,
         attn_implementation=m.attn_implementation if m.attn_implementation != "flash_attention_2" else "sdpa",
@@ -191,11 +198,12 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         lora_alpha=lora.alpha if lora else 32,
         lora_dropout=lora.dropout if lora else 0.05,
         padded=True,
-        accumulating=plan.gradient_accumulation_steps > 1,
+        accumulating=accumulating,
+        packed=t.packing,
     )
     activations = act["peak_bytes"]
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
-    temporaries += 2 * (2 * t.micro_batch_size) * cfg.data.max_length * 8
+    temporaries += 2 * batch * seq_len * 8  # packed: the ids and position ids
     evaluation = inference_peak_bytes(
         shape_from_model_config(m), 2 * t.eval_batch_size, cfg.data.max_length, weight_dtype(plan.precision),
         lora_r=lora.r if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
@@ -214,7 +222,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
     # or at the optimizer step (weights + gradients + states, activations gone).
-    if plan.gradient_accumulation_steps > 1:
+    if accumulating:
         backward = weights + states + gradients + activations
     else:
         backward = weights + states + max(activations, gradients)

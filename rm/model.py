@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
@@ -208,7 +208,14 @@ def reward_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-def sequence_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_rewards(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    position_ids: Optional[torch.Tensor] = None,
+    ends: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """One reward per row, read at its last real token (by the attention mask), in one forward pass.
 
     transformers' sequence-classification models pool at the rightmost token whose id is not
@@ -219,35 +226,49 @@ def sequence_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_
     from their first real token, so their rewards equal those of right padding (models with
     absolute position embeddings need it; rotary ones only change by rounding).
 
+    A packed batch (:class:`~rm.data.collator.PackedPairCollator`: one row, position ids
+    restarting per sequence, no mask) is read at ``ends``; with no mask transformers keeps
+    attention within each sequence (a block-diagonal mask, or flash-attention's varlen).
+
     Args:
         model: a ``*ForSequenceClassification`` model with a ``score`` head, possibly wrapped.
-        input_ids: ``(N, T)`` token ids.
-        attention_mask: ``(N, T)``, 1 on real tokens.
+        input_ids: ``(N, T)`` token ids; ``(1, T)`` when packed.
+        attention_mask: ``(N, T)``, 1 on real tokens; ``None`` when packed.
+        position_ids: packed only: ``(1, T)``, restarting at 0 at each sequence.
+        ends: packed only: ``(S,)`` position of each sequence's last token.
 
     Returns:
-        ``(N,)`` rewards, differentiable.
+        ``(N,)`` rewards, or ``(S,)`` when packed; differentiable.
     """
+    if (ends is None) == (attention_mask is None):
+        raise ValueError("give attention_mask for a padded batch, or position_ids and ends for a packed one")
     caught = []
     handle = reward_head(model).register_forward_hook(lambda module, args, output: caught.append(output))
-    kwargs = {}
-    if not bool(attention_mask[:, 0].all()):  # some row is left-padded
+    kwargs = {"attention_mask": attention_mask}
+    if ends is not None:
+        kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
+    elif not bool(attention_mask[:, 0].all()):  # some row is left-padded
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        model(input_ids=input_ids, **kwargs)
     finally:
         handle.remove()
     if len(caught) != 1 or caught[0].dim() != 3:
         raise TypeError(f"expected one per-token (N, T, 1) output of the reward head, got {[tuple(o.shape) for o in caught]}")
+    if ends is not None:
+        return caught[0][0, ends.to(caught[0].device)].squeeze(-1)
     rows = torch.arange(input_ids.shape[0], device=caught[0].device)
     return caught[0][rows, last_token_index(attention_mask).to(caught[0].device)].squeeze(-1)
 
 
-def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Score a :class:`~rm.data.collator.PairCollator` batch in one forward pass (:func:`sequence_rewards`).
+def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
+                 position_ids: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None):
+    """Score a :class:`~rm.data.collator.PairCollator` or :class:`~rm.data.collator.PackedPairCollator`
+    batch in one forward pass (:func:`sequence_rewards`).
 
     Returns:
         ``(chosen_rewards, rejected_rewards)``, each of shape ``(B,)``.
     """
-    rewards = sequence_rewards(model, input_ids, attention_mask)
+    rewards = sequence_rewards(model, input_ids, attention_mask, position_ids=position_ids, ends=ends)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]

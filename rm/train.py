@@ -29,10 +29,10 @@ from transformers import get_scheduler
 
 from rm.checkpoint import CheckpointError, check_run_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from rm.config import RunConfig, to_run_config
-from rm.data.batching import micro_batches_for_step, steps_per_epoch
+from rm.data.batching import micro_batches_for_step, split_by_tokens, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
 from rm.data.build import build_datasets, build_extra_eval_sets
-from rm.data.collator import PairCollator
+from rm.data.collator import PackedPairCollator, PairCollator
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
@@ -229,6 +229,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     )
     health.check_data(tokenizer.pad_token_id, tokenizer.pad_token, data_audit)  # no pad id at all: ConfigError
     collator = PairCollator(tokenizer.pad_token_id)
+    train_collator = PackedPairCollator() if t.packing else collator  # train.packing: one row of real tokens, no pads
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     model = build_model(
         cfg.model, tokenizer.pad_token_id, plan.precision, t.gradient_checkpointing, cfg.memory_profile.quantize_base
@@ -259,6 +260,9 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     lengths = None
     if t.group_by_length:
         lengths = [max(len(c), len(r)) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
+    pair_tokens, per_rank = None, t.global_batch_size // plan.world_size
+    if t.max_tokens_per_micro_batch:  # packed micro-batches cut by a token budget instead of a pair count
+        pair_tokens = [len(c) + len(r) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
     device = engine.device
     eval_metrics: Dict[str, float] = {}
@@ -278,19 +282,26 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     with StopRequest() as stop, monitor:
         while step < total_steps and not stop.signum:
             micro_batches = micro_batches_for_step(
-                step, len(train_set), t.global_batch_size, t.micro_batch_size, plan.world_size, engine.process_index, t.seed,
-                lengths,
+                step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
+                plan.world_size, engine.process_index, t.seed, lengths,
             )
-            for indices in micro_batches:
-                batch = collator(train_set.select(indices))
+            if pair_tokens:
+                micro_batches = split_by_tokens(micro_batches[0], pair_tokens, t.max_tokens_per_micro_batch)
+            for n, indices in enumerate(micro_batches):
+                batch = train_collator(train_set.select(indices))
+                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "ends") if k in batch}
                 with engine.autocast():
-                    chosen, rejected = pair_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+                    chosen, rejected = pair_rewards(model, **inputs)
                     loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
-                engine.backward(loss)
+                if t.packing:  # micro-batches of unequal pair counts: weight each mean by its share of the step's pairs
+                    engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
+                else:
+                    engine.backward(loss)
                 health.observe(loss, chosen, rejected)
-                window_loss += loss.item() / len(micro_batches)
-                window_tokens += int(batch["attention_mask"].sum())
-                run_tokens += int(batch["attention_mask"].sum())
+                window_loss += loss.item() * len(indices) / per_rank
+                real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+                window_tokens += real
+                run_tokens += real
             # Checked before the optimizer applies the update, so that a NaN never reaches the weights.
             action = health.before_update(step + 1, engine.clip_gradients(), engine.gradients_of(HEAD), engine.reduce)
             if action == STOP:

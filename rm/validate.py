@@ -105,6 +105,12 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
     if not 0 <= t.warmup_ratio < 1:
         errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    if t.max_tokens_per_micro_batch and not t.packing:
+        errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} needs train.packing=true")
+    # A budget below one pair of max_length would let a pair exceed it: then the estimate, which follows the budget, is no bound.
+    if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch < 2 * d.max_length:
+        errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be 0 or >= 2 x data.max_length"
+                      f" = {2 * d.max_length}, so that every pair fits in one micro-batch")
     if cfg.memory_profile.use_lora and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
     unknown = [m for m in cfg.lora.target_modules if m not in ALL_LINEAR] if cfg.memory_profile.use_lora else []
@@ -147,6 +153,8 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         errors.append(f"train.precision=fp16 needs a GPU; hardware={hw.name} is a CPU: use fp32")
 
     strategy, zero_stage = _check_profile_and_distribution(cfg, device, errors)
+    if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
+        errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

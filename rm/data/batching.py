@@ -74,3 +74,35 @@ def micro_batches_for_step(
     if lengths is not None:
         mine = sorted(mine, key=lambda i: lengths[i])
     return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+
+
+def split_by_tokens(indices: Sequence[int], pair_tokens: Sequence[int], max_tokens: int) -> List[List[int]]:
+    """Cut one step's pairs, in order, into micro-batches of at most ``max_tokens`` tokens (``train.packing``).
+
+    Greedy: a pair joins the current micro-batch while the total stays within the
+    budget, else it opens the next one. Both sequences of a pair count and always
+    stay together. A pair larger than the budget gets a micro-batch of its own
+    (``rm.validate`` rules it out by asking for a budget of at least two
+    ``max_length`` sequences).
+
+    Args:
+        indices: this rank's dataset indices for the step.
+        pair_tokens: per dataset index, chosen plus rejected length.
+        max_tokens: token budget of one micro-batch.
+
+    Returns:
+        Lists of dataset indices, covering ``indices`` once each, in order.
+
+    Example:
+        >>> split_by_tokens([0, 1, 2, 3], pair_tokens=[6, 3, 4, 9], max_tokens=10)
+        [[0, 1], [2], [3]]
+    """
+    batches: List[List[int]] = []
+    used = max_tokens  # forces a first micro-batch
+    for i in indices:
+        if used + pair_tokens[i] > max_tokens:
+            batches.append([])
+            used = 0
+        batches[-1].append(i)
+        used += pair_tokens[i]
+    return batches
