@@ -226,6 +226,25 @@ def test_learning_rate_zero_and_zero_head_raise_ln2_and_chance_alarms(tiny_cfg, 
     assert (tmp_path / "final").is_dir()
 
 
+def test_a_dataset_of_identical_pairs_kept_on_purpose_raises_the_ln2_alarm(tiny_cfg, tmp_path):
+    """data.identical_pairs=keep on pairs whose chosen and rejected are the same text: both sides get
+    the same reward, so every loss is exactly ln 2 with zero gradient whatever the weights; the audit
+    counts them, the alarm names them, and the run keeps its data (audit, metrics, final model)."""
+    rows = [{"prompt": f"Human: what is {w}?\n\nAssistant:", "chosen": f" {w} is a word.", "rejected": f" {w} is a word."}
+            for w in ("cat", "dog", "sun", "tree", "rain", "milk", "road", "book") * 4]
+    data = tmp_path / "identical.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run_dir = tmp_path / "run"
+    result = rm_train.train(tiny_cfg("data=local", f"data.train_files=[{data}]", "data.identical_pairs=keep",
+                                     "train.max_steps=3", "health.ln2_steps=3", *SHORT), run_dir)
+    assert result["status"] == "ok" and "loss_at_ln2" in result["alarms"]
+    audit = json.loads((run_dir / "data_audit.json").read_text())["splits"]["train"]
+    assert audit["identical_after_truncation"] == len(rows) == audit["pairs_out"]
+    losses = [m["loss"] for m in read_metrics(run_dir) if m["event"] == "train"]
+    assert losses and all(loss == pytest.approx(LN2, abs=1e-6) for loss in losses)
+    assert (run_dir / "final").is_dir()
+
+
 def test_a_learning_run_raises_no_alarm(tiny_cfg, tmp_path):
     """The control: the same short run with the default learning rate leaves ln 2 within 4 steps
     (per-step losses move by more than 0.02 from the first updates on) and raises nothing."""
