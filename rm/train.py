@@ -435,19 +435,11 @@ def main(cfg: DictConfig) -> Optional[float]:
         if multirun:
             return None
         sys.exit(3)
-    except (ConfigError, FileExistsError) as err:
+    except (ConfigError, FileExistsError, CheckpointError) as err:  # a message for people, no traceback
         log.error("%s", err)
         record("failed", error=err)
         if not multirun:
-            sys.exit(2)
-        if run_cfg.sweep.on_failure == "continue":
-            return None
-        raise
-    except CheckpointError as err:
-        log.error("%s", err)
-        record("failed", error=err)
-        if not multirun:
-            sys.exit(5)
+            sys.exit(5 if isinstance(err, CheckpointError) else 2)
         if run_cfg.sweep.on_failure == "continue":
             return None
         raise

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import List
 
 from rm.config import ALL_LINEAR, RunConfig
+from rm.data.preference import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.diagnostics import eval_keys
 
 CHOICES = {
@@ -18,11 +19,12 @@ CHOICES = {
     "distributed.strategy": ("auto", "ddp", "deepspeed"),
     "hardware.accelerator": ("cuda", "cpu", "auto"),
     "data.source": ("hub", "local", "synthetic"),
-    "data.format": ("auto", "hh", "prompt", "messages"),
-    "data.truncation": ("truncate", "drop", "error"),
-    "data.identical_pairs": ("drop", "keep"),
-    "data.duplicates": ("keep", "drop"),
-    "data.on_malformed": ("skip", "error"),
+    # The data policies are defined (and documented) once, in rm.data.preference.
+    "data.format": FORMATS,
+    "data.truncation": TRUNCATION,
+    "data.identical_pairs": IDENTICAL_PAIRS,
+    "data.duplicates": DUPLICATES,
+    "data.on_malformed": ON_MALFORMED,
     "train.precision": ("auto", "bf16", "fp16", "fp32"),
     "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
     "preflight.mode": ("error", "warn", "off"),

@@ -9,7 +9,6 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
-from rm.validate import CHOICES
 
 from rm.data.preference import (
     DUPLICATES,
@@ -130,10 +129,6 @@ def test_constants():
     assert ON_MALFORMED == ("skip", "error")
     assert IDENTICAL_PAIRS == ("drop", "keep")
     assert DUPLICATES == ("keep", "drop")
-    # The config validation accepts exactly what the pipeline implements.
-    assert CHOICES["data.format"] == FORMATS and CHOICES["data.truncation"] == TRUNCATION
-    assert CHOICES["data.on_malformed"] == ON_MALFORMED and CHOICES["data.identical_pairs"] == IDENTICAL_PAIRS
-    assert CHOICES["data.duplicates"] == DUPLICATES
 
 
 # --------------------------------------------------------------------------- #
