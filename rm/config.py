@@ -74,7 +74,12 @@ class HardwareConfig:
 
     name: str = MISSING
     accelerator: str = "cuda"  # cuda | cpu | auto (detect at start)
-    device_memory_gib: float = MISSING  # memory of one device as the vendor states it
+    # Capacity of one device as its runtime reports it (torch.cuda.mem_get_info()[1]), not the size on
+    # the box: an "80 GB" H100 reports 79.19 GiB. hardware=auto reads it from the device.
+    device_memory_gib: float = MISSING
+    # Kept free for what the estimate does not see (other processes on the device, a profiler).
+    # null: 2% of device_memory_gib, the calibration's bound on how far an estimate may be under.
+    headroom_gib: Optional[float] = None
     bf16: bool = False  # device computes in bfloat16 natively
     gpus_per_node: int = 1
     host_ram_gib: int = MISSING  # RAM of one node
@@ -92,6 +97,10 @@ class DistributedConfig:
     strategy: str = "auto"  # auto (deepspeed ZeRO-2 when the profile offloads, else ddp) | ddp | deepspeed
     zero_stage: int = 2  # deepspeed: 1 shards optimizer states, 2 also gradients, 3 also weights
     offload_params: bool = False  # deepspeed ZeRO-3: weight shards live on the CPU between uses
+    # Processes the run has. 0: as launched (torchrun's WORLD_SIZE, else 1). rm.estimate
+    # distributed.num_processes=8 asks about 8 processes without launching them; rm.train checks it
+    # against the launch. Sharding (DDP buckets, ZeRO partitions) changes the per-device peak.
+    num_processes: int = 0
 
 
 @dataclass

@@ -17,13 +17,25 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.engine import DEEPSPEED_BUCKET
+from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_PREFETCH
 from rm.validate import Plan
 
 GIB = 1024**3
+MIB = 1024**2
 BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
-# Not yet measured on a GPU (no GPU was available): the CUDA context and cuBLAS workspaces.
-CUDA_CONTEXT_BYTES = 1 * GIB
+# Device-level terms that only a GPU shows. None is measured yet (no GPU has been at hand); each is an
+# assumption, printed as such next to its value, until `benchmarks/memory_calibration.py --device cuda`
+# measures it.
+CUDA_CONTEXT_BYTES = 1 * GIB  # CUDA context, kernels loaded lazily, cuBLAS/cuDNN workspaces
+NCCL_BUFFER_BYTES = 512 * MIB  # NCCL's channel buffers and its own streams, per process, with >1 process
+# PyTorch's caching allocator rounds blocks up (512 B; large segments to 2 MiB) and keeps freed
+# blocks reserved. max_memory_reserved exceeds max_memory_allocated by the fragmentation of the
+# step's short-lived tensors; assumed 10% of them, plus one 20 MiB segment of small blocks.
+ALLOCATOR_FRAGMENTATION = 0.10
+ALLOCATOR_SMALL_SEGMENTS = 20 * MIB
+# A share of the device kept free by default (hardware.headroom_gib=null): the bound the calibration
+# holds every point to on the low side (no estimate more than 2% under a measured peak).
+DEFAULT_HEADROOM_FRACTION = 0.02
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,32 @@ def adamw_state_bytes(tensor_numels: List[int], state_bytes: int, eight_bit: boo
     return total
 
 
+def zero_partition_numels(tensor_numels: List[int], world_size: int) -> List[int]:
+    """Per rank, the elements of the whole parameters that touch its ZeRO-1/2 partition.
+
+    DeepSpeed flattens the trainable parameters in order, pads the flat buffer to a multiple of
+    2 x world size, and gives rank ``r`` the ``r``-th equal slice. Its gradient partition buffer
+    (``grads_in_partition``) holds every parameter that overlaps the slice whole, so a parameter
+    that straddles a boundary is counted on both sides.
+
+    Example: 10 and 6 elements over 2 ranks: slices [0, 8) and [8, 16); the first tensor straddles.
+        >>> zero_partition_numels([10, 6], 2)
+        [10, 16]
+    """
+    align = 2 * world_size
+    total = sum(tensor_numels)
+    size = math.ceil(total / align) * align // world_size
+    out = []
+    for rank in range(world_size):
+        lo, hi, start, touching = rank * size, (rank + 1) * size, 0, 0
+        for numel in tensor_numels:
+            if start < hi and start + numel > lo:
+                touching += numel
+            start += numel
+        out.append(touching)
+    return out
+
+
 @dataclass
 class Estimate:
     """Per-device bytes at the peak, and the verdict."""
@@ -101,15 +139,22 @@ class Estimate:
     activations: int
     evaluation: int  # the peak of one scoring forward at train.eval_batch_size, above the weights
     temporaries: int
-    overhead: int
-    peak_bytes: int
+    overhead: int  # engine buffers that live as long as the engine (offload staging)
+    allocated_bytes: int  # the peak of live tensors: what max_memory_allocated measures on a GPU
+    allocator_reserve: int  # CUDA: the caching allocator's rounding and cached free blocks
+    cuda_context: int
+    communication: int  # CUDA with several processes: NCCL buffers
+    peak_bytes: int  # what the device holds at the peak: allocated + reserve + context + communication
     peak_phase: str
-    usable_bytes: int
+    usable_bytes: int  # device capacity less headroom
+    headroom_bytes: int
     fits: bool
     host_ram_bytes_per_node: int
     params_total: int
     params_trainable: int
     uncalibrated: List[str]
+    world_size: int = 1
+    world_size_source: str = "given"
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -145,6 +190,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     gradients = counts.trainable * trained_bytes
     temporaries = 0
     overhead_buffers = 0  # communication and staging buffers that live as long as the engine
+    reduction = 0  # DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own
 
     # Optimizer states, where they live, and what the host keeps.
     host = 0
@@ -156,9 +202,18 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         bucket = min(DEEPSPEED_BUCKET, counts.trainable)  # as rm.engine.deepspeed_config sets it
         if stage >= 2:
             gradients = shard * trained_bytes
+            if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
+                gradients = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
             # Two contiguous gradient buckets (overlap_comm), each allocated at full size during backward.
             temporaries += 2 * bucket * trained_bytes
-        if stage == 3:
+        else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
+            temporaries += bucket * trained_bytes
+        if stage == 3 and n > 1:
+            # Measured on 2 CPU processes: one gradient bucket, and the parameters of a prefetch gathered twice
+            # at once (the coalesced all-gather buffer and each parameter's own copy of it).
+            gathered = min(counts.total, DEEPSPEED_PREFETCH) * wbytes
+            temporaries = bucket * trained_bytes + 2 * gathered
+        elif stage == 3:
             temporaries += counts.largest_layer * wbytes  # one layer gathered at a time
         if profile.offload_optimizer:
             # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
@@ -174,6 +229,23 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
             if plan.device == "cuda":
                 host = plan_procs_per_node(cfg, plan) * states
                 states = 0
+        if stage < 3 and profile.offload_optimizer and n > 1:
+            # The same flattened copy in allreduce_bucket; the gradient partition is already among the host states.
+            reduction = weights + states + temporaries + bucket * trained_bytes
+        elif stage < 3 and not profile.offload_optimizer:
+            if n > 1:
+                # reduce_ipg_grads: allreduce_bucket flattens the bucket's gradients into a new tensor; gloo (and
+                # NCCL's stream) may hold it past the call while copy_grads_in_partition allocates the partition
+                # of whole parameters that touch this rank's slice. Which comes first varies from run to run
+                # (measured on 2 CPU processes): the estimate counts both alive.
+                # Without accumulation ZeRO-2 fills the partition only after the flattened copy is gone (measured).
+                accumulates = plan.gradient_accumulation_steps > 1 or stage == 1
+                partition = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes if accumulates else 0
+                reduction = weights + states + partition + temporaries + bucket * trained_bytes
+            elif plan.gradient_accumulation_steps > 1:
+                # One process while accumulating: a fresh gradient partition is filled while the previous
+                # micro-batch's is still held (measured on CPU).
+                reduction = weights + states + 2 * gradients + temporaries
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
 
@@ -213,40 +285,51 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     if m.pretrained:
         # from_pretrained reads the checkpoint into host memory in every process before moving it.
         host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
+    # The export check reloads the saved model on the CPU of the main process (rm.export), beside
+    # whatever the host already holds for this node's processes.
+    host += counts.total * wbytes
     overhead = overhead_buffers
-    usable = int(cfg.hardware.device_memory_gib * GIB)
-    if plan.device == "cuda":
-        overhead += CUDA_CONTEXT_BYTES
-        uncalibrated.append("CUDA context")
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
     # or at the optimizer step (weights + gradients + states, activations gone).
-    if accumulating:
+    # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
+    # which exist from the wrap on: they are always alive.
+    ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
+    # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
+    zero3_partition = plan.strategy == "deepspeed" and stage == 3 and n > 1
+    if accumulating or ddp_buckets or zero3_partition:
         backward = weights + states + gradients + activations
     else:
         backward = weights + states + max(activations, gradients)
     step = weights + gradients + states
-    # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions).
-    kept_gradients = gradients if plan.strategy == "deepspeed" else 0
+    # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions, DDP its buckets).
+    kept_gradients = gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
     phases = {
         "forward/backward": backward + temporaries,
         "optimizer step": step + temporaries,
-        # DeepSpeed ZeRO-1/2 (no offload) while accumulating: at the end of a backward, a fresh gradient
-        # partition is filled while the previous micro-batch's is still held (measured on CPU).
-        "gradient reduction": (weights + states + 2 * gradients + temporaries
-                               if plan.strategy == "deepspeed" and not profile.offload_optimizer
-                               and plan.gradient_accumulation_steps > 1 else 0),
+        "gradient reduction": reduction,
         "evaluation": weights + states + kept_gradients + evaluation,
         "load": weights,
     }
     phase = max(phases, key=phases.get)
-    peak = phases[phase] + overhead
+    allocated = phases[phase] + overhead
+    reserve = context = communication = 0
+    if plan.device == "cuda":
+        reserve = int(ALLOCATOR_FRAGMENTATION * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
+        context = CUDA_CONTEXT_BYTES
+        communication = NCCL_BUFFER_BYTES if plan.world_size > 1 else 0
+        uncalibrated += ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
+    capacity = int(cfg.hardware.device_memory_gib * GIB)
+    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if cfg.hardware.headroom_gib is None else cfg.hardware.headroom_gib * GIB)
+    peak = allocated + reserve + context + communication
     return Estimate(
         weights=weights, gradients=gradients, optimizer_states=states, activations=activations,
-        evaluation=evaluation, temporaries=temporaries, overhead=overhead, peak_bytes=peak, peak_phase=phase, usable_bytes=usable,
-        fits=peak <= usable, host_ram_bytes_per_node=host, params_total=counts.total,
-        params_trainable=counts.trainable, uncalibrated=uncalibrated,
+        evaluation=evaluation, temporaries=temporaries, overhead=overhead, allocated_bytes=allocated,
+        allocator_reserve=reserve, cuda_context=context, communication=communication, peak_bytes=peak, peak_phase=phase,
+        usable_bytes=capacity - headroom, headroom_bytes=headroom, fits=peak <= capacity - headroom,
+        host_ram_bytes_per_node=host, params_total=counts.total, params_trainable=counts.trainable,
+        uncalibrated=uncalibrated, world_size=plan.world_size, world_size_source=plan.world_size_source,
     )
 
 
@@ -254,20 +337,35 @@ def plan_procs_per_node(cfg: RunConfig, plan: Plan) -> int:
     return min(plan.world_size, cfg.hardware.gpus_per_node)
 
 
+def estimate_label(cfg: RunConfig, plan: Plan) -> str:
+    """What the estimate is of, for its table's first line."""
+    return (f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, {plan.world_size} process(es), "
+            f"hardware={cfg.hardware.name}")
+
+
 def format_table(est: Estimate, label: str) -> str:
-    """The estimate as a table for people."""
+    """The estimate as a table for people: tensors, then what the device adds, then the verdict."""
     rows = [
         ("weights", est.weights), ("gradients", est.gradients), ("optimizer states", est.optimizer_states),
         ("activations (peak)", est.activations), ("temporaries", est.temporaries),
         ("evaluation forward", est.evaluation), ("overhead", est.overhead),
     ]
+    assumed = " (assumed)"  # device terms no GPU measurement has confirmed yet
+    device_rows = [("allocator reserve" + assumed, est.allocator_reserve), ("CUDA context" + assumed, est.cuda_context),
+                   ("NCCL buffers" + assumed, est.communication)]
     unit, scale = ("GiB", GIB) if max(est.usable_bytes, est.peak_bytes) >= 4 * GIB else ("MiB", 1024**2)
-    lines = [f"memory estimate per device: {label}", f"  {'component':<26}{unit:>10}"]
-    lines += [f"  {name:<26}{value / scale:>10.2f}" for name, value in rows]
-    lines.append(f"  {'peak (' + est.peak_phase + ')':<26}{est.peak_bytes / scale:>10.2f}")
-    lines.append(f"  {'usable':<26}{est.usable_bytes / scale:>10.2f}")
+    lines = [f"memory estimate per device: {label}",
+             f"  processes: {est.world_size} ({est.world_size_source})",
+             f"  {'component':<36}{unit:>10}"]
+    lines += [f"  {name:<36}{value / scale:>10.2f}" for name, value in rows]
+    lines.append(f"  {'tensors at peak (' + est.peak_phase + ')':<36}{est.allocated_bytes / scale:>10.2f}")
+    if any(value for _, value in device_rows):
+        lines += [f"  {name:<36}{value / scale:>10.2f}" for name, value in device_rows if value]
+    lines.append(f"  {'device total at peak':<36}{est.peak_bytes / scale:>10.2f}")
+    lines.append(f"  {'usable (capacity - headroom)':<36}{est.usable_bytes / scale:>10.2f}"
+                 f"   headroom {est.headroom_bytes / scale:.2f} (hardware.headroom_gib)")
     if est.host_ram_bytes_per_node:
-        lines.append(f"  {'host RAM per node':<26}{est.host_ram_bytes_per_node / scale:>10.2f}")
+        lines.append(f"  {'host RAM per node':<36}{est.host_ram_bytes_per_node / scale:>10.2f}")
     lines.append(f"  parameters: {est.params_total:,} total, {est.params_trainable:,} trainable")
     lines.append(f"  verdict: {'fits' if est.fits else 'DOES NOT FIT'}")
     if est.uncalibrated:
@@ -331,7 +429,7 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
         try:
             candidate = compose([*base_overrides, *extra])
             candidate.hardware = cfg.hardware if candidate.hardware.name == cfg.hardware.name else resolve_hardware(candidate.hardware)
-            est = estimate_run(candidate, validate(candidate, plan.world_size))
+            est = estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source))
         except (ConfigError, ValueError):
             continue
         if est.fits:
@@ -350,14 +448,15 @@ def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> O
         candidate = compose([*base_overrides, f"train.micro_batch_size={micro}"])
         candidate.train.eval_batch_size = cfg.train.eval_batch_size
         candidate.hardware = cfg.hardware
-        if estimate_run(candidate, validate(candidate, plan.world_size)).fits:
+        if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source)).fits:
             return micro
     return None
 
 
 def main() -> None:
+    import contextlib
     import json
-    import os
+    import logging
     import sys
 
     import hydra
@@ -365,26 +464,33 @@ def main() -> None:
 
     from rm.config import to_run_config
     from rm.hardware import resolve_hardware
-    from rm.validate import ConfigError, validate
+    from rm.validate import ConfigError, resolve_world_size, validate
 
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
-        cfg = to_run_config(raw)
-        cfg.hardware = resolve_hardware(cfg.hardware)
-        try:
-            plan = validate(cfg, int(os.environ.get("WORLD_SIZE", cfg.hardware.gpus_per_node if cfg.hardware.accelerator == "cuda" else 1)))
-        except ConfigError as err:
-            print(err, file=sys.stderr)
-            sys.exit(2)
-        est = estimate_run(cfg, plan)
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
-        if cfg.estimate.json:
-            print(json.dumps({**est.to_dict(), "world_size": plan.world_size}, indent=2))
-        else:
-            print(format_table(est, f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, "
-                                    f"{plan.world_size} process(es), hardware={cfg.hardware.name}"))
-            if not est.fits:
-                print(format_suggestions(suggestions(overrides, cfg, plan)))
+        # stdout carries the answer alone (a table, or JSON for `| python -m json.tool`): logs and library
+        # warnings (bitsandbytes, DeepSpeed, Hydra's console handler writes to stdout) go to stderr.
+        answer = sys.stdout
+        for handler in logging.getLogger().handlers:
+            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+                handler.setStream(sys.stderr)
+        with contextlib.redirect_stdout(sys.stderr):
+            cfg = to_run_config(raw)
+            try:
+                cfg.hardware = resolve_hardware(cfg.hardware)
+                plan = validate(cfg, *resolve_world_size(cfg, launched=False))
+            except ConfigError as err:
+                print(err, file=sys.stderr)
+                sys.exit(2)
+            est = estimate_run(cfg, plan)
+            overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
+            if cfg.estimate.json:
+                text = json.dumps(est.to_dict(), indent=2)
+            else:
+                text = format_table(est, estimate_label(cfg, plan))
+                if not est.fits:
+                    text += "\n" + format_suggestions(suggestions(overrides, cfg, plan))
+        print(text, file=answer)
         sys.exit(0 if est.fits else 3)
 
     run()

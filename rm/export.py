@@ -280,10 +280,13 @@ def export_final(
         )
         del state_dict
         adapter = (directory / ADAPTER_CONFIG).is_file()
+        # The reload runs on the CPU: on the training device it would sit beside the trained model and its
+        # optimizer states (a second copy of the weights, 14 GB at 7B), a peak the run never needed.
+        # rm.estimate counts it in host RAM instead.
         try:
-            verify_bundle(directory, base_model=base_factory() if adapter and base_factory else None, device=engine.device)
+            verify_bundle(directory, base_model=base_factory() if adapter and base_factory else None, device="cpu")
             if merge:
-                merge_adapter(directory, directory / "merged", device=engine.device,
+                merge_adapter(directory, directory / "merged", device="cpu",
                               base_model=base_factory() if base_factory else None)
         except ExportMismatch as err:
             error = err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import torch
@@ -28,12 +29,13 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     ram = round(host_ram_gib(), 1)
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        smallest = min(torch.cuda.get_device_properties(i).total_memory for i in range(count))
+        # The capacity the runtime reports (what an out-of-memory message calls "total capacity").
+        smallest = min(torch.cuda.mem_get_info(i)[1] for i in range(count))
         return dataclasses.replace(
             hw,
             name=f"auto:{torch.cuda.get_device_name(0)}",
             accelerator="cuda",
-            device_memory_gib=round(smallest / GIB, 2),
+            device_memory_gib=math.floor(100 * smallest / GIB) / 100,  # rounded down: never more than there is
             bf16=torch.cuda.is_bf16_supported(),
             gpus_per_node=count,
             host_ram_gib=int(ram),

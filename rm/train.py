@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
@@ -35,16 +36,16 @@ from rm.data.build import build_datasets, build_extra_eval_sets
 from rm.data.collator import PackedPairCollator, PairCollator
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
-from rm.estimate import best_micro_batch, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
+from rm.estimate import best_micro_batch, estimate_label, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
 from rm.health import HEAD, SKIP, STOP, HealthMonitor, fp32_head_enabled, keep_head_in_fp32
 from rm.loss import bradley_terry_loss
-from rm.memory_monitor import MemoryMonitor
+from rm.memory_monitor import MemoryMonitor, gather_snapshots
 from rm.sweep import job_record, write_job_record
 from rm.metrics import MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots
 from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
-from rm.validate import ConfigError, Plan, validate
+from rm.validate import ConfigError, Plan, resolve_world_size, validate
 
 log = logging.getLogger("rm.train")
 
@@ -179,9 +180,9 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]):
                      cfg.train.micro_batch_size, micro, cfg.train.global_batch_size)
             cfg.train.micro_batch_size = micro
             overrides = [*overrides, f"train.micro_batch_size={micro}"]
-            plan = validate(cfg, plan.world_size)
+            plan = validate(cfg, plan.world_size, plan.world_size_source)
     est = estimate_run(cfg, plan)
-    label = f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, {plan.world_size} process(es), hardware={cfg.hardware.name}"
+    label = estimate_label(cfg, plan)
     table = format_table(est, label)
     if est.fits:
         log.info("%s", table)
@@ -201,11 +202,15 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     ``overrides`` are the Hydra overrides the config came from; the pre-flight check
     re-composes them with candidate changes to say which would fit.
     """
+    with ExitStack() as cleanup:  # undone however the run ends (the memory monitor's dispatch mode)
+        return _train(cfg, run_dir, overrides, cleanup)
+
+
+def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: ExitStack) -> Dict[str, float]:
     # ---- setup: validate and estimate memory before anything heavy
     run_dir = Path(run_dir)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     cfg.hardware = resolve_hardware(cfg.hardware)
-    plan = validate(cfg, world_size)
+    plan = validate(cfg, *resolve_world_size(cfg, launched=True))
     plan, estimate = preflight(cfg, plan, overrides)
     t = cfg.train
     if int(os.environ.get("RANK", "0")) == 0:  # one process decides (torchrun stops the others if it refuses)
@@ -231,9 +236,14 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     collator = PairCollator(tokenizer.pad_token_id)
     train_collator = PackedPairCollator() if t.packing else collator  # train.packing: one row of real tokens, no pads
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
+    # Started before the model exists: everything the step's peak holds (weights, the engine's buckets and
+    # partitions, restored states) is counted as it is allocated.
+    monitor = MemoryMonitor(engine.device, track_cpu_tensors=t.track_memory).start()
+    cleanup.callback(monitor.stop)
     model = build_model(
         cfg.model, tokenizer.pad_token_id, plan.precision, t.gradient_checkpointing, cfg.memory_profile.quantize_base
     )
+    monitor.register(model.parameters())
     if fp32_head_enabled(cfg.health.fp32_head, plan.precision):
         keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
     model = apply_memory_profile(model, cfg.memory_profile, cfg.lora)
@@ -276,10 +286,9 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     step = start_step
     # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
     run_tokens, paused_s, loop_start = 0, 0.0, time.perf_counter()
-    monitor = MemoryMonitor(device, track_cpu_tensors=t.track_memory)
-    # What exists before the loop (weights, buffers, restored optimizer states) counts towards the peak.
+    # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
-    with StopRequest() as stop, monitor:
+    with StopRequest() as stop:
         while step < total_steps and not stop.signum:
             micro_batches = micro_batches_for_step(
                 step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
@@ -345,7 +354,9 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
         if engine.is_main_process and eval_scores:  # after train_s: drawing is not training time
             log.info("eval plots: %s", write_eval_plots(eval_scores, run_dir / "eval_plots.png"))
         run_tokens = int(engine.reduce(torch.tensor(run_tokens, device=device), reduction="sum"))
-        measured = monitor.snapshot()
+        monitor.stop()
+        measured_per_rank = gather_snapshots(monitor.snapshot())
+        measured = measured_per_rank[engine.process_index]
         run_stats = {
             "tokens_per_s": run_tokens / train_s if train_s > 0 else None,
             "measured_peak_bytes": measured.get("peak_allocated_bytes"),
@@ -376,7 +387,8 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
 
     if engine.is_main_process:
         (run_dir / "memory.json").write_text(json.dumps(
-            {"estimate": estimate.to_dict() if estimate else None, "measured": measured}, indent=2
+            {"estimate": estimate.to_dict() if estimate else None, "measured": measured,
+             "measured_per_rank": measured_per_rank}, indent=2
         ))
 
     # ---- save: one bundle, reloaded in a fresh model and checked on a probe batch (rm.export)

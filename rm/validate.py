@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 from rm.config import ALL_LINEAR, RunConfig
 from rm.data.preference import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
@@ -48,6 +49,7 @@ class Plan:
     strategy: str  # ddp | deepspeed, after resolving "auto" (ddp also covers a single process)
     zero_stage: int  # 0 unless strategy is deepspeed
     max_tokens_per_step: int  # global batch x 2 sequences x max_length
+    world_size_source: str = "given"  # where world_size came from, in words (rm.validate.resolve_world_size)
 
 
 def _lookup(cfg: RunConfig, dotted: str):
@@ -57,7 +59,40 @@ def _lookup(cfg: RunConfig, dotted: str):
     return obj
 
 
-def validate(cfg: RunConfig, world_size: int) -> Plan:
+def resolve_world_size(cfg: RunConfig, launched: bool) -> Tuple[int, str]:
+    """How many processes the run has, and where that number came from. The one reader of ``WORLD_SIZE``.
+
+    Args:
+        cfg: the typed run config (``distributed.num_processes``).
+        launched: this process trains (``rm.train``): a number the launch does not provide is an error.
+            False for ``rm.estimate``, which may ask about a layout without launching it.
+
+    Raises:
+        ConfigError: ``distributed.num_processes`` disagrees with the launcher, or asks ``rm.train``
+            for processes nobody started.
+
+    Example:
+        >>> from rm.config import RunConfig, DistributedConfig
+        >>> import os; os.environ.pop("WORLD_SIZE", None) and None
+        >>> resolve_world_size(RunConfig(distributed=DistributedConfig(name="ddp", num_processes=8)), launched=False)
+        (8, 'distributed.num_processes=8')
+    """
+    wanted = cfg.distributed.num_processes
+    env = os.environ.get("WORLD_SIZE")
+    if env is not None:
+        if wanted and wanted != int(env):
+            raise ConfigError(f"distributed.num_processes={wanted} but the launcher started {env} processes (WORLD_SIZE); "
+                              f"drop the key or launch {wanted}")
+        return int(env), f"WORLD_SIZE={env} from the launcher"
+    if wanted:
+        if launched and wanted > 1:
+            raise ConfigError(f"distributed.num_processes={wanted} but this is one process started without a launcher: "
+                              f"run bash train_rm_distributed.sh SUBSET {wanted} (torchrun), or drop the key")
+        return wanted, f"distributed.num_processes={wanted}"
+    return 1, "one process: started without a launcher (torchrun sets WORLD_SIZE; ask about N with distributed.num_processes=N)"
+
+
+def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") -> Plan:
     """Reject inconsistent settings and derive what the run needs.
 
     ``cfg.hardware`` must already be resolved (``rm.hardware.resolve_hardware``).
@@ -158,6 +193,12 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
+    if cfg.distributed.num_processes < 0:
+        errors.append(f"distributed.num_processes={cfg.distributed.num_processes} must be >= 0 (0: as launched)")
+    if hw.device_memory_gib <= 0:
+        errors.append(f"hardware.device_memory_gib={hw.device_memory_gib} must be > 0 (GiB the device reports)")
+    if hw.headroom_gib is not None and not 0 <= hw.headroom_gib < hw.device_memory_gib:
+        errors.append(f"hardware.headroom_gib={hw.headroom_gib} must be >= 0 and below hardware.device_memory_gib")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return Plan(
@@ -168,6 +209,7 @@ def validate(cfg: RunConfig, world_size: int) -> Plan:
         strategy=strategy,
         zero_stage=zero_stage,
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
+        world_size_source=world_size_source,
     )
 
 

@@ -10,7 +10,7 @@ import pytest
 import rm.train as rm_train
 from rm.estimate import GIB, compose, estimate_run, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
-from rm.validate import validate
+from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
@@ -69,8 +69,9 @@ def test_mistral_7b_offload_keeps_states_on_the_host_by_hand():
     shard, largest = 888_833_024, 131_072_000
     assert plan.gradient_accumulation_steps == 1
     assert (est.optimizer_states, est.gradients) == (0, 0)
-    assert est.host_ram_bytes_per_node == 8 * (shard * 18 + 2 * largest) + 8 * 2 * 7_110_664_192  # + checkpoint load
-    assert est.overhead == GIB + 2 * largest
+    # + the checkpoint each process loads, + the export check's reload on the main process's CPU
+    assert est.host_ram_bytes_per_node == 8 * (shard * 18 + 2 * largest) + 8 * 2 * 7_110_664_192 + 2 * 7_110_664_192
+    assert est.overhead == 2 * largest and est.cuda_context == GIB
     assert est.temporaries >= 2 * 500_000_000 * 2
 
 
@@ -131,14 +132,67 @@ def test_auto_micro_batch_picks_the_largest_that_fits(tmp_path):
     assert result["status"] == "ok" and cfg.train.micro_batch_size == 8 and cfg.train.global_batch_size == 16
 
 
-def test_estimate_cli_json():
+def test_estimate_cli_json_is_the_only_thing_on_stdout():
     proc = subprocess.run([sys.executable, "-m", "rm.estimate", "memory_profile=lora", "hardware=h100_80g", "estimate.json=true"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    data = json.loads(proc.stdout[proc.stdout.index("{"):])
+    data = json.loads(proc.stdout)  # the whole of stdout: `| python -m json.tool` works
     assert {"peak_bytes", "usable_bytes", "fits", "peak_phase", "weights", "gradients", "optimizer_states",
-            "activations", "host_ram_bytes_per_node"} <= data.keys()
-    assert data["fits"] is True and data["usable_bytes"] == 80 * GIB and data["world_size"] == 8
+            "activations", "host_ram_bytes_per_node", "allocated_bytes", "allocator_reserve", "cuda_context"} <= data.keys()
+    capacity = int(79.19 * GIB)  # what an H100 80GB reports, not 80
+    assert data["fits"] is True and data["usable_bytes"] == capacity - int(0.02 * capacity)
+    assert data["world_size"] == 1 and "without a launcher" in data["world_size_source"]
+    assert data["peak_bytes"] == data["allocated_bytes"] + data["allocator_reserve"] + data["cuda_context"]
+
+
+def test_estimate_and_train_plan_the_same_processes(monkeypatch, tiny_cfg):
+    """One reader of the world size: plain start = 1, torchrun's WORLD_SIZE, or the key for a what-if."""
+    from rm.validate import resolve_world_size
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = tiny_cfg()
+    assert resolve_world_size(cfg, launched=True)[0] == resolve_world_size(cfg, launched=False)[0] == 1
+    asked = tiny_cfg("distributed.num_processes=8")
+    assert resolve_world_size(asked, launched=False) == (8, "distributed.num_processes=8")
+    with pytest.raises(ConfigError, match="distributed.num_processes=8 but this is one process"):
+        resolve_world_size(asked, launched=True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert resolve_world_size(cfg, launched=True) == resolve_world_size(cfg, launched=False) == (2, "WORLD_SIZE=2 from the launcher")
+    with pytest.raises(ConfigError, match="distributed.num_processes=8 but the launcher started 2"):
+        resolve_world_size(asked, launched=False)
+
+
+def test_ddp_keeps_gradients_in_buckets_for_the_whole_step():
+    """Full fine-tune of the tiny model (361,216 fp32 parameters = 1,444,864 bytes), 8 pairs x 64 tokens, no
+    accumulation. One process frees activations while gradients appear: max(activations, gradients). Two DDP
+    processes keep the gradients as views of buckets that exist from the wrap on: activations + gradients."""
+    base = ["experiment=tiny", "memory_profile=full", "distributed=ddp", "train.micro_batch_size=8", "train.eval_batch_size=1",
+            "data.max_length=64"]
+    one = estimate_run(*planned([*base, "train.global_batch_size=8"], world=1))
+    two = estimate_run(*planned([*base, "train.global_batch_size=16"], world=2))
+    assert one.gradients == two.gradients == 1_444_864
+    assert one.peak_phase == two.peak_phase == "forward/backward"
+    assert one.allocated_bytes == one.weights + one.optimizer_states + max(one.activations, one.gradients) + one.temporaries
+    assert two.allocated_bytes == two.weights + two.optimizer_states + two.activations + two.gradients + two.temporaries
+
+
+def test_zero2_partition_holds_whole_parameters_on_each_side_of_a_boundary():
+    """16 + 8 + 8 elements over 2 ranks: slices [0, 16) and [16, 32): no tensor straddles. Over 4 ranks
+    (slices of 8): the 16-element tensor touches ranks 0 and 1, whole on both."""
+    from rm.estimate import zero_partition_numels
+
+    assert zero_partition_numels([16, 8, 8], 2) == [16, 16]
+    assert zero_partition_numels([16, 8, 8], 4) == [16, 16, 8, 8]
+
+
+def test_gpu_calibration_dry_run_writes_its_table(tmp_path):
+    """`--device cuda --dry-run`: the GPU grid's first points, on the CPU with the tiny model, through the real CLI."""
+    out = tmp_path / "gpu.md"
+    proc = subprocess.run([sys.executable, "benchmarks/memory_calibration.py", "--device", "cuda", "--dry-run", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = [line for line in out.read_text().splitlines() if line.startswith("| 0.45B")]
+    assert len(table) == 2 and all("failed" not in line for line in table), out.read_text()
 
 
 def test_gpu_report_lists_the_device_and_every_profile():
