@@ -238,9 +238,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
                 # NCCL's stream) may hold it past the call while copy_grads_in_partition allocates the partition
                 # of whole parameters that touch this rank's slice. Which comes first varies from run to run
                 # (measured on 2 CPU processes): the estimate counts both alive.
-                # Without accumulation ZeRO-2 fills the partition only after the flattened copy is gone (measured).
-                accumulates = plan.gradient_accumulation_steps > 1 or stage == 1
-                partition = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes if accumulates else 0
+                partition = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
                 reduction = weights + states + partition + temporaries + bucket * trained_bytes
             elif plan.gradient_accumulation_steps > 1:
                 # One process while accumulating: a fresh gradient partition is filled while the previous

@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from rm.config import to_run_config
 from rm.estimate import GIB, compose, estimate_run
 from rm.hardware import host_ram_gib, resolve_hardware
-from rm.validate import ConfigError, validate
+from rm.validate import ConfigError, resolve_world_size, validate
 
 PROFILES = ("full", "lora", "8bit", "offload", "qlora")
 
@@ -41,13 +41,14 @@ def main(raw: DictConfig) -> None:
     base = to_run_config(raw)
     hardware = resolve_hardware(base.hardware)
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("memory_profile=")]
-    world = hardware.gpus_per_node if hardware.accelerator == "cuda" else 1
-    print(f"\nmodel={base.model.name}, {world} process(es), {hardware.device_memory_gib} GiB per device ({hardware.name})")
+    base.hardware = hardware
+    world, source = resolve_world_size(base, launched=False)  # counted as rm.estimate and rm.train count them
+    print(f"\nmodel={base.model.name}, {world} process(es) ({source}), {hardware.device_memory_gib} GiB per device ({hardware.name})")
     for profile in PROFILES:
         cfg = compose([*overrides, f"memory_profile={profile}"])
         cfg.hardware = hardware
         try:
-            est = estimate_run(cfg, validate(cfg, world))
+            est = estimate_run(cfg, validate(cfg, world, source))
         except ConfigError as err:
             print(f"  {profile:<8} cannot run here: {str(err).splitlines()[-1].strip(' -')}")
             continue
