@@ -390,9 +390,9 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     export_final(
         engine, model, tokenizer, final_dir,
         probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
-        reward_stats=reward_stats_from_eval(eval_metrics, step), compute_dtype=DTYPES[plan.precision],
+        reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
         merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
-        base_factory=fresh_base if cfg.memory_profile.use_lora else None,
+        base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
     )
     log.info("saved the reward model to %s", final_dir)
     metrics.close()

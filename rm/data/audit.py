@@ -12,7 +12,7 @@ Every input row is accounted for: ``pairs_in`` minus the sum of ``dropped``
 (by reason) is ``pairs_out``, and :func:`audit_split` refuses counts for which
 it is not.
 
-Lengths are in tokens, BOS and EOS included. ``p95`` is the nearest-rank
+Lengths are in tokens, any special tokens the tokenizer adds included. ``p95`` is the nearest-rank
 percentile (the smallest length that at least 95% of the pairs do not exceed)
 and ``median`` the usual one (the mean of the two middle values for an even
 count), so both can be checked by hand.
