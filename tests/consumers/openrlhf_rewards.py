@@ -74,7 +74,11 @@ def main(bundle: str, input_path: str) -> None:
         ids[i, span], mask[i, span] = torch.tensor(row), 1
     with torch.no_grad():
         rewards = model(ids, attention_mask=mask)
-    print(json.dumps({"rewards": rewards.float().tolist(), "mean": model.mean.item(), "std": model.std.item()}))
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(bundle)  # what get_llm_for_sequence_regression hands RewardModel.__init__
+    print(json.dumps({"rewards": rewards.float().tolist(), "mean": model.mean.item(), "std": model.std.item(),
+                      "config_mean": getattr(config, "mean", None), "config_std": getattr(config, "std", None)}))
 
 
 if __name__ == "__main__":
