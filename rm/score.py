@@ -20,20 +20,21 @@ import json
 import sys
 from typing import List, Sequence
 
-import torch
 
 
-@torch.no_grad()
 def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
     """Rewards of already tokenised sequences, in order, read at each one's last real token."""
+    import torch  # here, so that --help answers without loading torch
+
     from rm.model import sequence_rewards
 
     rewards: List[float] = []
     device = next(model.parameters()).device
-    for start in range(0, len(rows), batch_size):
-        batch = tokenizer.pad({"input_ids": list(rows[start : start + batch_size])}, return_tensors="pt")
-        out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        rewards += out.float().cpu().tolist()
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = tokenizer.pad({"input_ids": list(rows[start : start + batch_size])}, return_tensors="pt")
+            out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            rewards += out.float().cpu().tolist()
     return rewards
 
 
