@@ -219,6 +219,8 @@ def test_rewardbench_pipeline_matches_rm_score_under_transformers_4(runs, pairs,
     """RewardBench scores chat-template renderings; rm.score scores the same conversations as messages.
     Its environment has transformers 4.51: the bundle written by transformers 5 must load there with the
     right rope base and tokenizer, which is the check of both majors."""
+    snippet = readme_snippet("rewardbench")  # the README's command: the merged bundle, in float32
+    assert "--model outputs/<date>/<time>/final/merged" in snippet and "--torch_dtype float32" in snippet
     python = _rewardbench_python()
     bundle = runs["merged"]
     spec = tmp_path / "spec.json"
@@ -248,6 +250,9 @@ def test_openrlhf_reward_model_matches_rm_score(runs, pairs, tmp_path, side):
     and the policy's generated tokens. For a response cut at max length that is the text's ids, and the
     rewards match. A response that ends with the policy's EOS is read at that EOS: a different token,
     so a different reward; the README names this and the one-line fix."""
+    snippet = readme_snippet("openrlhf")  # the flags the README gives are the ones driven here
+    assert "--reward.model_name_or_path outputs/<date>/<time>/final/merged" in snippet
+    assert snippet.count("--ds.value_head_prefix score") == 2 and "--reward.remote_url" in snippet
     target = _openrlhf_path()
     bundle, texts = runs["merged"], texts_of(pairs)
     tokenizer = AutoTokenizer.from_pretrained(bundle)

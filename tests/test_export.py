@@ -133,6 +133,7 @@ def test_full_bundle_holds_tokenizer_pad_id_stats_and_reloads_with_the_same_rewa
     assert stats["std"] == pytest.approx(rewards.std(correction=0).item(), abs=1e-5)
     assert stats["pairs"] == len(eval_set) and stats["step"] == result["step"]
     assert stats["max_length"] == cfg.data.max_length
+    assert (run_dir / "train_plot.png").is_file()  # the training loss, next to eval_plots.png
     assert verify_bundle(final) == 0.0  # same weights, same dtype, same CPU: the same bits
 
 

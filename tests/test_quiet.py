@@ -1,5 +1,7 @@
-"""A normal run prints no dependency warnings (rm.quiet), and `--help` answers for every CLI."""
+"""Output a person reads: no dependency warnings (rm.quiet), `--help` for every CLI, no stray run
+directories, the training-loss plot."""
 
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +60,17 @@ def test_commands_that_only_print_leave_no_run_directory(cli, tmp_path):
     proc = subprocess.run([sys.executable, "-m", cli, "experiment=tiny", "hydra.run.dir=kept"], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path, env=env)
     assert proc.returncode == 0 and (tmp_path / "kept" / ".hydra" / "config.yaml").is_file()
+
+
+def test_train_plot_is_drawn_from_metrics_jsonl(tmp_path):
+    from rm.plots import write_train_plot
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(e) + "\n" for e in [
+        {"event": "train", "step": 10, "loss": 0.69}, {"event": "train", "step": 20, "loss": 0.5},
+        {"event": "eval", "step": 20, "eval_loss": 0.55}, {"event": "alarm", "step": 20, "name": "x"},
+    ]))
+    out = write_train_plot(metrics, tmp_path / "train_plot.png")
+    assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
+    metrics.write_text(json.dumps({"event": "eval", "step": 0, "eval_loss": 0.7}) + "\n")
+    assert write_train_plot(metrics, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
