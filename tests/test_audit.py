@@ -107,6 +107,7 @@ def test_audit_default_policies(tokenizer):
     assert audit["truncated"] == 2
     assert (audit["identical_text"], audit["identical_before_truncation"], audit["identical_after_truncation"]) == (1, 2, 3)
     assert audit["duplicates"] == 1
+    assert audit["unk_rate"] == pytest.approx(2 / 90)  # "zebra" and "unicorn" among the 9 pairs' 45 + 45 tokens
     assert audit["empty_sides"] == {"chosen": 1, "rejected": 0}
     assert audit["lengths"]["chosen"]["before_truncation"] == {"min": 3, "mean": 5.0, "median": 4.0, "p95": 9, "max": 9}
     assert audit["lengths"]["rejected"]["before_truncation"] == {"min": 3, "mean": 5.0, "median": 3.0, "p95": 9, "max": 9}

@@ -682,7 +682,8 @@ def tokenize_pairs(
         (input pairs whose texts / full ids are equal), ``identical_after_truncation``
         (pairs past the length and pad checks whose ids are equal, kept or not)
         and ``duplicates`` (pairs past the identical check that repeat an earlier
-        one, kept or not). Then ``{side}_len_{stat}`` for side ``chosen`` /
+        one, kept or not); ``tokens`` and ``unk_tokens`` (all sides before truncation,
+        and how many of them are the unknown token). Then ``{side}_len_{stat}`` for side ``chosen`` /
         ``rejected`` and stat ``min``, ``mean``, ``median``, ``p95``, ``max``:
         token lengths of all input pairs before truncation
         (:func:`rm.data.audit.length_stats`; all 0 on empty input).
@@ -727,7 +728,10 @@ def tokenize_pairs(
         "identical_before_truncation": 0,
         "identical_after_truncation": 0,
         "duplicates": 0,
+        "tokens": 0,
+        "unk_tokens": 0,
     }
+    unk = getattr(tokenizer, "unk_token_id", None)
     histograms: dict[str, Counter] = {"chosen": Counter(), "rejected": Counter()}
     seen: set[bytes] = set()
 
@@ -736,6 +740,9 @@ def tokenize_pairs(
         sides = {side: encode_texts(tokenizer, batch[side]) for side in ("chosen", "rejected")}
         for side, encoded in sides.items():
             histograms[side].update(len(ids) for ids in encoded)
+            counts["tokens"] += sum(len(ids) for ids in encoded)
+            if unk is not None:
+                counts["unk_tokens"] += sum(ids.count(unk) for ids in encoded)
         for k, idx in enumerate(indices):
             row = batch["row"][k] if has_row else idx
             pair = {"chosen": sides["chosen"][k], "rejected": sides["rejected"][k]}
