@@ -33,7 +33,9 @@ from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 TOL = 1e-4  # fp32; measured differences are below 1e-6 (same weights, same kernels, other batch shapes)
 REPO = CONF_DIR.parent
 README = REPO / "README.md"
-STEPS = ["train.max_steps=6", "train.eval_steps=6", "train.logging_steps=3"]
+# A rope base other than transformers 4's default (10000), as Llama 3's 5e5: a bundle whose base only
+# transformers 5 finds would load under transformers 4 (RewardBench) with the wrong one.
+STEPS = ["train.max_steps=6", "train.eval_steps=6", "train.logging_steps=3", "model.rope_theta=500000.0"]
 PLACEHOLDER = "outputs/<date>/<time>/final"
 
 
@@ -233,7 +235,7 @@ def test_rewardbench_pipeline_matches_rm_score_under_transformers_4(runs, pairs,
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["transformers"].startswith("4.")
-    assert out["rope_theta"] == json.loads((bundle / "config.json").read_text())["rope_parameters"]["rope_theta"]
+    assert out["rope_theta"] == json.loads((bundle / "config.json").read_text())["rope_parameters"]["rope_theta"] == 5e5
     used = json.loads(spec.read_text())["pairs"]
     assert len(used) >= 4
     rows = [{"chosen": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["chosen"]}],
