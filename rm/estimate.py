@@ -464,6 +464,10 @@ def main() -> None:
     from rm.hardware import resolve_hardware
     from rm.validate import ConfigError, resolve_world_size, validate
 
+    from rm.cli import without_run_dir
+
+    without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
+
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
         # stdout carries the answer alone (a table, or JSON for `| python -m json.tool`): logs and library

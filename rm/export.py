@@ -5,11 +5,15 @@ A bundle holds what a user needs to score text the way training did:
 * the weights (``model.safetensors`` + ``config.json``), or for LoRA the PEFT adapter
   with the reward head (``adapter_model.safetensors`` + ``adapter_config.json``);
 * the tokenizer with its pad token, and its chat template (``chat_template.jinja``) if any;
-* ``pad_token_id`` in the saved model config. An adapter directory carries no model config:
-  a ``config.json`` there makes transformers take it for a complete model, so the pad id
-  comes from the bundle's tokenizer when :func:`load_bundle` loads the base;
+* the tokenizer's pad, BOS and EOS ids in the saved model config. An adapter directory carries
+  no model config (a ``config.json`` there makes transformers take it for a complete model):
+  ``adapter_config.json`` names its base instead, and where the base was a random init (the
+  demo) that base is saved beside it in ``base/`` (:data:`BASE_DIR`), so the adapter loads offline;
+* fields that moved between transformers 4 and 5 written for both (:func:`write_compat_fields`);
 * ``reward_stats.json``: mean and standard deviation of the rewards (chosen and rejected
-  together) on the eval set at the last evaluation, for users who normalise rewards;
+  together) on the eval set at the last evaluation and the max length they were computed at,
+  for users who normalise rewards; the same ``mean``/``std`` go into ``config.json``, where
+  OpenRLHF's ``--normalize_reward`` reads them;
 * ``reward_probe.json``: a few pairs of the eval set (train set without one), padded, with
   the rewards the in-memory model gave them and the compute dtype.
 
@@ -43,6 +47,7 @@ log = logging.getLogger(__name__)
 PROBE_FILE = "reward_probe.json"
 STATS_FILE = "reward_stats.json"
 ADAPTER_CONFIG = "adapter_config.json"
+BASE_DIR = "base"  # a LoRA bundle's random-init base, saved so that the adapter loads offline
 PROBE_PAIRS = 4  # pairs of the probe batch: 8 sequences of different lengths, so padding is exercised
 
 # Allowed |reloaded - in-memory| per unit of (1 + |reward|), by compute dtype. The same weights
@@ -76,13 +81,72 @@ def probe_rewards(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, 
     return rewards.float().cpu()
 
 
-def reward_stats_from_eval(metrics: Mapping[str, float], step: int) -> Optional[Dict[str, float]]:
-    """``{"mean", "std", "pairs", "step"}`` from the last eval metrics, or None (logged) without them."""
+def reward_stats_from_eval(metrics: Mapping[str, float], step: int, max_length: Optional[int] = None) -> Optional[Dict[str, float]]:
+    """``{"mean", "std", "pairs", "step", "max_length"}`` from the last eval metrics, or None (logged) without them.
+
+    ``max_length`` is the per-sequence token limit the eval rewards were computed at (longer
+    texts lost their start), so a consumer can tell whether its inputs are comparable.
+    """
     if "eval_reward_mean" not in metrics or "eval_reward_std" not in metrics:
         log.warning("no eval_reward_mean/eval_reward_std in the last eval metrics (no eval set?): %s not written", STATS_FILE)
         return None
+    pairs = metrics.get("eval_pairs")
     return {"mean": metrics["eval_reward_mean"], "std": metrics["eval_reward_std"],
-            "pairs": metrics.get("eval_pairs"), "step": step}
+            "pairs": int(pairs) if pairs is not None else None, "step": step, "max_length": max_length}
+
+
+def read_reward_stats(directory: Path) -> Optional[Dict[str, float]]:
+    """The bundle's ``reward_stats.json``, or None when it has none."""
+    path = Path(directory) / STATS_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write_compat_fields(directory: Path, reward_stats: Optional[Mapping[str, float]] = None) -> None:
+    """Make a saved model directory read the same under transformers 4 and 5, and carry its reward stats.
+
+    transformers 5 keeps the rope base only in ``rope_parameters``, where transformers 4
+    does not look (it then uses 10000: silently wrong for Llama 3's 5e5); it names the
+    tokenizer class ``TokenizersBackend``, which transformers 4 does not have; and both
+    majors' generic fast tokenizer returns ``token_type_ids``, which Llama/Mistral models
+    reject. So ``rope_theta`` is also written at the top level (transformers 5 reads it
+    there too), the class becomes ``PreTrainedTokenizerFast`` (a tokenizer.json tokenizer
+    in both), the model inputs are pinned to ids and mask, and ``add_bos_token`` /
+    ``add_eos_token`` are written false (:func:`rm.tokenizer.text_only`), as transformers 4's
+    Llama tokenizers otherwise re-add BOS. ``mean``/``std`` and ``reward_max_length`` go into
+    ``config.json`` for OpenRLHF's ``--normalize_reward``.
+    """
+    directory = Path(directory)
+
+    def model_fields(config: dict) -> None:
+        rope = config.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" in rope:
+            config["rope_theta"] = rope["rope_theta"]
+        if reward_stats is not None:
+            config.update(mean=reward_stats["mean"], std=reward_stats["std"],
+                          reward_max_length=reward_stats.get("max_length"))
+
+    def tokenizer_fields(config: dict) -> None:
+        if config.get("tokenizer_class") in (None, "TokenizersBackend"):
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config.update(model_input_names=["input_ids", "attention_mask"], add_bos_token=False, add_eos_token=False)
+
+    if (directory / "config.json").is_file():
+        _edit_json(directory / "config.json", model_fields)
+    if (directory / "tokenizer_config.json").is_file():
+        _edit_json(directory / "tokenizer_config.json", tokenizer_fields)
+
+
+def _set_special_ids(config, tokenizer) -> None:
+    """The tokenizer's pad/BOS/EOS ids into a model config (a config built from shape keeps the class defaults)."""
+    config.pad_token_id = tokenizer.pad_token_id
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
 
 
 def save_bundle(
@@ -118,9 +182,10 @@ def save_bundle(
     directory = Path(directory)
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token: set one before saving (rm.model.build_tokenizer does)")
-    model.config.pad_token_id = tokenizer.pad_token_id  # for PEFT this is the base config, which is not written
+    _set_special_ids(model.config, tokenizer)  # for PEFT this is the base config, which is not written
     model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(directory)
+    write_compat_fields(directory, reward_stats)
     reloaded = AutoTokenizer.from_pretrained(directory)
     if (reloaded.pad_token_id, reloaded.chat_template) != (tokenizer.pad_token_id, tokenizer.chat_template):
         raise ExportMismatch(
@@ -156,16 +221,46 @@ def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] =
     from peft import PeftModel
 
     if not isinstance(base_model, torch.nn.Module):
-        name = base_model or json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+        name = base_model or adapter_base(directory)
         if not name:
             raise ValueError(
-                f"{directory} is an adapter whose base model is not on disk (it was a random init, so "
-                "adapter_config.json names none): pass the base, or train with lora.merge_on_save=true"
+                f"{directory} is an adapter whose base model is not on disk (adapter_config.json names none "
+                f"and there is no {BASE_DIR}/ beside it): pass the base, or train with lora.merge_on_save=true"
             )
         pad_token_id = AutoTokenizer.from_pretrained(directory).pad_token_id
         # Hub checkpoints default to two labels and, for Mistral/Llama, no pad id.
         base_model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, pad_token_id=pad_token_id)
     return PeftModel.from_pretrained(base_model, directory).to(device).eval()
+
+
+def adapter_base(directory: Path) -> Optional[str]:
+    """The base an adapter bundle loads onto: ``base_model_name_or_path``, or the ``base/`` saved beside it
+    when that path is gone (the run directory was moved or copied)."""
+    directory = Path(directory)
+    name = json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    saved = directory / BASE_DIR
+    if (not name or (Path(name).is_absolute() and not Path(name).exists())) and (saved / "config.json").is_file():
+        return str(saved.resolve())
+    return name
+
+
+def save_base(base_model: torch.nn.Module, tokenizer, directory: Path) -> Path:
+    """Save an adapter's random-init base as ``directory/base`` and name it in ``adapter_config.json``.
+
+    The path is written absolute, as PEFT and transformers resolve ``base_model_name_or_path``
+    from the working directory; :func:`adapter_base` falls back to ``base/`` if it moves.
+
+    Returns:
+        The base's directory.
+    """
+    directory = Path(directory)
+    base_dir = directory / BASE_DIR
+    _set_special_ids(base_model.config, tokenizer)
+    base_model.save_pretrained(base_dir, safe_serialization=True)
+    tokenizer.save_pretrained(base_dir)  # so that the base loads on its own too (pipeline, TRL)
+    write_compat_fields(base_dir)
+    _edit_json(directory / ADAPTER_CONFIG, lambda c: c.update(base_model_name_or_path=str(base_dir.resolve())))
+    return base_dir
 
 
 def verify_bundle(directory: Path, *, base_model: Union[torch.nn.Module, str, None] = None, device="cpu") -> float:
@@ -226,10 +321,9 @@ def merge_adapter(adapter_dir: Path, out_dir: Path, *, base_model: Union[torch.n
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     merged = load_bundle(adapter_dir, base_model, device).merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
-    save_bundle(merged, tokenizer, out_dir)
-    for name in (STATS_FILE, PROBE_FILE):
-        if (adapter_dir / name).is_file():
-            shutil.copyfile(adapter_dir / name, out_dir / name)
+    save_bundle(merged, tokenizer, out_dir, reward_stats=read_reward_stats(adapter_dir))
+    if (adapter_dir / PROBE_FILE).is_file():
+        shutil.copyfile(adapter_dir / PROBE_FILE, out_dir / PROBE_FILE)
     verify_bundle(out_dir, device=device)
     return out_dir
 
@@ -245,6 +339,7 @@ def export_final(
     compute_dtype: torch.dtype,
     merge: bool = False,
     base_factory: Optional[Callable[[], torch.nn.Module]] = None,
+    base_is_random: bool = False,
 ) -> Path:
     """Save the trained model as a bundle and verify it; every process calls this.
 
@@ -263,6 +358,8 @@ def export_final(
         merge: also write ``directory/merged``, the adapter folded into the base.
         base_factory: builds a fresh base for an adapter (needed when the base was a random init
             or is quantised); None loads the one named in ``adapter_config.json``.
+        base_is_random: the adapter's base was a random init: it is saved as ``base/`` and the
+            adapter is verified by loading it from there, as a consumer would.
 
     Raises:
         ExportMismatch: on every process, when a reload does not give the in-memory rewards.
@@ -280,11 +377,14 @@ def export_final(
         )
         del state_dict
         adapter = (directory / ADAPTER_CONFIG).is_file()
+        if adapter and base_is_random and base_factory is not None:
+            save_base(base_factory(), tokenizer, directory)
         # The reload runs on the CPU: on the training device it would sit beside the trained model and its
         # optimizer states (a second copy of the weights, 14 GB at 7B), a peak the run never needed.
         # rm.estimate counts it in host RAM instead.
         try:
-            verify_bundle(directory, base_model=base_factory() if adapter and base_factory else None, device="cpu")
+            from_factory = adapter and base_factory is not None and not base_is_random
+            verify_bundle(directory, base_model=base_factory() if from_factory else None, device="cpu")
             if merge:
                 merge_adapter(directory, directory / "merged", device="cpu",
                               base_model=base_factory() if base_factory else None)

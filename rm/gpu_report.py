@@ -58,4 +58,7 @@ def main(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from rm.cli import without_run_dir
+
+    without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     main()

@@ -96,6 +96,32 @@ def pad_token_alarm(pad_token_id: Optional[int], pad_token: Optional[str], pad_i
     )
 
 
+# Above this share of <unk> tokens in a split, the tokenizer does not know the data: distinct texts
+# collapse to the same ids (a word-level tokenizer on other text). Byte-fallback tokenizers emit none.
+UNK_RATE_ALARM = 0.01
+
+
+def unknown_tokens_alarm(unk_rates: Mapping[str, float]) -> Optional[Alarm]:
+    """A split's tokens are more than :data:`UNK_RATE_ALARM` unknown (the audit's ``unk_rate``).
+
+    Example:
+        >>> unknown_tokens_alarm({"train": 0.002}) is None
+        True
+        >>> unknown_tokens_alarm({"train": 0.4, "eval": 0.0}).name
+        'unknown_tokens'
+    """
+    found = {split: rate for split, rate in unk_rates.items() if rate > UNK_RATE_ALARM}
+    if not found:
+        return None
+    where = ", ".join(f"{split} {rate:.1%}" for split, rate in found.items())
+    return Alarm(
+        "unknown_tokens",
+        f"{where} of the tokens are the unknown token: the tokenizer does not know this text, so different answers "
+        "become the same ids (see the audit's identical pairs). Likely cause: the demo's word-level tokenizer "
+        "(model.tokenizer=builtin) on your own data; use a real model's tokenizer (model.tokenizer=<hub id or dir>).",
+    )
+
+
 def ln2_plateau_alarm(losses: Sequence[float], tolerance: float) -> Optional[Alarm]:
     """Every step's loss stayed within ``tolerance`` of ln 2: chosen and rejected score alike.
 
@@ -276,6 +302,7 @@ class HealthMonitor:
         pad_in_text = {split: a["dropped"]["pad_in_text"] for split, a in audit["splits"].items()}
         alarm = pad_token_alarm(pad_token_id, pad_token, pad_in_text)
         self.raise_alarm(alarm, 0)
+        self.raise_alarm(unknown_tokens_alarm({split: a.get("unk_rate", 0.0) for split, a in audit["splits"].items()}), 0)
         if alarm is not None and alarm.name == "pad_token_unset":
             from rm.validate import ConfigError
 

@@ -139,3 +139,32 @@ def _finite_or_none(value) -> Optional[float]:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+class LineProgressFile:
+    """A file for tqdm when the output is not a terminal (a SLURM or CI log): every redraw becomes a line.
+
+    On a terminal tqdm redraws its bar in place with ``\\r`` and no newline; in a log file that leaves the
+    bar without an end, and the next log line (an eval result) is glued to it. Here each redraw's
+    ``\\r`` is dropped and the bar ends with a newline.
+
+    Example:
+        >>> import io
+        >>> out = io.StringIO()
+        >>> f = LineProgressFile(out)
+        >>> _ = f.write("\\rtrain:  25%| 200/800"); _ = f.write("\\r"); f.flush()
+        >>> out.getvalue()
+        'train:  25%| 200/800\\n'
+    """
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        text = text.replace("\r", "")
+        if text.strip():
+            self.stream.write(text if text.endswith("\n") else text + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()

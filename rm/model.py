@@ -23,15 +23,17 @@ def weight_dtype(precision: str) -> torch.dtype:
 
 
 def build_tokenizer(model_cfg: ModelConfig):
-    """Load the tokenizer and give it a pad token that is not a real token where possible.
+    """Load the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
 
-    Mistral and Llama ship without a pad token. rm reads the reward at the last
-    real token by the attention mask (:func:`sequence_rewards`), but plain
-    transformers reads it at the last token that is not the pad id, so the pad id
-    should never occur in text for the two to agree: we take ``unk`` (which
-    byte-fallback tokenizers never emit) before falling back to ``eos``. When pad
-    equals eos the data pipeline does not append eos (see ``rm.data.preference``).
+    The reward is read at the last token of the text itself (:func:`rm.tokenizer.text_only`
+    says why: every client then tokenises alike). Mistral and Llama ship without a pad
+    token; plain transformers reads the reward at the last token that is not the pad id,
+    so the pad id must never occur in text: we take ``unk`` (which byte-fallback
+    tokenizers never emit) before falling back to ``eos``. The data pipeline drops a side
+    that contains the pad id (``rm.data.preference``).
     """
+    from rm.tokenizer import text_only
+
     if model_cfg.tokenizer == "builtin":
         from rm.tokenizer import build_builtin_tokenizer
 
@@ -44,7 +46,7 @@ def build_tokenizer(model_cfg: ModelConfig):
         tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
         log.info("tokenizer has no pad token: using %r (id %d)", tokenizer.pad_token, tokenizer.pad_token_id)
     tokenizer.padding_side = "right"
-    return tokenizer
+    return text_only(tokenizer)
 
 
 def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):

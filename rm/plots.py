@@ -1,9 +1,11 @@
-"""The end-of-run picture of the final evaluation: ``eval_plots.png`` in the run directory."""
+"""The end-of-run pictures: ``eval_plots.png`` (the final evaluation) and ``train_plot.png`` (the losses)."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 import numpy as np
 
@@ -57,6 +59,37 @@ def write_eval_plots(scores: Mapping[str, PairScores], path: Path) -> Path:
         bucket_ax.set_xlabel("len(chosen) - len(rejected), tokens (n: pairs)")
         bucket_ax.set_ylabel("pairwise accuracy")
         bucket_ax.legend(fontsize=8, loc="upper center", ncol=3)
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    return path
+
+
+def write_train_plot(metrics_path: Path, path: Path) -> Optional[Path]:
+    """Training loss (and eval loss, where evaluated) against step, from ``metrics.jsonl``: ``train_plot.png``.
+
+    The dashed line is ln 2, the loss of a model that cannot tell chosen from rejected.
+
+    Returns:
+        ``path``, or None when the file holds no training event.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    events = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    train = [(e["step"], e["loss"]) for e in events if e.get("event") == "train" and e.get("loss") is not None]
+    if not train:
+        return None
+    evals = [(e["step"], e["eval_loss"]) for e in events if e.get("event") == "eval" and e.get("eval_loss") is not None]
+    fig = Figure(figsize=(8, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.plot(*zip(*train), label="train loss", color="tab:blue")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss", color="tab:orange")
+    ax.axhline(math.log(2), color="grey", linestyle="--", linewidth=0.8, label="ln 2 (chance)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("Bradley-Terry loss")
+    ax.legend()
     path = Path(path)
     fig.savefig(path, dpi=100)
     return path

@@ -5,9 +5,12 @@
 Pairs (any layout ``rm.train`` reads: HH transcripts, prompt/chosen/rejected,
 conversational messages) get ``reward_chosen``/``reward_rejected`` and the
 pairwise accuracy is printed; rows with a ``text`` column get ``reward``.
-Only plain transformers is used to load the model, so this also checks that a
-saved model is usable outside ``rm``; the reward is read as in training, at the
-last real token (``rm.model.sequence_rewards``).
+Only transformers (and PEFT for a LoRA adapter directory, whose base is the one
+``adapter_config.json`` names or the ``base/`` saved beside it) is used to load the
+model, so this also checks that a saved model is usable outside ``rm``; each text is
+tokenised as ``tokenizer(text)`` and its reward read at its last token, as in training
+and in every client (README, "Use your reward model"). ``--normalize`` reports
+``(reward - mean) / std`` with the eval statistics of ``reward_stats.json``.
 """
 
 from __future__ import annotations
@@ -17,46 +20,59 @@ import json
 import sys
 from typing import List, Sequence
 
-import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-from rm.data.preference import (
-    encode_texts,
-    format_counts,
-    leading_special_ids,
-    load_preference_split,
-    normalise_pairs,
-    tokenize_pairs,
-    truncate_left,
-)
-from rm.model import sequence_rewards
 
 
-@torch.no_grad()
 def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
     """Rewards of already tokenised sequences, in order, read at each one's last real token."""
+    import torch  # here, so that --help answers without loading torch
+
+    from rm.model import sequence_rewards
+
     rewards: List[float] = []
     device = next(model.parameters()).device
-    for start in range(0, len(rows), batch_size):
-        batch = tokenizer.pad({"input_ids": list(rows[start : start + batch_size])}, return_tensors="pt")
-        out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
-        rewards += out.float().cpu().tolist()
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = tokenizer.pad({"input_ids": list(rows[start : start + batch_size])}, return_tensors="pt")
+            out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            rewards += out.float().cpu().tolist()
     return rewards
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rm.score", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="directory written by rm.train (its final/)")
+    parser.add_argument("--model", required=True,
+                        help="directory written by rm.train (its final/, final/merged/ or a LoRA adapter final/)")
     parser.add_argument("--input", required=True, nargs="+", help="jsonl / json / parquet file(s)")
     parser.add_argument("--output", help="write the rows with their rewards here (jsonl)")
     parser.add_argument("--format", default="auto", choices=("auto", "hh", "prompt", "messages", "text"))
     parser.add_argument("--max-length", type=int, default=2048, help="tokens; longer sequences lose their start")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--on-malformed", default="skip", choices=("skip", "error"))
+    parser.add_argument("--normalize", action="store_true",
+                        help="report (reward - mean) / std with the eval mean and std of the model's reward_stats.json")
     args = parser.parse_args(argv)
 
+    # Imported here so that --help answers without loading torch's model stack.
+    from transformers import AutoTokenizer
+
+    from rm.data.preference import (
+        encode_texts,
+        format_counts,
+        leading_special_ids,
+        load_preference_split,
+        normalise_pairs,
+        tokenize_pairs,
+        truncate_left,
+    )
+    from rm.export import load_bundle, read_reward_stats
+
+    stats = read_reward_stats(args.model) if args.normalize else None
+    if args.normalize and stats is None:
+        print(f"error: --normalize needs {args.model}/reward_stats.json (written when the run had an eval set)", file=sys.stderr)
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(args.model).eval()
+    model = load_bundle(args.model)
+    norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
     raw = load_preference_split("local", files=tuple(args.input))
     is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and "chosen" not in raw.column_names)
     records: List[dict] = []
@@ -67,15 +83,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         lead = leading_special_ids(tokenizer)
         rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, raw["text"])]
-        rewards = score_token_rows(model, tokenizer, rows, args.batch_size)
+        rewards = [norm(r) for r in score_token_rows(model, tokenizer, rows, args.batch_size)]
         records = [{"text": t, "reward": r} for t, r in zip(raw["text"], rewards)]
         print(f"scored {len(records)} texts: mean reward {sum(rewards) / len(rewards):.4f}")
     else:
         pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed)
         tokenised, tok_counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed)
         print(format_counts({**norm_counts, **tok_counts}))
-        chosen = score_token_rows(model, tokenizer, tokenised["chosen_input_ids"], args.batch_size)
-        rejected = score_token_rows(model, tokenizer, tokenised["rejected_input_ids"], args.batch_size)
+        chosen = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["chosen_input_ids"], args.batch_size)]
+        rejected = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["rejected_input_ids"], args.batch_size)]
         correct = sum(c > r for c, r in zip(chosen, rejected))
         records = [
             {"chosen": p["chosen"], "rejected": p["rejected"], "reward_chosen": c, "reward_rejected": r}

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerFast
 
 from rm.data.synthetic import VOCABULARY
 
-__all__ = ["SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "build_builtin_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "build_builtin_tokenizer", "text_only"]
 
 # Order fixes the ids: pad=0, unk=1, bos=2, eos=3 (the tiny model config relies
 # on these).
@@ -24,9 +24,9 @@ SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 
 # Renders messages as an HH-RLHF transcript. A system message becomes its own
 # "\n\nSystem: ..." turn in place (word-level, so "System" is in the
-# vocabulary). The template emits no BOS: the tokenizer's post-processor adds
-# <s> when text is encoded with add_special_tokens=True, and a BOS in the
-# template too would double it.
+# vocabulary). It emits no special token: rm reads the reward at the last
+# token of the text (see ``text_only``), and TRL renders conversations with
+# this template before tokenizing them without special tokens.
 HH_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}"
@@ -48,9 +48,8 @@ def build_builtin_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizer
 
     Ids are ``<pad>``=0, ``<unk>``=1, ``<s>``=2, ``</s>``=3, then
     :data:`~rm.data.synthetic.VOCABULARY` in order. Text is split into words
-    and punctuation runs (``Whitespace`` pre-tokenizer); ``<s>`` is prepended
-    when ``add_special_tokens=True``; ``</s>`` is never appended automatically
-    because the training pipeline appends EOS itself.
+    and punctuation runs (``Whitespace`` pre-tokenizer); no special token is
+    ever added (:func:`text_only`).
 
     Args:
         model_max_length: Maximum sequence length recorded on the tokenizer.
@@ -67,11 +66,6 @@ def build_builtin_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizer
 
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{bos} $A",
-        pair=f"{bos} $A $B",
-        special_tokens=[(bos, vocab[bos])],
-    )
     # Word-level has no subword markers, so joining with spaces is a faithful
     # enough inverse (punctuation comes back space-separated).
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
@@ -86,4 +80,45 @@ def build_builtin_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizer
         padding_side="right",
     )
     hf_tok.chat_template = HH_CHAT_TEMPLATE
-    return hf_tok
+    return text_only(hf_tok)
+
+
+def text_only(tokenizer):
+    """Make ``tokenizer(text)`` add no special token (no BOS, no EOS), in place; returns it.
+
+    This is rm's reward convention: a text's reward is read at the last token the text
+    itself tokenises to. Every client then sees the same ids: TRL's GRPO/RLOO reward path
+    tokenises with ``add_special_tokens=False``, OpenRLHF tokenises prompts that way,
+    while plain transformers, ``pipeline`` and RewardBench call ``tokenizer(text)``, which
+    with this tokenizer (saved in the bundle) is the same thing. A chat template that
+    writes its own BOS (Llama 3, Mistral) keeps it: it is part of the text.
+
+    ``add_bos_token``/``add_eos_token`` are set to False, which rewrites the post-processor
+    of a transformers 5 tokenizer and is what transformers 4's Llama-style tokenizers read
+    from ``tokenizer_config.json``; any other post-processor is replaced by one that adds
+    nothing.
+
+    Raises:
+        ValueError: the tokenizer still adds tokens (e.g. a slow, Python-only tokenizer).
+
+    Example:
+        >>> tok = build_builtin_tokenizer()
+        >>> tok("Human: hello")["input_ids"] == tok("Human: hello", add_special_tokens=False)["input_ids"]
+        True
+    """
+    for attr in ("add_bos_token", "add_eos_token"):
+        try:
+            setattr(tokenizer, attr, False)
+        except AttributeError:  # a tokenizer class without the attribute
+            pass
+    probe = "Human: a b\n\nAssistant: c"
+    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
+        if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
+            raise ValueError(
+                f"{type(tokenizer).__name__} adds special tokens that rm cannot switch off: rm reads the reward at the "
+                "last token of the text, so `tokenizer(text)` must add nothing (use a fast tokenizer)"
+            )
+    return tokenizer

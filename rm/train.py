@@ -42,8 +42,8 @@ from rm.health import HEAD, SKIP, STOP, HealthMonitor, fp32_head_enabled, keep_h
 from rm.loss import bradley_terry_loss
 from rm.memory_monitor import MemoryMonitor, gather_snapshots
 from rm.sweep import job_record, write_job_record
-from rm.metrics import MetricsLog, evaluate_sets, format_eval
-from rm.plots import write_eval_plots
+from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
+from rm.plots import write_eval_plots, write_train_plot
 from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
 from rm.validate import ConfigError, Plan, resolve_world_size, validate
 
@@ -281,7 +281,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
     progress = tqdm(
         total=total_steps, initial=start_step, desc="train", disable=not engine.is_main_process,
-        mininterval=0.1 if sys.stderr.isatty() else 30,
+        mininterval=0.1 if sys.stderr.isatty() else 30, file=None if sys.stderr.isatty() else LineProgressFile(sys.stderr),
     )
     step = start_step
     # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
@@ -353,6 +353,8 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
         train_s = time.perf_counter() - loop_start - paused_s
         if engine.is_main_process and eval_scores:  # after train_s: drawing is not training time
             log.info("eval plots: %s", write_eval_plots(eval_scores, run_dir / "eval_plots.png"))
+        if engine.is_main_process and metrics.path.is_file():
+            log.info("training-loss plot: %s", write_train_plot(metrics.path, run_dir / "train_plot.png"))
         run_tokens = int(engine.reduce(torch.tensor(run_tokens, device=device), reduction="sum"))
         monitor.stop()
         measured_per_rank = gather_snapshots(monitor.snapshot())
@@ -402,9 +404,9 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     export_final(
         engine, model, tokenizer, final_dir,
         probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
-        reward_stats=reward_stats_from_eval(eval_metrics, step), compute_dtype=DTYPES[plan.precision],
+        reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
         merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
-        base_factory=fresh_base if cfg.memory_profile.use_lora else None,
+        base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
     )
     log.info("saved the reward model to %s", final_dir)
     metrics.close()

@@ -16,12 +16,16 @@ if python -c "import torch" 2>/dev/null; then
   echo "torch $(python -c 'import torch; print(torch.__version__)') already installed: keeping it"
 elif [ -n "${TORCH_INDEX_URL+x}" ] && [ -z "${TORCH_INDEX_URL}" ]; then
   $PIP install "$TORCH_SPEC"
-elif $PIP install --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}" "$TORCH_SPEC" 2>/dev/null; then
-  :
 else
-  # Machines without the PyTorch index (e.g. a mirror-only network) may carry a local CPU wheel
-  # that pip finds for the exact pinned version.
-  $PIP install "$TORCH_SPEC"
+  index="${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
+  echo "installing $TORCH_SPEC from $index (one try, 5 s timeout)"
+  # One try: pip's default 5 retries took about 9 s, silently, where the index is unreachable.
+  if ! $PIP install --retries 0 --timeout 5 --index-url "$index" "$TORCH_SPEC" 2>/dev/null; then
+    # Machines without the PyTorch index (e.g. a mirror-only network) may carry a local CPU wheel
+    # that pip finds for the exact pinned version.
+    echo "$index not reachable: installing $TORCH_SPEC from pip's configured index"
+    $PIP install "$TORCH_SPEC"
+  fi
 fi
 $PIP install -e ".[${extras}]"
 python -c "import torch, transformers, peft, accelerate, datasets, hydra; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| hydra', hydra.__version__)"

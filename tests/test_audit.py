@@ -1,9 +1,10 @@
 """The pair audit (rm.data.audit) on a crafted split, with numbers worked out by hand.
 
 The split below goes through normalise_pairs and tokenize_pairs with the builtin word-level
-tokenizer (rm/tokenizer.py): ``<s>`` is prepended and ``</s>`` appended, so a side of w known
-words is w + 2 tokens, a word outside the vocabulary becomes ``<unk>`` and ``<pad>`` in a text
-is the pad id. ``max_length`` is 6: ``<s>`` plus the last 5 tokens of the body (EOS included).
+vocabulary (rm/tokenizer.py) in a tokenizer that itself prepends ``<s>`` and appends ``</s>``
+(rm's own add nothing; some tokenizers add both, and truncation must keep the ``<s>``), so a side
+of w known words is w + 2 tokens, a word outside the vocabulary becomes ``<unk>`` and ``<pad>`` in
+a text is the pad id. ``max_length`` is 6: ``<s>`` plus the last 5 tokens of the body (``</s>`` included).
 
 row  chosen                                   rejected                                  tokens   what it is
   0  red cat dog                              blue                                      5 / 3    kept, chosen longer
@@ -25,6 +26,7 @@ import logging
 
 import datasets
 import pytest
+from tokenizers import processors
 
 import rm.train as rm_train
 from rm.data.audit import audit_split, format_audit, length_stats, pair_lengths, write_audit
@@ -53,7 +55,11 @@ MAX_LENGTH = 6
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_builtin_tokenizer()
+    tok = build_builtin_tokenizer()
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", tok.bos_token_id), ("</s>", tok.eos_token_id)]
+    )
+    return tok
 
 
 def run_audit(tokenizer, truncation="truncate", identical="drop", duplicates="keep"):
@@ -69,9 +75,9 @@ def run_audit(tokenizer, truncation="truncate", identical="drop", duplicates="ke
 def test_crafted_rows_tokenise_as_the_table_says(tokenizer):
     # Guards the table in the module docstring that every number below is worked from.
     assert ROWS[5][1] == "black blue green yellow purple orange cat"
-    lengths = [len(tokenizer(t)["input_ids"]) + 1 for row in ROWS for t in row if t]  # + EOS
+    lengths = [len(tokenizer(t)["input_ids"]) for row in ROWS for t in row if t]
     assert lengths == [5, 3, 5, 3, 3, 3, 3, 9, 9, 9, 9, 3, 3, 3, 3, 3, 3, 4, 4, 8, 4, 3]
-    assert tokenizer("zebra")["input_ids"] == tokenizer("unicorn")["input_ids"] == [2, tokenizer.unk_token_id]
+    assert tokenizer("zebra")["input_ids"] == tokenizer("unicorn")["input_ids"] == [2, tokenizer.unk_token_id, 3]
     assert tokenizer.pad_token_id in tokenizer("cat <pad>")["input_ids"]
 
 
@@ -80,7 +86,7 @@ def test_audit_default_policies(tokenizer):
 
     normalise_pairs: 12 rows; row 7 malformed, row 3 empty (its chosen side), row 2 identical texts
     (dropped): 9 pairs go on to tokenize_pairs (rows 0 1 4 5 6 8 9 10 11).
-    Lengths before truncation of those 9 (EOS included):
+    Lengths before truncation of those 9 (<s> and </s> included):
       chosen   5 5 9 9 3 3 3 4 4 -> sorted 3 3 3 4 4 5 5 9 9: min 3, mean 45/9 = 5.0, median (5th) 4,
                p95 = value at rank ceil(0.95 * 9) = 9 -> 9, max 9;
       rejected 3 3 9 9 3 3 4 8 3 -> sorted 3 3 3 3 3 4 8 9 9: min 3, mean 45/9 = 5.0, median 3, p95 9, max 9.
@@ -101,6 +107,7 @@ def test_audit_default_policies(tokenizer):
     assert audit["truncated"] == 2
     assert (audit["identical_text"], audit["identical_before_truncation"], audit["identical_after_truncation"]) == (1, 2, 3)
     assert audit["duplicates"] == 1
+    assert audit["unk_rate"] == pytest.approx(2 / 90)  # "zebra" and "unicorn" among the 9 pairs' 45 + 45 tokens
     assert audit["empty_sides"] == {"chosen": 1, "rejected": 0}
     assert audit["lengths"]["chosen"]["before_truncation"] == {"min": 3, "mean": 5.0, "median": 4.0, "p95": 9, "max": 9}
     assert audit["lengths"]["rejected"]["before_truncation"] == {"min": 3, "mean": 5.0, "median": 3.0, "p95": 9, "max": 9}
@@ -220,8 +227,9 @@ def short_pairs(tokenizer, n, split):
 @pytest.fixture
 def local_files(tmp_path, tokenizer):
     """train.jsonl: 20 clean pairs, then an identical pair (row 20), a duplicate of row 1 (21), an empty
-    chosen side (22) and a pair whose chosen side is 1 + 7 + 60 + 3 + 1 = 72 tokens (row 23: BOS, "Human :
-    Please repeat these words :", 60 colours, "Assistant : red", EOS; the rejected side ends in "blue").
+    chosen side (22) and a pair whose chosen side is 7 + 60 + 3 = 70 tokens with the run's builtin tokenizer
+    (row 23: "Human : Please repeat these words :", 60 colours, "Assistant : red"; the rejected side ends in
+    "blue"), 72 with the fixture's <s> and </s>.
     eval.jsonl: 10 clean pairs and an identical one (row 10)."""
     train, evaluation = short_pairs(tokenizer, 20, "train"), short_pairs(tokenizer, 10, "test")
     colours = " ".join(["red", "blue", "green"] * 20)
@@ -267,7 +275,7 @@ def test_run_writes_the_audit_with_default_policies(tiny_cfg, local_files, tmp_p
     assert train["dropped"] == {"malformed": 0, "empty": 1, "too_long": 0, "pad_in_text": 0, "identical": 1, "duplicate": 0}
     assert train["empty_sides"] == {"chosen": 1, "rejected": 0}
     assert train["identical_text"] == train["identical_after_truncation"] == 1
-    assert train["lengths"]["chosen"]["before_truncation"]["max"] == 72
+    assert train["lengths"]["chosen"]["before_truncation"]["max"] == 70
     assert train["lengths"]["chosen"]["kept"]["max"] == 48
     evaluation = audit["splits"]["eval"]
     assert (evaluation["pairs_in"], evaluation["pairs_out"], evaluation["dropped"]["identical"]) == (11, 10, 1)
@@ -301,7 +309,7 @@ def test_truncation_error_stops_before_anything_is_written(tiny_cfg, local_files
     with pytest.raises(ValueError) as err:
         rm_train.train(local_run(tiny_cfg, local_files, "data.truncation=error"), run_dir)
     assert str(err.value).startswith(
-        "data local [train]: row 23: 'chosen' is 72 tokens (special tokens included), more than max_length=48"
+        "data local [train]: row 23: 'chosen' is 70 tokens (special tokens included), more than max_length=48"
     )
     left = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
     assert not {"data_audit.json", "data_audit.json.tmp", "metrics.jsonl", "final", "checkpoints"} & set(left), left

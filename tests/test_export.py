@@ -132,7 +132,29 @@ def test_full_bundle_holds_tokenizer_pad_id_stats_and_reloads_with_the_same_rewa
     assert stats["mean"] == pytest.approx(rewards.mean().item(), abs=1e-5)
     assert stats["std"] == pytest.approx(rewards.std(correction=0).item(), abs=1e-5)
     assert stats["pairs"] == len(eval_set) and stats["step"] == result["step"]
+    assert stats["max_length"] == cfg.data.max_length
+    assert (run_dir / "train_plot.png").is_file()  # the training loss, next to eval_plots.png
     assert verify_bundle(final) == 0.0  # same weights, same dtype, same CPU: the same bits
+
+
+def test_full_bundle_config_is_right_for_both_transformers_majors_and_openrlhf(full_run):
+    """The ids are the tokenizer's (a config built from shape had Mistral's defaults 1 and 2), the rope
+    base is where transformers 4 reads it, and the reward stats where OpenRLHF reads them."""
+    cfg, run_dir, _ = full_run
+    final = run_dir / "final"
+    tokenizer = AutoTokenizer.from_pretrained(final)
+    config = json.loads((final / "config.json").read_text())
+    assert (config["pad_token_id"], config["bos_token_id"], config["eos_token_id"]) == (
+        tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 2, 3)
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == cfg.model.rope_theta
+    stats = json.loads((final / "reward_stats.json").read_text())
+    assert (config["mean"], config["std"], config["reward_max_length"]) == (stats["mean"], stats["std"], cfg.data.max_length)
+    tok_config = json.loads((final / "tokenizer_config.json").read_text())
+    assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # transformers 4 has no TokenizersBackend
+    assert tok_config["model_input_names"] == ["input_ids", "attention_mask"]  # Mistral rejects token_type_ids
+    assert "token_type_ids" not in tokenizer("Human: hi")
+    text = "\n\nHuman: is the sky blue ?\n\nAssistant: yes"
+    assert tokenizer(text)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]  # no BOS/EOS added
 
 
 def test_corrupted_weights_fail_verification_loudly(full_run, tmp_path):
@@ -189,9 +211,27 @@ def test_lora_adapter_and_merged_model_reload_with_the_in_memory_rewards(lora_ru
         assert torch.allclose(sequence_rewards(plain, ids, mask), recorded, atol=1e-5)
 
 
-def test_export_cli_refuses_to_merge_an_adapter_without_its_base(lora_run):
+def test_lora_bundle_names_its_saved_random_base_and_loads_from_the_path_alone(lora_run):
+    """No base object, no network: the adapter's own config leads to the base saved beside it."""
     _, run_dir, _ = lora_run
-    proc = subprocess.run([sys.executable, "-m", "rm.export", str(run_dir), "--merge", "--out", str(run_dir / "cli_merged")],
+    final = run_dir / "final"
+    named = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert named == str((final / "base").resolve()) and (final / "base" / "model.safetensors").is_file()
+    assert verify_bundle(final) < 1e-6
+    moved = shutil.copytree(final, run_dir / "moved")  # the absolute path now points at the original
+    shutil.rmtree(final / "base")
+    try:
+        assert verify_bundle(moved) < 1e-6  # found as moved/base
+    finally:
+        shutil.copytree(moved / "base", final / "base")
+
+
+def test_export_cli_refuses_to_merge_an_adapter_without_its_base(lora_run, tmp_path):
+    _, run_dir, _ = lora_run
+    bundle = shutil.copytree(run_dir / "final", tmp_path / "final", ignore=shutil.ignore_patterns("base", "merged"))
+    config = json.loads((bundle / "adapter_config.json").read_text())
+    (bundle / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    proc = subprocess.run([sys.executable, "-m", "rm.export", str(bundle), "--merge", "--out", str(tmp_path / "cli_merged")],
                           cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "base model is not on disk" in proc.stderr, proc.stderr[-2000:]
 

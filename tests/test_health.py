@@ -80,6 +80,21 @@ def test_pad_token_alarm():
     assert alarm.name == "pad_token_in_text" and "4 pairs (train 3, eval 1)" in alarm.message
 
 
+def test_own_text_unknown_to_the_builtin_tokenizer_raises_unknown_tokens_by_name(tiny_cfg, tmp_path):
+    """The demo's word-level tokenizer on other text: most words become <unk>, the run says so by name."""
+    rows = [{"chosen": f"\n\nHuman: quelle heure est-il {i}\n\nAssistant: il est midi pile",
+             "rejected": f"\n\nHuman: quelle heure est-il {i}\n\nAssistant: aucune idée"} for i in range(40)]
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_cfg("data=local", f"data.train_files=[{path}]", f"data.eval_files=[{path}]", "train.max_steps=1",
+                   "data.identical_pairs=keep", *SHORT)
+    result = rm_train.train(cfg, tmp_path / "run")
+    assert "unknown_tokens" in result["alarms"]
+    message = alarms_in(tmp_path / "run")["unknown_tokens"]["message"]
+    assert message.startswith("train ") and "model.tokenizer" in message
+    assert json.loads((tmp_path / "run" / "data_audit.json").read_text())["splits"]["train"]["unk_rate"] > 0.3
+
+
 def test_fp32_head_enabled_auto_follows_precision():
     assert [fp32_head_enabled(None, p) for p in ("bf16", "fp16", "fp32")] == [True, True, False]
     assert fp32_head_enabled(True, "fp32") and not fp32_head_enabled(False, "bf16")

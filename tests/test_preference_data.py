@@ -364,18 +364,20 @@ def pairs(*rows, margin=0.0):
     return datasets.Dataset.from_list([{"chosen": c, "rejected": r, "margin": margin} for c, r in rows])
 
 
-def test_eos_appended_and_bos_prepended(tok):
+def test_sides_are_tokenised_as_the_tokenizer_does_nothing_appended(tok):
+    """This hand-made tokenizer prepends <s> (rm's own add nothing): kept; no EOS is appended, as no
+    client that scores text appends one (the reward is read at the last token of the text)."""
     out, counts = tokenize_pairs(pairs(("Human: hi Assistant: good", "Human: hi Assistant: bad")), tok, 64)
-    assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good", "</s>")
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "bad", "</s>")
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "bad")
     assert counts["truncated"] == 0 and counts["pairs_out"] == 1
-    assert counts["chosen_len_max"] == 8 and counts["chosen_len_mean"] == 8.0
+    assert counts["chosen_len_max"] == 7 and counts["chosen_len_mean"] == 7.0
 
 
-def test_eos_not_doubled(tok):
+def test_an_eos_written_in_the_text_stays(tok):
     out, _ = tokenize_pairs(pairs(("hi good </s>", "hi bad")), tok, 64)
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad", "</s>")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
 
 
 def test_eos_not_appended_when_pad_is_eos(tok_pad_is_eos):
@@ -394,24 +396,24 @@ LONG_REJECTED = "\n\nHuman: p1 p2 p3 p4 p5 p6\n\nAssistant: bad"
 
 
 def test_truncation_cuts_prompt_from_the_left(tok):
-    # Full chosen: <s> Human : p1 p2 p3 p4 p5 p6 Assistant : good answer </s> = 14 tokens.
+    # Full chosen: <s> Human : p1 p2 p3 p4 p5 p6 Assistant : good answer = 13 tokens.
     # max_length 8 keeps <s> and the last 7 body tokens.
     out, counts = tokenize_pairs(pairs((LONG_CHOSEN, LONG_REJECTED), margin=0.5), tok, max_length=8)
     chosen, rejected = out[0]["chosen_input_ids"], out[0]["rejected_input_ids"]
-    assert chosen == ids_of("<s>", "p5", "p6", "Assistant", ":", "good", "answer", "</s>")
-    assert rejected == ids_of("<s>", "p4", "p5", "p6", "Assistant", ":", "bad", "</s>")
+    assert chosen == ids_of("<s>", "p4", "p5", "p6", "Assistant", ":", "good", "answer")
+    assert rejected == ids_of("<s>", "p3", "p4", "p5", "p6", "Assistant", ":", "bad")
     assert len(chosen) == len(rejected) == 8
-    assert chosen[0] == BOS and chosen[-1] == EOS
+    assert chosen[0] == BOS
     assert out[0]["margin"] == 0.5
     assert counts["truncated"] == 1 and counts["pairs_out"] == 1
     # Statistics describe the lengths before truncation.
-    assert counts["chosen_len_max"] == 14 and counts["rejected_len_max"] == 13
+    assert counts["chosen_len_max"] == 13 and counts["rejected_len_max"] == 12
 
 
 def test_truncation_only_cuts_the_long_side(tok):
     out, counts = tokenize_pairs(pairs((LONG_CHOSEN, "hi bad")), tok, max_length=10)
     assert len(out[0]["chosen_input_ids"]) == 10
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad", "</s>")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
     assert counts["truncated"] == 1
 
 
@@ -419,10 +421,10 @@ def test_drop_policy_drops_long_pairs(tok):
     ds = pairs((LONG_CHOSEN, LONG_REJECTED), ("hi good", "hi bad"))
     out, counts = tokenize_pairs(ds, tok, max_length=8, truncation="drop")
     assert len(out) == 1
-    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good")
     assert counts["dropped_too_long"] == 1 and counts["truncated"] == 0 and counts["pairs_out"] == 1
     # A side of exactly max_length is not too long.
-    out, counts = tokenize_pairs(pairs(("hi good answer", "hi bad")), tok, max_length=5, truncation="drop")
+    out, counts = tokenize_pairs(pairs(("hi good answer", "hi bad")), tok, max_length=4, truncation="drop")
     assert len(out) == 1 and counts["dropped_too_long"] == 0
 
 
@@ -435,7 +437,7 @@ def test_identical_after_truncation_dropped(tok):
     out, counts = tokenize_pairs(ds, tok, max_length=6)
     assert counts["identical_after_truncation"] == 1
     assert counts["pairs_in"] == 2 and counts["pairs_out"] == 1
-    assert out[0]["rejected_input_ids"][-2:] == ids_of("bad", "</s>")
+    assert out[0]["rejected_input_ids"][-2:] == ids_of(":", "bad")
     # Without truncation the same pair is kept.
     out, counts = tokenize_pairs(ds, tok, max_length=64)
     assert counts["identical_after_truncation"] == 0 and len(out) == 2

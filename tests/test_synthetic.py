@@ -117,8 +117,7 @@ def test_no_unknown_tokens(tokenizer, train_pairs):
 
 
 def test_length_spread(tokenizer, train_pairs):
-    # +1 for the EOS the pipeline appends.
-    lengths = [len(row) + 1 for row in tokenizer([p["chosen"] for p in train_pairs])["input_ids"]]
+    lengths = [len(row) for row in tokenizer([p["chosen"] for p in train_pairs])["input_ids"]]
     lengths.sort()
     median = statistics.median(lengths)
     p95 = lengths[int(0.95 * len(lengths))]
@@ -137,11 +136,10 @@ def test_tokenizer_special_tokens(tokenizer):
     assert tokenizer.padding_side == "right"
     assert len(tokenizer) == 4 + len(VOCABULARY)
 
+    # No special token is added (rm.tokenizer.text_only): the reward is read at the last word.
     ids = tokenizer("Hello! What is my name?")["input_ids"]
-    assert ids[0] == tokenizer.bos_token_id
-    assert tokenizer.eos_token_id not in ids
-    assert tokenizer.convert_ids_to_tokens(ids[1:]) == ["Hello", "!", "What", "is", "my", "name", "?"]
-    assert tokenizer("Hello!", add_special_tokens=False)["input_ids"] == ids[1:3]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["Hello", "!", "What", "is", "my", "name", "?"]
+    assert tokenizer("Hello!", add_special_tokens=False)["input_ids"] == ids[:2]
     # Out-of-vocabulary words map to <unk> rather than failing.
     assert tokenizer("zebra", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
 

@@ -12,7 +12,7 @@ Every input row is accounted for: ``pairs_in`` minus the sum of ``dropped``
 (by reason) is ``pairs_out``, and :func:`audit_split` refuses counts for which
 it is not.
 
-Lengths are in tokens, BOS and EOS included. ``p95`` is the nearest-rank
+Lengths are in tokens, any special tokens the tokenizer adds included. ``p95`` is the nearest-rank
 percentile (the smallest length that at least 95% of the pairs do not exceed)
 and ``median`` the usual one (the mean of the two middle values for an even
 count), so both can be checked by hand.
@@ -100,6 +100,7 @@ def audit_split(counts: Mapping[str, Any], chosen_lengths: Iterable[int], reject
         ``identical_after_truncation`` (pairs whose two sides are equal as texts /
         as token ids / as the ids trained on; dropped or kept, see ``dropped``),
         ``duplicates`` (pairs repeating an earlier pair's ids, dropped or kept),
+        ``unk_rate`` (share of the unknown token among the tokenised sides' tokens),
         ``empty_sides`` (``{"chosen", "rejected"}``: rows whose side is empty; a row
         with both empty counts in both), ``lengths`` (``{side: {"kept": stats,
         "before_truncation": stats}}`` with :data:`STATS`; "before truncation"
@@ -141,6 +142,8 @@ def audit_split(counts: Mapping[str, Any], chosen_lengths: Iterable[int], reject
         "identical_before_truncation": identical_text_dropped + counts["identical_before_truncation"],
         "identical_after_truncation": identical_text_dropped + counts["identical_after_truncation"],
         "duplicates": counts["duplicates"],
+        # Unknown tokens among all tokenised sides: a tokenizer that does not know the text (rm.health alarm).
+        "unk_rate": counts["unk_tokens"] / counts["tokens"] if counts["tokens"] else 0.0,
         "empty_sides": {"chosen": counts["empty_chosen"], "rejected": counts["empty_rejected"]},
         "lengths": {
             side: {
@@ -179,6 +182,7 @@ def _format_split(name: str, a: Mapping[str, Any]) -> str:
         f"empty sides: chosen {a['empty_sides']['chosen']}, rejected {a['empty_sides']['rejected']}; "
         f"tokens min/median/p95/max of kept pairs: {', '.join(lengths)}; "
         f"chosen longer in {_share(a['longer']['chosen'])} of kept pairs, ties {_share(a['longer']['tie'])}"
+        + (f"; unknown tokens {_share(a['unk_rate'])}" if a.get("unk_rate") else "")
     )
 
 

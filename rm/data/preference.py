@@ -27,12 +27,13 @@ Accepted layouts (``format``):
 
 Policies: truncation, identical pairs, duplicates
 -------------------------------------------------
-Each side is tokenised with ``tokenizer(text, add_special_tokens=True)``.
-The tokenizer's EOS id is then appended unless the ids already end with it,
-the tokenizer has no EOS, or EOS equals the pad id. The reward is read at
-the last real token: transformers' sequence-classification heads take the
-rightmost token whose id is not the pad id, so a trailing EOS that is also
-the pad id would be skipped and is therefore not appended.
+Each side is tokenised as ``tokenizer(text)``, nothing appended: the reward is
+read at the last token of the text, the convention every client of an exported
+model can follow (README, "Use your reward model"). The tokenizers rm builds add
+no special tokens (:func:`rm.tokenizer.text_only`), so these are the ids TRL's
+GRPO reward path (``add_special_tokens=False``) and ``tokenizer(text)`` in plain
+transformers or RewardBench give; a tokenizer passed in by hand that prepends
+tokens (e.g. BOS) keeps them, and truncation keeps them too.
 
 A side longer than ``max_length`` tokens is handled per ``truncation``
 (``data.truncation``):
@@ -40,8 +41,8 @@ A side longer than ``max_length`` tokens is handled per ``truncation``
 * ``"truncate"`` (default): keep the special tokens the tokenizer prepends
   (e.g. BOS) and cut tokens from the *left* of the body, i.e. from the
   start of the prompt, until the side is exactly ``max_length`` tokens.
-  The end of the response and the final EOS (the reward token) always
-  survive; what is lost is the oldest context.
+  The end of the response (where the reward is read) always survives;
+  what is lost is the oldest context.
 * ``"drop"``: drop the whole pair.
 * ``"error"``: stop at the first such pair, naming its row (0-based index in
   the split as read, files concatenated in order), the side and its length.
@@ -610,13 +611,8 @@ _TOKENIZED_FEATURES = datasets.Features(
 
 
 def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text with the tokenizer's special tokens and the EOS rule of the module docstring."""
-    eos = getattr(tokenizer, "eos_token_id", None)
-    append_eos = eos is not None and eos != getattr(tokenizer, "pad_token_id", None)
-    encoded = tokenizer(list(texts), add_special_tokens=True)["input_ids"]
-    if append_eos:
-        encoded = [ids if ids and ids[-1] == eos else ids + [eos] for ids in encoded]
-    return encoded
+    """Token ids of each text as ``tokenizer(text)`` gives them (see the module docstring)."""
+    return tokenizer(list(texts))["input_ids"]
 
 
 def truncate_left(ids: list[int], lead: Sequence[int], max_length: int) -> list[int]:
@@ -654,11 +650,9 @@ def tokenize_pairs(
     identical: str = "drop",
     duplicates: str = "keep",
 ) -> tuple[datasets.Dataset, dict[str, float]]:
-    """Tokenises normalised pairs, appends EOS and applies the policies of the module docstring.
+    """Tokenises normalised pairs and applies the policies of the module docstring.
 
-    Per side: ``ids = tokenizer(text, add_special_tokens=True)["input_ids"]``,
-    plus ``tokenizer.eos_token_id`` if the tokenizer has an EOS different from
-    its pad token and the ids do not already end with it. A side longer than
+    Per side: ``ids = tokenizer(text)["input_ids"]``. A side longer than
     ``max_length`` keeps the tokens the tokenizer prepends (e.g. BOS) and loses
     tokens from the left of the rest (``"truncate"``), or the pair is dropped
     (``"drop"``), or this raises (``"error"``). A side that contains the pad id
@@ -671,7 +665,7 @@ def tokenize_pairs(
             returned by :func:`normalise_pairs`; with its ``row`` column, errors
             name that row instead of the index in ``ds``.
         tokenizer: A transformers tokenizer.
-        max_length: Maximum tokens per side, EOS and BOS included.
+        max_length: Maximum tokens per side, special tokens included.
         truncation: One of :data:`TRUNCATION`.
         on_malformed: What to do with a side containing the pad id: ``"skip"``
             (drop, count as ``pad_in_text``) or ``"error"`` (raise).
@@ -688,9 +682,10 @@ def tokenize_pairs(
         (input pairs whose texts / full ids are equal), ``identical_after_truncation``
         (pairs past the length and pad checks whose ids are equal, kept or not)
         and ``duplicates`` (pairs past the identical check that repeat an earlier
-        one, kept or not). Then ``{side}_len_{stat}`` for side ``chosen`` /
+        one, kept or not); ``tokens`` and ``unk_tokens`` (all sides before truncation,
+        and how many of them are the unknown token). Then ``{side}_len_{stat}`` for side ``chosen`` /
         ``rejected`` and stat ``min``, ``mean``, ``median``, ``p95``, ``max``:
-        token lengths of all input pairs before truncation, EOS included
+        token lengths of all input pairs before truncation
         (:func:`rm.data.audit.length_stats`; all 0 on empty input).
 
     Raises:
@@ -733,7 +728,10 @@ def tokenize_pairs(
         "identical_before_truncation": 0,
         "identical_after_truncation": 0,
         "duplicates": 0,
+        "tokens": 0,
+        "unk_tokens": 0,
     }
+    unk = getattr(tokenizer, "unk_token_id", None)
     histograms: dict[str, Counter] = {"chosen": Counter(), "rejected": Counter()}
     seen: set[bytes] = set()
 
@@ -742,6 +740,9 @@ def tokenize_pairs(
         sides = {side: encode_texts(tokenizer, batch[side]) for side in ("chosen", "rejected")}
         for side, encoded in sides.items():
             histograms[side].update(len(ids) for ids in encoded)
+            counts["tokens"] += sum(len(ids) for ids in encoded)
+            if unk is not None:
+                counts["unk_tokens"] += sum(ids.count(unk) for ids in encoded)
         for k, idx in enumerate(indices):
             row = batch["row"][k] if has_row else idx
             pair = {"chosen": sides["chosen"][k], "rejected": sides["rejected"][k]}

@@ -1,0 +1,25 @@
+"""Shared command-line behaviour of rm's Hydra apps that only print (rm.estimate, rm.gpu_report)."""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+# What keeps Hydra from creating outputs/<date>/<time>/ (with .hydra/ and a log file) for a command
+# whose whole output is what it prints: the run directory is the current one, no config copy, no log file.
+NO_RUN_DIR = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def without_run_dir(argv: Optional[List[str]] = None) -> List[str]:
+    """Append :data:`NO_RUN_DIR` to ``argv`` (default ``sys.argv``, in place) unless it sets ``hydra.run.dir``
+    or ``hydra.output_subdir`` itself, which is how a user asks for the files.
+
+    >>> without_run_dir(["rm.estimate", "model=tiny"])[2:4]
+    ['hydra.run.dir=.', 'hydra.output_subdir=null']
+    >>> without_run_dir(["rm.estimate", "hydra.run.dir=here"])
+    ['rm.estimate', 'hydra.run.dir=here']
+    """
+    argv = sys.argv if argv is None else argv
+    if not any(a.lstrip("+").startswith(("hydra.run.dir=", "hydra.output_subdir=")) for a in argv[1:]):
+        argv += NO_RUN_DIR
+    return argv

@@ -1,0 +1,292 @@
+"""An exported bundle gives the same rewards in every tool that consumes it, within 1e-4 in fp32.
+
+Each client's own code is run, not a re-implementation: plain transformers (the model and
+``pipeline``), PEFT's ``AutoPeftModelForSequenceClassification``, TRL's GRPO reward path
+(``GRPOTrainer(reward_funcs=<path>)._calculate_rewards``, plain-text and conversational
+prompts), and, in the slow suite, RewardBench 0.1.4 (its own environment: it pins
+transformers 4.51) and OpenRLHF 0.11's ``RewardModel`` (installed without its CUDA-only
+dependencies). The reference is ``python -m rm.score``. The texts mix lengths (padding is
+exercised) and each client that lets its caller choose is run with both padding sides; TRL
+always pads on the right.
+
+The convention under test (README, "Use your reward model"): the reward is read at the last
+token of the text as ``tokenizer(text)`` gives it, and rm's tokenizers add no special token.
+The README's snippets are run here too (``readme_snippet``).
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+import rm.train as rm_train
+from rm.data.synthetic import generate_pairs
+from rm.score import main as score_main
+from tests.conftest import CONF_DIR, FAST_TINY, compose_run
+
+TOL = 1e-4  # fp32; measured differences are below 1e-6 (same weights, same kernels, other batch shapes)
+REPO = CONF_DIR.parent
+README = REPO / "README.md"
+# A rope base other than transformers 4's default (10000), as Llama 3's 5e5: a bundle whose base only
+# transformers 5 finds would load under transformers 4 (RewardBench) with the wrong one.
+STEPS = ["train.max_steps=6", "train.eval_steps=6", "train.logging_steps=3", "model.rope_theta=500000.0"]
+PLACEHOLDER = "outputs/<date>/<time>/final"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A full run and a LoRA run (adapter in final/, merged copy in final/merged) of the tiny model."""
+    from rm.config import to_run_config
+
+    out = {}
+    for name, extra in (("full", []), ("lora", ["memory_profile=lora", "lora=r8", "lora.merge_on_save=true",
+                                                "train.learning_rate=5e-3"])):
+        run_dir = tmp_path_factory.mktemp(name)
+        rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + extra)), run_dir)
+        out[name] = run_dir / "final"
+    return {"full": out["full"], "adapter": out["lora"], "merged": out["lora"] / "merged"}
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    """Synthetic HH pairs of spread lengths, split into prompt and completion at the last assistant turn."""
+    rows = generate_pairs(40, seed=3, split="test")
+    rows = sorted(rows, key=lambda r: len(r["chosen"]))[::5]  # 8 pairs, shortest to longest
+    out = []
+    for row in rows:
+        cut = row["chosen"].rindex("\n\nAssistant:") + len("\n\nAssistant:")
+        assert row["rejected"][:cut] == row["chosen"][:cut]
+        out.append({"prompt": row["chosen"][:cut], "chosen": row["chosen"][cut:], "rejected": row["rejected"][cut:],
+                    "chosen_text": row["chosen"], "rejected_text": row["rejected"]})
+    return out
+
+
+def texts_of(pairs):
+    return [p["chosen_text"] for p in pairs] + [p["rejected_text"] for p in pairs]
+
+
+def rm_score(bundle, rows, tmp_path, *extra):
+    """Rewards from ``python -m rm.score`` (in process): ``reward`` of text rows, or (chosen, rejected) of pairs."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert score_main(["--model", str(bundle), "--input", str(src), "--output", str(dst), *extra]) == 0
+    scored = [json.loads(line) for line in dst.read_text().splitlines()]
+    if "text" in rows[0]:
+        return torch.tensor([r["reward"] for r in scored])
+    return torch.tensor([r["reward_chosen"] for r in scored] + [r["reward_rejected"] for r in scored])
+
+
+def readme_snippet(name):
+    """The code block after ``<!-- consumers: NAME -->`` in the README."""
+    match = re.search(rf"<!-- consumers: {name} -->\s*```\w*\n(.*?)```", README.read_text(), re.S)
+    assert match, f"README has no snippet marked <!-- consumers: {name} -->"
+    return match.group(1)
+
+
+def close(got, want):
+    return torch.allclose(torch.as_tensor(got, dtype=torch.float32), want, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["full", "merged", "adapter"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_plain_transformers_and_pipeline_match_rm_score(runs, pairs, tmp_path, kind, side):
+    """The README's transformers snippet as written (the adapter loads through transformers' PEFT
+    integration, onto the base its adapter_config.json names), and ``pipeline(function_to_apply="none")``."""
+    bundle, texts = runs[kind], texts_of(pairs)
+    want = rm_score(bundle, [{"text": t} for t in texts], tmp_path)
+    scope = {"texts": texts}
+    snippet = readme_snippet("transformers").replace(PLACEHOLDER, str(bundle))
+    exec(snippet.replace('padding=True', f'padding=True, padding_side="{side}"'), scope)
+    assert close(scope["rewards"], want), (scope["rewards"], want)
+    pipe = pipeline("text-classification", model=str(bundle), function_to_apply="none", device="cpu")
+    pipe.tokenizer.padding_side = side
+    got = [out["score"] for out in pipe(texts, batch_size=5)]  # batches of mixed lengths
+    assert close(got, want), (got, want)
+    # Without function_to_apply="none" the pipeline returns sigmoid(reward), as the README says.
+    default = [out["score"] for out in pipeline("text-classification", model=str(bundle), device="cpu")(texts[:3])]
+    assert close(default, torch.sigmoid(want[:3]))
+
+
+def test_peft_auto_class_loads_the_adapter_offline(runs, pairs, tmp_path):
+    from peft import AutoPeftModelForSequenceClassification
+
+    bundle, texts = runs["adapter"], texts_of(pairs)
+    assert Path(json.loads((bundle / "adapter_config.json").read_text())["base_model_name_or_path"]).is_dir()
+    model = AutoPeftModelForSequenceClassification.from_pretrained(bundle).eval()
+    tokenizer = AutoTokenizer.from_pretrained(bundle)
+    with torch.no_grad():
+        got = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+    assert close(got, rm_score(bundle, [{"text": t} for t in texts], tmp_path))
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory, runs):
+    """A tiny random causal LM with the bundle's tokenizer: GRPOTrainer needs a policy to be built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("policy")
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mistral", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(runs["full"]).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["full", "merged", "adapter"])
+def test_trl_grpo_reward_path_matches_rm_score(runs, pairs, policy, tmp_path, kind):
+    """TRL's GRPOTrainer built by the README's snippet, rewards from its own ``_calculate_rewards``:
+    plain-text prompts (prompt + completion) and conversational ones (rendered by the bundle's chat
+    template); it tokenises with add_special_tokens=False and right padding, in fp32 here (bf16=False)."""
+    import datasets
+
+    bundle = runs[kind]
+    scope = {"dataset": datasets.Dataset.from_list([{"prompt": p["prompt"]} for p in pairs])}
+    snippet = readme_snippet("trl").replace(PLACEHOLDER, str(bundle)).replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(policy)))
+    snippet = snippet.replace('output_dir="grpo"', f'output_dir={str(tmp_path / "grpo")!r}')
+    exec(snippet.replace("bf16=True", "bf16=False, use_cpu=True, per_device_train_batch_size=4, num_generations=2, "
+                                      "report_to=[]"), scope)
+    trainer = scope["trainer"]
+
+    prompts = [p["prompt"] for p in pairs] * 2
+    completions = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    got = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[0]] * len(prompts))
+    assert close(got[:, 0], rm_score(bundle, [{"text": t} for t in texts_of(pairs)], tmp_path))
+
+    # Conversational: the same pairs as messages; rm.score renders them with the same chat template.
+    def messages(text):
+        turns = re.split(r"\n\n(Human|Assistant): ", text)[1:]
+        return [{"role": "user" if role == "Human" else "assistant", "content": content}
+                for role, content in zip(turns[::2], turns[1::2])]
+
+    convs = [(messages(p["chosen_text"]), messages(p["rejected_text"])) for p in pairs]
+    prompts = [c[:-1] for c, _ in convs] * 2
+    completions = [c[-1:] for c, _ in convs] + [r[-1:] for _, r in convs]
+    got = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[0]] * len(prompts))
+    want = rm_score(bundle, [{"chosen": c, "rejected": r} for c, r in convs], tmp_path, "--format", "messages")
+    assert close(got[:, 0], want), (got[:, 0], want)
+
+
+def test_rm_score_normalize_uses_the_bundle_stats(runs, pairs, tmp_path):
+    bundle, rows = runs["full"], [{"text": t} for t in texts_of(pairs)]
+    stats = json.loads((bundle / "reward_stats.json").read_text())
+    raw, normalised = rm_score(bundle, rows, tmp_path), rm_score(bundle, rows, tmp_path, "--normalize")
+    assert stats["std"] > 0 and close(normalised, (raw - stats["mean"]) / stats["std"])
+    assert not close(normalised, raw)
+
+
+# --------------------------------------------------------------------------- #
+# Slow: clients that need their own environment, built once under ~/.cache/rm-consumers
+# --------------------------------------------------------------------------- #
+
+CACHE = Path(os.environ.get("RM_CONSUMERS_CACHE", Path.home() / ".cache" / "rm-consumers"))
+
+
+def _rewardbench_python():
+    """A venv with RewardBench 0.1.4 (transformers 4.51, trl 0.19) and this machine's torch version."""
+    venv = CACHE / "rewardbench-0.1.4"
+    python = venv / "bin" / "python"
+    if not (venv / ".complete").is_file():
+        torch_version = torch.__version__.split("+")[0]
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        # setuptools<80: rewardbench imports pkg_resources.
+        subprocess.run([str(python), "-m", "pip", "install", "-q", f"torch=={torch_version}", "setuptools<80",
+                        "rewardbench==0.1.4"], check=True)
+        (venv / ".complete").touch()
+    return python
+
+
+def _openrlhf_path():
+    """OpenRLHF 0.11.2 installed without dependencies (they pin flash-attn, CUDA only) plus the two it imports."""
+    target = CACHE / "openrlhf-0.11.2"
+    if not (target / ".complete").is_file():
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                        "openrlhf==0.11.2"], check=True)
+        # What its model and reward-server modules import, beside rm's own packages.
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
+                        "pylatexenc", "jsonlines", "fastapi", "uvicorn"], check=True)
+        (target / ".complete").touch()
+    return target
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_rewardbench_pipeline_matches_rm_score_under_transformers_4(runs, pairs, tmp_path, side):
+    """RewardBench scores chat-template renderings; rm.score scores the same conversations as messages.
+    Its environment has transformers 4.51: the bundle written by transformers 5 must load there with the
+    right rope base and tokenizer, which is the check of both majors."""
+    snippet = readme_snippet("rewardbench")  # the README's command: the merged bundle, in float32
+    assert "--model outputs/<date>/<time>/final/merged" in snippet and "--torch_dtype float32" in snippet
+    python = _rewardbench_python()
+    bundle = runs["merged"]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"pairs": [{"prompt": p["prompt"].split("\n\nHuman: ", 1)[1].rsplit("\n\nAssistant:", 1)[0],
+                                           "chosen": p["chosen"].strip(), "rejected": p["rejected"].strip()}
+                                          for p in pairs if p["prompt"].count("\n\nHuman:") == 1],
+                                "padding_side": side}))
+    proc = subprocess.run([str(python), str(REPO / "tests/consumers/rewardbench_rewards.py"), str(bundle), str(spec)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["transformers"].startswith("4.")
+    assert out["rope_theta"] == json.loads((bundle / "config.json").read_text())["rope_parameters"]["rope_theta"] == 5e5
+    used = json.loads(spec.read_text())["pairs"]
+    assert len(used) >= 4
+    rows = [{"chosen": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["chosen"]}],
+             "rejected": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["rejected"]}]}
+            for u in used]
+    want = rm_score(bundle, rows, tmp_path, "--format", "messages")
+    assert close(out["chosen"] + out["rejected"], want), (out, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_openrlhf_reward_model_matches_rm_score(runs, pairs, tmp_path, side):
+    """OpenRLHF's PPO feeds the reward model token ids: the prompt tokenised with add_special_tokens=False
+    and the policy's generated tokens. For a response cut at max length that is the text's ids, and the
+    rewards match. A response that ends with the policy's EOS is read at that EOS: a different token,
+    so a different reward; the README names this and the one-line fix."""
+    snippet = readme_snippet("openrlhf")  # the flags the README gives are the ones driven here
+    assert "--reward.model_name_or_path outputs/<date>/<time>/final/merged" in snippet
+    assert snippet.count("--ds.value_head_prefix score") == 2 and "--reward.remote_url" in snippet
+    target = _openrlhf_path()
+    bundle, texts = runs["merged"], texts_of(pairs)
+    tokenizer = AutoTokenizer.from_pretrained(bundle)
+    rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    def openrlhf(rows, normalize):
+        spec = tmp_path / "spec.json"
+        spec.write_text(json.dumps({"rows": rows, "padding_side": side, "pad_token_id": tokenizer.pad_token_id,
+                                    "normalize_reward": normalize}))
+        proc = subprocess.run([sys.executable, str(REPO / "tests/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
+                              capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(target)})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    want = rm_score(bundle, [{"text": t} for t in texts], tmp_path)
+    assert close(openrlhf(rows, False)["rewards"], want)
+    # --normalize_reward: OpenRLHF's RewardModel.__init__ copies config.mean/std (config.json) into its
+    # buffers; rm.score --normalize reads reward_stats.json. The same numbers:
+    stats = json.loads((bundle / "reward_stats.json").read_text())
+    normalised = openrlhf(rows, True)
+    assert (normalised["config_mean"], normalised["config_std"]) == (stats["mean"], stats["std"])
+    # ... but OpenRLHF 0.11 registers those buffers non-persistent, and transformers 5 (which OpenRLHF 0.11
+    # pins too) builds the model on the meta device and allocates them afresh: they are lost. This asserts
+    # that known upstream loss (README); when it is fixed, the rewards must equal rm.score --normalize.
+    if normalised["mean"] == pytest.approx(stats["mean"]):
+        assert close(normalised["rewards"], rm_score(bundle, [{"text": t} for t in texts], tmp_path, "--normalize"))
+    with_eos = openrlhf([r + [tokenizer.eos_token_id] for r in rows], False)["rewards"]
+    assert not close(with_eos, want)
+    # The fix the README gives: OpenRLHF's reward server (--reward.remote_url) scores the texts.
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"texts": texts, "padding_side": side, "normalize_reward": False}))
+    proc = subprocess.run([sys.executable, str(REPO / "tests/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(target)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert close(json.loads(proc.stdout.strip().splitlines()[-1])["rewards"], want)
