@@ -223,7 +223,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
             largest = max(counts.trainable_tensors) * trained_bytes
             gradients = 0
             states += shard * (4 + trained_bytes) + largest
-            if plan.gradient_accumulation_steps > 1:
+            if plan.gradient_accumulation_steps > 1 and stage < 3:  # ZeRO-3 accumulates into its partition (measured)
                 states += shard * trained_bytes
             overhead_buffers = largest
             if plan.device == "cuda":
