@@ -34,6 +34,7 @@ import torch.distributed as dist
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket, in elements
 DEEPSPEED_PREFETCH = 50_000_000  # ZeRO-3 parameters fetched ahead (stage3_prefetch_bucket_size), in elements
+DEEPSPEED_MAX_LIVE = 1_000_000_000  # ZeRO-3 gathered parameters kept at once (stage3_max_live_parameters), in elements
 
 
 def deepspeed_config(
@@ -84,7 +85,8 @@ def deepspeed_config(
     if zero_stage == 3:
         # Without this, saving a ZeRO-3 model writes empty placeholder tensors.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-        zero["stage3_prefetch_bucket_size"] = DEEPSPEED_PREFETCH  # DeepSpeed's default, stated: rm.estimate sizes it
+        # DeepSpeed's defaults, stated: rm.estimate sizes the gathered parameters from them.
+        zero.update(stage3_prefetch_bucket_size=DEEPSPEED_PREFETCH, stage3_max_live_parameters=DEEPSPEED_MAX_LIVE)
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if offload_params:

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_PREFETCH
+from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE
 from rm.validate import Plan
 
 GIB = 1024**3
@@ -209,9 +209,12 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
             temporaries += bucket * trained_bytes
         if stage == 3 and n > 1:
-            # Measured on 2 CPU processes: one gradient bucket, and the parameters of a prefetch gathered twice
-            # at once (the coalesced all-gather buffer and each parameter's own copy of it).
-            gathered = min(counts.total, DEEPSPEED_PREFETCH) * wbytes
+            # Measured on 2 CPU processes: one gradient bucket, and gathered parameters held twice at once (the
+            # coalesced all-gather buffer and each parameter's own copy of it). How many are gathered at once
+            # depends on DeepSpeed's prefetch and live-parameter limits: above the 5e7-element prefetch the
+            # 134M model held about 1e8, so the estimate takes the live limit (up to the whole model), the
+            # safe side, until it is modelled from DeepSpeed's coordinator.
+            gathered = min(counts.total, DEEPSPEED_MAX_LIVE) * wbytes
             temporaries = bucket * trained_bytes + 2 * gathered
         elif stage == 3:
             temporaries += counts.largest_layer * wbytes  # one layer gathered at a time
