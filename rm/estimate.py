@@ -364,27 +364,25 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from rm.config import to_run_config
+    from rm.errors import boundary
     from rm.hardware import resolve_hardware
-    from rm.validate import ConfigError, validate
+    from rm.validate import validate
 
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
-        cfg = to_run_config(raw)
-        cfg.hardware = resolve_hardware(cfg.hardware)
-        try:
+        with boundary():
+            cfg = to_run_config(raw)
+            cfg.hardware = resolve_hardware(cfg.hardware)
             plan = validate(cfg, int(os.environ.get("WORLD_SIZE", cfg.hardware.gpus_per_node if cfg.hardware.accelerator == "cuda" else 1)))
-        except ConfigError as err:
-            print(err, file=sys.stderr)
-            sys.exit(2)
-        est = estimate_run(cfg, plan)
-        overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
-        if cfg.estimate.json:
-            print(json.dumps({**est.to_dict(), "world_size": plan.world_size}, indent=2))
-        else:
-            print(format_table(est, f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, "
-                                    f"{plan.world_size} process(es), hardware={cfg.hardware.name}"))
-            if not est.fits:
-                print(format_suggestions(suggestions(overrides, cfg, plan)))
+            est = estimate_run(cfg, plan)
+            overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
+            if cfg.estimate.json:
+                print(json.dumps({**est.to_dict(), "world_size": plan.world_size}, indent=2))
+            else:
+                print(format_table(est, f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, "
+                                        f"{plan.world_size} process(es), hardware={cfg.hardware.name}"))
+                if not est.fits:
+                    print(format_suggestions(suggestions(overrides, cfg, plan)))
         sys.exit(0 if est.fits else 3)
 
     run()

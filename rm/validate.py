@@ -10,6 +10,7 @@ from typing import List
 from rm.config import ALL_LINEAR, RunConfig
 from rm.data.preference import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.diagnostics import eval_keys
+from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
@@ -31,10 +32,6 @@ CHOICES = {
     "sweep.on_failure": ("raise", "continue"),
     "health.on_nonfinite": ("stop", "skip"),
 }
-
-
-class ConfigError(ValueError):
-    """Settings that cannot work together; the message names every offending key."""
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from rm.data.audit import audit_split, pair_lengths
 from rm.data.preference import format_counts, load_preference_split, normalise_pairs, tokenize_pairs
 from rm.data.synthetic import generate_pairs
 from rm.data.preference import _expand_files
+from rm.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +59,13 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
             pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
             identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates,
         )
-    except ValueError as err:
+    except DataError as err:
         # The row index alone does not say which data or split it counts in.
-        raise ValueError(f"data {data_cfg.name} [{split}]: {err}") from err
+        raise DataError(f"data {data_cfg.name} [{split}]: {err}") from err
     counts = {**norm_counts, **tok_counts}
     log.info("data %s [%s]: %s", data_cfg.name, split, format_counts(counts))
     if len(tokenised) == 0:
-        raise ValueError(f"data {data_cfg.name} [{split}]: no usable pairs left ({format_counts(counts)})")
+        raise DataError(f"data {data_cfg.name} [{split}]: no usable pairs left ({format_counts(counts)})")
     return tokenised, counts
 
 

@@ -96,6 +96,7 @@ from typing import Any
 import datasets
 
 from rm.data.audit import length_stats
+from rm.errors import ConfigError, DataError, DataFileNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ _BATCH_SIZE = 1000
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 # --------------------------------------------------------------------------- #
@@ -145,7 +146,7 @@ def _expand_files(files: Iterable[str], key: str) -> list[str]:
         resolved.extend(matches)
     if missing:
         shown = ", ".join(repr(m) for m in missing)
-        raise FileNotFoundError(
+        raise DataFileNotFound(
             f"{key}: no file matches {shown} (relative paths are resolved against {os.getcwd()!r})"
         )
     # A glob and an explicit path may name the same file; loading it twice would
@@ -158,14 +159,14 @@ def _builder_for(paths: Sequence[str], key: str) -> str:
     for p in paths:
         ext = os.path.splitext(p)[1].lower()
         if ext not in _EXTENSION_BUILDERS:
-            raise ValueError(
+            raise DataError(
                 f"{key}: unsupported file extension {ext or '(none)'!r} for {p!r}; "
                 f"accepted: {sorted(_EXTENSION_BUILDERS)}"
             )
         builders.setdefault(_EXTENSION_BUILDERS[ext], []).append(p)
     if len(builders) > 1:
         detail = "; ".join(f"{b}: {ps}" for b, ps in sorted(builders.items()))
-        raise ValueError(
+        raise DataError(
             f"{key}: files of one split must all be json/jsonl or all parquet, got a mix ({detail})"
         )
     return next(iter(builders))
@@ -208,11 +209,11 @@ def load_preference_split(
     """
     _check_choice("source", source, SOURCES)
     if max_samples is not None and (isinstance(max_samples, bool) or int(max_samples) < 1):
-        raise ValueError(f"max_samples must be a positive integer or None, got {max_samples!r}")
+        raise DataError(f"max_samples must be a positive integer or None, got {max_samples!r}")
 
     if source == "hub":
         if not path:
-            raise ValueError("source='hub' needs a dataset path, e.g. 'Anthropic/hh-rlhf'")
+            raise DataError("source='hub' needs a dataset path, e.g. 'Anthropic/hh-rlhf'")
         if isinstance(subsets, str):
             subsets = [subsets]
         if subsets:
@@ -226,7 +227,7 @@ def load_preference_split(
             files = [files]
         files = list(files or ())
         if not files:
-            raise ValueError(f"{key}: source='local' needs at least one file for split {split!r}")
+            raise DataError(f"{key}: source='local' needs at least one file for split {split!r}")
         resolved = _expand_files(files, key)
         builder = _builder_for(resolved, key)
         if builder == "json":
@@ -237,7 +238,7 @@ def load_preference_split(
         try:
             ds = datasets.load_dataset(builder, data_files=resolved, split="train")
         except datasets.exceptions.DatasetGenerationError as err:
-            raise ValueError(_unreadable(resolved, key, builder, err)) from err
+            raise DataError(_unreadable(resolved, key, builder, err)) from err
 
     if max_samples is not None and len(ds) > max_samples:
         ds = ds.select(range(int(max_samples)))
@@ -259,7 +260,7 @@ def _check_utf8(file: str, key: str) -> None:
             except UnicodeDecodeError as err:
                 at = offset + err.start
                 line += chunk[: err.start].count(b"\n")
-                raise ValueError(
+                raise DataError(
                     f"{key}: {file} line {line} (byte {at}) is not UTF-8 ({err.reason}); "
                     "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
                 ) from None
@@ -268,7 +269,7 @@ def _check_utf8(file: str, key: str) -> None:
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as err:
-        raise ValueError(f"{key}: {file} ends inside a UTF-8 character ({err.reason}): the file is cut short") from None
+        raise DataError(f"{key}: {file} ends inside a UTF-8 character ({err.reason}): the file is cut short") from None
 
 
 def _unreadable(files: Sequence[str], key: str, builder: str, err: Exception) -> str:
@@ -342,7 +343,7 @@ def detect_format(ds: datasets.Dataset) -> str:
     elif chosen == rejected == "list" and prompt in (None, "list"):
         return "messages"
     found = ", ".join(f"{n} ({k})" for n, k in kinds.items()) or "(none)"
-    raise ValueError(
+    raise DataError(
         f"cannot detect the preference format: columns found: {found}; "
         f"accepted formats: {_FORMAT_HELP}. Set the format explicitly or rename the columns."
     )
@@ -518,13 +519,13 @@ def normalise_pairs(
     columns = list(ds.column_names)
     missing = [c for c in _required_columns(fmt) if c not in columns]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"format {fmt!r} needs column(s) {missing}, but the data has {columns}; accepted formats: {_FORMAT_HELP}"
         )
     if margin_column is not None and margin_column not in columns:
-        raise ValueError(f"margin_column {margin_column!r} is not a column of the data (columns: {columns})")
+        raise DataError(f"margin_column {margin_column!r} is not a column of the data (columns: {columns})")
     if fmt == "messages" and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise DataError(
             "format 'messages' renders conversations with tokenizer.apply_chat_template, "
             "but the tokenizer has no chat_template"
         )
@@ -545,7 +546,7 @@ def normalise_pairs(
                 margin = 0.0 if margin_column is None else _check_margin(margin_column, row[margin_column])
             except _RowProblem as problem:
                 if on_malformed == "error":
-                    raise ValueError(f"row {idx}: {problem} (format {fmt!r})") from None
+                    raise DataError(f"row {idx}: {problem} (format {fmt!r})") from None
                 counts[problem.kind] += 1
                 if problem.kind == "empty":
                     for side in _empty_sides(row, fmt):
@@ -707,13 +708,13 @@ def tokenize_pairs(
     _check_choice("duplicates", duplicates, DUPLICATES)
     missing = [c for c in ("chosen", "rejected", "margin") if c not in ds.column_names]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"tokenize_pairs needs the columns of normalise_pairs (chosen, rejected, margin); "
             f"missing {missing} in {ds.column_names}"
         )
     lead = _leading_special_ids(tokenizer)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= len(lead):
-        raise ValueError(
+        raise DataError(
             f"max_length must be an integer greater than the {len(lead)} special token(s) the "
             f"tokenizer prepends, got {max_length!r}"
         )
@@ -751,7 +752,7 @@ def tokenize_pairs(
             if long_sides:
                 if truncation == "error":
                     side = long_sides[0]
-                    raise ValueError(
+                    raise DataError(
                         f"row {row}: '{side}' is {len(pair[side])} tokens (special tokens included), more than "
                         f"max_length={max_length}; truncation='error' stops at over-length pairs "
                         "('truncate' cuts the start of the prompt, 'drop' skips the pair)"
@@ -764,7 +765,7 @@ def tokenize_pairs(
                 bad = [s for s, ids in pair.items() if pad in ids]
                 if bad:
                     if on_malformed == "error":
-                        raise ValueError(
+                        raise DataError(
                             f"row {row}: '{bad[0]}' contains the pad token id {pad} "
                             f"({getattr(tokenizer, 'pad_token', None)!r}) in its text; the reward "
                             "model would read the reward at the wrong token"
