@@ -52,7 +52,15 @@ class ConfigError(RmError, ValueError):
 
 
 class DataError(RmError, ValueError):
-    """Data that cannot be used; the message names the file or split, the row and the reason."""
+    """Data that cannot be used; the message names the file or split, the row and the reason.
+
+    ``row`` is the 0-based row in the split as read (files concatenated in order), when one row is
+    at fault; ``rm.data.build`` turns it into a file and a row of that file.
+    """
+
+    def __init__(self, message: str, row: Optional[int] = None):
+        super().__init__(message)
+        self.row = row
 
 
 class DataFileNotFound(DataError, FileNotFoundError):

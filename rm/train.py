@@ -49,7 +49,7 @@ from rm.sweep import job_record, write_job_record
 from rm.metrics import MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots
 from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
-from rm.validate import ConfigError, Plan, validate
+from rm.validate import ConfigError, Plan, check_tokenizer_fits, validate
 from rm.errors import NonFiniteError, Refused, StorageError, boundary, exit_code, report
 from rm.resume import apply_changes, check_resume
 from rm.resume import fingerprint as fingerprint_of
@@ -233,6 +233,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str]) -> Dict[str,
 
     # ---- build
     tokenizer = build_tokenizer(cfg.model)
+    check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)

@@ -230,8 +230,9 @@ def load_preference_split(
             raise DataError(f"{key}: source='local' needs at least one file for split {split!r}")
         resolved = _expand_files(files, key)
         builder = _builder_for(resolved, key)
-        if builder == "json":
-            for file in resolved:
+        for file in resolved:
+            _check_content(file, key, builder)
+            if builder == "json":
                 _check_utf8(file, key)
         # Local files always land in the builder's single "train" split, whatever
         # split they stand for.
@@ -243,6 +244,40 @@ def load_preference_split(
     if max_samples is not None and len(ds) > max_samples:
         ds = ds.select(range(int(max_samples)))
     return ds
+
+
+def _check_content(file: str, key: str, builder: str) -> None:
+    """An empty or whitespace-only file, or a ``.parquet`` that is not Parquet, named before ``datasets``
+    reads it (it would end in a bare ``StopIteration`` or an Arrow error that names no file)."""
+    with open(file, "rb") as f:
+        if builder == "parquet":
+            head = f.read(4)
+            f.seek(max(0, os.path.getsize(file) - 4))
+            if head != b"PAR1" or f.read(4) != b"PAR1":
+                raise DataError(
+                    f"{key}: {file} is not a Parquet file (no PAR1 magic bytes at its start and end): "
+                    "convert it, or give a .jsonl / .json file its own extension"
+                )
+            return
+        for chunk in iter(lambda: f.read(1 << 16), b""):
+            if chunk.strip():
+                return
+    what = "empty (0 bytes)" if os.path.getsize(file) == 0 else "whitespace only"
+    raise DataError(f"{key}: {file} is {what}: it holds no rows. Remove it from {key} or fill it")
+
+
+def locate_row(files: Sequence[str], row: int) -> tuple[str, int]:
+    """The file and 0-based row within it of row ``row`` of the split read from ``files`` in order.
+
+    Reads each file again (from the ``datasets`` cache), so it is for error messages only.
+    """
+    builder = _EXTENSION_BUILDERS[os.path.splitext(files[0])[1].lower()]
+    for file in files:
+        n = len(datasets.load_dataset(builder, data_files=[file], split="train"))
+        if row < n:
+            return file, row
+        row -= n
+    return files[-1], row
 
 
 def _check_utf8(file: str, key: str) -> None:
@@ -335,6 +370,12 @@ def detect_format(ds: datasets.Dataset) -> str:
     feats = ds.features
     kinds = {name: _feature_kind(f) for name, f in feats.items()}
     chosen, rejected, prompt = kinds.get("chosen"), kinds.get("rejected"), kinds.get("prompt")
+    # A column whose rows hold different types (datasets reads it as Json), or a prompt some rows
+    # lack, hides the layout of each row from the schema: look at the rows.
+    mixed_types = "Json" in (chosen, rejected, prompt)
+    partial_prompt = prompt == "string" and 0 < ds.data.column("prompt").null_count < len(ds)
+    if mixed_types or partial_prompt:
+        return _detect_by_rows(ds, kinds)
     if chosen == rejected == "string":
         if prompt is None:
             return "hh"
@@ -348,6 +389,40 @@ def detect_format(ds: datasets.Dataset) -> str:
         f"accepted formats: {_FORMAT_HELP}. Set the format explicitly or rename the columns."
     )
 
+
+def _row_layout(row: dict) -> str | None:
+    """The layout one row follows, or None when it follows none (a malformed row)."""
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        return "prompt" if isinstance(prompt, str) else "hh" if prompt is None else None
+    if isinstance(chosen, list) and isinstance(rejected, list) and (prompt is None or isinstance(prompt, list)):
+        return "messages"
+    return None
+
+
+def _detect_by_rows(ds: datasets.Dataset, kinds: dict) -> str:
+    """The one layout the rows follow; rows that follow none are left for :func:`normalise_pairs` to
+    report (malformed). Several layouts in one split are an error that names them."""
+    present = [c for c in ("prompt", "chosen", "rejected") if c in ds.column_names]
+    layouts: Counter = Counter()
+    first: dict[str, int] = {}
+    for i, row in enumerate(ds.select_columns(present)):
+        layout = _row_layout(row) or "none"
+        layouts[layout] += 1
+        first.setdefault(layout, i)
+    found = [k for k in layouts if k != "none"]
+    if len(found) == 1:
+        return found[0]
+    described = ", ".join(
+        f"{layouts[k]} row(s) {k if k != 'none' else 'of no format'} (first: row {first[k]})" for k in sorted(layouts)
+    )
+    if not found:
+        columns = ", ".join(f"{n} ({k})" for n, k in kinds.items())
+        raise DataError(f"cannot detect the preference format: no row follows one ({described}); columns: {columns}; "
+                        f"accepted formats: {_FORMAT_HELP}", row=first["none"])
+    raise DataError(
+        f"the rows mix preference formats: {described}. One split must use one format: "
+        "convert the rows to one format, or split them into separate datasets", row=min(first[k] for k in found[1:]))
 
 def _required_columns(fmt: str) -> tuple[str, ...]:
     return ("prompt", "chosen", "rejected") if fmt == "prompt" else ("chosen", "rejected")
@@ -500,7 +575,10 @@ def normalise_pairs(
         the texts are equal; 0 with ``identical="keep"``) and ``kept`` (= rows
         minus the other three), and ``empty_chosen`` / ``empty_rejected``: rows
         whose chosen / rejected side is empty (a row with both empty counts in
-        both; the row is counted once in ``empty``).
+        both; the row is counted once in ``empty``). ``drop_reasons`` maps each
+        distinct reason a malformed or empty row was dropped for
+        (``"malformed: 'chosen' is int, expected a string"``) to its ``count``
+        and ``first_row``.
 
     Raises:
         ValueError: Unknown ``fmt``/``on_malformed``; undetectable layout; a
@@ -533,6 +611,7 @@ def normalise_pairs(
         logger.warning("format 'hh' ignores the 'prompt' column; use format 'prompt' if chosen/rejected lack it")
 
     counts = {"rows": len(ds), "malformed": 0, "empty": 0, "identical": 0, "kept": 0, "empty_chosen": 0, "empty_rejected": 0}
+    reasons: dict[str, dict] = {}  # "kind: why" -> {"count", "first_row"}: every drop has its reason in data_audit.json
     read = [c for c in ("prompt", "chosen", "rejected") if c in columns and (c != "prompt" or fmt != "hh")]
     if margin_column is not None and margin_column not in read:
         read.append(margin_column)
@@ -546,8 +625,10 @@ def normalise_pairs(
                 margin = 0.0 if margin_column is None else _check_margin(margin_column, row[margin_column])
             except _RowProblem as problem:
                 if on_malformed == "error":
-                    raise DataError(f"row {idx}: {problem} (format {fmt!r})") from None
+                    raise DataError(f"row {idx}: {problem} (format {fmt!r})", row=idx) from None
                 counts[problem.kind] += 1
+                reason = reasons.setdefault(f"{problem.kind}: {problem}", {"count": 0, "first_row": idx})
+                reason["count"] += 1
                 if problem.kind == "empty":
                     for side in _empty_sides(row, fmt):
                         counts[f"empty_{side}"] += 1
@@ -578,6 +659,7 @@ def normalise_pairs(
     )
     # Other columns (including ones read above) are gone; make the order fixed.
     result = result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else []))
+    counts["drop_reasons"] = reasons
     return result, counts
 
 
