@@ -49,6 +49,9 @@ FOOTER = """## Not covered yet
 - A checkpoint or final-model save failing on one rank of several: the other ranks wait at the next
   barrier until torchrun's timeout; a single process reports it at once.
 - Invalid JSON lines are always an error, not a counted skip.
+- A non-string cell in a file read *together with other files* of the split: `datasets` converts it to
+  a string (`7` becomes `"7"`) when an earlier file fixed the column as strings, so it is not reported.
+  Within one file it is (see Data).
 - A run lock on a shared file system seen from two hosts: liveness of the holder cannot be checked from
   the other host, so the message names the lock file to delete once that run is known to be gone.
 """
