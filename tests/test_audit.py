@@ -276,6 +276,7 @@ def test_run_writes_the_audit_with_default_policies(tiny_cfg, local_files, tmp_p
     assert "train: 24 pairs -> 22 kept (dropped: 1 empty, 1 identical)" in caplog.text
 
 
+@pytest.mark.reliability("Data", "identical pairs, duplicates, enormous rows", "per `data.identical_pairs`, `data.duplicates`, `data.truncation`; all counted in `data_audit.json`")
 def test_run_keeps_identical_pairs_and_drops_duplicates_and_long_pairs(tiny_cfg, local_files, tmp_path):
     """truncation=drop, identical_pairs=keep, duplicates=drop.
 
@@ -295,6 +296,7 @@ def test_run_keeps_identical_pairs_and_drops_duplicates_and_long_pairs(tiny_cfg,
     assert audit["splits"]["eval"]["pairs_out"] == 11
 
 
+@pytest.mark.reliability("Data", "an over-long row with `data.truncation=error`", "an error naming the row and its length, before anything is written")
 def test_truncation_error_stops_before_anything_is_written(tiny_cfg, local_files, tmp_path):
     # Row 22 is dropped (empty) before tokenising; the error still names row 23 of the file.
     run_dir = tmp_path / "run"

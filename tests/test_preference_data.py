@@ -173,6 +173,7 @@ def test_messages_without_prompt_column(tok):
     assert ds[0]["rejected"] == "\n\nHuman: hi\n\nAssistant: bad"
 
 
+@pytest.mark.reliability("Data", "wrong columns", "names the columns found and the accepted layouts")
 def test_unknown_layout_error_names_columns_and_formats(tok):
     raw = datasets.Dataset.from_list([{"question": "q", "answer_a": "a", "answer_b": "b"}])
     with pytest.raises(ValueError) as err:
@@ -266,6 +267,7 @@ def test_bad_margin_value_is_malformed(tok):
 GOOD = {"chosen": "\n\nHuman: hi\n\nAssistant: good", "rejected": "\n\nHuman: hi\n\nAssistant: bad"}
 
 
+@pytest.mark.reliability("Data", "non-string or empty fields, malformed messages", "skipped and counted (`data.on_malformed=skip`, default) or an error naming the row (`error`)")
 def test_hh_malformed_rows_skip_and_error(tok):
     rows = [
         GOOD,
