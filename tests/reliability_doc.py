@@ -52,6 +52,9 @@ FOOTER = """## Not covered yet
 - A non-string cell in a file read *together with other files* of the split: `datasets` converts it to
   a string (`7` becomes `"7"`) when an earlier file fixed the column as strings, so it is not reported.
   Within one file it is (see Data).
+- Hydra writes its own record of each invocation (`.hydra/config.yaml`, `overrides.yaml`) into the run
+  directory before rm runs, so a refused run (an earlier run, a held lock) rewrites that record of the
+  earlier run; the model, checkpoints (each with its settings' fingerprint), metrics and audit are untouched.
 - A run lock on a shared file system seen from two hosts: liveness of the holder cannot be checked from
   the other host, so the message names the lock file to delete once that run is known to be gone.
 """
