@@ -204,7 +204,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(run_dir)
         raise CheckpointError(
-            f"could not write checkpoint-{step} in {root}: {getattr(err, 'strerror', None) or err}. "
+            f"could not write checkpoint-{step} in {root}: {write_failure(err, root)}. "
             f"The previous checkpoint, {previous or 'none'}, is intact; free space and resume with train.resume=true"
         ) from err
     if engine.is_main_process:
@@ -214,6 +214,16 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
             shutil.rmtree(old, ignore_errors=True)
     engine.wait_for_everyone()
     return final
+
+
+def write_failure(err: BaseException, where: Path) -> str:
+    """Why a write failed, in words, with the free space left where it was writing."""
+    why = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+    try:
+        free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
+        return f"{why} ({free / 2**20:.1f} MiB free there)"
+    except (OSError, StopIteration):
+        return why
 
 
 def load_checkpoint(engine, path: Path) -> int:

@@ -96,11 +96,27 @@ def _storage_types():
     return tuple(types)
 
 
+# torch.save reports a failed write (a full disk) as a RuntimeError from its zip writer, not an OSError;
+# seen on a 5 MB tmpfs: "basic_ios::clear: iostream error", then "[enforce fail at inline_container.cc:...]
+# unexpected pos ...".
+_TORCH_WRITE_FAILURES = ("iostream error", "inline_container.cc", "PytorchStreamWriter failed", "file write failed")
+
+
+def is_storage_failure(err: BaseException) -> bool:
+    """``err``, or the exception it was raised while handling, is a failed read or write of a file."""
+    for e in (err, err.__context__, err.__cause__):
+        if isinstance(e, _storage_types()):
+            return True
+        if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _TORCH_WRITE_FAILURES):
+            return True
+    return False
+
+
 def exit_code(err: BaseException) -> int:
     """The documented exit status for ``err`` (1: unexpected, a bug)."""
     if isinstance(err, RmError):
         return err.exit_code
-    if isinstance(err, _storage_types()):
+    if is_storage_failure(err):
         return StorageError.exit_code
     return 1
 

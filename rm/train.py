@@ -31,7 +31,7 @@ from transformers import get_scheduler
 
 from rm.checkpoint import (
     CheckpointError, RunLock, check_run_dir, checkpoint_state, latest_checkpoint, load_checkpoint, resume_candidates,
-    save_checkpoint,
+    save_checkpoint, write_failure,
 )
 from rm.config import RunConfig, to_run_config
 from rm.data.batching import micro_batches_for_step, split_by_tokens, steps_per_epoch
@@ -420,7 +420,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str]) -> Dict[str,
         if exit_code(err) != StorageError.exit_code or isinstance(err, StorageError):
             raise
         raise StorageError(
-            f"could not write the final model to {final_dir}: {getattr(err, 'strerror', None) or err}. Nothing was "
+            f"could not write the final model to {final_dir}: {write_failure(err, run_dir)}. Nothing was "
             f"left half-written; free space and run again with train.resume=true (newest checkpoint: "
             f"{latest_checkpoint(run_dir) or 'none'})"
         ) from err

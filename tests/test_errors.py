@@ -20,7 +20,7 @@ def _raise(err):
 
 @pytest.mark.reliability("Entry points", "any expected failure (config, data, refusal, non-finite, storage)",
                          "`error: <message>` only; exit 2, 2, 3, 4, 5")
-@pytest.mark.reliability("Entry points", "an `OSError` or safetensors error from anywhere (disk full, permissions)",
+@pytest.mark.reliability("Entry points", "an `OSError`, a safetensors error or torch.save's failed write from anywhere (disk full, permissions)",
                          "`error: storage error (<path>): <reason>`; exit 5")
 def test_expected_errors_print_one_message_and_their_exit_code(capsys, monkeypatch):
     from safetensors import SafetensorError
@@ -34,6 +34,8 @@ def test_expected_errors_print_one_message_and_their_exit_code(capsys, monkeypat
         (StorageError("could not write checkpoint-4"), 5),
         (OSError(errno.ENOSPC, "No space left on device", "/run/final/model.safetensors"), 5),
         (SafetensorError("Error while serializing: IoError(No space left on device)"), 5),
+        # What torch.save raised on a real full disk (a 5 MB tmpfs): a RuntimeError from its zip writer.
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1316672 vs 1316560"), 5),
     ]
     for err, code in cases:
         with pytest.raises(SystemExit) as exited, boundary():
