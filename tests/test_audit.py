@@ -303,7 +303,8 @@ def test_truncation_error_stops_before_anything_is_written(tiny_cfg, local_files
     with pytest.raises(ValueError) as err:
         rm_train.train(local_run(tiny_cfg, local_files, "data.truncation=error"), run_dir)
     assert str(err.value).startswith(
-        "data local [train]: row 23: 'chosen' is 72 tokens (special tokens included), more than max_length=48"
+        f"data local [train] in {local_files['train']}: row 23: 'chosen' is 72 tokens (special tokens included), "
+        "more than max_length=48"
     )
     left = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
     assert not {"data_audit.json", "data_audit.json.tmp", "metrics.jsonl", "final", "checkpoints"} & set(left), left

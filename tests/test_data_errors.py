@@ -47,13 +47,13 @@ def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
 @pytest.mark.reliability("Data", "one non-string cell in a file (the column's type is then mixed)",
                          "format still detected from the other rows; that row is dropped and counted with its reason "
                          "(`malformed: 'chosen' is int, expected a string`, first row), or with `data.on_malformed=error` "
-                         "`in <file> row 3: 'chosen' is int`")
+                         "`in <file>: row 3: 'chosen' is int`")
 def test_one_non_string_cell_names_its_row_and_file(tmp_path):
     path = _jsonl(tmp_path / "b.jsonl", PAIRS[2:5] + [dict(PAIRS[5], chosen=7), PAIRS[6]])
     ds, counts = _split(path)
     assert len(ds) == 4 and counts["malformed"] == 1
     assert counts["drop_reasons"] == {"malformed: 'chosen' is int, expected a string": {"count": 1, "first_row": 3}}
-    with pytest.raises(DataError, match=rf"in {path} row 3: row 3: 'chosen' is int, expected a string"):
+    with pytest.raises(DataError, match=rf"in {path}: row 3: 'chosen' is int, expected a string"):
         _split(path, "data.on_malformed=error")
 
 

@@ -80,7 +80,7 @@ def _write(path, rows):
 @pytest.mark.reliability("Data", "missing file or glob matching nothing",
                          "`data.train_files: no file matches '<pattern>'`; exit 2")
 @pytest.mark.reliability("Data", "a file where every row is dropped (zero usable pairs)",
-                         "`no usable pairs left (pairs 2 -> 0 used: ...; 1 x malformed: 'chosen' is int, expected a string (first: row 0 in <file> row 0); 1 x empty: ...)`; exit 2")
+                         "`no usable pairs left (pairs 2 -> 0 used: ...; 1 x malformed: 'chosen' is int, expected a string (first: row 0 in <file>); 1 x empty: ...)`; exit 2")
 @pytest.mark.reliability("Data", "an empty or whitespace-only file", "`<file> is empty (0 bytes)` / `is whitespace only`; exit 2")
 @pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace"])
 def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
@@ -88,7 +88,7 @@ def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
         files, needles = [str(tmp_path / "nope" / "*.jsonl")], ["data.train_files: no file matches", "nope"]
     elif case == "all_dropped":
         path = _write(tmp_path / "bad.jsonl", [{"chosen": 1, "rejected": "a"}, {"chosen": " ", "rejected": "b"}])
-        files, needles = [str(path)], ["no usable pairs left", "'chosen' is int", f"{path} row 0"]
+        files, needles = [str(path)], ["no usable pairs left", "'chosen' is int", f"(first: row 0 in {path})"]
     else:
         path = tmp_path / "blank.jsonl"
         path.write_text("  \n\n")

@@ -74,12 +74,12 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
 
 
 def _where(data_cfg: DataConfig, split: str, row) -> str:
-    """`` in <file> row <n>`` for a row of local files (the file and its own 0-based row), `` in <files>``
-    without a row, ``""`` for other sources."""
+    """`` in <file> row <n>`` for a row of several local files (the file and its own 0-based row), `` in <file(s)>``
+    for one file or without a row, ``""`` for other sources."""
     if data_cfg.source != "local":
         return ""
     files = _expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")
-    if row is None:
+    if row is None or len(files) == 1:  # one file: the row of the split is its row
         return f" in {', '.join(files)}"
     file, row_in_file = locate_row(files, row)
     return f" in {file} row {row_in_file}"

@@ -835,7 +835,7 @@ def tokenize_pairs(
                 if truncation == "error":
                     side = long_sides[0]
                     raise DataError(
-                        f"row {row}: '{side}' is {len(pair[side])} tokens (special tokens included), more than "
+                        row=row, message=f"row {row}: '{side}' is {len(pair[side])} tokens (special tokens included), more than "
                         f"max_length={max_length}; truncation='error' stops at over-length pairs "
                         "('truncate' cuts the start of the prompt, 'drop' skips the pair)"
                     )
@@ -848,7 +848,7 @@ def tokenize_pairs(
                 if bad:
                     if on_malformed == "error":
                         raise DataError(
-                            f"row {row}: '{bad[0]}' contains the pad token id {pad} "
+                            row=row, message=f"row {row}: '{bad[0]}' contains the pad token id {pad} "
                             f"({getattr(tokenizer, 'pad_token', None)!r}) in its text; the reward "
                             "model would read the reward at the wrong token"
                         )
