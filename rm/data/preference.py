@@ -390,11 +390,17 @@ def detect_format(ds: datasets.Dataset) -> str:
     )
 
 
-def _row_layout(row: dict) -> str | None:
-    """The layout one row follows, or None when it follows none (a malformed row)."""
+def _row_layout(row: dict, prompts: bool) -> str | None:
+    """The layout one row follows, or None when it follows none (a malformed row).
+
+    Where other rows have a prompt (``prompts``), a row without one is an HH row only if it holds a
+    transcript (``Human:``); otherwise it is a prompt row that lacks its prompt, dropped as malformed.
+    """
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
     if isinstance(chosen, str) and isinstance(rejected, str):
-        return "prompt" if isinstance(prompt, str) else "hh" if prompt is None else None
+        if isinstance(prompt, str):
+            return "prompt"
+        return "hh" if prompt is None and (not prompts or "Human:" in chosen) else None
     if isinstance(chosen, list) and isinstance(rejected, list) and (prompt is None or isinstance(prompt, list)):
         return "messages"
     return None
@@ -407,7 +413,7 @@ def _detect_by_rows(ds: datasets.Dataset, kinds: dict) -> str:
     layouts: Counter = Counter()
     first: dict[str, int] = {}
     for i, row in enumerate(ds.select_columns(present)):
-        layout = _row_layout(row) or "none"
+        layout = _row_layout(row, "prompt" in present) or "none"
         layouts[layout] += 1
         first.setdefault(layout, i)
     found = [k for k in layouts if k != "none"]
