@@ -1,28 +1,44 @@
-"""Checkpoints that are either complete or absent.
+"""Checkpoints that are either complete and intact or passed over, and the run directory's lock.
 
 A checkpoint is written into a hidden temporary directory and renamed into
 place only after every file is on disk, so a crash mid-write leaves the previous
-checkpoint as the newest complete one. ``trainer_state.json`` is written last
-and marks a checkpoint as complete; it lists every file with its size, so a
-checkpoint whose files were cut short afterwards (a full disk on a network file
-system, a copy that stopped) is recognised and passed over for the previous one.
-A save that fails (e.g. no space left) removes its temporary directory and
-raises :class:`CheckpointError`; the previous checkpoint is untouched.
+checkpoint as the newest complete one (DeepSpeed's ``latest`` tag file and HF
+Trainer's ``checkpoint-N`` directories give the same guarantee). ``trainer_state.json``
+is written last and marks a checkpoint as complete; it lists every file with its
+size and sha256, the step, and the fingerprint of the settings that shape the
+trajectory (:mod:`rm.resume`). A checkpoint whose files were cut short or changed
+afterwards (a full disk on a network file system, a copy that stopped, flipped
+bytes) is recognised before anything of it is loaded and passed over for the
+previous one, with a warning. Weights that are not finite are never saved as a
+checkpoint (:class:`~rm.errors.NonFiniteError`). A save that fails (no space left,
+a safetensors error) removes its temporary directory and raises
+:class:`CheckpointError` (exit 5); the previous checkpoint is untouched.
+
+:class:`RunLock` keeps a second run out of a run directory that a live run uses
+(a SLURM requeue after the first job died takes over its stale lock).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from rm.errors import ConfigError, NonFiniteError, Refused, StorageError, exit_code
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+LOCK_FILE = ".lock"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -30,26 +46,67 @@ def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-class CheckpointError(RuntimeError):
+class RunDirError(ConfigError, FileExistsError):
+    """The run directory holds something that the settings do not say what to do with."""
+
+
+class CheckpointError(StorageError):
     """A checkpoint could not be written; the previous one is intact."""
 
 
-def _manifest(directory: Path) -> Dict[str, int]:
-    return {str(p.relative_to(directory)): p.stat().st_size for p in sorted(directory.rglob("*")) if p.is_file()}
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _manifest(directory: Path) -> Dict[str, Dict]:
+    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def _read_state(path: Path) -> Optional[Dict]:
+    try:
+        return json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def is_complete(path: Path) -> bool:
-    """The state file exists and every file it lists is there with its recorded size."""
-    try:
-        state = json.loads((Path(path) / STATE_FILE).read_text())
-    except (OSError, ValueError):
+    """The state file exists and every file it lists is there with its recorded size (cheap: no reading)."""
+    state = _read_state(path)
+    if state is None:
         return False
-    for name, size in state.get("files", {}).items():
+    for name, entry in state.get("files", {}).items():
+        size = entry["size"] if isinstance(entry, dict) else entry  # older checkpoints list sizes only
         file = Path(path) / name
         if not file.is_file() or file.stat().st_size != size:
             log.warning("checkpoint %s is damaged (%s is missing or cut short): using an earlier one", path, name)
             return False
     return True
+
+
+def damage(path: Path) -> Optional[str]:
+    """Why ``path`` may not be loaded, or None when every file matches its recorded size and sha256.
+
+    Reads every byte, so it runs once, before a checkpoint is loaded.
+    """
+    state = _read_state(path)
+    if state is None:
+        return f"{STATE_FILE} is missing or unreadable"
+    if not state.get("finite", True):
+        return "its weights are not finite"
+    for name, entry in state.get("files", {}).items():
+        file = Path(path) / name
+        if not isinstance(entry, dict):
+            continue  # written before checksums: sizes were checked by is_complete
+        if not file.is_file() or file.stat().st_size != entry["size"]:
+            return f"{name} is missing or cut short"
+        if _sha256(file) != entry["sha256"]:
+            return f"{name} does not match its sha256 (changed or corrupted after it was written)"
+    return None
 
 
 def list_checkpoints(run_dir: Path):
@@ -70,16 +127,26 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
 
 
 def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
-    """Refuse to start a fresh run over an earlier one: a finished run is never overwritten silently.
+    """Refuse to start a fresh run over an earlier one, or to resume a finished one: a model is never
+    overwritten silently.
 
     Raises:
-        FileExistsError: ``run_dir`` holds a final model, checkpoints or metrics of an earlier run and
-            neither ``train.resume`` nor ``train.overwrite`` was given.
+        RunDirError: ``run_dir`` holds a final model, checkpoints or metrics of an earlier run and
+            neither ``train.resume`` nor ``train.overwrite`` was given; or ``train.resume`` was given
+            for a run that finished (``final/`` exists), which would train again over its model.
     """
     run_dir = Path(run_dir)
     earlier = [name for name in ("final", "checkpoints", "metrics.jsonl") if (run_dir / name).exists()]
-    if not earlier or resume:
+    if resume and (run_dir / "final").exists() and not overwrite:
+        raise RunDirError(
+            f"train.resume=true but {run_dir} holds a finished run (final/): there is nothing to resume, and "
+            "training again would replace its model. Keep it and choose another hydra.run.dir, or replace it "
+            "with train.overwrite=true (without train.resume)"
+        )
+    if not earlier or (resume and not overwrite):
         return
+    if resume and overwrite:
+        raise RunDirError("train.resume=true and train.overwrite=true contradict each other: continue the run or replace it")
     if overwrite:
         log.warning("train.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(earlier))
         for name in earlier:
@@ -87,21 +154,38 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         return
     finished = "a finished run (final/)" if "final" in earlier else "an earlier run (" + ", ".join(earlier) + ")"
-    raise FileExistsError(
+    raise RunDirError(
         f"{run_dir} already holds {finished}. Continue it with train.resume=true, replace it with "
         "train.overwrite=true, or choose another hydra.run.dir"
     )
 
 
-def save_checkpoint(engine, run_dir: Path, step: int, keep: int) -> Path:
+def weights_are_finite(engine) -> bool:
+    """Whether every weight of the model is finite, on every process (under ZeRO-3 each checks its shard)."""
+    finite = all(bool(torch.isfinite(getattr(p, "ds_tensor", p)).all()) for p in engine.unwrapped_model().parameters())
+    device = engine.device
+    return engine.reduce(torch.tensor(float(not finite), device=device)).item() == 0
+
+
+def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Optional[Dict] = None) -> Path:
     """Save model, optimizer, scheduler and RNG states for ``step``; keep the newest ``keep``.
 
     Every process takes part (each writes its own shards under ZeRO); the main
-    process alone renames and prunes.
+    process alone checksums, renames and prunes.
+
+    Raises:
+        NonFiniteError: a weight is NaN or infinite; nothing is written, the previous checkpoint stays newest.
+        CheckpointError: a file could not be written (``OSError``, a safetensors error); the temporary
+            directory is removed.
     """
     root = checkpoint_root(run_dir)
     final = root / f"checkpoint-{step}"
     tmp = root / f".tmp-checkpoint-{step}"
+    if not weights_are_finite(engine):
+        raise NonFiniteError(
+            f"the weights at step {step} are not finite: no checkpoint was written. The newest good one, "
+            f"{latest_checkpoint(run_dir) or 'none'}, stays; lower train.learning_rate or check the data"
+        )
     if engine.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     engine.wait_for_everyone()
@@ -109,16 +193,18 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int) -> Path:
         engine.save_state(tmp)
         engine.wait_for_everyone()
         if engine.is_main_process:
-            state = {"step": step, "files": _manifest(tmp)}
+            state = {"step": step, "finite": True, "files": _manifest(tmp), "fingerprint": fingerprint}
             with open(tmp / STATE_FILE, "w") as f:
                 json.dump(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-    except OSError as err:
+    except Exception as err:
+        if exit_code(err) != StorageError.exit_code:
+            raise
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(run_dir)
         raise CheckpointError(
-            f"could not write checkpoint-{step} in {root}: {err.strerror or err}. "
+            f"could not write checkpoint-{step} in {root}: {write_failure(err, root)}. "
             f"The previous checkpoint, {previous or 'none'}, is intact; free space and resume with train.resume=true"
         ) from err
     if engine.is_main_process:
@@ -130,8 +216,100 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int) -> Path:
     return final
 
 
+def write_failure(err: BaseException, where: Path) -> str:
+    """Why a write failed, in words, with the free space left where it was writing."""
+    why = getattr(err, "strerror", None) or str(err).strip().splitlines()[0]
+    try:
+        free = shutil.disk_usage(next(p for p in (where, *where.parents) if p.exists())).free
+        return f"{why} ({free / 2**20:.1f} MiB free there)"
+    except (OSError, StopIteration):
+        return why
+
+
 def load_checkpoint(engine, path: Path) -> int:
     """Restore the states saved by :func:`save_checkpoint`; return the step to continue from."""
     engine.load_state(path)
     with open(Path(path) / STATE_FILE) as f:
         return int(json.load(f)["step"])
+
+
+def checkpoint_state(path: Path) -> Dict:
+    """``trainer_state.json`` of a checkpoint: step, files, fingerprint."""
+    return _read_state(path) or {}
+
+
+def resume_candidates(run_dir: Path) -> Tuple[List[Path], List[str]]:
+    """Checkpoints that pass their checksums, newest first, and why each of the others was passed over."""
+    good, passed_over = [], []
+    for _, path in reversed(list_checkpoints(run_dir)):
+        why = damage(path)
+        if why is None:
+            good.append(path)
+        else:
+            passed_over.append(f"{path.name}: {why}")
+            log.warning("checkpoint %s cannot be used (%s): falling back to an earlier one", path, why)
+    return good, passed_over
+
+
+class RunLock:
+    """``<run_dir>/.lock`` holds the pid and host of the run using the directory.
+
+    A second run is refused (:class:`~rm.errors.Refused`, exit 3) naming the holder. A lock whose
+    process no longer exists on this host (a killed job, a pre-empted SLURM task being requeued)
+    is stale and taken over with a warning. On another host liveness cannot be checked, so the
+    message says which file to delete once that run is known to be gone.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def _holder(self) -> Optional[Dict]:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # being written this instant, or garbage: treated as held by an unknown run
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released between our two calls
+                if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
+                    log.warning("taking over the stale lock of %s: process %s is gone", self.path.parent, holder.get("pid"))
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise Refused(
+                    f"{self.path.parent} is in use by another run (pid {holder.get('pid', '?')} on "
+                    f"{holder.get('host', '?')}, since {holder.get('since', '?')}): wait for it to end or choose "
+                    f"another hydra.run.dir. If that run no longer exists, delete {self.path}"
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise Refused(f"{self.path.parent}: could not take the run lock {self.path}; another run is starting there")
+
+    def __exit__(self, *exc):
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True

@@ -161,7 +161,8 @@ class TrainConfig:
     eval_steps: int = 200  # 0: evaluate only at the end
     save_steps: int = 500  # 0: save only at the end
     save_total_limit: int = 2  # checkpoints kept
-    resume: bool = False  # continue from the newest checkpoint in the run directory
+    resume: bool = False  # continue from the newest intact checkpoint in the run directory
+    resume_allow_changes: bool = False  # resume even if settings that shape training changed (each is logged and applied)
     overwrite: bool = False  # start afresh in a run directory that holds an earlier run (deletes its outputs)
     tensorboard: bool = False
     track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured

@@ -464,8 +464,9 @@ def main() -> None:
     from hydra.core.hydra_config import HydraConfig
 
     from rm.config import to_run_config
+    from rm.errors import boundary
     from rm.hardware import resolve_hardware
-    from rm.validate import ConfigError, resolve_world_size, validate
+    from rm.validate import resolve_world_size, validate
 
     from rm.cli import without_run_dir
 
@@ -479,14 +480,10 @@ def main() -> None:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
                 handler.setStream(sys.stderr)
-        with contextlib.redirect_stdout(sys.stderr):
+        with boundary(), contextlib.redirect_stdout(sys.stderr):
             cfg = to_run_config(raw)
-            try:
-                cfg.hardware = resolve_hardware(cfg.hardware)
-                plan = validate(cfg, *resolve_world_size(cfg, launched=False))
-            except ConfigError as err:
-                print(err, file=sys.stderr)
-                sys.exit(2)
+            cfg.hardware = resolve_hardware(cfg.hardware)
+            plan = validate(cfg, *resolve_world_size(cfg, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
             if cfg.estimate.json:

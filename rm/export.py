@@ -40,6 +40,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from rm.errors import StorageError, boundary
 from rm.model import last_token_index, sequence_rewards
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class ExportMismatch(RuntimeError):
-    """The saved bundle does not give back what the in-memory model gave."""
+class ExportMismatch(StorageError):
+    """The saved bundle does not give back what the in-memory model gave (exit 5: it is not the trained model)."""
 
 
 @torch.no_grad()
@@ -427,9 +428,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     except ExportMismatch as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return err.exit_code
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with boundary(log):
+        sys.exit(main())

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from rm.config import to_run_config
+from rm.errors import boundary
 from rm.estimate import GIB, compose, estimate_run
 from rm.hardware import host_ram_gib, resolve_hardware
 from rm.validate import ConfigError, resolve_world_size, validate
@@ -37,6 +38,12 @@ def device_lines() -> list:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(raw: DictConfig) -> None:
+    with boundary():
+        print_report(raw)
+    sys.exit(0)
+
+
+def print_report(raw: DictConfig) -> None:
     print("\n".join(device_lines()))
     base = to_run_config(raw)
     hardware = resolve_hardware(base.hardware)
@@ -54,7 +61,6 @@ def main(raw: DictConfig) -> None:
             continue
         verdict = "fits" if est.fits else "does not fit"
         print(f"  {profile:<8} peak {est.peak_bytes / GIB:7.2f} GiB ({est.peak_phase}): {verdict}")
-    sys.exit(0)
 
 
 if __name__ == "__main__":

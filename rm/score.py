@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import List, Sequence
 
+from rm.errors import ConfigError, DataError, boundary
 
 
 def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
@@ -38,6 +40,37 @@ def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size
     return rewards
 
 
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse then names the option and exits 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def check_model_dir(path: str) -> Path:
+    """The model directory, or a :class:`ConfigError` saying what is wrong with ``--model``.
+
+    Checked before transformers sees the path: for a directory that does not exist it would
+    try the path as a Hub id and fail with "Repo id must be in the form ...".
+    """
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(f"--model {path}: no such directory; give the final/ directory that rm.train wrote")
+    if (directory / "final" / "config.json").is_file() and not (directory / "config.json").is_file():
+        raise ConfigError(f"--model {path} is a run directory: give its final/ directory (--model {directory / 'final'})")
+    if (directory / "adapter_config.json").is_file():  # a LoRA final/: load_bundle finds the base it names
+        return directory
+    weights = list(directory.glob("*.safetensors")) + list(directory.glob("pytorch_model*.bin"))
+    if not (directory / "config.json").is_file() or not weights:
+        raise ConfigError(f"--model {path} holds no model (config.json and *.safetensors weights expected); "
+                          "give the final/ directory that rm.train wrote")
+    return directory
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rm.score", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
@@ -45,8 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--input", required=True, nargs="+", help="jsonl / json / parquet file(s)")
     parser.add_argument("--output", help="write the rows with their rewards here (jsonl)")
     parser.add_argument("--format", default="auto", choices=("auto", "hh", "prompt", "messages", "text"))
-    parser.add_argument("--max-length", type=int, default=2048, help="tokens; longer sequences lose their start")
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-length", type=_positive_int, default=2048, help="tokens; longer sequences lose their start")
+    parser.add_argument("--batch-size", type=_positive_int, default=16)
     parser.add_argument("--on-malformed", default="skip", choices=("skip", "error"))
     parser.add_argument("--normalize", action="store_true",
                         help="report (reward - mean) / std with the eval mean and std of the model's reward_stats.json")
@@ -66,21 +99,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     from rm.export import load_bundle, read_reward_stats
 
-    stats = read_reward_stats(args.model) if args.normalize else None
+    model_dir = check_model_dir(args.model)
+    stats = read_reward_stats(model_dir) if args.normalize else None
     if args.normalize and stats is None:
-        print(f"error: --normalize needs {args.model}/reward_stats.json (written when the run had an eval set)", file=sys.stderr)
-        return 2
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = load_bundle(args.model)
+        raise ConfigError(f"--normalize needs {model_dir}/reward_stats.json (written when the run had an eval set)")
+    raw = load_preference_split("local", files=tuple(args.input), files_key="--input")  # missing or empty files: DataError
+    if len(raw) == 0:
+        raise DataError(f"--input {' '.join(args.input)}: no rows to score")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = load_bundle(model_dir)
     norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
-    raw = load_preference_split("local", files=tuple(args.input))
     is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and "chosen" not in raw.column_names)
     records: List[dict] = []
     if is_text:
         bad = [i for i, t in enumerate(raw["text"]) if not isinstance(t, str) or not t.strip()]
         if bad:
-            print(f"error: row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)", file=sys.stderr)
-            return 2
+            raise DataError(f"--input row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)")
         lead = leading_special_ids(tokenizer)
         rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, raw["text"])]
         rewards = [norm(r) for r in score_token_rows(model, tokenizer, rows, args.batch_size)]
@@ -90,6 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed)
         tokenised, tok_counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed)
         print(format_counts({**norm_counts, **tok_counts}))
+        if len(tokenised) == 0:
+            raise DataError(f"--input: no usable pairs ({format_counts({**norm_counts, **tok_counts})})")
         chosen = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["chosen_input_ids"], args.batch_size)]
         rejected = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["rejected_input_ids"], args.batch_size)]
         correct = sum(c > r for c, r in zip(chosen, rejected))
@@ -107,4 +143,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with boundary():
+        sys.exit(main())

@@ -11,10 +11,11 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
@@ -28,7 +29,10 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
-from rm.checkpoint import CheckpointError, check_run_dir, latest_checkpoint, load_checkpoint, save_checkpoint
+from rm.checkpoint import (
+    CheckpointError, RunLock, check_run_dir, checkpoint_state, latest_checkpoint, load_checkpoint, resume_candidates,
+    save_checkpoint, write_failure,
+)
 from rm.config import RunConfig, to_run_config
 from rm.data.batching import micro_batches_for_step, split_by_tokens, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
@@ -45,7 +49,10 @@ from rm.sweep import job_record, write_job_record
 from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
 from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
-from rm.validate import ConfigError, Plan, resolve_world_size, validate
+from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
+from rm.errors import NonFiniteError, Refused, StorageError, boundary, exit_code, report
+from rm.resume import apply_changes, check_resume
+from rm.resume import fingerprint as fingerprint_of
 
 log = logging.getLogger("rm.train")
 
@@ -155,7 +162,7 @@ def build_engine(cfg: RunConfig, plan: Plan):
     )
 
 
-class PreflightRefusal(RuntimeError):
+class PreflightRefusal(Refused):
     """The estimated peak exceeds device memory; the message holds the breakdown and what would fit."""
 
     def __init__(self, message: str, estimate, fits=()):
@@ -200,10 +207,12 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     """Run one training job into ``run_dir``; return the final eval metrics and the status.
 
     ``overrides`` are the Hydra overrides the config came from; the pre-flight check
-    re-composes them with candidate changes to say which would fit.
+    re-composes them with candidate changes to say which would fit. The run directory is
+    locked for the whole job (by the main process: torchrun's ranks are one run).
     """
-    with ExitStack() as cleanup:  # undone however the run ends (the memory monitor's dispatch mode)
-        return _train(cfg, run_dir, overrides, cleanup)
+    # The lock and the memory monitor's dispatch mode are undone however the run ends.
+    with RunLock(run_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext(), ExitStack() as cleanup:
+        return _train(cfg, Path(run_dir), overrides, cleanup)
 
 
 def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: ExitStack) -> Dict[str, float]:
@@ -224,6 +233,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
 
     # ---- build
     tokenizer = build_tokenizer(cfg.model)
+    check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
@@ -258,13 +268,9 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     log.info(summary(cfg, plan, engine, total_steps, len(train_set)))
 
     start_step = 0
+    fingerprint = fingerprint_of(cfg, plan.world_size)  # saved with each checkpoint, compared on resume
     if t.resume:
-        checkpoint = latest_checkpoint(run_dir)
-        if checkpoint is None:
-            log.warning("train.resume=true but %s holds no complete checkpoint: starting from step 0", run_dir)
-        else:
-            start_step = load_checkpoint(engine, checkpoint)
-            log.info("resumed from %s at step %d", checkpoint, start_step)
+        start_step = resume(engine, run_dir, cfg, fingerprint, total_steps)
 
     # ---- loop
     lengths = None
@@ -347,7 +353,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 health.check_eval(step, eval_metrics.get("eval_accuracy"))
                 log.info("step %d: %s", step, format_eval(eval_metrics))
             if t.save_steps and step % t.save_steps == 0 and step < total_steps:
-                save_checkpoint(engine, run_dir, step, t.save_total_limit)
+                save_checkpoint(engine, run_dir, step, t.save_total_limit, fingerprint)
             paused_s += time.perf_counter() - pause_start
         progress.close()
         train_s = time.perf_counter() - loop_start - paused_s
@@ -369,7 +375,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
         }
 
         if stop.signum:
-            path = save_checkpoint(engine, run_dir, step, t.save_total_limit)
+            path = save_checkpoint(engine, run_dir, step, t.save_total_limit, fingerprint)
             log.warning(
                 "stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
                 step, total_steps, path, run_dir,
@@ -401,17 +407,75 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
         return build_model(cfg.model, tokenizer.pad_token_id, plan.precision, False, cfg.memory_profile.quantize_base)
 
     probe_set = eval_set if eval_set is not None else train_set
-    export_final(
-        engine, model, tokenizer, final_dir,
-        probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
-        reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
-        merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
-        base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
-    )
+    # Like a checkpoint: written and verified in a temporary directory, then renamed, so that final/ is
+    # either the whole verified model or absent (a full disk must not leave a final/ that later runs
+    # take for a finished one).
+    tmp_final = run_dir / ".tmp-final"
+    if engine.is_main_process:
+        shutil.rmtree(tmp_final, ignore_errors=True)
+    try:
+        export_final(
+            engine, model, tokenizer, tmp_final,
+            probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
+            reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
+            merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
+            base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
+        )
+        if engine.is_main_process:
+            os.replace(tmp_final, final_dir)
+    except Exception as err:
+        if engine.is_main_process:
+            shutil.rmtree(tmp_final, ignore_errors=True)
+        if exit_code(err) != StorageError.exit_code or isinstance(err, StorageError):
+            raise
+        raise StorageError(
+            f"could not write the final model to {final_dir}: {write_failure(err, run_dir)}. Nothing was "
+            f"left half-written; free space and run again with train.resume=true (newest checkpoint: "
+            f"{latest_checkpoint(run_dir) or 'none'})"
+        ) from err
     log.info("saved the reward model to %s", final_dir)
     metrics.close()
     engine.end()
     return {**eval_metrics, **run_stats, "status": "ok", "step": step}
+
+
+def resume(engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps: int) -> int:
+    """Restore the newest intact checkpoint whose settings match; return its step (0: none yet).
+
+    Checkpoints that fail their checksums, or whose states do not load, are passed over for the
+    previous one with a warning, as DeepSpeed falls back from a bad ``latest`` tag by hand.
+
+    Raises:
+        ConfigError: settings that shape training changed (without ``train.resume_allow_changes``),
+            or the checkpoint is past ``train.max_steps``.
+        CheckpointError: checkpoints exist but none is intact.
+    """
+    candidates, passed_over = resume_candidates(run_dir)
+    if not candidates and not passed_over:
+        log.warning("train.resume=true but %s holds no complete checkpoint: starting from step 0", run_dir)
+        return 0
+    for checkpoint in candidates:
+        state = checkpoint_state(checkpoint)
+        if state["step"] >= total_steps:
+            raise ConfigError(
+                f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
+                f"(train.max_steps={cfg.train.max_steps}, train.num_train_epochs={cfg.train.num_train_epochs}): "
+                "raise train.max_steps with train.resume_allow_changes=true to train further"
+            )
+        changes = check_resume(state.get("fingerprint"), fingerprint, checkpoint, cfg.train.resume_allow_changes)
+        try:
+            step = load_checkpoint(engine, checkpoint)
+        except Exception as err:  # noqa: BLE001  (a checkpoint that passed its checksums but does not load: try the previous)
+            log.warning("checkpoint %s does not load (%s: %s): falling back to an earlier one", checkpoint, type(err).__name__, err)
+            passed_over.append(f"{checkpoint.name}: does not load ({type(err).__name__})")
+            continue
+        apply_changes(engine.optimizer, engine.scheduler, cfg, changes)
+        log.info("resumed from %s at step %d", checkpoint, step)
+        return step
+    raise CheckpointError(
+        f"train.resume=true but no checkpoint in {run_dir / 'checkpoints'} is intact: {'; '.join(passed_over)}. "
+        "Restore one from a copy, or start afresh with train.overwrite=true"
+    )
 
 
 def _quiet_other_ranks() -> None:
@@ -423,11 +487,19 @@ def _quiet_other_ranks() -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> Optional[float]:
-    """One job: exits 2 on a config error, 3 on a refusal and 4 when a non-finite loss or gradient
-    stopped it (``rm.health``); in a multirun (``-m``) the first two are recorded in
-    ``job_result.json`` and the sweep goes on (``rm.sweep``), the third follows ``sweep.on_failure``.
+    """One job. Every failure ends at the error boundary of ``rm.errors``: a message and the documented
+    exit code (2 config or data, 3 refused, 4 non-finite, 5 storage), or a traceback for a bug. In a
+    multirun (``-m``) a refusal is recorded in ``job_result.json`` and the sweep goes on (``rm.sweep``);
+    other failures follow ``sweep.on_failure``.
     Returns the final eval accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
     the Optuna sweeper records as a failed (infeasible) trial rather than a value to learn from."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        return _job(cfg)  # a failed job goes to Hydra's sweeper, which goes on or stops per sweep.on_failure
+    with boundary(log):
+        return _job(cfg)
+
+
+def _job(cfg: DictConfig) -> Optional[float]:
     join_submitit_tasks()
     _quiet_other_ranks()
     hydra_cfg = HydraConfig.get()
@@ -448,19 +520,14 @@ def main(cfg: DictConfig) -> Optional[float]:
                error=f"would fit with: {err.fits[0]}" if err.fits else "no single change found that fits")
         if multirun:
             return None
-        sys.exit(3)
-    except (ConfigError, FileExistsError, CheckpointError) as err:  # a message for people, no traceback
-        log.error("%s", err)
-        record("failed", error=err)
-        if not multirun:
-            sys.exit(5 if isinstance(err, CheckpointError) else 2)
-        if run_cfg.sweep.on_failure == "continue":
-            return None
-        raise
+        sys.exit(err.exit_code)
     except Exception as err:
         record("failed", error=err)
-        if multirun and run_cfg.sweep.on_failure == "continue":
-            log.exception("job failed; sweep.on_failure=continue: the sweep goes on")
+        if not multirun:
+            raise  # to the boundary in main: message and exit code
+        if run_cfg.sweep.on_failure == "continue":
+            report(err, log)
+            log.error("job failed; sweep.on_failure=continue: the sweep goes on")
             return None
         raise
     if result["status"] == "interrupted":
@@ -468,13 +535,11 @@ def main(cfg: DictConfig) -> Optional[float]:
                                               "a checkpoint was written, resume with train.resume=true")
         sys.exit(128 + result["signal"])
     if result["status"] == "stopped_nonfinite":
-        error = f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it"
+        error = NonFiniteError(f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it")
         record("failed", result=result, error=error)
-        if not multirun:
-            sys.exit(4)
-        if run_cfg.sweep.on_failure == "continue":
+        if multirun and run_cfg.sweep.on_failure == "continue":
             return None
-        raise RuntimeError(error)  # like any failed job under sweep.on_failure=raise
+        raise error  # exit 4 at the boundary; in a multirun, like any failed job under sweep.on_failure=raise
     record("ok", result=result)
     return result.get("eval_accuracy", float("nan"))
 

@@ -6,11 +6,13 @@ import importlib.util
 import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Tuple
 
 from rm.config import ALL_LINEAR, RunConfig
 from rm.data.preference import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.diagnostics import eval_keys
+from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
@@ -32,10 +34,6 @@ CHOICES = {
     "sweep.on_failure": ("raise", "continue"),
     "health.on_nonfinite": ("stop", "skip"),
 }
-
-
-class ConfigError(ValueError):
-    """Settings that cannot work together; the message names every offending key."""
 
 
 @dataclass(frozen=True)
@@ -132,6 +130,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
     for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers"):
         if getattr(t, key) < 0:
             errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
+    errors += _range_errors(cfg)
     if t.max_steps <= 0 and not t.num_train_epochs > 0:
         errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
     h = cfg.health
@@ -211,6 +210,118 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
         world_size_source=world_size_source,
     )
+
+
+def _in_range(errors: List[str], key: str, value, low=None, high=None, low_open=False, high_open=False, hint="") -> None:
+    """Append ``key=value must be in [low, high)``-style errors; NaN fails every range."""
+    ok = value == value  # NaN
+    if low is not None:
+        ok = ok and (value > low if low_open else value >= low)
+    if high is not None:
+        ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        lo = "" if low is None else ("(" if low_open else "[") + str(low)
+        hi = "" if high is None else str(high) + (")" if high_open else "]")
+        where = f"in {lo or '(-inf'}, {hi or 'inf)'}"
+        errors.append(f"{key}={value} must be {where}{hint}")
+
+
+def _range_errors(cfg: RunConfig) -> List[str]:
+    """Every numeric key that has a range, checked against it (the enumerated ones are in CHOICES)."""
+    errors: List[str] = []
+    t, d, m, hw = cfg.train, cfg.data, cfg.model, cfg.hardware
+    _in_range(errors, "train.seed", t.seed, 0, 2**32 - 1, hint=" (numpy and torch seeds are unsigned 32-bit)")
+    _in_range(errors, "train.adam_beta1", t.adam_beta1, 0, 1, high_open=True)
+    _in_range(errors, "train.adam_beta2", t.adam_beta2, 0, 1, high_open=True)
+    _in_range(errors, "train.adam_epsilon", t.adam_epsilon, 0, low_open=True)
+    _in_range(errors, "train.weight_decay", t.weight_decay, 0)
+    _in_range(errors, "train.max_grad_norm", t.max_grad_norm, 0, hint=" (0 disables clipping)")
+    _in_range(errors, "train.learning_rate", t.learning_rate, 0, 1, low_open=True)
+    _in_range(errors, "train.center_rewards_coefficient", t.center_rewards_coefficient, 0)
+    _in_range(errors, "train.num_train_epochs", t.num_train_epochs, 0)
+    _in_range(errors, "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0)
+    if t.max_steps < -1:
+        errors.append(f"train.max_steps={t.max_steps} must be -1 (derive from train.num_train_epochs) or > 0")
+    if cfg.memory_profile.use_lora:
+        _in_range(errors, "lora.dropout", cfg.lora.dropout, 0, 1, high_open=True)
+    for key in ("max_train_samples", "max_eval_samples"):
+        value = getattr(d, key)
+        if value is not None and value < 1:
+            errors.append(f"data.{key}={value} must be >= 1, or null for all rows")
+    for key in ("synthetic_train_size", "synthetic_test_size"):
+        if d.source == "synthetic" and getattr(d, key) < 1:
+            errors.append(f"data.{key}={getattr(d, key)} must be >= 1 with data.source=synthetic")
+    if d.source == "synthetic":
+        _in_range(errors, "data.synthetic_seed", d.synthetic_seed, 0, 2**32 - 1)
+    # Hardware "auto" holds placeholders until resolved; validate runs after resolve_hardware.
+    _in_range(errors, "hardware.device_memory_gib", hw.device_memory_gib, 0, low_open=True, hint=": the memory of one device in GiB")
+    _in_range(errors, "hardware.host_ram_gib", hw.host_ram_gib, 0, low_open=True, hint=": the RAM of one node in GiB")
+    _in_range(errors, "hardware.gpus_per_node", hw.gpus_per_node, 1)
+    _in_range(errors, "distributed.zero_stage", cfg.distributed.zero_stage, 0, 3)
+    h = cfg.health
+    _in_range(errors, "health.ln2_tolerance", h.ln2_tolerance, 0, 1)
+    _in_range(errors, "health.chance_tolerance", h.chance_tolerance, 0, 0.5)
+    errors += _model_shape_errors(m)
+    return errors
+
+
+def _model_shape_errors(m) -> List[str]:
+    """A model shape that transformers would reject late, with a message naming no key."""
+    errors: List[str] = []
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        if getattr(m, key) < 1:
+            errors.append(f"model.{key}={getattr(m, key)} must be >= 1")
+    if m.head_dim is not None and m.head_dim < 1:
+        errors.append(f"model.head_dim={m.head_dim} must be >= 1, or null for hidden_size / num_attention_heads")
+    _in_range(errors, "model.rope_theta", m.rope_theta, 0, low_open=True)
+    _in_range(errors, "model.rms_norm_eps", m.rms_norm_eps, 0, low_open=True)
+    if m.num_attention_heads >= 1 and m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads:
+        errors.append(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
+                      f"{m.num_attention_heads} (each key/value head serves a whole group of query heads)")
+    if m.head_dim is None and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                      f"{m.num_attention_heads}: set model.head_dim")
+    if m.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
+        errors.append("model.attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
+                      "--no-build-isolation (CUDA only), or use model.attn_implementation=sdpa")
+    if m.pretrained:
+        errors += _pretrained_errors(m.pretrained)
+    return errors
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _pretrained_errors(pretrained: str) -> List[str]:
+    """A local ``model.pretrained`` must hold a model; anything else must look like a Hub id."""
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return [f"model.pretrained={pretrained} is a directory without config.json: not a transformers model "
+                    "directory (give the directory save_pretrained wrote, or a Hub id)"]
+        if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+            return [f"model.pretrained={pretrained} holds config.json but no weights (*.safetensors)"]
+        return []
+    if path.exists():
+        return [f"model.pretrained={pretrained} is a file: give a model directory or a Hub id"]
+    if pretrained.startswith((".", "/", "~")) or not _HUB_ID.match(pretrained):
+        return [f"model.pretrained={pretrained}: no such directory, and not a Hub id (org/name)"]
+    return []
+
+
+def check_tokenizer_fits(model_cfg, tokenizer) -> None:
+    """The tokenizer's ids must index the embedding: a vocabulary larger than ``model.vocab_size`` fails in the
+    middle of the first forward with an index error.
+
+    Raises:
+        ConfigError: naming ``model.vocab_size`` and the tokenizer's size.
+    """
+    if model_cfg.pretrained is None and len(tokenizer) > model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+            f"(model.tokenizer={model_cfg.tokenizer}): set model.vocab_size >= {len(tokenizer)}"
+        )
 
 
 def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:

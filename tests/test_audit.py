@@ -284,6 +284,7 @@ def test_run_writes_the_audit_with_default_policies(tiny_cfg, local_files, tmp_p
     assert "train: 24 pairs -> 22 kept (dropped: 1 empty, 1 identical)" in caplog.text
 
 
+@pytest.mark.reliability("Data", "identical pairs, duplicates, enormous rows", "per `data.identical_pairs`, `data.duplicates`, `data.truncation`; all counted in `data_audit.json`")
 def test_run_keeps_identical_pairs_and_drops_duplicates_and_long_pairs(tiny_cfg, local_files, tmp_path):
     """truncation=drop, identical_pairs=keep, duplicates=drop.
 
@@ -303,13 +304,15 @@ def test_run_keeps_identical_pairs_and_drops_duplicates_and_long_pairs(tiny_cfg,
     assert audit["splits"]["eval"]["pairs_out"] == 11
 
 
+@pytest.mark.reliability("Data", "an over-long row with `data.truncation=error`", "an error naming the row and its length, before anything is written")
 def test_truncation_error_stops_before_anything_is_written(tiny_cfg, local_files, tmp_path):
     # Row 22 is dropped (empty) before tokenising; the error still names row 23 of the file.
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError) as err:
         rm_train.train(local_run(tiny_cfg, local_files, "data.truncation=error"), run_dir)
     assert str(err.value).startswith(
-        "data local [train]: row 23: 'chosen' is 70 tokens (special tokens included), more than max_length=48"
+        f"data local [train] in {local_files['train']}: row 23: 'chosen' is 70 tokens (special tokens included), "
+        "more than max_length=48"
     )
     left = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []
     assert not {"data_audit.json", "data_audit.json.tmp", "metrics.jsonl", "final", "checkpoints"} & set(left), left

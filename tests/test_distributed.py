@@ -19,6 +19,7 @@ def test_auto_picks_zero2_for_offload_and_ddp_otherwise(tiny_cfg):
     assert validate(tiny_cfg("distributed=zero3"), 2).zero_stage == 3
 
 
+@pytest.mark.reliability("Configuration", "profile and distribution that cannot work together (8-bit without bitsandbytes, offload without ZeRO, ...)", "names the keys and the install hint (`pip install 'rm-reward[bnb]'`)")
 @pytest.mark.parametrize(
     "overrides,needle",
     [

@@ -97,6 +97,7 @@ def test_suggestions_really_fit_when_estimated_again():
         assert again.fits, extra
 
 
+@pytest.mark.reliability("Configuration", "a run that will not fit in memory", "refused with the breakdown and the overrides that fit; exit 3")
 def test_refusal_happens_before_anything_loads(tmp_path):
     start = time.perf_counter()
     proc = subprocess.run(

@@ -109,6 +109,7 @@ def probe_of(bundle):
     return torch.tensor(probe["input_ids"]), torch.tensor(probe["attention_mask"]), torch.tensor(probe["rewards"])
 
 
+@pytest.mark.reliability("Security", "pickles", "model weights are written and read as safetensors; optimizer, scheduler and RNG states are read with `torch.load(weights_only=True)`, and only after their sha256 matched")
 def test_full_bundle_holds_tokenizer_pad_id_stats_and_reloads_with_the_same_rewards(full_run):
     cfg, run_dir, result = full_run
     final = run_dir / "final"
@@ -167,6 +168,7 @@ def test_corrupted_weights_fail_verification_loudly(full_run, tmp_path):
         verify_bundle(bundle)
 
 
+@pytest.mark.reliability("Faults", "a saved model that does not reload to the same rewards", "`ExportMismatch` with the largest difference; no final/ (it is verified before it is renamed into place); exit 5")
 def test_a_run_whose_bundle_does_not_reload_fails(tiny_cfg, tmp_path, monkeypatch):
     """The head zeroed on disk after writing, before the reload: the run itself fails, loudly."""
     save_bundle = rm_export.save_bundle
@@ -179,8 +181,10 @@ def test_a_run_whose_bundle_does_not_reload_fails(tiny_cfg, tmp_path, monkeypatc
         return out
 
     monkeypatch.setattr(rm_export, "save_bundle", lose_the_head)
-    with pytest.raises(ExportMismatch, match="does not reproduce the in-memory rewards"):
+    with pytest.raises(ExportMismatch, match="does not reproduce the in-memory rewards") as err:
         rm_train.train(tiny_cfg(*STEPS), tmp_path)
+    assert err.value.exit_code == 5
+    assert not (tmp_path / "final").exists() and not (tmp_path / ".tmp-final").exists()  # no unverified model left
 
 
 @pytest.fixture(scope="module")

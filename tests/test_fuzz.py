@@ -34,6 +34,7 @@ TEXT = st.one_of(
 VALUE = st.one_of(TEXT, st.none(), st.integers(), st.floats(allow_nan=True), st.lists(st.integers(), max_size=3))
 
 
+@pytest.mark.reliability("Data", "any rows at all (property-based: random strings, numbers, lists, None)", "every row kept or dropped for a counted reason")
 @FAST
 @given(rows=st.lists(st.fixed_dictionaries({"prompt": VALUE, "chosen": VALUE, "rejected": VALUE}), min_size=1, max_size=20),
        max_length=st.integers(min_value=2, max_value=64),
@@ -53,6 +54,7 @@ def test_any_rows_are_kept_or_skipped_and_counted(rows, max_length, truncation, 
         assert 0 < len(row["chosen_input_ids"]) <= max_length and 0 < len(row["rejected_input_ids"]) <= max_length
 
 
+@pytest.mark.reliability("Configuration", "any sizes at all (property-based)", "a plan whose accumulation x micro x world = global, or a `ConfigError` naming `train.`/`data.`/`lora.` keys")
 @FAST
 @given(micro=st.integers(-2, 64), global_=st.integers(-2, 256), eval_=st.integers(-2, 64),
        max_length=st.integers(-2, 1024), r=st.integers(-2, 64), world=st.integers(1, 8),
@@ -78,6 +80,8 @@ def clean_jsonl(tmp_path_factory):
     return out["train"].read_bytes()
 
 
+@pytest.mark.reliability("Data", "invalid JSON line", "stops, naming the file, the line and the column")
+@pytest.mark.reliability("Data", "a file that is not UTF-8, or cut inside a character", "stops, naming the file, line and byte, with the fix (`iconv`)")
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**32 - 1), flips=st.integers(1, 12), truncate=st.booleans())
 def test_corrupted_jsonl_gives_a_clear_error_or_counted_skips(tmp_path_factory, clean_jsonl, seed, flips, truncate):

@@ -343,6 +343,7 @@ def inject_nan(monkeypatch, steps, micro_batches_per_step=2):
     monkeypatch.setattr(rm_train, "bradley_terry_loss", loss)
 
 
+@pytest.mark.reliability("Faults", "NaN/inf loss or gradient (`health.on_nonfinite=stop`, default)", "stops before the update, no checkpoint of it; exit 4")
 def test_nan_loss_stops_cleanly_and_keeps_the_last_good_checkpoint(tiny_cfg, tmp_path, monkeypatch):
     overrides = ("train.max_steps=6", "train.save_steps=2", "train.eval_steps=0")
     inject_nan(monkeypatch, {3})
@@ -361,6 +362,7 @@ def test_nan_loss_stops_cleanly_and_keeps_the_last_good_checkpoint(tiny_cfg, tmp
     assert (resumed["status"], resumed["step"]) == ("ok", 6)
 
 
+@pytest.mark.reliability("Faults", "NaN/inf loss with `health.on_nonfinite=skip`", "drops that update and goes on")
 def test_nan_loss_with_skip_drops_that_update_and_goes_on(tiny_cfg, tmp_path, monkeypatch):
     inject_nan(monkeypatch, {3})
     cfg = tiny_cfg("health.on_nonfinite=skip", "train.max_steps=4", "train.save_steps=1", "train.save_total_limit=4",
@@ -376,6 +378,7 @@ def test_nan_loss_with_skip_drops_that_update_and_goes_on(tiny_cfg, tmp_path, mo
     assert all(torch.isfinite(v).all() for v in final.values())
 
 
+@pytest.mark.reliability("Faults", "`health.max_consecutive_skips` non-finite steps in a row", "the run stops (status `stopped_nonfinite`)")
 def test_consecutive_skips_stop_the_run(tiny_cfg, tmp_path, monkeypatch):
     inject_nan(monkeypatch, {2, 3, 4})
     cfg = tiny_cfg("health.on_nonfinite=skip", "health.max_consecutive_skips=2", "train.max_steps=5", "train.eval_steps=0")

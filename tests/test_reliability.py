@@ -19,6 +19,7 @@ ROOT = CONF_DIR.parent
 STEPS = ["train.max_steps=4", "train.save_steps=2", "train.eval_steps=0", "train.save_total_limit=3"]
 
 
+@pytest.mark.reliability("Faults", "disk full (or a crash) while a checkpoint is written", "written to a hidden temporary directory, removed on failure: `CheckpointError: could not write checkpoint-4 ...: No space left on device. The previous checkpoint, .../checkpoint-2, is intact`; exit 5")
 def test_full_disk_while_saving_gives_a_clear_error_and_keeps_the_previous_checkpoint(tiny_cfg, tmp_path, monkeypatch):
     real_save = rm_train.AccelerateEngine.save_state
 
@@ -36,6 +37,7 @@ def test_full_disk_while_saving_gives_a_clear_error_and_keeps_the_previous_check
     assert ckpt.latest_checkpoint(tmp_path).name == "checkpoint-2"
 
 
+@pytest.mark.reliability("Faults", "a checkpoint cut short after writing", "its file sizes do not match `trainer_state.json`: passed over for the previous one, with a warning")
 def test_a_checkpoint_cut_short_after_writing_is_passed_over(tiny_cfg, tmp_path):
     rm_train.train(tiny_cfg(*STEPS), tmp_path)
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2]  # step 4 is the end: final/, no checkpoint
@@ -48,6 +50,7 @@ def test_a_checkpoint_cut_short_after_writing_is_passed_over(tiny_cfg, tmp_path)
     assert ckpt.latest_checkpoint(tmp_path) is None  # checkpoint-2 was the only one
 
 
+@pytest.mark.reliability("Faults", "a run directory that already holds a run", "refused unless `train.resume=true` or `train.overwrite=true`; exit 2")
 def test_a_finished_run_is_not_overwritten_silently(tiny_cfg, tmp_path):
     rm_train.train(tiny_cfg(*STEPS), tmp_path)
     before = (tmp_path / "final" / "model.safetensors").read_bytes()
@@ -61,6 +64,7 @@ def test_a_finished_run_is_not_overwritten_silently(tiny_cfg, tmp_path):
             if '"train"' in l][0] > 0
 
 
+@pytest.mark.reliability("Faults", "the same, from the command line", "exit 2, no traceback")
 def test_cli_refuses_an_earlier_run_dir_with_exit_2(tmp_path):
     (tmp_path / "final").mkdir()
     proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, f"hydra.run.dir={tmp_path}"],
@@ -70,6 +74,7 @@ def test_cli_refuses_an_earlier_run_dir_with_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.reliability("Security", "tokens in the environment (`HF_TOKEN`, `WANDB_API_KEY`)", "never in the log, `metrics.jsonl`, the saved Hydra config or any other file of the run")
 def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     secret = "hf_SECRETtoken1234567890"
     proc = subprocess.run(
@@ -85,6 +90,14 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
             assert secret.encode() not in path.read_bytes(), path
 
 
+@pytest.mark.reliability("Configuration", "unknown group option (`memory_profile=fast`)", "Hydra names the group and lists its options; exit 1")
+@pytest.mark.reliability("Configuration", "wrong type (`train.micro_batch_size=abc`)", "Hydra names the key and the value; exit 1")
+@pytest.mark.reliability("Configuration", "zero or negative size (`train.global_batch_size=-4`), LoRA rank 0", "`train.global_batch_size=-4 must be > 0`")
+@pytest.mark.reliability("Configuration", "LoRA target module not in the model (`lora.target_modules=[qkv]`)", "names the module and lists the accepted ones")
+@pytest.mark.reliability("Configuration", "sequence length above the model's maximum", "names `data.max_length` and `model.max_position_embeddings`")
+@pytest.mark.reliability("Configuration", "batch sizes that do not divide", "`train.global_batch_size=20 is not divisible by train.micro_batch_size=8 x world size 1`")
+@pytest.mark.reliability("Configuration", "bf16 on hardware without bf16", "names `train.precision` and `hardware.bf16`")
+@pytest.mark.reliability("Configuration", "a profile the hardware cannot run (`memory_profile=qlora` on a CPU)", "names the profile and what it needs")
 @pytest.mark.parametrize("override,needles", [
     ("memory_profile=fast", ["memory_profile", "full", "lora", "offload"]),  # unknown option: Hydra lists the options
     ("train.micro_batch_size=abc", ["train.micro_batch_size", "abc"]),  # wrong type
@@ -100,13 +113,15 @@ def test_bad_config_fails_before_loading_with_one_message_naming_the_key(tmp_pat
     proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, *override.split(), f"hydra.run.dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-2000:]
+    hydra_composition = override in ("memory_profile=fast", "train.micro_batch_size=abc")  # Hydra's own exit 1
+    assert proc.returncode == (1 if hydra_composition else 2), out[-2000:]
     for needle in needles:
         assert needle in out, (needle, out[-2000:])
     assert "Traceback" not in out
     assert not (tmp_path / "final").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.reliability("Faults", "SIGTERM to a real process at a random step", "exit 143 with a checkpoint; resumed, equal to an uninterrupted run bit for bit")
 @pytest.mark.slow
 def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninterrupted_run(tmp_path):
     """SLURM pre-emption: SIGTERM to a running ``python -m rm.train`` at a random step (the seed is in
@@ -148,6 +163,7 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
     assert all(torch.equal(a[k], b[k]) for k in a), f"seed {seed}: resumed weights differ (killed after step {kill_after})"
 
 
+@pytest.mark.reliability("Data", "zero usable pairs after filtering", "`data local [train]: no usable pairs left (pairs 4 -> 0 used: ...)`")
 def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
     from rm.data.build import build_split
     from rm.estimate import compose
@@ -159,3 +175,231 @@ def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
     cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{path}]"])
     with pytest.raises(ValueError, match=r"data local \[train\]: no usable pairs left \(pairs 4 -> 0 used"):
         build_split(cfg.data, build_tokenizer(cfg.model), "train")
+
+
+# ---- a finished run, copied by each test below, and what may or may not be done with it
+
+SIX = ["train.max_steps=6", "train.save_steps=2", "train.eval_steps=0", "train.save_total_limit=3", "train.logging_steps=1"]
+
+
+def _cfg(*overrides):
+    from rm.config import to_run_config
+    from tests.conftest import compose_run
+
+    return to_run_config(compose_run(FAST_TINY + SIX + list(overrides)))
+
+
+@pytest.fixture(scope="module")
+def six_step_run(tmp_path_factory):
+    """A finished 6-step run with checkpoints at steps 2 and 4 (none at 6: the end writes final/)."""
+    run_dir = tmp_path_factory.mktemp("six") / "run"
+    rm_train.train(_cfg(), run_dir)
+    return run_dir
+
+
+def _copy(run_dir, tmp_path, unfinished=True):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy)
+    if unfinished:  # as if it had been stopped after checkpoint-4
+        shutil.rmtree(copy / "final")
+    return copy
+
+
+def _flip(path):
+    """Change bytes in the middle of ``path`` without changing its size."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 8] = bytes(b ^ 0xFF for b in data[middle:middle + 8])
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.reliability("Faults", "`train.resume=true` on a finished run (final/ exists), with or without checkpoints",
+                         "refused: `holds a finished run (final/): there is nothing to resume`; final/ unchanged; exit 2")
+def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
+    run_dir = _copy(six_step_run, tmp_path, unfinished=False)
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints")  # the case that used to retrain from step 0 over final/
+    before = (run_dir / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(ckpt.RunDirError, match=r"holds a finished run \(final/\): there is nothing to resume"):
+        rm_train.train(_cfg("train.resume=true"), run_dir)
+    assert (run_dir / "final" / "model.safetensors").read_bytes() == before
+
+
+@pytest.mark.reliability("Faults", "bytes changed in a checkpoint without changing its size (`optimizer.bin`, `model.safetensors`)",
+                         "its sha256 does not match `trainer_state.json`: passed over for the previous checkpoint with a "
+                         "warning, before anything of it is loaded; the run resumes from there and finishes")
+@pytest.mark.reliability("Faults", "every checkpoint damaged", "`CheckpointError: ... no checkpoint ... is intact: checkpoint-4: "
+                         "optimizer.bin does not match its sha256 ...`; exit 5; nothing loaded")
+def test_a_checkpoint_with_changed_bytes_falls_back_to_the_previous_one(six_step_run, tmp_path, caplog):
+    caplog.set_level("INFO", logger="rm.train")
+    run_dir = _copy(six_step_run, tmp_path)
+    _flip(run_dir / "checkpoints" / "checkpoint-4" / "optimizer.bin")
+    assert "does not match its sha256" in ckpt.damage(run_dir / "checkpoints" / "checkpoint-4")
+    assert ckpt.damage(run_dir / "checkpoints" / "checkpoint-2") is None
+    result = rm_train.train(_cfg("train.resume=true"), run_dir)
+    assert result["status"] == "ok" and result["step"] == 6
+    assert "checkpoint-4 cannot be used (optimizer.bin does not match its sha256" in caplog.text
+    assert "resumed from" in caplog.text and "checkpoint-2 at step 2" in caplog.text
+
+    run_dir = _copy(six_step_run, tmp_path / "all")
+    _flip(run_dir / "checkpoints" / "checkpoint-4" / "optimizer.bin")
+    _flip(run_dir / "checkpoints" / "checkpoint-2" / "model.safetensors")
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint .* is intact: checkpoint-4: optimizer.bin does not "
+                                                   r"match .*checkpoint-2: model.safetensors does not match") as err:
+        rm_train.train(_cfg("train.resume=true"), run_dir)
+    assert err.value.exit_code == 5 and "weights_only" not in str(err.value)
+
+
+@pytest.mark.reliability("Faults", "resume with changed settings that shape training (model, data, seed, batch sizes, optimizer, schedule)",
+                         "refused, naming each changed key with its old and new value (`train.learning_rate: 0.002 -> 0.01`); exit 2")
+def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path):
+    run_dir = _copy(six_step_run, tmp_path)
+    changes = ["train.learning_rate=1e-2", "train.seed=7", "data.synthetic_seed=3", "train.global_batch_size=32",
+               "train.lr_scheduler_type=linear", "model.num_hidden_layers=3"]
+    with pytest.raises(rm_train.ConfigError) as err:
+        rm_train.train(_cfg("train.resume=true", *changes), run_dir)
+    for key in ("train.learning_rate: 0.002 -> 0.01", "train.seed: 42 -> 7", "data.synthetic_seed: 0 -> 3",
+                "train.global_batch_size: 16 -> 32", "train.lr_scheduler_type: 'cosine' -> 'linear'",
+                "model.num_hidden_layers: 2 -> 3", "train.resume_allow_changes=true"):
+        assert key in str(err.value), (key, str(err.value))
+    # What does not shape training may change freely.
+    result = rm_train.train(_cfg("train.resume=true", "train.logging_steps=2", "train.save_total_limit=1"), run_dir)
+    assert result["status"] == "ok"
+
+
+@pytest.mark.reliability("Faults", "resume with `train.resume_allow_changes=true` and a new learning rate",
+                         "each change logged, and applied: from the resumed step the schedule runs from the new rate")
+def test_resume_allow_changes_applies_a_new_learning_rate(six_step_run, tmp_path, caplog):
+    run_dir = _copy(six_step_run, tmp_path)
+    rm_train.train(_cfg("train.resume=true", "train.resume_allow_changes=true", "train.learning_rate=5e-4"), run_dir)
+    assert "train.learning_rate: 0.002 -> 0.0005" in caplog.text
+    logged = {r["step"]: r["lr"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if r.get("split", "train") == "train" and "lr" in r}
+    # Before the resume (from checkpoint-4) the old rate's schedule; after it, the new rate's.
+    assert logged[3] == pytest.approx(_cosine_lr(2e-3, 3), rel=1e-6)
+    assert logged[5] == pytest.approx(_cosine_lr(5e-4, 5), rel=1e-6)
+
+
+def _cosine_lr(base, step, warmup=1, total=6):
+    """The rate transformers' cosine schedule gives after ``step`` steps (1 warmup step: ceil(0.05 x 6))."""
+    from transformers import get_scheduler
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=base)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=warmup, num_training_steps=total)
+    for _ in range(step):
+        opt.step()
+        sched.step()
+    return sched.get_last_lr()[0]
+
+
+@pytest.mark.reliability("Faults", "a checkpoint past `train.max_steps` (resumed with a lower max_steps)",
+                         "`checkpoint-4 is at step 4, but this run ends at step 3`; exit 2")
+def test_a_checkpoint_past_max_steps_is_a_clear_error(six_step_run, tmp_path):
+    run_dir = _copy(six_step_run, tmp_path)
+    with pytest.raises(rm_train.ConfigError, match=r"checkpoint-4 is at step 4, but this run ends at step 3"):
+        rm_train.train(_cfg("train.resume=true", "train.resume_allow_changes=true", "train.max_steps=3"), run_dir)
+
+
+@pytest.mark.reliability("Faults", "the disk fills (or safetensors fails) while the final model is written",
+                         "`could not write the final model to .../final`; no final/ and no temporary directory left, so "
+                         "`train.resume=true` continues; exit 5")
+def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monkeypatch):
+    import rm.export
+    from safetensors import SafetensorError
+
+    real_save = rm.export.save_bundle
+
+    def save_until_the_disk_fills(model, tokenizer, directory, **kwargs):
+        model.config.save_pretrained(directory)  # what a full disk left behind: config.json only
+        raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+    monkeypatch.setattr(rm.export, "save_bundle", save_until_the_disk_fills)
+    with pytest.raises(rm_train.StorageError, match=r"could not write the final model to .*final: .*No space left") as err:
+        rm_train.train(tiny_cfg(*STEPS), tmp_path)
+    assert err.value.exit_code == 5
+    assert not (tmp_path / "final").exists() and not (tmp_path / ".tmp-final").exists()
+    monkeypatch.setattr(rm.export, "save_bundle", real_save)
+    assert rm_train.train(tiny_cfg(*STEPS, "train.resume=true"), tmp_path)["status"] == "ok"
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.reliability("Faults", "weights that are not finite when a checkpoint is due",
+                         "no checkpoint is written (never a 'good' one with NaN weights): `NonFiniteError`; exit 4")
+def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
+    class Engine:  # the part of rm.engine's interface that saving uses
+        device, is_main_process = torch.device("cpu"), True
+        model = torch.nn.Linear(2, 2)
+
+        def unwrapped_model(self):
+            return self.model
+
+        def reduce(self, tensor, reduction="sum"):
+            return tensor
+
+        def wait_for_everyone(self):
+            pass
+
+        def save_state(self, directory):
+            directory.mkdir(parents=True)
+            torch.save(self.model.state_dict(), directory / "model.bin")
+
+    engine = Engine()
+    ckpt.save_checkpoint(engine, tmp_path, 2, keep=3)
+    with torch.no_grad():
+        engine.model.weight[0, 0] = float("nan")
+    with pytest.raises(rm_train.NonFiniteError, match=r"weights at step 4 are not finite.*checkpoint-2, stays") as err:
+        ckpt.save_checkpoint(engine, tmp_path, 4, keep=3)
+    assert err.value.exit_code == 4
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+
+
+@pytest.mark.reliability("Faults", "a second run started in a run directory that a live run uses",
+                         "refused before anything is written: `is in use by another run (pid N on <host>, since ...)`; exit 3")
+@pytest.mark.reliability("Faults", "a lock left by a run that died (its pid is gone on this host)",
+                         "taken over with a warning; the new run goes on")
+def test_a_run_directory_is_locked(tiny_cfg, tmp_path, caplog):
+    import os
+    import socket
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        (tmp_path / ckpt.LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
+        with pytest.raises(rm_train.Refused, match=rf"is in use by another run \(pid {holder.pid} on ") as err:
+            rm_train.train(tiny_cfg(*STEPS), tmp_path)
+        assert err.value.exit_code == 3
+        assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LOCK_FILE]  # nothing of the refused run
+    finally:
+        holder.kill()
+        holder.wait()
+    with ckpt.RunLock(tmp_path):  # the holder is gone: its lock is stale
+        assert json.loads((tmp_path / ckpt.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert f"stale lock of {tmp_path}: process {holder.pid} is gone" in caplog.text
+    assert not (tmp_path / ckpt.LOCK_FILE).exists()  # released at the end
+
+
+@pytest.mark.slow
+@pytest.mark.reliability("Faults", "a real full disk (a 5 MB tmpfs) while a checkpoint is written",
+                         "`could not write checkpoint-2 ...`; exit 5, no traceback, no `.tmp-checkpoint-*` left")
+def test_a_real_full_disk_exits_5_and_leaves_no_temporary_directory(tmp_path):
+    import shutil
+
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs permission to mount a tmpfs")
+    try:
+        # A large enough model that one checkpoint (weights + AdamW states) does not fit in 5 MB.
+        proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, "model.hidden_size=256", "model.head_dim=64",
+                               "train.max_steps=4", "train.save_steps=2", "train.eval_steps=0", f"hydra.run.dir={mount / 'run'}",
+                               "hydra.output_subdir=null", "hydra/job_logging=disabled"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 5, out[-3000:]
+        assert "Traceback" not in out and "could not write checkpoint-2" in out, out[-3000:]
+        assert not list((mount / "run" / "checkpoints").glob(".tmp-*"))
+    finally:
+        subprocess.run(["umount", str(mount)])
+        shutil.rmtree(mount, ignore_errors=True)

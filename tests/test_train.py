@@ -110,6 +110,7 @@ def _signal_at(monkeypatch, step_to_stop, signum):
     monkeypatch.setattr(rm_train.MetricsLog, "write", write)
 
 
+@pytest.mark.reliability("Faults", "SIGTERM / SIGINT during training", "finishes the step, writes a checkpoint, exits 128+N; `train.resume=true` continues; final weights equal an uninterrupted run's bit for bit")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_cfg, tmp_path, monkeypatch, signum):
     overrides = ("train.max_steps=10", "train.save_steps=4", "train.eval_steps=0", "train.save_total_limit=2")

@@ -102,7 +102,8 @@ def audit_split(counts: Mapping[str, Any], chosen_lengths: Iterable[int], reject
         ``duplicates`` (pairs repeating an earlier pair's ids, dropped or kept),
         ``unk_rate`` (share of the unknown token among the tokenised sides' tokens),
         ``empty_sides`` (``{"chosen", "rejected"}``: rows whose side is empty; a row
-        with both empty counts in both), ``lengths`` (``{side: {"kept": stats,
+        with both empty counts in both), ``drop_reasons`` (each reason a malformed or
+        empty row was dropped for, with its ``count`` and ``first_row``), ``lengths`` (``{side: {"kept": stats,
         "before_truncation": stats}}`` with :data:`STATS`; "before truncation"
         covers every pair that was tokenised) and ``longer`` (share of kept pairs
         where ``chosen`` is longer, the sides ``tie`` or ``rejected`` is longer;
@@ -145,6 +146,7 @@ def audit_split(counts: Mapping[str, Any], chosen_lengths: Iterable[int], reject
         # Unknown tokens among all tokenised sides: a tokenizer that does not know the text (rm.health alarm).
         "unk_rate": counts["unk_tokens"] / counts["tokens"] if counts["tokens"] else 0.0,
         "empty_sides": {"chosen": counts["empty_chosen"], "rejected": counts["empty_rejected"]},
+        "drop_reasons": dict(counts.get("drop_reasons", {})),  # malformed/empty rows: {reason: {count, first_row}}
         "lengths": {
             side: {
                 "kept": length_stats(Counter(kept)),

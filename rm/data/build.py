@@ -10,9 +10,10 @@ import datasets
 
 from rm.config import DataConfig
 from rm.data.audit import audit_split, pair_lengths
-from rm.data.preference import format_counts, load_preference_split, normalise_pairs, tokenize_pairs
+from rm.data.preference import format_counts, load_preference_split, locate_row, normalise_pairs, tokenize_pairs
 from rm.data.synthetic import generate_pairs
 from rm.data.preference import _expand_files
+from rm.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +59,30 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
             pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
             identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates,
         )
-    except ValueError as err:
-        # The row index alone does not say which data or split it counts in.
-        raise ValueError(f"data {data_cfg.name} [{split}]: {err}") from err
+    except DataError as err:
+        # The row index alone does not say which data, split or file it counts in.
+        raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
     counts = {**norm_counts, **tok_counts}
     log.info("data %s [%s]: %s", data_cfg.name, split, format_counts(counts))
+    reasons = "".join(f"; {r['count']} x {why} (first: row {r['first_row']}{_where(data_cfg, split, r['first_row'])})"
+                      for why, r in sorted(counts["drop_reasons"].items(), key=lambda kv: -kv[1]["count"])[:3])
+    if reasons:
+        log.warning("data %s [%s]: rows dropped%s", data_cfg.name, split, reasons)
     if len(tokenised) == 0:
-        raise ValueError(f"data {data_cfg.name} [{split}]: no usable pairs left ({format_counts(counts)})")
+        raise DataError(f"data {data_cfg.name} [{split}]: no usable pairs left ({format_counts(counts)}{reasons})")
     return tokenised, counts
+
+
+def _where(data_cfg: DataConfig, split: str, row) -> str:
+    """`` in <file> row <n>`` for a row of several local files (the file and its own 0-based row), `` in <file(s)>``
+    for one file or without a row, ``""`` for other sources."""
+    if data_cfg.source != "local":
+        return ""
+    files = _expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")
+    if row is None or len(files) == 1:  # one file: the row of the split is its row
+        return f" in {', '.join(files)}"
+    file, row_in_file = locate_row(files, row)
+    return f" in {file} row {row_in_file}"
 
 
 def build_datasets(data_cfg: DataConfig, tokenizer):

@@ -97,6 +97,7 @@ from typing import Any
 import datasets
 
 from rm.data.audit import length_stats
+from rm.errors import ConfigError, DataError, DataFileNotFound
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ _BATCH_SIZE = 1000
 
 def _check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
-        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+        raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
 # --------------------------------------------------------------------------- #
@@ -146,7 +147,7 @@ def _expand_files(files: Iterable[str], key: str) -> list[str]:
         resolved.extend(matches)
     if missing:
         shown = ", ".join(repr(m) for m in missing)
-        raise FileNotFoundError(
+        raise DataFileNotFound(
             f"{key}: no file matches {shown} (relative paths are resolved against {os.getcwd()!r})"
         )
     # A glob and an explicit path may name the same file; loading it twice would
@@ -159,14 +160,14 @@ def _builder_for(paths: Sequence[str], key: str) -> str:
     for p in paths:
         ext = os.path.splitext(p)[1].lower()
         if ext not in _EXTENSION_BUILDERS:
-            raise ValueError(
+            raise DataError(
                 f"{key}: unsupported file extension {ext or '(none)'!r} for {p!r}; "
                 f"accepted: {sorted(_EXTENSION_BUILDERS)}"
             )
         builders.setdefault(_EXTENSION_BUILDERS[ext], []).append(p)
     if len(builders) > 1:
         detail = "; ".join(f"{b}: {ps}" for b, ps in sorted(builders.items()))
-        raise ValueError(
+        raise DataError(
             f"{key}: files of one split must all be json/jsonl or all parquet, got a mix ({detail})"
         )
     return next(iter(builders))
@@ -209,11 +210,11 @@ def load_preference_split(
     """
     _check_choice("source", source, SOURCES)
     if max_samples is not None and (isinstance(max_samples, bool) or int(max_samples) < 1):
-        raise ValueError(f"max_samples must be a positive integer or None, got {max_samples!r}")
+        raise DataError(f"max_samples must be a positive integer or None, got {max_samples!r}")
 
     if source == "hub":
         if not path:
-            raise ValueError("source='hub' needs a dataset path, e.g. 'Anthropic/hh-rlhf'")
+            raise DataError("source='hub' needs a dataset path, e.g. 'Anthropic/hh-rlhf'")
         if isinstance(subsets, str):
             subsets = [subsets]
         if subsets:
@@ -227,22 +228,57 @@ def load_preference_split(
             files = [files]
         files = list(files or ())
         if not files:
-            raise ValueError(f"{key}: source='local' needs at least one file for split {split!r}")
+            raise DataError(f"{key}: source='local' needs at least one file for split {split!r}")
         resolved = _expand_files(files, key)
         builder = _builder_for(resolved, key)
-        if builder == "json":
-            for file in resolved:
+        for file in resolved:
+            _check_content(file, key, builder)
+            if builder == "json":
                 _check_utf8(file, key)
         # Local files always land in the builder's single "train" split, whatever
         # split they stand for.
         try:
             ds = datasets.load_dataset(builder, data_files=resolved, split="train")
         except datasets.exceptions.DatasetGenerationError as err:
-            raise ValueError(_unreadable(resolved, key, builder, err)) from err
+            raise DataError(_unreadable(resolved, key, builder, err)) from err
 
     if max_samples is not None and len(ds) > max_samples:
         ds = ds.select(range(int(max_samples)))
     return ds
+
+
+def _check_content(file: str, key: str, builder: str) -> None:
+    """An empty or whitespace-only file, or a ``.parquet`` that is not Parquet, named before ``datasets``
+    reads it (it would end in a bare ``StopIteration`` or an Arrow error that names no file)."""
+    with open(file, "rb") as f:
+        if builder == "parquet":
+            head = f.read(4)
+            f.seek(max(0, os.path.getsize(file) - 4))
+            if head != b"PAR1" or f.read(4) != b"PAR1":
+                raise DataError(
+                    f"{key}: {file} is not a Parquet file (no PAR1 magic bytes at its start and end): "
+                    "convert it, or give a .jsonl / .json file its own extension"
+                )
+            return
+        for chunk in iter(lambda: f.read(1 << 16), b""):
+            if chunk.strip():
+                return
+    what = "empty (0 bytes)" if os.path.getsize(file) == 0 else "whitespace only"
+    raise DataError(f"{key}: {file} is {what}: it holds no rows. Remove it from {key} or fill it")
+
+
+def locate_row(files: Sequence[str], row: int) -> tuple[str, int]:
+    """The file and 0-based row within it of row ``row`` of the split read from ``files`` in order.
+
+    Reads each file again (from the ``datasets`` cache), so it is for error messages only.
+    """
+    builder = _EXTENSION_BUILDERS[os.path.splitext(files[0])[1].lower()]
+    for file in files:
+        n = len(datasets.load_dataset(builder, data_files=[file], split="train"))
+        if row < n:
+            return file, row
+        row -= n
+    return files[-1], row
 
 
 def _check_utf8(file: str, key: str) -> None:
@@ -260,7 +296,7 @@ def _check_utf8(file: str, key: str) -> None:
             except UnicodeDecodeError as err:
                 at = offset + err.start
                 line += chunk[: err.start].count(b"\n")
-                raise ValueError(
+                raise DataError(
                     f"{key}: {file} line {line} (byte {at}) is not UTF-8 ({err.reason}); "
                     "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
                 ) from None
@@ -269,7 +305,7 @@ def _check_utf8(file: str, key: str) -> None:
     try:
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as err:
-        raise ValueError(f"{key}: {file} ends inside a UTF-8 character ({err.reason}): the file is cut short") from None
+        raise DataError(f"{key}: {file} ends inside a UTF-8 character ({err.reason}): the file is cut short") from None
 
 
 def _unreadable(files: Sequence[str], key: str, builder: str, err: Exception) -> str:
@@ -335,6 +371,12 @@ def detect_format(ds: datasets.Dataset) -> str:
     feats = ds.features
     kinds = {name: _feature_kind(f) for name, f in feats.items()}
     chosen, rejected, prompt = kinds.get("chosen"), kinds.get("rejected"), kinds.get("prompt")
+    # A column whose rows hold different types (datasets reads it as Json), or a prompt some rows
+    # lack, hides the layout of each row from the schema: look at the rows.
+    mixed_types = "Json" in (chosen, rejected, prompt)
+    partial_prompt = prompt == "string" and 0 < ds.data.column("prompt").null_count < len(ds)
+    if mixed_types or partial_prompt:
+        return _detect_by_rows(ds, kinds)
     if chosen == rejected == "string":
         if prompt is None:
             return "hh"
@@ -343,11 +385,51 @@ def detect_format(ds: datasets.Dataset) -> str:
     elif chosen == rejected == "list" and prompt in (None, "list"):
         return "messages"
     found = ", ".join(f"{n} ({k})" for n, k in kinds.items()) or "(none)"
-    raise ValueError(
+    raise DataError(
         f"cannot detect the preference format: columns found: {found}; "
         f"accepted formats: {_FORMAT_HELP}. Set the format explicitly or rename the columns."
     )
 
+
+def _row_layout(row: dict, prompts: bool) -> str | None:
+    """The layout one row follows, or None when it follows none (a malformed row).
+
+    Where other rows have a prompt (``prompts``), a row without one is an HH row only if it holds a
+    transcript (``Human:``); otherwise it is a prompt row that lacks its prompt, dropped as malformed.
+    """
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if isinstance(prompt, str):
+            return "prompt"
+        return "hh" if prompt is None and (not prompts or "Human:" in chosen) else None
+    if isinstance(chosen, list) and isinstance(rejected, list) and (prompt is None or isinstance(prompt, list)):
+        return "messages"
+    return None
+
+
+def _detect_by_rows(ds: datasets.Dataset, kinds: dict) -> str:
+    """The one layout the rows follow; rows that follow none are left for :func:`normalise_pairs` to
+    report (malformed). Several layouts in one split are an error that names them."""
+    present = [c for c in ("prompt", "chosen", "rejected") if c in ds.column_names]
+    layouts: Counter = Counter()
+    first: dict[str, int] = {}
+    for i, row in enumerate(ds.select_columns(present)):
+        layout = _row_layout(row, "prompt" in present) or "none"
+        layouts[layout] += 1
+        first.setdefault(layout, i)
+    found = [k for k in layouts if k != "none"]
+    if len(found) == 1:
+        return found[0]
+    described = ", ".join(
+        f"{layouts[k]} row(s) {k if k != 'none' else 'of no format'} (first: row {first[k]})" for k in sorted(layouts)
+    )
+    if not found:
+        columns = ", ".join(f"{n} ({k})" for n, k in kinds.items())
+        raise DataError(f"cannot detect the preference format: no row follows one ({described}); columns: {columns}; "
+                        f"accepted formats: {_FORMAT_HELP}", row=first["none"])
+    raise DataError(
+        f"the rows mix preference formats: {described}. One split must use one format: "
+        "convert the rows to one format, or split them into separate datasets", row=min(first[k] for k in found[1:]))
 
 def _required_columns(fmt: str) -> tuple[str, ...]:
     return ("prompt", "chosen", "rejected") if fmt == "prompt" else ("chosen", "rejected")
@@ -500,7 +582,10 @@ def normalise_pairs(
         the texts are equal; 0 with ``identical="keep"``) and ``kept`` (= rows
         minus the other three), and ``empty_chosen`` / ``empty_rejected``: rows
         whose chosen / rejected side is empty (a row with both empty counts in
-        both; the row is counted once in ``empty``).
+        both; the row is counted once in ``empty``). ``drop_reasons`` maps each
+        distinct reason a malformed or empty row was dropped for
+        (``"malformed: 'chosen' is int, expected a string"``) to its ``count``
+        and ``first_row``.
 
     Raises:
         ValueError: Unknown ``fmt``/``on_malformed``; undetectable layout; a
@@ -519,13 +604,13 @@ def normalise_pairs(
     columns = list(ds.column_names)
     missing = [c for c in _required_columns(fmt) if c not in columns]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"format {fmt!r} needs column(s) {missing}, but the data has {columns}; accepted formats: {_FORMAT_HELP}"
         )
     if margin_column is not None and margin_column not in columns:
-        raise ValueError(f"margin_column {margin_column!r} is not a column of the data (columns: {columns})")
+        raise DataError(f"margin_column {margin_column!r} is not a column of the data (columns: {columns})")
     if fmt == "messages" and getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
+        raise DataError(
             "format 'messages' renders conversations with tokenizer.apply_chat_template, "
             "but the tokenizer has no chat_template"
         )
@@ -533,6 +618,7 @@ def normalise_pairs(
         logger.warning("format 'hh' ignores the 'prompt' column; use format 'prompt' if chosen/rejected lack it")
 
     counts = {"rows": len(ds), "malformed": 0, "empty": 0, "identical": 0, "kept": 0, "empty_chosen": 0, "empty_rejected": 0}
+    reasons: dict[str, dict] = {}  # "kind: why" -> {"count", "first_row"}: every drop has its reason in data_audit.json
     read = [c for c in ("prompt", "chosen", "rejected") if c in columns and (c != "prompt" or fmt != "hh")]
     if margin_column is not None and margin_column not in read:
         read.append(margin_column)
@@ -546,8 +632,10 @@ def normalise_pairs(
                 margin = 0.0 if margin_column is None else _check_margin(margin_column, row[margin_column])
             except _RowProblem as problem:
                 if on_malformed == "error":
-                    raise ValueError(f"row {idx}: {problem} (format {fmt!r})") from None
+                    raise DataError(f"row {idx}: {problem} (format {fmt!r})", row=idx) from None
                 counts[problem.kind] += 1
+                reason = reasons.setdefault(f"{problem.kind}: {problem}", {"count": 0, "first_row": idx})
+                reason["count"] += 1
                 if problem.kind == "empty":
                     for side in _empty_sides(row, fmt):
                         counts[f"empty_{side}"] += 1
@@ -578,6 +666,7 @@ def normalise_pairs(
     )
     # Other columns (including ones read above) are gone; make the order fixed.
     result = result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else []))
+    counts["drop_reasons"] = reasons
     return result, counts
 
 
@@ -702,13 +791,13 @@ def tokenize_pairs(
     _check_choice("duplicates", duplicates, DUPLICATES)
     missing = [c for c in ("chosen", "rejected", "margin") if c not in ds.column_names]
     if missing:
-        raise ValueError(
+        raise DataError(
             f"tokenize_pairs needs the columns of normalise_pairs (chosen, rejected, margin); "
             f"missing {missing} in {ds.column_names}"
         )
     lead = _leading_special_ids(tokenizer)
     if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length <= len(lead):
-        raise ValueError(
+        raise DataError(
             f"max_length must be an integer greater than the {len(lead)} special token(s) the "
             f"tokenizer prepends, got {max_length!r}"
         )
@@ -752,8 +841,8 @@ def tokenize_pairs(
             if long_sides:
                 if truncation == "error":
                     side = long_sides[0]
-                    raise ValueError(
-                        f"row {row}: '{side}' is {len(pair[side])} tokens (special tokens included), more than "
+                    raise DataError(
+                        row=row, message=f"row {row}: '{side}' is {len(pair[side])} tokens (special tokens included), more than "
                         f"max_length={max_length}; truncation='error' stops at over-length pairs "
                         "('truncate' cuts the start of the prompt, 'drop' skips the pair)"
                     )
@@ -765,8 +854,8 @@ def tokenize_pairs(
                 bad = [s for s, ids in pair.items() if pad in ids]
                 if bad:
                     if on_malformed == "error":
-                        raise ValueError(
-                            f"row {row}: '{bad[0]}' contains the pad token id {pad} "
+                        raise DataError(
+                            row=row, message=f"row {row}: '{bad[0]}' contains the pad token id {pad} "
                             f"({getattr(tokenizer, 'pad_token', None)!r}) in its text; the reward "
                             "model would read the reward at the wrong token"
                         )

@@ -1,0 +1,172 @@
+"""rm's error types and the one error boundary of its entry points.
+
+Every failure a user can cause or meet (a bad key, a bad row, a full disk, a run that will
+not fit) is raised as a subclass of :class:`RmError` whose message names the key, file, row
+or path and the fix. The entry points (``rm.train``, ``rm.estimate``, ``rm.score``,
+``rm.export``, ``rm.gpu_report``) end through :func:`report`, which prints that message
+without a traceback and returns the documented exit code:
+
+==== =====================================================================
+code meaning
+==== =====================================================================
+0    done
+1    a bug in rm (the traceback is printed, with a line asking to report it),
+     or a Hydra composition error (unknown option, wrong type)
+2    invalid configuration or data (:class:`ConfigError`, :class:`DataError`)
+3    refused: the run will not fit, or another run holds the directory (:class:`Refused`)
+4    stopped by a non-finite loss, gradient or weight (:class:`NonFiniteError`)
+5    storage: a file could not be written or read back intact (:class:`StorageError`,
+     and any ``OSError`` or safetensors error that reaches the boundary)
+==== =====================================================================
+
+``RM_DEBUG=1`` adds the traceback to every message.
+
+Hydra catches exceptions raised in a task function and prints them with a traceback and
+exit status 1, so the boundary must sit inside the task function (:func:`boundary`);
+``SystemExit`` passes through Hydra untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from contextlib import contextmanager
+from typing import Optional
+
+BUG_LINE = (
+    "this is a bug in rm, not a problem with your settings or data: please report it with the "
+    "command line and the traceback above"
+)
+
+
+class RmError(Exception):
+    """An expected failure; ``str(err)`` is the whole message for the user."""
+
+    exit_code = 2
+
+
+class ConfigError(RmError, ValueError):
+    """Settings that cannot work together; the message names every offending key."""
+
+
+class DataError(RmError, ValueError):
+    """Data that cannot be used; the message names the file or split, the row and the reason.
+
+    ``row`` is the 0-based row in the split as read (files concatenated in order), when one row is
+    at fault; ``rm.data.build`` turns it into a file and a row of that file.
+    """
+
+    def __init__(self, message: str, row: Optional[int] = None):
+        super().__init__(message)
+        self.row = row
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A data path or glob matches no file; the message names the pattern and its config key."""
+
+
+class Refused(RmError):
+    """A valid request that rm declines: the run will not fit, or another run holds the directory."""
+
+    exit_code = 3
+
+
+class NonFiniteError(RmError):
+    """A non-finite loss, gradient or weight stopped the run."""
+
+    exit_code = 4
+
+
+class StorageError(RmError, OSError):
+    """A file could not be written or read back intact; the message names the path."""
+
+    exit_code = 5
+
+
+def _storage_types():
+    types = [OSError]
+    try:  # safetensors raises its own type (not an OSError) for a full disk or a damaged file
+        from safetensors import SafetensorError
+
+        types.append(SafetensorError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+# torch.save reports a failed write (a full disk) as a RuntimeError from its zip writer, not an OSError;
+# seen on a 5 MB tmpfs: "basic_ios::clear: iostream error", then "[enforce fail at inline_container.cc:...]
+# unexpected pos ...".
+_TORCH_WRITE_FAILURES = ("iostream error", "inline_container.cc", "PytorchStreamWriter failed", "file write failed")
+
+
+def is_storage_failure(err: BaseException) -> bool:
+    """``err``, or the exception it was raised while handling, is a failed read or write of a file."""
+    for e in (err, err.__context__, err.__cause__):
+        if isinstance(e, _storage_types()):
+            return True
+        if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _TORCH_WRITE_FAILURES):
+            return True
+    return False
+
+
+def exit_code(err: BaseException) -> int:
+    """The documented exit status for ``err`` (1: unexpected, a bug)."""
+    if isinstance(err, RmError):
+        return err.exit_code
+    if is_storage_failure(err):
+        return StorageError.exit_code
+    return 1
+
+
+def message(err: BaseException) -> str:
+    """What the user reads for ``err``: our own message, or a storage error with its path."""
+    if isinstance(err, RmError) or exit_code(err) == 1:
+        return str(err)
+    path = getattr(err, "filename", None)
+    what = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    where = f" ({path})" if path else ""
+    return f"storage error{where}: {what} [{type(err).__name__}]. Check free space and permissions, then run again"
+
+
+def debug() -> bool:
+    return os.environ.get("RM_DEBUG", "").strip() not in ("", "0", "false", "no")
+
+
+def report(err: BaseException, log: Optional[logging.Logger] = None) -> int:
+    """Print ``err`` for the user and return its exit code.
+
+    Expected errors print ``error: <message>`` only (with the traceback under ``RM_DEBUG=1``);
+    anything else prints its traceback and :data:`BUG_LINE`. The message goes to ``log`` when
+    logging is set up (under Hydra it then also lands in the run's log file), else to stderr.
+    """
+    code = exit_code(err)
+    text = message(err)
+    if code == 1 or debug():
+        trace = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
+        text = f"{trace}\n{BUG_LINE}" if code == 1 else f"{trace}\nerror: {text}"
+    else:
+        text = f"error: {text}"
+    if log is not None and logging.getLogger().handlers:
+        log.error("%s", text)
+    else:
+        print(text, file=sys.stderr)
+    return code
+
+
+@contextmanager
+def boundary(log: Optional[logging.Logger] = None):
+    """Turn any exception in the block into its message and exit code (``sys.exit``).
+
+    Use it inside a Hydra task function, where Hydra would otherwise print the traceback and
+    exit 1, and around the body of an argparse ``main``.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as err:  # noqa: BLE001  (the boundary: every exception ends here, with its code)
+        sys.exit(report(err, log))

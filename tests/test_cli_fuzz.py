@@ -1,0 +1,130 @@
+"""``python -m rm.train`` as a user drives it, over random overrides and random small data files: it trains
+(exit 0), rejects the input (2) or refuses (3), never with a traceback, and never changes the files of an
+earlier run in its directory unless it was asked to replace them (``train.overwrite=true``).
+
+Each example is a real process (about 15 s of imports and a 2-step run), so the default suite runs a few;
+``-m slow`` runs many more.
+"""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from rm.data.synthetic import generate_pairs  # noqa: E402
+from tests.conftest import CONF_DIR, FAST_TINY  # noqa: E402
+
+ROOT = CONF_DIR.parent
+PAIRS = generate_pairs(64, seed=1, split="train")
+
+# Each key with values that work and values that must be rejected.
+OVERRIDES = {
+    "train.adam_beta1": ["0.9", "1.5"],
+    "train.seed": ["1", "-1"],
+    "train.micro_batch_size": ["4", "8", "0", "3"],
+    "train.global_batch_size": ["16", "20", "-4"],
+    "train.learning_rate": ["1e-3", "0", "nan"],
+    "train.weight_decay": ["0.01", "-0.1"],
+    "train.max_grad_norm": ["0", "-1"],
+    "data.max_length": ["64", "1", "100000"],
+    "data.truncation": ["truncate", "drop", "error"],
+    "data.on_malformed": ["skip", "error"],
+    "data.format": ["auto", "hh", "prompt", "messages"],
+    "memory_profile": ["full", "lora", "qlora"],
+    "lora.r": ["8", "0"],
+    "lora.dropout": ["0.1", "1.5"],
+    "hardware.device_memory_gib": ["16", "0.001", "-5"],
+    "model.num_key_value_heads": ["2", "3"],
+    "train.resume": ["true", "false"],
+    "train.overwrite": ["true", "false"],
+}
+
+ROW = st.one_of(
+    st.sampled_from(PAIRS),
+    st.fixed_dictionaries({"chosen": st.one_of(st.integers(), st.none(), st.just(""), st.text(max_size=20)),
+                           "rejected": st.sampled_from([p["rejected"] for p in PAIRS[:4]])}),
+    st.builds(lambda p: {"prompt": "\n\nHuman: hi", "chosen": p["chosen"], "rejected": p["rejected"]}, st.sampled_from(PAIRS)),
+    st.just({"chosen": [{"role": "user", "content": "hi"}], "rejected": [{"role": "user", "content": "ho"}]}),
+)
+DATA = st.one_of(st.none(), st.just([]), st.lists(ROW, min_size=1, max_size=40))  # None: the synthetic data
+EARLIER = st.sampled_from(["none", "finished", "locked"])
+
+
+def _snapshot(run_dir):
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def _earlier_run(run_dir, kind):
+    """A directory as an earlier run left it: a finished model, or one still in use (a live pid holds the lock)."""
+    run_dir.mkdir(parents=True)
+    if kind == "none":
+        return
+    (run_dir / "final").mkdir()
+    (run_dir / "final" / "model.safetensors").write_bytes(b"weights of the earlier run")
+    (run_dir / "metrics.jsonl").write_text('{"split": "train", "step": 2, "loss": 0.6}\n')
+    (run_dir / "train.log").write_text("the earlier run's log\n")
+    if kind == "locked":
+        (run_dir / ".lock").write_text(json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "since": "now"}))
+
+
+def check_one_run(tmp_dir, overrides, rows, earlier):
+    run_dir = tmp_dir / "run"
+    _earlier_run(run_dir, earlier)
+    before = _snapshot(run_dir)
+    data = []
+    if rows is not None:
+        path = tmp_dir / "pairs.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = ["data=local", f"data.train_files=[{path}]"]
+    args = [*FAST_TINY, "train.max_steps=2", "train.eval_steps=0", "train.save_steps=0", *data,
+            *[f"{k}={v}" for k, v in overrides.items()], f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run([sys.executable, "-m", "rm.train", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "RM_DEBUG": ""})
+    out = proc.stdout + proc.stderr
+    context = f"{' '.join(args)}\n{out[-3000:]}"
+    assert proc.returncode in (0, 2, 3), context
+    assert "Traceback" not in out, context
+    if earlier == "none":
+        return
+    after = _snapshot(run_dir)
+    replaced = proc.returncode == 0 and overrides.get("train.overwrite") == "true" and earlier == "finished"
+    for name, digest in before.items():
+        if name == "train.log":  # Hydra appends this run's log; the earlier lines stay as they were
+            assert (run_dir / name).read_text().startswith("the earlier run's log\n"), context
+        elif not replaced:
+            assert after.get(name) == digest, f"{name} changed\n{context}"
+    if earlier == "locked":
+        assert proc.returncode == 3 and f"pid {os.getpid()}" in out, context
+
+
+def _fuzz(examples):
+    @settings(max_examples=examples, deadline=None, derandomize=examples < 10,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(overrides=st.dictionaries(st.sampled_from(sorted(OVERRIDES)), st.just(None), max_size=4).flatmap(
+               lambda keys: st.fixed_dictionaries({k: st.sampled_from(OVERRIDES[k]) for k in keys})),
+           rows=DATA, earlier=EARLIER)
+    def run(tmp_path_factory, overrides, rows, earlier):
+        check_one_run(tmp_path_factory.mktemp("fuzz"), overrides, rows, earlier)
+
+    return run
+
+
+@pytest.mark.reliability("Entry points", "random overrides (valid and invalid values of 18 keys) and random small data files, "
+                         "in a fresh run directory, over a finished run or a locked one (property-based, real processes)",
+                         "exit 0, 2 or 3; never a `Traceback`; an earlier run's files unchanged unless `train.overwrite=true` "
+                         "replaced it (Hydra's own `.hydra/` record is rewritten and `train.log` appended to)")
+def test_cli_over_random_overrides_and_data(tmp_path_factory):
+    _fuzz(3)(tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_cli_over_random_overrides_and_data_many(tmp_path_factory):
+    _fuzz(30)(tmp_path_factory)

@@ -1,0 +1,97 @@
+"""Data errors name the file, the row and the reason; drops are counted by reason (rm.data)."""
+
+import json
+
+import pytest
+
+from rm.data.build import build_split
+from rm.errors import DataError
+from rm.estimate import compose
+from rm.data.synthetic import generate_pairs
+from rm.model import build_tokenizer
+
+
+def _split(path, *extra):
+    cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{path}]", *extra])
+    return build_split(cfg.data, build_tokenizer(cfg.model), "train")
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# Words of the builtin (word-level) tokenizer, so that different texts stay different ids.
+PAIRS = generate_pairs(8, seed=0, split="train")
+GOOD = PAIRS[0]
+
+
+@pytest.mark.reliability("Data", "a `.parquet` file that is really CSV", "`<file> is not a Parquet file (no PAR1 magic bytes ...)`")
+def test_a_parquet_file_that_is_not_parquet_is_named(tmp_path):
+    path = tmp_path / "pairs.parquet"
+    path.write_text("chosen,rejected\na,b\n")
+    with pytest.raises(DataError, match=rf"{path} is not a Parquet file"):
+        _split(path)
+
+
+@pytest.mark.reliability("Data", "empty (0 bytes) and whitespace-only files", "`<file> is empty (0 bytes)` / `<file> is whitespace only`, each its own message")
+def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "blank.jsonl").write_text(" \n\t\n")
+    with pytest.raises(DataError, match=r"empty.jsonl is empty \(0 bytes\)"):
+        _split(tmp_path / "empty.jsonl")
+    with pytest.raises(DataError, match=r"blank.jsonl is whitespace only"):
+        _split(tmp_path / "blank.jsonl")
+
+
+@pytest.mark.reliability("Data", "one non-string cell in a file (the column's type is then mixed)",
+                         "format still detected from the other rows; that row is dropped and counted with its reason "
+                         "(`malformed: 'chosen' is int, expected a string`, first row), or with `data.on_malformed=error` "
+                         "`in <file>: row 3: 'chosen' is int`")
+def test_one_non_string_cell_names_its_row_and_file(tmp_path):
+    path = _jsonl(tmp_path / "b.jsonl", PAIRS[2:5] + [dict(PAIRS[5], chosen=7), PAIRS[6]])
+    ds, counts = _split(path)
+    assert len(ds) == 4 and counts["malformed"] == 1
+    assert counts["drop_reasons"] == {"malformed: 'chosen' is int, expected a string": {"count": 1, "first_row": 3}}
+    with pytest.raises(DataError, match=rf"in {path}: row 3: 'chosen' is int, expected a string"):
+        _split(path, "data.on_malformed=error")
+
+
+@pytest.mark.reliability("Data", "a bad row in the second of several files (`data.on_malformed=error`)",
+                         "`in <second file> row <its row>: row <row in the split>: 'chosen' is empty`")
+def test_a_bad_row_is_located_in_its_own_file(tmp_path):
+    first = _jsonl(tmp_path / "a.jsonl", PAIRS[:2])
+    second = _jsonl(tmp_path / "b.jsonl", PAIRS[2:4] + [dict(PAIRS[4], chosen=""), PAIRS[5]])
+    with pytest.raises(DataError, match=rf"in {second} row 2: row 4: 'chosen' is empty"):
+        _split(f"{first},{second}", "data.on_malformed=error")
+
+
+@pytest.mark.reliability("Data", "a file mixing formats (hh, prompt, messages rows)",
+                         "`the rows mix preference formats: 1 row(s) hh (first: row 0), 2 row(s) prompt (first: row 1) ...`, naming the file")
+def test_mixed_formats_in_one_file_are_reported_as_such(tmp_path):
+    rows = [GOOD, {"prompt": "\n\nHuman: hi", "chosen": " yes", "rejected": " no"},
+            {"prompt": "\n\nHuman: ho", "chosen": " yes", "rejected": " no"},
+            {"chosen": [{"role": "user", "content": "hi"}], "rejected": [{"role": "user", "content": "ho"}]}]
+    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+    with pytest.raises(DataError) as err:
+        _split(path)
+    message = str(err.value)
+    assert "the rows mix preference formats" in message and str(path) in message
+    assert "1 row(s) hh (first: row 0)" in message and "2 row(s) prompt (first: row 1)" in message
+    assert "1 row(s) messages (first: row 3)" in message
+
+
+@pytest.mark.reliability("Data", "rows dropped as malformed or empty", "counted by reason, with the first row of each, in "
+                         "`data_audit.json` (`drop_reasons`) and the log")
+def test_drop_reasons_reach_the_audit(tmp_path):
+    from rm.data.audit import audit_split, pair_lengths
+
+    rows = [PAIRS[0], dict(PAIRS[1], chosen="  "), dict(PAIRS[2], rejected=""), dict(PAIRS[3], chosen=3), PAIRS[4]]
+    ds, counts = _split(_jsonl(tmp_path / "p.jsonl", rows))
+    audit = audit_split(counts, *pair_lengths(ds))
+    assert audit["drop_reasons"] == {
+        "empty: 'chosen' is whitespace only": {"count": 1, "first_row": 1},
+        "empty: 'rejected' is empty": {"count": 1, "first_row": 2},
+        "malformed: 'chosen' is int, expected a string": {"count": 1, "first_row": 3},
+    }
+    assert audit["dropped"]["malformed"] == 1 and audit["dropped"]["empty"] == 2 and audit["pairs_out"] == 2

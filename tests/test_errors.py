@@ -1,0 +1,164 @@
+"""The error boundary of the entry points (rm.errors): one message naming what is wrong, the documented exit
+code, no traceback unless RM_DEBUG=1, and a traceback with a bug line for anything unexpected."""
+
+import errno
+import json
+import subprocess
+import sys
+
+import pytest
+
+from rm.errors import BUG_LINE, ConfigError, DataError, NonFiniteError, Refused, StorageError, boundary, report
+from tests.conftest import CONF_DIR, FAST_TINY
+
+ROOT = CONF_DIR.parent
+
+
+def _raise(err):
+    raise err
+
+
+@pytest.mark.reliability("Entry points", "any expected failure (config, data, refusal, non-finite, storage)",
+                         "`error: <message>` only; exit 2, 2, 3, 4, 5")
+@pytest.mark.reliability("Entry points", "an `OSError`, a safetensors error or torch.save's failed write from anywhere (disk full, permissions)",
+                         "`error: storage error (<path>): <reason>`; exit 5")
+def test_expected_errors_print_one_message_and_their_exit_code(capsys, monkeypatch):
+    from safetensors import SafetensorError
+
+    monkeypatch.delenv("RM_DEBUG", raising=False)
+    cases = [
+        (ConfigError("train.seed=-1 must be in [0, 4294967295]"), 2),
+        (DataError("data.train_files: a.jsonl is empty"), 2),
+        (Refused("run dir is in use by another run (pid 7)"), 3),
+        (NonFiniteError("loss is nan at step 3"), 4),
+        (StorageError("could not write checkpoint-4"), 5),
+        (OSError(errno.ENOSPC, "No space left on device", "/run/final/model.safetensors"), 5),
+        (SafetensorError("Error while serializing: IoError(No space left on device)"), 5),
+        # What torch.save raised on a real full disk (a 5 MB tmpfs): a RuntimeError from its zip writer.
+        (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1316672 vs 1316560"), 5),
+    ]
+    for err, code in cases:
+        with pytest.raises(SystemExit) as exited, boundary():
+            _raise(err)
+        assert exited.value.code == code, err
+        out = capsys.readouterr().err
+        assert out.startswith("error: ") and "Traceback" not in out, out
+    assert "storage error (/run/final/model.safetensors): No space left on device" in _last_message(capsys, cases[5][0])
+
+
+def _last_message(capsys, err):
+    report(err)
+    return capsys.readouterr().err
+
+
+@pytest.mark.reliability("Entry points", "an unexpected exception (a bug)",
+                         "its traceback, then a line saying it is a bug to report; exit 1")
+@pytest.mark.reliability("Entry points", "`RM_DEBUG=1`", "expected errors also print their traceback")
+def test_a_bug_keeps_its_traceback_and_rm_debug_shows_every_traceback(capsys, monkeypatch):
+    monkeypatch.delenv("RM_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exited, boundary():
+        _raise(ZeroDivisionError("division by zero"))
+    out = capsys.readouterr().err
+    assert exited.value.code == 1 and "Traceback" in out and "ZeroDivisionError" in out and BUG_LINE in out
+    monkeypatch.setenv("RM_DEBUG", "1")
+    with pytest.raises(SystemExit) as exited, boundary():
+        _raise(ConfigError("train.seed=-1"))
+    out = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" in out and "error: train.seed=-1" in out and BUG_LINE not in out
+
+
+def _run(module, *args, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.reliability("Data", "missing file or glob matching nothing",
+                         "`data.train_files: no file matches '<pattern>'`; exit 2")
+@pytest.mark.reliability("Data", "a file where every row is dropped (zero usable pairs)",
+                         "`no usable pairs left (pairs 2 -> 0 used: ...; 1 x malformed: 'chosen' is int, expected a string (first: row 0 in <file>); 1 x empty: ...)`; exit 2")
+@pytest.mark.reliability("Data", "an empty or whitespace-only file", "`<file> is empty (0 bytes)` / `is whitespace only`; exit 2")
+@pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace"])
+def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
+    if case == "missing":
+        files, needles = [str(tmp_path / "nope" / "*.jsonl")], ["data.train_files: no file matches", "nope"]
+    elif case == "all_dropped":
+        path = _write(tmp_path / "bad.jsonl", [{"chosen": 1, "rejected": "a"}, {"chosen": " ", "rejected": "b"}])
+        files, needles = [str(path)], ["no usable pairs left", "'chosen' is int", f"(first: row 0 in {path})"]
+    else:
+        path = tmp_path / "blank.jsonl"
+        path.write_text("  \n\n")
+        files, needles = [str(path)], [f"{path} is whitespace only"]
+    code, out = _run("rm.train", *FAST_TINY, "data=local", f"data.train_files=[{','.join(files)}]",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2, out[-3000:]
+    assert "Traceback" not in out
+    for needle in needles:
+        assert needle in out, (needle, out[-3000:])
+
+
+@pytest.mark.reliability("Entry points", "`rm.estimate` with an invalid key (`train.adam_beta1=1.5`)",
+                         "`train.adam_beta1=1.5 must be in [0, 1)`; exit 2")
+def test_estimate_cli_config_error_exits_2(tmp_path):
+    code, out = _run("rm.estimate", "experiment=tiny", "train.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
+    assert code == 2 and "train.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.reliability("Entry points", "`rm.export` of a directory that holds no bundle", "names the path and what is missing; exit 2")
+def test_export_cli_without_a_bundle_exits_2(tmp_path):
+    code, out = _run("rm.export", str(tmp_path))
+    assert code == 2 and str(tmp_path) in out and "reward_probe.json" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A saved tiny reward model (random weights): enough for rm.score's input handling."""
+    from rm.estimate import compose
+    from rm.model import build_model, build_tokenizer
+
+    cfg = compose(["experiment=tiny"])
+    tokenizer = build_tokenizer(cfg.model)
+    directory = tmp_path_factory.mktemp("model")
+    build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.reliability("Entry points", "`rm.score`: missing model directory, a directory with no model, a run directory, "
+                         "`--max-length 0`, an empty input file, input with no usable pair",
+                         "one message naming the argument or file (`--model <path>: no such directory`, "
+                         "`holds no model`, `give its final/`, `--max-length: 0 must be >= 1`, `is empty`, `no usable pairs`); exit 2")
+@pytest.mark.parametrize("case", ["no_dir", "no_model", "run_dir", "max_length", "empty_input", "no_pairs"])
+def test_score_cli_bad_input_exits_2_naming_it(tmp_path, tiny_model_dir, case, capsys):
+    good = _write(tmp_path / "pairs.jsonl", [{"chosen": "Human: hi Assistant: yes", "rejected": "Human: hi Assistant: no"}])
+    model, inputs, extra, needle = str(tiny_model_dir), [str(good)], [], None
+    if case == "no_dir":
+        model, needle = str(tmp_path / "nope"), "no such directory"
+    elif case == "no_model":
+        model, needle = str(tmp_path), "holds no model"
+    elif case == "run_dir":
+        (tmp_path / "run").mkdir()
+        (tmp_path / "run" / "final").symlink_to(tiny_model_dir)
+        model, needle = str(tmp_path / "run"), "give its final/"
+    elif case == "max_length":
+        extra, needle = ["--max-length", "0"], "--max-length: 0 must be >= 1"
+    elif case == "empty_input":
+        (tmp_path / "empty.jsonl").write_text("")
+        inputs, needle = [str(tmp_path / "empty.jsonl")], "empty.jsonl is empty"
+    else:
+        inputs, needle = [str(_write(tmp_path / "bad.jsonl", [{"chosen": "a", "rejected": "a"}]))], "no usable pairs"
+    args = ["--model", model, "--input", *inputs, *extra]
+    if case == "no_dir":  # once through a real process; the rest in this one (a process costs ~15 s of imports)
+        code, out = _run("rm.score", *args)
+    else:
+        from rm.score import main
+
+        with pytest.raises(SystemExit) as exited, boundary():
+            sys.exit(main(args))
+        code, out = exited.value.code, "".join(capsys.readouterr())
+    assert code == 2, out[-3000:]
+    assert needle in out and "Traceback" not in out, out[-3000:]

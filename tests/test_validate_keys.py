@@ -1,0 +1,65 @@
+"""Every numeric and enumerated key is validated once, before anything loads, with its range; the model
+shape and optional dependencies are checked by name (rm.validate)."""
+
+import json
+
+import pytest
+
+from rm.errors import ConfigError
+from rm.validate import check_tokenizer_fits, validate
+from tests.conftest import FAST_TINY
+
+
+@pytest.mark.reliability("Configuration", "out-of-range numbers: `train.adam_beta1=1.5`, `train.adam_epsilon=-1`, `train.seed=-1`, "
+                         "`lora.dropout=1.5`, `data.max_train_samples=0`, `train.weight_decay=-0.1`, `train.max_grad_norm=-1`, "
+                         "`hardware.device_memory_gib=-5`, `train.learning_rate=nan`",
+                         "`<key>=<value> must be in [low, high)` naming the key; no longer accepted silently or 'refused as too big'")
+@pytest.mark.reliability("Configuration", "model shape: `model.num_key_value_heads=3` with 4 heads, a hidden size heads do not divide",
+                         "`model.num_key_value_heads=3 must divide model.num_attention_heads=4`")
+@pytest.mark.reliability("Configuration", "`model.attn_implementation=flash_attention_2` without flash-attn",
+                         "names the key and the install command (`pip install flash-attn`)")
+@pytest.mark.reliability("Configuration", "`model.pretrained` an empty or non-model directory, or a path that does not exist",
+                         "`is a directory without config.json` / `holds config.json but no weights` / `no such directory, and not a Hub id`")
+@pytest.mark.parametrize("overrides,needle", [
+    (["train.adam_beta1=1.5"], "train.adam_beta1=1.5 must be in [0, 1)"),
+    (["train.adam_beta2=-0.1"], "train.adam_beta2=-0.1 must be in [0, 1)"),
+    (["train.adam_epsilon=-1"], "train.adam_epsilon=-1.0 must be in (0, inf)"),
+    (["train.seed=-1"], "train.seed=-1 must be in [0, 4294967295]"),
+    (["memory_profile=lora", "lora.dropout=1.5"], "lora.dropout=1.5 must be in [0, 1)"),
+    (["data.max_train_samples=0"], "data.max_train_samples=0 must be >= 1"),
+    (["train.weight_decay=-0.1"], "train.weight_decay=-0.1 must be in [0, inf)"),
+    (["train.max_grad_norm=-1"], "train.max_grad_norm=-1.0 must be in [0, inf)"),
+    (["hardware.device_memory_gib=-5"], "hardware.device_memory_gib=-5.0 must be in (0, inf)"),
+    (["train.learning_rate=nan"], "train.learning_rate=nan must be"),
+    (["train.max_steps=-5"], "train.max_steps=-5 must be -1"),
+    (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
+    (["model.hidden_size=130", "model.head_dim=null"], "model.hidden_size=130 is not divisible by model.num_attention_heads=4"),
+    (["model.attn_implementation=flash_attention_2"], "needs flash-attn: pip install flash-attn"),
+    (["model.pretrained=EMPTY"], "is a directory without config.json"),
+    (["model.pretrained=CONFIG_ONLY"], "holds config.json but no weights"),
+    (["model.pretrained=/no/such/model/dir"], "no such directory, and not a Hub id"),
+])
+def test_each_bad_value_is_rejected_naming_its_key(tiny_cfg, tmp_path, overrides, needle):
+    if "flash" in needle and __import__("importlib").util.find_spec("flash_attn"):
+        pytest.skip("flash-attn is installed")
+    (tmp_path / "config_only").mkdir()
+    (tmp_path / "config_only" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    overrides = [o.replace("EMPTY", str(tmp_path)).replace("CONFIG_ONLY", str(tmp_path / "config_only")) for o in overrides]
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_cfg(*overrides), 1)
+    assert needle in str(err.value), str(err.value)
+
+
+@pytest.mark.reliability("Configuration", "`model.vocab_size` smaller than the tokenizer", "`model.vocab_size=16 is smaller than the tokenizer's N tokens`, before the model is built")
+def test_a_vocabulary_smaller_than_the_tokenizer_is_rejected(tiny_cfg):
+    from rm.model import build_tokenizer
+
+    cfg = tiny_cfg("model.vocab_size=16")
+    validate(cfg, 1)  # the tokenizer is not known yet; checked once it is built
+    with pytest.raises(ConfigError, match=r"model.vocab_size=16 is smaller than the tokenizer's \d+ tokens"):
+        check_tokenizer_fits(cfg.model, build_tokenizer(cfg.model))
+    check_tokenizer_fits(tiny_cfg().model, build_tokenizer(cfg.model))  # the tiny model's own vocabulary fits
+
+
+def test_the_shipped_configs_pass(tiny_cfg):
+    assert validate(tiny_cfg(), 1).gradient_accumulation_steps == 2
