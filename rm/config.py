@@ -137,6 +137,8 @@ class TrainConfig:
     packing: bool = False  # concatenate a micro-batch's sequences into one row, no pad tokens: less compute, same gradient
     max_tokens_per_micro_batch: int = 0  # packing: cut each step's pairs into micro-batches of at most this many tokens
     # (0: micro_batch_size pairs each); activations follow this budget; must be 0 or >= 2 x data.max_length
+    share_prefix: bool = False  # one sequence per pair, prompt + chosen end + rejected end: the shared prompt is
+    # computed once (same rewards and gradient); a 4D mask of rows x T x T (sdpa/eager) per micro-batch
     learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
