@@ -121,6 +121,7 @@ class DataConfig:
     synthetic_train_size: int = 8000  # source=synthetic: pairs generated for train
     synthetic_test_size: int = 1000
     synthetic_seed: int = 0
+    synthetic_multi_turn: bool = False  # source=synthetic: 2-6 chit-chat exchanges before each task, HH-like long shared prompts
 
 
 @dataclass
