@@ -147,7 +147,10 @@ def write_shared_section(path: Path, rows: list) -> None:
         "",
         f"Regenerate: `python benchmarks/memory_calibration.py --share-prefix` ({len(rows)} points). The estimate sizes each",
         "pair at chosen + rejected tokens (no common prefix, the worst case) and counts the 4D mask; the synthetic",
-        f"pairs share their prompt, so it over-estimates by what sharing saves. Largest error: **{worst:.2f}%**.",
+        "pairs share their prompt and rarely fill a row, so it over-estimates by what sharing saves: an upper bound,",
+        "never below the measurement. For a full row it is exact to the byte",
+        "(`tests/test_prefix_sharing.py::test_activation_estimate_matches_a_real_shared_step`).",
+        f"Largest error: **{worst:.2f}%**.",
         "",
         *[h.replace("| model | profile |", "| model | layout | profile |").replace("| --- | --- |", "| --- | --- | --- |", 1)
           for h in HEADER],

@@ -280,9 +280,10 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
     pair_tokens, per_rank = None, t.global_batch_size // plan.world_size
     if t.max_tokens_per_micro_batch:  # packed micro-batches cut by a token budget instead of a pair count
         pair_tokens = [len(c) + len(r) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
-    if t.share_prefix:
-        shared_tokens = log_prefix_sharing(train_set)  # the budget counts the shared sequence, not chosen + rejected
+    if t.share_prefix:  # rows are prefix + both suffixes: the budget and the grouping count those tokens
+        shared_tokens = log_prefix_sharing(train_set)
         pair_tokens = shared_tokens if t.max_tokens_per_micro_batch else None
+        lengths = shared_tokens if t.group_by_length else None
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
     device = engine.device
     eval_metrics: Dict[str, float] = {}
