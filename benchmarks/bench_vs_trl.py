@@ -350,7 +350,7 @@ def main() -> None:
     footer = (f"1-minute / 5-minute load average {load_before[0]:.2f} / {load_before[1]:.2f} before the run, "
               f"{load_after[0]:.2f} / {load_after[1]:.2f} after (the load avg column: mean of before and after each trainer); "
               f"{args.threads} threads, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d', time.gmtime())}, "
-              f"`python benchmarks/bench_vs_trl.py{' --steps ' + str(STEPS) if STEPS != 60 else ''}`.")
+              f"`python benchmarks/bench_vs_trl.py {' '.join(sys.argv[1:])}`.")
     text = "\n".join(sections) + "\n" + footer
     print(text)
     if args.write_doc:
