@@ -29,7 +29,7 @@ from transformers import get_scheduler
 
 from rm.checkpoint import CheckpointError, check_run_dir, latest_checkpoint, load_checkpoint, save_checkpoint
 from rm.config import RunConfig, to_run_config
-from rm.data.batching import micro_batches_for_step, split_by_tokens, steps_per_epoch
+from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
 from rm.data.build import build_datasets, build_extra_eval_sets
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
@@ -308,6 +308,11 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[
             )
             if pair_tokens:
                 micro_batches = split_by_tokens(micro_batches[0], pair_tokens, t.max_tokens_per_micro_batch)
+                if plan.world_size > 1:  # DDP needs as many forwards on every rank; all ranks' pairs are known here
+                    most = max(len(split_by_tokens(micro_batches_for_step(
+                        step, len(train_set), t.global_batch_size, per_rank, plan.world_size, r, t.seed, lengths)[0],
+                        pair_tokens, t.max_tokens_per_micro_batch)) for r in range(plan.world_size))
+                    micro_batches = even_out(micro_batches, most)
             for n, indices in enumerate(micro_batches):
                 batch = train_collator(train_set.select(indices))
                 inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
