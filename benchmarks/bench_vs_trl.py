@@ -1,23 +1,31 @@
-"""rm against TRL's RewardTrainer on the same run: real-token throughput, step time, peak memory, eval.
+"""rm against TRL's RewardTrainer on the same run: pairs/s, real-token throughput, step time, peak memory, eval.
 
-    python benchmarks/bench_vs_trl.py                  # prints the table
-    python benchmarks/bench_vs_trl.py --write-doc      # and writes it to docs/throughput.md
+    pip install -e '.[bench]'                          # trl, the one benchmark-only dependency
+    python benchmarks/bench_vs_trl.py                  # prints both tables (multi-turn, single-turn)
+    python benchmarks/bench_vs_trl.py --write-doc      # and writes them to docs/throughput.md
 
 One process per trainer, run after run, on the same tokenised pairs: a Mistral-architecture
 model (4 layers, hidden 256, vocabulary 2000, random init), fp32, 8 pairs per optimizer step,
 max length 512, 60 steps, AdamW lr 1e-3 with linear decay after 3 warm-up steps, gradient
-clipping at 1, no gradient checkpointing, no dropout, 2 CPU threads. TRL needs ``pip install trl``
-(a benchmark-only dependency, not one of rm's).
+clipping at 1, no gradient checkpointing, no dropout, 2 CPU threads. TRL comes with the ``bench``
+extra (a benchmark-only dependency, not one of rm's).
 
-The data (:func:`make_pairs`): HH-RLHF-like long-tailed lengths. Prompt and the two answers
-each draw a log-normal length, so most sequences are short and a few run to the 512-token cap;
-batches of 8 random pairs padded to their longest row are about half pad tokens, as
-HH-RLHF batches are. Answers carry a learnable signal (chosen answers draw half their tokens
-from a "good" id range, rejected ones from a "bad" range), so eval accuracy says whether both
-trainers learned the same thing.
+Two data sets, each with HH-RLHF-like long-tailed lengths (log-normal draws):
+
+* multi-turn (:func:`make_multiturn_pairs`): 1 to 6 earlier human/assistant exchanges, then the
+  question and two different final answers, so the prompt both sides share carries most tokens,
+  as in HH-RLHF; the prompt : answers ratio is printed with the table;
+* single-turn (:func:`make_pairs`): one prompt and two answers of similar median length, so the
+  shared prompt is a smaller part of each pair.
+
+Batches of 8 random pairs padded to their longest row carry many pad tokens, as HH-RLHF batches
+do. Answers carry a learnable signal (chosen answers draw half their tokens from a "good" id range,
+rejected ones from a "bad" range), so eval accuracy says whether the trainers learned the same thing.
 
 What is measured, the same way for both:
-- real tokens: non-pad tokens of the training forward passes (chosen + rejected);
+- real tokens: non-pad tokens of chosen + rejected, as TRL counts them; with prefix sharing the prompt
+  is computed once but counted twice, so tokens/s compares the same work;
+- pairs/s: pairs trained per second of training time;
 - training time: from the start of the training loop to the end of the last step, without
   start-up, evaluation or saving (rm: the logged windows of ``metrics.jsonl``; TRL: a callback);
 - tokens/s = real tokens / training time; step time = training time / steps;
@@ -54,6 +62,10 @@ VARIANTS = {  # name: rm overrides on top of the shared run
     "rm padded + group_by_length (micro-batch 2)": ["train.micro_batch_size=2", "train.group_by_length=true"],
     "rm packed (budget 1024 tokens)": ["train.micro_batch_size=8", "train.packing=true",
                                        "train.max_tokens_per_micro_batch=1024"],
+    "rm prefix-shared + packed (budget 1024 tokens)": ["train.micro_batch_size=8", "train.share_prefix=true",
+                                                       "train.packing=true", "train.max_tokens_per_micro_batch=1024"],
+    "rm prefix-shared, row per pair + group_by_length (micro-batch 2)": [
+        "train.micro_batch_size=2", "train.share_prefix=true", "train.group_by_length=true"],
 }
 
 
@@ -81,6 +93,60 @@ def make_pairs(n: int, seed: int):
             "margin": 0.0,
         })
     return pairs
+
+
+HUMAN, ASSISTANT = 4, 5  # role marker ids of the multi-turn data; neutral tokens are 6..999
+
+
+def make_multiturn_pairs(n: int, seed: int):
+    """``n`` HH-like multi-turn pairs: earlier exchanges, a question, two different final answers.
+
+    1 to 6 earlier exchanges (human turns of median 20 tokens, assistant turns of median 40), then the
+    question and a final answer of median 48 tokens per side. A prompt too long for the answers is cut
+    from its start, the same cut for both sides, as a conversation that began earlier would be; the
+    answers then take the room left under ``MAX_LENGTH``.
+    """
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def length(median, sigma, cap):
+        return int(min(cap, max(1, rng.lognormal(np.log(median), sigma))))
+
+    def answer(good: bool, size: int):
+        signal = rng.integers(1000, 1500, size) if good else rng.integers(1500, 2000, size)
+        neutral = rng.integers(6, 1000, size)
+        return np.where(rng.random(size) < 0.5, signal, neutral).tolist()
+
+    pairs = []
+    for _ in range(n):
+        prompt = []
+        for _ in range(int(rng.integers(1, 7))):
+            prompt += [HUMAN] + rng.integers(6, 1000, length(20, 0.7, 120)).tolist()
+            prompt += [ASSISTANT] + rng.integers(6, 1000, length(40, 0.7, 160)).tolist()
+        prompt += [HUMAN] + rng.integers(6, 1000, length(20, 0.7, 120)).tolist() + [ASSISTANT]
+        prompt = prompt[-(MAX_LENGTH - 64):]  # at least 64 tokens of room for each answer
+        room = MAX_LENGTH - len(prompt)
+        pairs.append({
+            "chosen_input_ids": prompt + answer(True, length(48, 0.6, room)),
+            "rejected_input_ids": prompt + answer(False, length(48, 0.6, room)),
+            "margin": 0.0,
+        })
+    return pairs
+
+
+DATASETS = {"multi-turn": make_multiturn_pairs, "single-turn": make_pairs}
+
+
+def prefix_stats(pairs) -> dict:
+    """Shared prompt : answer tokens, and the share of chosen + rejected tokens that prefix sharing does not compute."""
+    from rm.data.collator import common_prefix_length
+
+    prefix = [common_prefix_length(p["chosen_input_ids"], p["rejected_input_ids"]) for p in pairs]
+    both = sum(len(p["chosen_input_ids"]) + len(p["rejected_input_ids"]) for p in pairs)
+    suffix = both - 2 * sum(prefix)
+    return {"prefix_to_suffix": sum(prefix) / suffix, "shared_saves": sum(prefix) / both,
+            "median_length": sorted(len(p[k]) for p in pairs for k in ("chosen_input_ids", "rejected_input_ids"))[len(pairs)]}
 
 
 def evaluate(model, pairs):
@@ -197,11 +263,11 @@ def child(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    data = json.loads(Path(args.data).read_text())
+    data = json.loads(Path(args.data_file).read_text())
     with tempfile.TemporaryDirectory() as tmp:
         result = run_trl(data, Path(tmp)) if args.child == "trl" else run_rm(data, VARIANTS[args.child], Path(tmp))
     result.update(peak_rss_mib=peak_rss_mib(), tokens_per_s=result["real_tokens"] / result["train_s"],
-                  step_s=result["train_s"] / result["steps"])
+                  pairs_per_s=result["steps"] * PAIRS_PER_STEP / result["train_s"], step_s=result["train_s"] / result["steps"])
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -218,15 +284,47 @@ def padded_fraction(pairs, seed: int) -> float:
     return real / computed
 
 
-def table(results, load) -> str:
+def table(results) -> str:
     trl = results["TRL RewardTrainer"]
-    lines = ["| trainer | real tokens/s | x TRL | step time (s) | peak RSS (MiB) | x TRL | final train loss | eval loss | eval accuracy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| trainer | pairs/s | real tokens/s | x TRL | step time (s) | peak RSS (MiB) | x TRL | final train loss "
+             "| eval loss | eval accuracy | load avg |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} | {r['step_s']:.3f} "
-                     f"| {r['peak_rss_mib']:,.0f} | {r['peak_rss_mib'] / trl['peak_rss_mib']:.2f} | {r['final_train_loss']:.4f} "
-                     f"| {r['eval_loss']:.4f} | {r['eval_accuracy']:.3f} |")
+        lines.append(f"| {name} | {r['pairs_per_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} "
+                     f"| {r['step_s']:.3f} | {r['peak_rss_mib']:,.0f} | {r['peak_rss_mib'] / trl['peak_rss_mib']:.2f} "
+                     f"| {r['final_train_loss']:.4f} | {r['eval_loss']:.4f} | {r['eval_accuracy']:.3f} | {r['load']:.2f} |")
     return "\n".join(lines)
+
+
+def run_dataset(name: str, args, tmp: Path) -> str:
+    """Every trainer on one data set, one process each; returns the markdown section for it."""
+    data = {"train": DATASETS[name](960, seed=0), "eval": DATASETS[name](256, seed=1)}
+    fraction = padded_fraction(data["train"], seed=0)
+    stats = prefix_stats(data["train"])
+    about = (f"{len(data['train'])} train / {len(data['eval'])} eval pairs, median sequence {stats['median_length']} tokens; "
+             f"shared prompt : answer tokens = {stats['prefix_to_suffix']:.2f} : 1 (prefix sharing computes "
+             f"{100 * (1 - stats['shared_saves']):.0f}% of chosen + rejected tokens); random batches of {PAIRS_PER_STEP} "
+             f"pairs padded to their longest row are {100 * fraction:.0f}% real tokens")
+    print(f"{name} data: {about}", flush=True)
+    path = tmp / f"{name}.json"
+    path.write_text(json.dumps(data))
+    results = {}
+    for trainer in ["TRL RewardTrainer", *VARIANTS]:
+        if args.only and trainer not in args.only and trainer != "TRL RewardTrainer":
+            continue
+        out = tmp / "result.json"
+        load = os.getloadavg()[0]
+        print(f"  running {trainer} (1-minute load average {load:.2f}) ...", flush=True)
+        done = subprocess.run([sys.executable, __file__, "--child", "trl" if trainer.startswith("TRL") else trainer,
+                               "--data-file", str(path), "--out", str(out), "--threads", str(args.threads),
+                               "--steps", str(STEPS)], cwd=ROOT, capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"{trainer} failed:\n{done.stderr[-4000:]}")
+        results[trainer] = {**json.loads(out.read_text()), "load": (load + os.getloadavg()[0]) / 2}
+        r = results[trainer]
+        print(f"    {r['pairs_per_s']:.2f} pairs/s, {r['tokens_per_s']:,.0f} real tokens/s, {r['step_s']:.3f} s/step, "
+              f"peak RSS {r['peak_rss_mib']:,.0f} MiB, eval accuracy {r['eval_accuracy']:.3f}", flush=True)
+    return f"### {name} data\n\n{about}.\n\n{table(results)}\n"
 
 
 def main() -> None:
@@ -234,49 +332,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (a smoke test: --steps 10)")
-    parser.add_argument("--write-doc", action="store_true", help="write the table into docs/throughput.md")
-    parser.add_argument("--only", nargs="*", help="run only these trainers (names as in the table)")
+    parser.add_argument("--data", nargs="*", default=list(DATASETS), choices=list(DATASETS), help="data sets to run")
+    parser.add_argument("--write-doc", action="store_true", help="write the tables into docs/throughput.md")
+    parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table); TRL always runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--data", help=argparse.SUPPRESS)
+    parser.add_argument("--data-file", dest="data_file", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     STEPS = args.steps
     if args.child:
         return child(args)
 
-    data = {"train": make_pairs(960, seed=0), "eval": make_pairs(256, seed=1)}
-    fraction = padded_fraction(data["train"], seed=0)
-    print(f"data: {len(data['train'])} train / {len(data['eval'])} eval pairs; random batches of {PAIRS_PER_STEP} pairs "
-          f"padded to their longest row are {100 * fraction:.0f}% real tokens", flush=True)
-    load = os.getloadavg()[0]
-    results = {}
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "pairs.json"
-        path.write_text(json.dumps(data))
-        for name in ["TRL RewardTrainer", *VARIANTS]:
-            if args.only and name not in args.only and name != "TRL RewardTrainer":
-                continue
-            out = Path(tmp) / "result.json"
-            print(f"running {name} ...", flush=True)
-            done = subprocess.run([sys.executable, __file__, "--child", "trl" if name.startswith("TRL") else name,
-                                   "--data", str(path), "--out", str(out), "--threads", str(args.threads),
-                                   "--steps", str(STEPS)], cwd=ROOT, capture_output=True, text=True)
-            if done.returncode:
-                sys.exit(f"{name} failed:\n{done.stderr[-4000:]}")
-            results[name] = json.loads(out.read_text())
-            print(f"  {results[name]['tokens_per_s']:,.0f} real tokens/s, {results[name]['step_s']:.3f} s/step, "
-                  f"peak RSS {results[name]['peak_rss_mib']:,.0f} MiB, eval accuracy {results[name]['eval_accuracy']:.3f}", flush=True)
-    load_after = os.getloadavg()[0]
-    text = table(results, load)
+        sections = [run_dataset(name, args, Path(tmp)) for name in args.data]
+    load_after = os.getloadavg()
+    footer = (f"1-minute / 5-minute load average {load_before[0]:.2f} / {load_before[1]:.2f} before the run, "
+              f"{load_after[0]:.2f} / {load_after[1]:.2f} after (the load avg column: mean of before and after each trainer); "
+              f"{args.threads} threads, {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d', time.gmtime())}, "
+              f"`python benchmarks/bench_vs_trl.py {' '.join(sys.argv[1:])}`.")
+    text = "\n".join(sections) + "\n" + footer
     print(text)
-    print(f"1-minute load average: {load:.2f} before, {load_after:.2f} after")
     if args.write_doc:
         doc = ROOT / "docs" / "throughput.md"
         body = doc.read_text() if doc.exists() else ""
         start, end = "<!-- bench_vs_trl:begin -->", "<!-- bench_vs_trl:end -->"
-        block = (f"{start}\n{text}\n\nReal tokens in random batches padded to their longest row: {100 * fraction:.0f}%. "
-                 f"1-minute load average {load:.2f} before the run, {load_after:.2f} after; {args.threads} threads, "
-                 f"{time.strftime('%Y-%m-%d', time.gmtime())}.\n{end}")
+        block = f"{start}\n{text}\n{end}"
         body = body[: body.index(start)] + block + body[body.index(end) + len(end):] if start in body else body + "\n" + block + "\n"
         doc.write_text(body)
         print(f"wrote {doc}")

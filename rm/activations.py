@@ -266,6 +266,15 @@ def _no_packed_sequences(position_ids):
     return None
 
 
+def _shared_prefix_masker(shared_prefix: bool, attn_implementation: str, dtype: torch.dtype, pair_ids, roles):
+    """Adds the prefix-shared 4D mask to the model inputs, built the way ``rm.model`` builds it; identity otherwise."""
+    if not shared_prefix:
+        return lambda inputs: inputs
+    from rm.prefix_sharing import shared_prefix_mask
+
+    return lambda inputs: {**inputs, "attention_mask": shared_prefix_mask(pair_ids, roles, attn_implementation, dtype)}
+
+
 def _peft_wrap(model, lora_r: int, lora_targets: Tuple[str, ...], lora_alpha: int, lora_dropout: float):
     """Wrap with LoRA exactly as ``rm.model.apply_memory_profile`` does (peft defaults, task SEQ_CLS).
 
@@ -370,13 +379,18 @@ _PHASES_1 = ("start", "layer0", "norm", "backward", "layer0_bwd", "end")
 @functools.lru_cache(maxsize=256)
 def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: torch.dtype,
            gradient_checkpointing: bool, attn_implementation: str, lora_r: int, lora_targets: Tuple[str, ...],
-           lora_alpha: int, lora_dropout: float, padded: bool, accumulating: bool = False, packed: bool = False) -> _Trace:
+           lora_alpha: int, lora_dropout: float, padded: bool, accumulating: bool = False, packed: bool = False,
+           shared_prefix: bool = False) -> _Trace:
     """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases.
 
     ``packed``: one row of ``seq_len`` tokens holding several sequences (``train.packing``): no
     mask, position ids restarting per sequence, from which transformers builds a block-diagonal
     (1,1,T,T) mask. Under fake tensors it cannot read the position ids and takes that packed
     path anyway, which here is the real one.
+
+    ``shared_prefix``: ``batch`` rows of prefix-shared pairs (``train.share_prefix``): the 4D mask is
+    built from per-token pair ids and roles inside the step, as ``rm.model.sequence_rewards`` does,
+    so it and its intermediates are counted; transformers passes it to attention as it is.
     """
     import contextlib
     from unittest import mock
@@ -408,12 +422,18 @@ def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: 
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
         if packed:
             inputs = {"input_ids": input_ids, "position_ids": torch.arange(seq_len).unsqueeze(0)}
+        pair_ids = roles = None
+        if shared_prefix:
+            inputs = {"input_ids": input_ids, "position_ids": torch.arange(seq_len).expand(batch, -1)}
+            pair_ids, roles = torch.zeros(batch, seq_len, dtype=torch.long), torch.zeros(batch, seq_len, dtype=torch.long)
+        with_mask = _shared_prefix_masker(shared_prefix, attn_implementation, dtype, pair_ids, roles)
         if accumulating:
             # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
             # gradient into it and frees the new one, a transient we want on the timeline.
-            pairwise_loss(model(**inputs).logits.squeeze(-1)).backward()
+            pairwise_loss(model(**with_mask(inputs)).logits.squeeze(-1)).backward()
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        timeline.ignore(list(model.parameters()) + list(model.buffers()) + grads + list(inputs.values()))
+        timeline.ignore(list(model.parameters()) + list(model.buffers()) + grads + list(inputs.values())
+                        + [t for t in (pair_ids, roles) if t is not None])
         del grads
 
         layers = _layers_of(model)
@@ -442,7 +462,7 @@ def _trace(shape: LayerShape, num_layers: int, batch: int, seq_len: int, dtype: 
         try:
             with timeline:
                 timeline.mark("start")
-                rewards = model(**inputs).logits.squeeze(-1)
+                rewards = model(**with_mask(inputs)).logits.squeeze(-1)
                 loss = pairwise_loss(rewards)
                 del rewards
                 timeline.mark("backward")
@@ -483,6 +503,7 @@ def measure_layer(
     padded: bool = False,
     accumulating: bool = False,
     packed: bool = False,
+    shared_prefix: bool = False,
 ) -> LayerMemory:
     """Measure one decoder layer (and the parts outside the layers) by tracing a fake two-layer model.
 
@@ -507,12 +528,13 @@ def measure_layer(
             new gradient becomes ``.grad`` itself and is excluded as a gradient).
         packed: ``batch`` 1 row of ``seq_len`` tokens holding several sequences (``train.packing``):
             position ids restart per sequence and transformers builds a block-diagonal mask.
+        shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
 
     Returns:
         A :class:`LayerMemory`; cached per distinct arguments.
     """
     args = (shape, 2, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r,
-            tuple(lora_targets), lora_alpha, lora_dropout, padded, accumulating, packed)
+            tuple(lora_targets), lora_alpha, lora_dropout, padded, accumulating, packed, shared_prefix)
     trace = _trace(*args)
     at, peak = trace.at, trace.peak
     saved = at["norm"] - at["layer1"]
@@ -545,6 +567,7 @@ def estimate_activations(
     padded: bool = False,
     accumulating: bool = False,
     packed: bool = False,
+    shared_prefix: bool = False,
 ) -> Dict[str, Any]:
     """Peak activation bytes of one forward+backward of the whole reward model.
 
@@ -557,7 +580,7 @@ def estimate_activations(
 
     Args:
         shape, batch, seq_len, dtype, gradient_checkpointing, attn_implementation,
-        lora_r, lora_targets, lora_alpha, lora_dropout, padded, accumulating, packed: as for
+        lora_r, lora_targets, lora_alpha, lora_dropout, padded, accumulating, packed, shared_prefix: as for
         :func:`measure_layer`.
         num_layers: decoder layers of the real model.
 
@@ -574,7 +597,7 @@ def estimate_activations(
     targets = tuple(lora_targets)
     if num_layers == 1:
         trace = _trace(shape, 1, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r, targets,
-                       lora_alpha, lora_dropout, padded, accumulating, packed)
+                       lora_alpha, lora_dropout, padded, accumulating, packed, shared_prefix)
         at, peak = trace.at, trace.peak
         phases = {
             "forward": max(peak["start"], peak["layer0"]),
@@ -598,9 +621,9 @@ def estimate_activations(
 
     layer = measure_layer(shape, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r, targets,
                           lora_alpha=lora_alpha, lora_dropout=lora_dropout, padded=padded,
-                          accumulating=accumulating, packed=packed)
+                          accumulating=accumulating, packed=packed, shared_prefix=shared_prefix)
     trace = _trace(shape, 2, batch, seq_len, dtype, gradient_checkpointing, attn_implementation, lora_r, targets,
-                   lora_alpha, lora_dropout, padded, accumulating, packed)
+                   lora_alpha, lora_dropout, padded, accumulating, packed, shared_prefix)
     at, peak = trace.at, trace.peak
     shift = (num_layers - 2) * layer.saved_bytes  # the layers the traced model lacks, all steady-state
     layers_saved = layer.first_layer_saved_bytes + (num_layers - 1) * layer.saved_bytes

@@ -130,6 +130,7 @@ class DataConfig:
     synthetic_train_size: int = 8000  # source=synthetic: pairs generated for train
     synthetic_test_size: int = 1000
     synthetic_seed: int = 0
+    synthetic_multi_turn: bool = False  # source=synthetic: 2-6 chit-chat exchanges before each task, HH-like long shared prompts
 
 
 @dataclass
@@ -146,6 +147,8 @@ class TrainConfig:
     packing: bool = False  # concatenate a micro-batch's sequences into one row, no pad tokens: less compute, same gradient
     max_tokens_per_micro_batch: int = 0  # packing: cut each step's pairs into micro-batches of at most this many tokens
     # (0: micro_batch_size pairs each); activations follow this budget; must be 0 or >= 2 x data.max_length
+    share_prefix: bool = False  # one sequence per pair, prompt + chosen end + rejected end: the shared prompt is
+    # computed once (same rewards and gradient); a 4D mask of rows x T x T (sdpa/eager) per micro-batch
     learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
 from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE
@@ -258,6 +258,8 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * t.micro_batch_size * cfg.data.max_length
         # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
         accumulating = accumulating or seq_len < 2 * (t.global_batch_size // n) * cfg.data.max_length
+    if t.share_prefix:
+        batch, seq_len = shared_prefix_rows(t.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
     act = estimate_activations(
         shape_from_model_config(m),
         m.num_hidden_layers,
@@ -265,7 +267,8 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         seq_len=seq_len,
         dtype=weight_dtype(plan.precision),
         gradient_checkpointing=t.gradient_checkpointing,
-        attn_implementation=m.attn_implementation if m.attn_implementation != "flash_attention_2" else "sdpa",
+        # Neither can be traced on the CPU; SDPA's footprint bounds flex-attention's (a BlockMask, not T x T).
+        attn_implementation=m.attn_implementation if m.attn_implementation not in ("flash_attention_2", "flex_attention") else "sdpa",
         lora_r=lora.r if lora else 0,
         lora_targets=tuple(lora.target_modules) if lora else (),
         lora_alpha=lora.alpha if lora else 32,
@@ -273,10 +276,11 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         padded=True,
         accumulating=accumulating,
         packed=t.packing,
+        shared_prefix=t.share_prefix,
     )
     activations = act["peak_bytes"]
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
-    temporaries += 2 * batch * seq_len * 8  # packed: the ids and position ids
+    temporaries += shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
     evaluation = inference_peak_bytes(
         shape_from_model_config(m), 2 * t.eval_batch_size, cfg.data.max_length, weight_dtype(plan.precision),
         lora_r=lora.r if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
@@ -332,6 +336,29 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         host_ram_bytes_per_node=host, params_total=counts.total, params_trainable=counts.trainable,
         uncalibrated=uncalibrated, world_size=plan.world_size, world_size_source=plan.world_size_source,
     )
+
+
+def shared_prefix_rows(micro_batch_size: int, max_length: int, max_tokens: int, packing: bool) -> Tuple[int, int]:
+    """Rows x length of the largest prefix-shared micro-batch (``train.share_prefix``), which activations follow.
+
+    A pair takes prefix + two suffixes, at most chosen + rejected = ``2 x max_length`` tokens (no common
+    prefix), the worst case the estimate must hold. Packed: one row of the token budget, or of every pair
+    of the micro-batch; otherwise one row per pair.
+
+    >>> shared_prefix_rows(4, 512, 0, packing=False), shared_prefix_rows(4, 512, 2048, packing=True)
+    ((4, 1024), (1, 2048))
+    """
+    if packing:
+        return 1, max_tokens or 2 * micro_batch_size * max_length
+    return micro_batch_size, 2 * max_length
+
+
+def shared_prefix_input_bytes(rows: int, seq_len: int) -> int:
+    """The int64 token ids, position ids, pair ids and roles of a prefix-shared micro-batch, alive through the step.
+
+    The 4D mask built from them is in the activations: the trace builds it as ``rm.model`` does.
+    """
+    return 4 * rows * seq_len * 8
 
 
 def plan_procs_per_node(cfg: RunConfig, plan: Plan) -> int:

@@ -217,6 +217,8 @@ def sequence_rewards(
     *,
     position_ids: Optional[torch.Tensor] = None,
     ends: Optional[torch.Tensor] = None,
+    pair_ids: Optional[torch.Tensor] = None,
+    roles: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One reward per row, read at its last real token (by the attention mask), in one forward pass.
 
@@ -232,12 +234,19 @@ def sequence_rewards(
     restarting per sequence, no mask) is read at ``ends``; with no mask transformers keeps
     attention within each sequence (a block-diagonal mask, or flash-attention's varlen).
 
+    A prefix-shared batch (:class:`~rm.data.collator.PrefixSharedCollator`) also gives ``pair_ids``
+    and ``roles``, from which the 4D mask is built here, on the device and in the form the model's
+    attention takes (:func:`rm.prefix_sharing.shared_prefix_mask`); its ``ends`` are flat indices into
+    the ``(rows x T)`` batch.
+
     Args:
         model: a ``*ForSequenceClassification`` model with a ``score`` head, possibly wrapped.
         input_ids: ``(N, T)`` token ids; ``(1, T)`` when packed.
         attention_mask: ``(N, T)``, 1 on real tokens; ``None`` when packed.
         position_ids: packed only: ``(1, T)``, restarting at 0 at each sequence.
-        ends: packed only: ``(S,)`` position of each sequence's last token.
+        ends: packed only: ``(S,)`` position of each sequence's last token (flat index).
+        pair_ids: prefix-shared only: ``(rows, T)`` pair of each token, -1 on padding.
+        roles: prefix-shared only: ``(rows, T)`` prefix / chosen / rejected / pad per token.
 
     Returns:
         ``(N,)`` rewards, or ``(S,)`` when packed; differentiable.
@@ -249,6 +258,10 @@ def sequence_rewards(
     kwargs = {"attention_mask": attention_mask}
     if ends is not None:
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
+        if pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
+            from rm.prefix_sharing import attn_implementation_of, model_dtype, shared_prefix_mask
+
+            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation_of(model), model_dtype(model))
     elif not bool(attention_mask[:, 0].all()):  # some row is left-padded
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     try:
@@ -258,19 +271,21 @@ def sequence_rewards(
     if len(caught) != 1 or caught[0].dim() != 3:
         raise TypeError(f"expected one per-token (N, T, 1) output of the reward head, got {[tuple(o.shape) for o in caught]}")
     if ends is not None:
-        return caught[0][0, ends.to(caught[0].device)].squeeze(-1)
+        return caught[0].flatten(0, 1)[ends.to(caught[0].device)].squeeze(-1)
     rows = torch.arange(input_ids.shape[0], device=caught[0].device)
     return caught[0][rows, last_token_index(attention_mask).to(caught[0].device)].squeeze(-1)
 
 
 def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
-                 position_ids: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None):
-    """Score a :class:`~rm.data.collator.PairCollator` or :class:`~rm.data.collator.PackedPairCollator`
-    batch in one forward pass (:func:`sequence_rewards`).
+                 position_ids: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
+                 pair_ids: Optional[torch.Tensor] = None, roles: Optional[torch.Tensor] = None):
+    """Score a :class:`~rm.data.collator.PairCollator`, :class:`~rm.data.collator.PackedPairCollator`
+    or :class:`~rm.data.collator.PrefixSharedCollator` batch in one forward pass (:func:`sequence_rewards`).
 
     Returns:
         ``(chosen_rewards, rejected_rewards)``, each of shape ``(B,)``.
     """
-    rewards = sequence_rewards(model, input_ids, attention_mask, position_ids=position_ids, ends=ends)
+    rewards = sequence_rewards(model, input_ids, attention_mask, position_ids=position_ids, ends=ends,
+                               pair_ids=pair_ids, roles=roles)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]

@@ -34,10 +34,10 @@ from rm.checkpoint import (
     save_checkpoint, write_failure,
 )
 from rm.config import RunConfig, to_run_config
-from rm.data.batching import micro_batches_for_step, split_by_tokens, steps_per_epoch
+from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
 from rm.data.build import build_datasets, build_extra_eval_sets
-from rm.data.collator import PackedPairCollator, PairCollator
+from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.estimate import best_micro_batch, estimate_label, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
@@ -135,6 +135,21 @@ def dtypes(cfg: RunConfig, plan: Plan) -> str:
         states = "AdamW states like the weights they update"
     frozen = f"frozen base {base}, " if profile.use_lora else ""
     return f"{frozen}trained weights {trained}, gradients alike, {states}; compute {plan.precision}"
+
+
+def log_prefix_sharing(train_set) -> list:
+    """Tokens per pair once its prompt is shared (``train.share_prefix``); logs what sharing saves.
+
+    Returns:
+        Per training pair, prefix + chosen suffix + rejected suffix tokens: what the token budget counts.
+    """
+    chosen, rejected = train_set["chosen_input_ids"], train_set["rejected_input_ids"]
+    prefix = [common_prefix_length(c, r) for c, r in zip(chosen, rejected)]
+    both = sum(len(c) + len(r) for c, r in zip(chosen, rejected))
+    shared = both - sum(prefix)
+    log.info("train.share_prefix: shared prefix : suffix tokens = %.2f : 1; %s tokens computed instead of %s (%.2fx fewer)",
+             sum(prefix) / max(1, shared - sum(prefix)), f"{shared:,}", f"{both:,}", both / max(1, shared))
+    return [len(c) + len(r) - n for c, r, n in zip(chosen, rejected, prefix)]
 
 
 def build_engine(cfg: RunConfig, plan: Plan):
@@ -245,6 +260,8 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     health.check_data(tokenizer.pad_token_id, tokenizer.pad_token, data_audit)  # no pad id at all: ConfigError
     collator = PairCollator(tokenizer.pad_token_id)
     train_collator = PackedPairCollator() if t.packing else collator  # train.packing: one row of real tokens, no pads
+    if t.share_prefix:  # one sequence per pair, the shared prompt computed once (several pairs per row when packing)
+        train_collator = PrefixSharedCollator(packed=t.packing, pad_token_id=tokenizer.pad_token_id)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # Started before the model exists: everything the step's peak holds (weights, the engine's buckets and
     # partitions, restored states) is counted as it is allocated.
@@ -279,6 +296,10 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     pair_tokens, per_rank = None, t.global_batch_size // plan.world_size
     if t.max_tokens_per_micro_batch:  # packed micro-batches cut by a token budget instead of a pair count
         pair_tokens = [len(c) + len(r) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
+    if t.share_prefix:  # rows are prefix + both suffixes: the budget and the grouping count those tokens
+        shared_tokens = log_prefix_sharing(train_set)
+        pair_tokens = shared_tokens if t.max_tokens_per_micro_batch else None
+        lengths = shared_tokens if t.group_by_length else None
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
     device = engine.device
     eval_metrics: Dict[str, float] = {}
@@ -302,9 +323,15 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
             )
             if pair_tokens:
                 micro_batches = split_by_tokens(micro_batches[0], pair_tokens, t.max_tokens_per_micro_batch)
+                if plan.world_size > 1:  # DDP needs as many forwards on every rank; all ranks' pairs are known here
+                    most = max(len(split_by_tokens(micro_batches_for_step(
+                        step, len(train_set), t.global_batch_size, per_rank, plan.world_size, r, t.seed, lengths)[0],
+                        pair_tokens, t.max_tokens_per_micro_batch)) for r in range(plan.world_size))
+                    micro_batches = even_out(micro_batches, most)
             for n, indices in enumerate(micro_batches):
                 batch = train_collator(train_set.select(indices))
-                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "ends") if k in batch}
+                inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
+                          if k in batch}
                 with engine.autocast():
                     chosen, rejected = pair_rewards(model, **inputs)
                     loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
@@ -314,7 +341,9 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                     engine.backward(loss)
                 health.observe(loss, chosen, rejected)
                 window_loss += loss.item() * len(indices) / per_rank
+                # Real tokens are chosen + rejected tokens, as an unshared trainer (TRL) counts them, whatever the layout.
                 real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+                real = int(batch["num_pair_tokens"]) if "num_pair_tokens" in batch else real
                 window_tokens += real
                 run_tokens += real
             # Checked before the optimizer applies the update, so that a NaN never reaches the weights.

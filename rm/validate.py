@@ -16,7 +16,7 @@ from rm.errors import ConfigError  # noqa: F401  (raised here; imported from her
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
-    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
     "memory_profile.optimizer": ("adamw", "adamw_8bit"),
     "memory_profile.quantize_base": ("none", "nf4"),
     "distributed.strategy": ("auto", "ddp", "deepspeed"),
@@ -147,6 +147,9 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
     if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch < 2 * d.max_length:
         errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be 0 or >= 2 x data.max_length"
                       f" = {2 * d.max_length}, so that every pair fits in one micro-batch")
+    if t.share_prefix and cfg.model.attn_implementation == "flash_attention_2":  # its kernel takes no custom mask
+        errors.append("train.share_prefix=true needs a custom attention mask, which model.attn_implementation="
+                      "flash_attention_2 cannot take: use sdpa (CPU), flex_attention (GPU) or eager")
     if cfg.memory_profile.use_lora and not cfg.lora.target_modules:
         errors.append("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
     unknown = [m for m in cfg.lora.target_modules if m not in ALL_LINEAR] if cfg.memory_profile.use_lora else []

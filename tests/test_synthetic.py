@@ -306,3 +306,38 @@ def test_preference_is_determined_by_prompt(train_pairs, test_pairs):
     pairs = train_pairs + test_pairs
     ambiguous = sum(_split_last_answer(p["chosen"])[1] in rejected_answers for p in pairs)
     assert ambiguous > 0.5 * len(pairs)
+
+
+# --- multi-turn mode (data.synthetic_multi_turn) ------------------------------
+
+
+def test_single_turn_stream_is_unchanged_by_the_multi_turn_option():
+    """The first 20 single-turn pairs of seed 0 hash as they did before multi-turn mode existed (the demo's data)."""
+    import hashlib
+
+    pairs = generate_pairs(20, seed=0, split="train", multi_turn=False)
+    digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
+    assert digest == "5c15f518f573e6ff1f7993db7f92ae555e27d6ee7e119047130e787d1198b56d"
+
+
+def test_multi_turn_pairs_are_hh_like_and_mostly_shared_prompt(tokenizer):
+    """Every conversation has at least two human turns, the sides differ only after the last
+    "Assistant:", no token is unknown, and the shared prompt carries over 95% of the pairs' tokens
+    (counted once per side, as an unshared trainer computes them); single-turn pairs share less."""
+    from rm.data.collator import common_prefix_length
+
+    def prefix_share(pairs):
+        shared = total = 0
+        for p in pairs:
+            c, r = tokenizer(p["chosen"])["input_ids"], tokenizer(p["rejected"])["input_ids"]
+            shared, total = shared + 2 * common_prefix_length(c, r), total + len(c) + len(r)
+        return shared / total
+
+    pairs = generate_pairs(500, seed=0, split="train", multi_turn=True)
+    assert pairs != generate_pairs(500, seed=0, split="train")
+    for p in pairs:
+        assert p["chosen"].count("\n\nHuman:") >= 2
+        assert _split_last_answer(p["chosen"])[0] == _split_last_answer(p["rejected"])[0]
+        assert tokenizer.unk_token_id not in tokenizer(p["chosen"] + p["rejected"])["input_ids"]
+    multi, single = prefix_share(pairs), prefix_share(generate_pairs(500, seed=0, split="train"))
+    assert multi > 0.95 and multi > single, (multi, single)

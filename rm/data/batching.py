@@ -106,3 +106,25 @@ def split_by_tokens(indices: Sequence[int], pair_tokens: Sequence[int], max_toke
         batches[-1].append(i)
         used += pair_tokens[i]
     return batches
+
+
+def even_out(batches: List[List[int]], count: int) -> List[List[int]]:
+    """Split the largest micro-batches in two until there are ``count`` of them (DDP with ``train.packing``).
+
+    DDP runs collectives inside forward passes (its bucket rebuild after the first synchronised
+    backward), so every rank must run the same number of micro-batches per step; a token budget
+    gives ranks different numbers. Halving keeps every micro-batch within the budget and the
+    weights by share keep the gradient unchanged.
+
+    Example:
+        >>> even_out([[0, 1, 2, 3], [4]], 3)
+        [[0, 1], [2, 3], [4]]
+    """
+    batches = [list(b) for b in batches]
+    while len(batches) < count:
+        i = max(range(len(batches)), key=lambda j: len(batches[j]))
+        if len(batches[i]) < 2:
+            raise ValueError(f"cannot cut {sum(map(len, batches))} pairs into {count} micro-batches")
+        half = len(batches[i]) // 2
+        batches[i:i + 1] = [batches[i][:half], batches[i][half:]]
+    return batches

@@ -23,7 +23,8 @@ def _raw_split(data_cfg: DataConfig, split: str) -> datasets.Dataset:
     limit = data_cfg.max_train_samples if train else data_cfg.max_eval_samples
     if data_cfg.source == "synthetic":
         size = data_cfg.synthetic_train_size if train else data_cfg.synthetic_test_size
-        ds = datasets.Dataset.from_list(generate_pairs(size, seed=data_cfg.synthetic_seed, split="train" if train else "test"))
+        ds = datasets.Dataset.from_list(generate_pairs(size, seed=data_cfg.synthetic_seed, split="train" if train else "test",
+                                                         multi_turn=data_cfg.synthetic_multi_turn))
         return ds.select(range(min(limit, len(ds)))) if limit is not None else ds
     files = data_cfg.train_files if train else data_cfg.eval_files
     return load_preference_split(

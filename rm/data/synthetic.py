@@ -37,6 +37,17 @@ Filler turns (greetings, chit-chat) of varied length come before the task so
 that sequence lengths have a long-tailed spread: most transcripts are short, a
 few are several times the median, and nearly all stay under ~120 words.
 
+**Multi-turn mode** (``multi_turn=True``, ``data.synthetic_multi_turn``): every
+conversation first has 1 to 4 earlier exchanges of chit-chat (human turns of 1 to
+3 sentences, assistant replies of 1 to 2), as HH-RLHF conversations do, so the
+prompt the two transcripts share carries most of each pair's tokens: with the
+builtin tokenizer, a median of 139 tokens per side and about 98% of a pair's
+tokens in the prompt (counted once per side; prompt : answers about 23 : 1),
+against 33 tokens and 93% in single-turn mode.
+This is the data on which scoring the shared prompt once (``train.share_prefix``)
+pays. The task and the answers are drawn as in single-turn mode, from the same
+closed vocabulary.
+
 The generator uses a closed vocabulary: :data:`VOCABULARY` is derived from every
 literal fragment and slot value below, split the way the ``tokenizers``
 ``Whitespace`` pre-tokenizer splits text (``\\w+|[^\\w\\s]+``), so the word-level
@@ -304,7 +315,23 @@ _TASKS = {
 }
 
 
-def _one_pair(rng: random.Random) -> dict[str, str]:
+# Multi-turn mode: earlier exchanges, and sentences per human turn / per assistant reply in them.
+_HISTORY_EXCHANGES = (1, 4)
+_HISTORY_HUMAN_SENTENCES = (1, 3)
+_HISTORY_ASSISTANT_SENTENCES = (1, 2)
+
+
+def _history(rng: random.Random) -> list[tuple[str, str]]:
+    """Earlier exchanges of a multi-turn conversation: chit-chat before the task."""
+    turns: list[tuple[str, str]] = []
+    for _ in range(rng.randint(*_HISTORY_EXCHANGES)):
+        human = " ".join(rng.sample(_FILLER_HUMAN, rng.randint(*_HISTORY_HUMAN_SENTENCES)))
+        reply = " ".join(rng.sample(_FILLER_ASSISTANT, rng.randint(*_HISTORY_ASSISTANT_SENTENCES)))
+        turns += [("Human", human), ("Assistant", reply)]
+    return turns
+
+
+def _one_pair(rng: random.Random, multi_turn: bool = False) -> dict[str, str]:
     """Draws one pair (without regard to the split)."""
     names = list(_TASK_WEIGHTS)
     task = rng.choices(names, weights=[_TASK_WEIGHTS[n] for n in names])[0]
@@ -313,6 +340,8 @@ def _one_pair(rng: random.Random) -> dict[str, str]:
         turns = _filler_turns(rng) + turns
     if rng.random() < _UNHELPFUL_PROB:
         rejected = rng.choice(_UNHELPFUL)
+    if multi_turn:  # drawn last, so that the single-turn stream of draws is unchanged by the option's existence
+        turns = _history(rng) + turns
     prefix = _transcript(turns) + "\n\nAssistant: "
     return {"chosen": prefix + chosen, "rejected": prefix + rejected}
 
@@ -329,7 +358,7 @@ def _split_of(pair: dict[str, str]) -> str:
     return "test" if int.from_bytes(digest[:8], "big") % 100 < _TEST_BUCKETS else "train"
 
 
-def generate_pairs(n: int, seed: int, split: str) -> list[dict[str, str]]:
+def generate_pairs(n: int, seed: int, split: str, multi_turn: bool = False) -> list[dict[str, str]]:
     """Generates synthetic HH-RLHF style preference pairs.
 
     Args:
@@ -338,6 +367,8 @@ def generate_pairs(n: int, seed: int, split: str) -> list[dict[str, str]]:
             seed gives different train and test data.
         split: ``"train"`` or ``"test"``. Pairs are additionally filtered by a
             stable hash so the two splits never share an identical pair.
+        multi_turn: Precede every task with 2 to 6 exchanges of chit-chat, so that
+            the shared prompt carries most of the tokens (see the module doc).
 
     Returns:
         A list of ``n`` dicts with keys ``"chosen"`` and ``"rejected"``, each a
@@ -353,10 +384,10 @@ def generate_pairs(n: int, seed: int, split: str) -> list[dict[str, str]]:
         raise ValueError(f"n must be >= 0, got {n}")
     # A string seed is hashed deterministically by random.Random (version 2),
     # independent of PYTHONHASHSEED.
-    rng = random.Random(f"rm-synthetic:{seed}:{split}")
+    rng = random.Random(f"rm-synthetic:{seed}:{split}" + (":multi-turn" if multi_turn else ""))
     pairs: list[dict[str, str]] = []
     while len(pairs) < n:
-        pair = _one_pair(rng)
+        pair = _one_pair(rng, multi_turn)
         if _split_of(pair) == split:
             pairs.append(pair)
     return pairs
