@@ -245,11 +245,13 @@ def adapter_base(directory: Path) -> Optional[str]:
     return name
 
 
-def save_base(base_model: torch.nn.Module, tokenizer, directory: Path) -> Path:
+def save_base(base_model: torch.nn.Module, tokenizer, directory: Path, final_dir: Optional[Path] = None) -> Path:
     """Save an adapter's random-init base as ``directory/base`` and name it in ``adapter_config.json``.
 
     The path is written absolute, as PEFT and transformers resolve ``base_model_name_or_path``
     from the working directory; :func:`adapter_base` falls back to ``base/`` if it moves.
+    ``final_dir``: where ``directory`` will be renamed to (rm.train writes ``final/`` in a temporary
+    directory first); the base is named there.
 
     Returns:
         The base's directory.
@@ -260,7 +262,8 @@ def save_base(base_model: torch.nn.Module, tokenizer, directory: Path) -> Path:
     base_model.save_pretrained(base_dir, safe_serialization=True)
     tokenizer.save_pretrained(base_dir)  # so that the base loads on its own too (pipeline, TRL)
     write_compat_fields(base_dir)
-    _edit_json(directory / ADAPTER_CONFIG, lambda c: c.update(base_model_name_or_path=str(base_dir.resolve())))
+    named = (Path(final_dir) / BASE_DIR).resolve() if final_dir is not None else base_dir.resolve()
+    _edit_json(directory / ADAPTER_CONFIG, lambda c: c.update(base_model_name_or_path=str(named)))
     return base_dir
 
 
@@ -341,8 +344,12 @@ def export_final(
     merge: bool = False,
     base_factory: Optional[Callable[[], torch.nn.Module]] = None,
     base_is_random: bool = False,
+    final_dir: Optional[Path] = None,
 ) -> Path:
     """Save the trained model as a bundle and verify it; every process calls this.
+
+    ``final_dir``: where the caller will rename ``directory`` once it is verified (an adapter names
+    its saved base there).
 
     Every process gathers the weights (ZeRO-3) and scores the probe in memory; the main process
     writes, reloads and compares (and with ``merge`` writes and verifies ``merged/``); the verdict
@@ -379,7 +386,7 @@ def export_final(
         del state_dict
         adapter = (directory / ADAPTER_CONFIG).is_file()
         if adapter and base_is_random and base_factory is not None:
-            save_base(base_factory(), tokenizer, directory)
+            save_base(base_factory(), tokenizer, directory, final_dir)
         # The reload runs on the CPU: on the training device it would sit beside the trained model and its
         # optimizer states (a second copy of the weights, 14 GB at 7B), a peak the run never needed.
         # rm.estimate counts it in host RAM instead.

@@ -449,6 +449,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
             reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
             merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
             base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
+            final_dir=final_dir,
         )
         if engine.is_main_process:
             os.replace(tmp_final, final_dir)
