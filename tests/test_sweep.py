@@ -37,7 +37,7 @@ def summary_rows(sweep_dir):
 
 
 def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
-    proc = multirun(["hardware.device_memory_gib=0.032", "train.track_memory=true",
+    proc = multirun(["hardware.device_memory_gib=0.032", "hardware.headroom_gib=0", "train.track_memory=true",
                      "memory_profile=full,lora,8bit,offload", "lora.r=8,16"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = summary_rows(tmp_path)
@@ -86,7 +86,7 @@ def test_optuna_study_of_three_trials_counts_refusals_as_failed_trials(tmp_path)
     # lora.r=32 does not fit in 0.0319 GiB (32.7 MiB; r16 needs 33.4), r4 does. The sampler's seed is
     # train.seed: with 1, TPE's three random start-up trials draw r = 4, 32, 4.
     proc = subprocess.run(
-        [sys.executable, "-m", "rm.train", "-m", "hparams_search=lora_optuna", *SMALL_RUN, "hardware.device_memory_gib=0.0319",
+        [sys.executable, "-m", "rm.train", "-m", "hparams_search=lora_optuna", *SMALL_RUN, "hardware.device_memory_gib=0.0319", "hardware.headroom_gib=0",
          "train.seed=1", "hydra.sweeper.n_trials=3",
          "hydra.sweeper.sampler.n_startup_trials=3",
          "lora.r=choice(4,32)", f"hydra.sweep.dir={tmp_path}"],
