@@ -73,8 +73,28 @@ def long_pairs(path: Path, pairs: int = 64) -> Path:
 
 
 def point(model: str, profile: str, checkpointing: bool, length: int, workdir: Path, distributed: str = "auto",
-          nproc: int = 1, accumulation: int = 2, extra=(), data=None) -> dict:
-    """Train 2 steps with live-tensor tracking and return estimate vs measurement (the worst rank's error)."""
+          nproc: int = 1, accumulation: int = 2, extra=(), data=None, repeats: int = 1) -> dict:
+    """Train 2 steps with live-tensor tracking and return estimate vs measurement (the worst rank's error).
+
+    ``repeats``: run the point that many times and take each rank's highest peak (the one that runs out of
+    memory); the lowest is kept as ``measured_min_per_rank_mib`` to show the run-to-run spread."""
+    runs = [_run_point(model, profile, checkpointing, length, workdir, distributed, nproc, accumulation, extra, data)
+            for _ in range(repeats)]
+    est, memory = runs[0]
+    ranks = [max((run[1]["ranks"][i] for run in runs), key=lambda r: r["peak_allocated_bytes"]) for i in range(len(memory["ranks"]))]
+    lowest = [min(run[1]["ranks"][i]["peak_allocated_bytes"] for run in runs) / 2**20 for i in range(len(ranks))]
+    errors = [100 * (est - r["peak_allocated_bytes"]) / r["peak_allocated_bytes"] for r in ranks]
+    worst = max(range(len(ranks)), key=lambda i: abs(errors[i]))
+    return {"model": model, "profile": profile, "distributed": distributed, "checkpointing": checkpointing, "max_length": length,
+            "nproc": nproc, "accumulation": accumulation, "repeats": repeats,
+            "estimate_mib": est / 2**20, "measured_mib": ranks[worst]["peak_allocated_bytes"] / 2**20,
+            "measured_per_rank_mib": [r["peak_allocated_bytes"] / 2**20 for r in ranks], "measured_min_per_rank_mib": lowest,
+            "rss_growth_per_rank_mib": [r.get("peak_rss_growth_bytes", 0) / 2**20 for r in ranks],
+            "error_pct": errors[worst], "errors_per_rank_pct": errors, "phase": memory["phase"]}
+
+
+def _run_point(model, profile, checkpointing, length, workdir, distributed, nproc, accumulation, extra, data):
+    """One training run of the point: (the estimate in bytes, {"ranks": each rank's measurement, "phase": ...})."""
     run_dir = workdir / f"{len(list(workdir.iterdir()))}"
     data = data or ["data.synthetic_train_size=256", "data.synthetic_test_size=8"]
     # experiment=tiny shares prefixes; the layouts of the grid are measured on plain pairs unless a point asks.
@@ -94,20 +114,12 @@ def point(model: str, profile: str, checkpointing: bool, length: int, workdir: P
     if proc.returncode != 0:
         raise SystemExit(f"{model} {profile} {distributed} x{nproc} failed:\n{proc.stderr[-3000:]}")
     memory = json.loads((run_dir / "memory.json").read_text())
-    est = memory["estimate"]["peak_bytes"]
     ranks = memory.get("measured_per_rank") or [memory["measured"]]
-    errors = [100 * (est - r["peak_allocated_bytes"]) / r["peak_allocated_bytes"] for r in ranks]
-    worst = max(range(len(ranks)), key=lambda i: abs(errors[i]))
-    return {"model": model, "profile": profile, "distributed": distributed, "checkpointing": checkpointing, "max_length": length,
-            "nproc": nproc, "accumulation": accumulation,
-            "estimate_mib": est / 2**20, "measured_mib": ranks[worst]["peak_allocated_bytes"] / 2**20,
-            "measured_per_rank_mib": [r["peak_allocated_bytes"] / 2**20 for r in ranks],
-            "rss_growth_per_rank_mib": [r.get("peak_rss_growth_bytes", 0) / 2**20 for r in ranks],
-            "error_pct": errors[worst], "errors_per_rank_pct": errors, "phase": memory["estimate"]["peak_phase"]}
+    return memory["estimate"]["peak_bytes"], {"ranks": ranks, "phase": memory["estimate"]["peak_phase"]}
 
 
-def multi_process_rows(models, workdir: Path, quick: bool) -> list:
-    """2-process points: every layout, two model sizes, accumulation 1 and 2."""
+def multi_process_rows(models, workdir: Path, quick: bool, repeats: int) -> list:
+    """2-process points: every layout, two model sizes, accumulation 1 and 2, each run ``repeats`` times."""
     data = long_pairs(workdir / "long_pairs.jsonl")
     data_overrides = ["data=local", f"data.train_files=[{data}]", f"data.eval_files=[{data}]"]
     rows = []
@@ -115,7 +127,7 @@ def multi_process_rows(models, workdir: Path, quick: bool) -> list:
         for name, (profile, dist) in LAYOUTS.items():
             for accumulation in ([2] if quick else [1, 2]):
                 row = point(model, profile, False, 64, workdir, dist[0], nproc=2, accumulation=accumulation,
-                            extra=dist[1:], data=data_overrides)
+                            extra=dist[1:], data=data_overrides, repeats=repeats)
                 row["layout"] = name
                 rows.append(row)
                 print(json.dumps(row), flush=True)
@@ -230,9 +242,11 @@ RESULTS = ROOT / "docs" / "memory_calibration.json"  # every row, so that one pa
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny and small models only")
-    parser.add_argument("--part", choices=["all", "single", "multi"], default="all",
-                        help="single: one-process grid; multi: the 2-process layouts; the other part is kept from "
-                             "docs/memory_calibration.json")
+    parser.add_argument("--part", choices=["all", "single", "zero", "multi"], default="all",
+                        help="single: one-process grid (with the ZeRO rows); zero: the one-process ZeRO rows; multi: the "
+                             "2-process layouts; the other parts are kept from docs/memory_calibration.json")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per 2-process point; each rank's highest peak is compared (default 2)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dry-run", action="store_true", help="with --device cuda: two tiny points on the CPU")
     parser.add_argument("--out", default=None)
@@ -250,11 +264,12 @@ def main() -> None:
     rows, zero_rows, multi_rows = saved.get("single", []), saved.get("zero", []), saved.get("multi", [])
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.part in ("all", "single"):
-            rows, zero_rows = [], []
+        if args.part in ("all", "single", "zero"):
+            rows = rows if args.part == "zero" else []
+            zero_rows = []
             for model in models:
                 lengths = [64, 128] if model.startswith("medium") else [32, 128]
-                for profile in PROFILES:
+                for profile in PROFILES if args.part != "zero" else []:
                     for checkpointing in [False, True]:
                         for length in lengths:
                             rows.append(point(model, profile, checkpointing, length, Path(tmp)))
@@ -263,7 +278,7 @@ def main() -> None:
                     zero_rows.append(point(model, "full", False, 64, Path(tmp), distributed))
                     print(json.dumps(zero_rows[-1]), flush=True)
         if args.part in ("all", "multi"):
-            multi_rows = multi_process_rows([m for m in models if not m.startswith("tiny")], Path(tmp), args.quick)
+            multi_rows = multi_process_rows([m for m in models if not m.startswith("tiny")], Path(tmp), args.quick, args.repeats)
     elapsed = time.perf_counter() - start
     RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows}, indent=1) + "\n")
     write_doc(out, rows, zero_rows, multi_rows, args, elapsed)
@@ -311,13 +326,17 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
             f"the error is the estimate against each rank. Largest error **{worst_multi:.2f}%**, lowest {lowest:+.2f}%",
             "(target: within 5% of every rank, never more than 2% under).",
             "",
+            f"Each point ran {multi_rows[0].get('repeats', 1)} times; a rank's measured peak is its highest (the one that",
+            "runs out of memory), the lowest is in brackets.",
+            "",
             "| model | layout | accumulation | estimate (MiB) | rank 0 (MiB) | rank 1 (MiB) | error rank 0 | error rank 1 | peak phase |",
             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in multi_rows:
             m, e = r["measured_per_rank_mib"], r["errors_per_rank_pct"]
-            lines.append(f"| {r['model']} | {r['layout']} | {r['accumulation']} | {r['estimate_mib']:.2f} | {m[0]:.2f} | "
-                         f"{m[1]:.2f} | {e[0]:+.2f}% | {e[1]:+.2f}% | {r['phase']} |")
+            lo = r.get("measured_min_per_rank_mib", m)
+            lines.append(f"| {r['model']} | {r['layout']} | {r['accumulation']} | {r['estimate_mib']:.2f} | {m[0]:.2f} ({lo[0]:.2f}) | "
+                         f"{m[1]:.2f} ({lo[1]:.2f}) | {e[0]:+.2f}% | {e[1]:+.2f}% | {r['phase']} |")
         misses = [r for r in multi_rows if max(r["errors_per_rank_pct"]) > 5 or min(r["errors_per_rank_pct"]) < -2]
         if misses:
             lines += ["", "Points outside the target: " + "; ".join(

@@ -103,6 +103,15 @@ class DistributedConfig:
     num_processes: int = 0
 
 
+# The data policies' values (what each does: rm.data.preference's docstring). Here, beside the schema, so
+# that validating a config does not import the data pipeline (datasets and pyarrow take seconds to import).
+FORMATS = ("auto", "hh", "prompt", "messages")
+TRUNCATION = ("truncate", "drop", "error")
+IDENTICAL_PAIRS = ("drop", "keep")
+DUPLICATES = ("keep", "drop")
+ON_MALFORMED = ("skip", "error")
+
+
 @dataclass
 class DataConfig:
     """Where the preference pairs come from and how they are cut to length."""

@@ -33,8 +33,28 @@ import torch.distributed as dist
 
 MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket, in elements
-DEEPSPEED_PREFETCH = 50_000_000  # ZeRO-3 parameters fetched ahead (stage3_prefetch_bucket_size), in elements
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # ZeRO-3 gathered parameters kept at once (stage3_max_live_parameters), in elements
+
+
+def deepspeed_buckets(zero_stage: int, hidden_size: int, trainable_params: int) -> Dict[str, int]:
+    """DeepSpeed's buffer sizes (in elements) for a run; ``rm.estimate`` sizes its terms from the same numbers.
+
+    ``reduce``: each gradient bucket, allocated at full size, never more than the trainable parameters.
+    ZeRO-1/2 keep DeepSpeed's 5e8 default: one reduction at the end of the backward (measured and
+    modelled). ZeRO-3 takes transformers' Trainer "auto" values (``transformers.integrations.deepspeed``,
+    ``trainer_config_finalize``), scaled by the hidden size: ``reduce`` hidden^2; ``prefetch`` 0.9 x hidden^2
+    parameters gathered ahead of use (DeepSpeed's 5e7 gathers a coalesced copy of up to 200 MB in fp32 beside
+    each parameter's own); ``persistence``: parameters under 10 x hidden stay whole on every rank.
+
+        >>> deepspeed_buckets(3, 4096, 7_110_664_192)
+        {'reduce': 16777216, 'prefetch': 15099494, 'persistence': 40960}
+        >>> deepspeed_buckets(2, 4096, 1_000_000)["reduce"]
+        1000000
+    """
+    square = hidden_size * hidden_size
+    if zero_stage < 3:
+        return {"reduce": min(DEEPSPEED_BUCKET, trainable_params)}
+    return {"reduce": min(square, trainable_params), "prefetch": int(0.9 * square), "persistence": 10 * hidden_size}
 
 
 def deepspeed_config(
@@ -47,8 +67,9 @@ def deepspeed_config(
     zero_stage: int,
     offload_optimizer: bool,
     offload_params: bool,
+    hidden_size: int,
+    trainable_params: int,
     optimizer_params: Optional[Dict] = None,
-    trainable_params: Optional[int] = None,
 ) -> Dict:
     """The DeepSpeed JSON for a run, derived from rm's settings.
 
@@ -64,29 +85,30 @@ def deepspeed_config(
         optimizer_params: with ``offload_optimizer``, the AdamW hyper-parameters
             (``lr``, ``betas``, ``eps``, ``weight_decay``); DeepSpeed then builds its
             CPU Adam. Otherwise the client's torch optimizer is used.
-        trainable_params: caps DeepSpeed's gradient buckets (default 5e8 elements). Each
-            stage-2 bucket is allocated at full size and two are alive at once, so a small
-            model would otherwise reserve 2 x 5e8 elements of gradient buffer.
+        hidden_size, trainable_params: size DeepSpeed's buffers (:func:`deepspeed_buckets`).
 
     Returns:
         A dict for ``deepspeed.initialize(config=...)``.
 
     Example:
         >>> cfg = deepspeed_config(micro_batch_size=2, gradient_accumulation_steps=4, world_size=8,
-        ...     precision="bf16", max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False)
+        ...     precision="bf16", max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False,
+        ...     hidden_size=4096, trainable_params=7_110_664_192)
         >>> cfg["train_batch_size"], cfg["bf16"], cfg["zero_optimization"]["stage"]
         (64, {'enabled': True}, 2)
     """
     zero: Dict = {"stage": zero_stage}
-    bucket = min(DEEPSPEED_BUCKET, trainable_params or DEEPSPEED_BUCKET)
-    zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
+    buckets = deepspeed_buckets(zero_stage, hidden_size, trainable_params)
+    zero.update(reduce_bucket_size=buckets["reduce"], allgather_bucket_size=buckets["reduce"])
     if zero_stage >= 2:
         zero.update(contiguous_gradients=True, overlap_comm=True)
     if zero_stage == 3:
         # Without this, saving a ZeRO-3 model writes empty placeholder tensors.
         zero["stage3_gather_16bit_weights_on_model_save"] = True
-        # DeepSpeed's defaults, stated: rm.estimate sizes the gathered parameters from them.
-        zero.update(stage3_prefetch_bucket_size=DEEPSPEED_PREFETCH, stage3_max_live_parameters=DEEPSPEED_MAX_LIVE)
+        # Stated, since rm.estimate sizes the gathered parameters from them (the live limit and the reuse
+        # distance are DeepSpeed's defaults).
+        zero.update(stage3_prefetch_bucket_size=buckets["prefetch"], stage3_param_persistence_threshold=buckets["persistence"],
+                    stage3_max_live_parameters=DEEPSPEED_MAX_LIVE, stage3_max_reuse_distance=DEEPSPEED_MAX_LIVE)
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if offload_params:

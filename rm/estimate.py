@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE
+from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
 from rm.validate import Plan
 
 GIB = 1024**3
@@ -45,6 +45,7 @@ class ParameterCounts:
     base: int  # the plain model
     largest_layer: int  # one decoder layer: what ZeRO-3 gathers at once
     trainable_tensors: List[int] = field(default_factory=list)  # numel of each trainable tensor
+    tensors: List[int] = field(default_factory=list)  # numel of every parameter tensor (ZeRO-3 partitions each)
 
 
 def _linear_shapes(m: ModelConfig) -> Dict[str, tuple]:
@@ -73,14 +74,14 @@ def parameter_counts(m: ModelConfig, lora: Optional[LoraConfig]) -> ParameterCou
     layer_tensors = [i * o for i, o, _ in shapes.values()] + [o for _, o, b in shapes.values() if b] + [h, h]
     layer = sum(layer_tensors)
     base = m.vocab_size * h + m.num_hidden_layers * layer + h + h  # embedding, layers, final norm, score (h x 1)
+    base_tensors = [m.vocab_size * h] + layer_tensors * m.num_hidden_layers + [h, h]
     if lora is None:
-        tensors = [m.vocab_size * h] + layer_tensors * m.num_hidden_layers + [h, h]
-        return ParameterCounts(base, base, base, layer, tensors)
+        return ParameterCounts(base, base, base, layer, base_tensors, base_tensors)
     adapter = [lora.r * n for name in lora.target_modules if name in shapes for n in shapes[name][:2]]
     adapters = m.num_hidden_layers * sum(adapter)
     # PEFT's modules_to_save keeps the original head and trains a copy of it.
     tensors = adapter * m.num_hidden_layers + [h]
-    return ParameterCounts(base + adapters + h, adapters + h, base, layer, tensors)
+    return ParameterCounts(base + adapters + h, adapters + h, base, layer, tensors, base_tensors + tensors)
 
 
 def adamw_state_bytes(tensor_numels: List[int], state_bytes: int, eight_bit: bool) -> int:
@@ -185,7 +186,12 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
             uncalibrated.append("4-bit NF4 weights")
         weights = base_bytes + (counts.trainable - m.hidden_size) * 4 + m.hidden_size * wbytes
         trained_bytes = 4
-    if stage == 3:
+    buckets = deepspeed_buckets(stage, m.hidden_size, counts.trainable)  # as rm.engine.deepspeed_config sets them
+    if stage == 3 and n > 1:
+        # ZeRO-3 shards every parameter but those under stage3_param_persistence_threshold, kept whole on each rank.
+        persistent = sum(x for x in counts.tensors if x < buckets["persistence"]) * wbytes
+        weights = (weights - persistent) // n + persistent
+    elif stage == 3:
         weights = weights // n
     gradients = counts.trainable * trained_bytes
     temporaries = 0
@@ -199,7 +205,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
             uncalibrated.append("DeepSpeed ZeRO-3 buffers")
         shard = math.ceil(counts.trainable / n)
         states = shard * (4 + 8)  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
-        bucket = min(DEEPSPEED_BUCKET, counts.trainable)  # as rm.engine.deepspeed_config sets it
+        bucket = buckets["reduce"]
         if stage >= 2:
             gradients = shard * trained_bytes
             if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
@@ -209,13 +215,15 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
             temporaries += bucket * trained_bytes
         if stage == 3 and n > 1:
-            # Measured on 2 CPU processes: one gradient bucket, and gathered parameters held twice at once (the
-            # coalesced all-gather buffer and each parameter's own copy of it). How many are gathered at once
-            # depends on DeepSpeed's prefetch and live-parameter limits: above the 5e7-element prefetch the
-            # 134M model held about 1e8, so the estimate takes the live limit (up to the whole model), the
-            # safe side, until it is modelled from DeepSpeed's coordinator.
-            gathered = min(counts.total, DEEPSPEED_MAX_LIVE) * wbytes
-            temporaries = bucket * trained_bytes + 2 * gathered
+            # DeepSpeed's coordinator (partitioned_param_coordinator.py) releases a parameter after its module
+            # runs unless it is used again within stage3_max_reuse_distance elements of the trace: every
+            # parameter gathered in the forward is used again in the backward, so up to that distance (and the
+            # live limit) all of them are alive when the backward starts. Measured on 2 CPU processes: every
+            # non-persistent parameter gathered once, one gradient bucket, and the reduce-scatter input of the
+            # largest gradient (a parameter bigger than the bucket is reduced on its own).
+            persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
+            gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
+            temporaries = bucket * trained_bytes + gathered + max(counts.trainable_tensors) * trained_bytes
         elif stage == 3:
             temporaries += counts.largest_layer * wbytes  # one layer gathered at a time
         if profile.offload_optimizer:

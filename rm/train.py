@@ -168,6 +168,7 @@ def build_engine(cfg: RunConfig, plan: Plan):
             optimizer_params={
                 "lr": t.learning_rate, "betas": (t.adam_beta1, t.adam_beta2), "eps": t.adam_epsilon, "weight_decay": t.weight_decay,
             },
+            hidden_size=cfg.model.hidden_size,
             trainable_params=parameter_counts(cfg.model, cfg.lora if cfg.memory_profile.use_lora else None).trainable,
         )
         return DeepSpeedEngine(cpu=plan.device == "cpu", config=config)

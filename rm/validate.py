@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Tuple
 
-from rm.config import ALL_LINEAR, RunConfig
-from rm.data.preference import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
+from rm.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, RunConfig
 from rm.diagnostics import eval_keys
 from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 
