@@ -298,6 +298,12 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     if m.pretrained:
         # from_pretrained reads the checkpoint into host memory in every process before moving it.
         host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
+    if t.resume and plan.device == "cuda":
+        # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
+        # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
+        # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.
+        saved = math.ceil(counts.trainable / n) * (4 + 8) if plan.strategy == "deepspeed" else states
+        host += plan_procs_per_node(cfg, plan) * saved
     # The export check reloads the saved model on the CPU of the main process (rm.export), beside
     # whatever the host already holds for this node's processes.
     host += counts.total * wbytes

@@ -75,6 +75,22 @@ def test_mistral_7b_offload_keeps_states_on_the_host_by_hand():
     assert est.temporaries >= 2 * 500_000_000 * 2
 
 
+def test_resume_counts_the_optimizer_states_read_into_host_memory_by_hand():
+    """Resuming Mistral-7B ZeRO-Offload on 8 GPUs reads each process's saved fp32 master and moments
+    (888,833,024 x 12 bytes) into host memory beside what the host already holds; DDP LoRA reads the
+    AdamW moments of the trainable parameters (fp32, 2 x 4 bytes each)."""
+    base = ["memory_profile=offload", "hardware=gpu_64g", "train.micro_batch_size=1", "train.global_batch_size=8",
+            "data.max_length=384"]
+    fresh = estimate_run(*planned(base, world=8))
+    resumed = estimate_run(*planned(base + ["train.resume=true"], world=8))
+    assert resumed.host_ram_bytes_per_node - fresh.host_ram_bytes_per_node == 8 * 888_833_024 * 12
+    assert resumed.peak_bytes == fresh.peak_bytes
+    lora = ["memory_profile=lora", "hardware=h100_80g", "distributed=ddp"]
+    fresh, resumed = estimate_run(*planned(lora, world=2)), estimate_run(*planned(lora + ["train.resume=true"], world=2))
+    assert resumed.host_ram_bytes_per_node - fresh.host_ram_bytes_per_node == 2 * fresh.optimizer_states
+    assert fresh.optimizer_states == 8 * fresh.params_trainable
+
+
 def test_64gb_cards_fit_full_fine_tuning_with_zero_but_not_plain_data_parallel():
     """The 8 x 64 GB report: full fine-tune, 4 pairs x 512 tokens per GPU, no activation checkpointing."""
     base = ["memory_profile=full", "hardware=gpu_64g", "train.gradient_checkpointing=false"]
