@@ -10,6 +10,7 @@ taken on a busy machine are not comparable.
 from __future__ import annotations
 
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,15 +23,19 @@ MISTRAL = ["model=mistral_7b", "memory_profile=lora", "hardware=h100_80g", "trai
 
 
 def wall(argv, repeats: int) -> tuple:
-    """Median and spread of the wall time of a fresh process, and the load average before it."""
-    times, load = [], os.getloadavg()[0]
+    """Median and spread of the wall time of a fresh process, its median CPU time (user + system: less
+    sensitive to other jobs than wall time), and the load average before it."""
+    times, cpu, load = [], [], os.getloadavg()[0]
     for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
         times.append(time.perf_counter() - t0)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         if proc.returncode not in (0, 3):
             sys.exit(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stderr[-2000:]}")
-    return statistics.median(times), min(times), max(times), load
+    return statistics.median(times), min(times), max(times), statistics.median(cpu), load
 
 
 def in_process(repeats: int) -> list:
@@ -42,6 +47,7 @@ from rm.estimate import compose, estimate_run
 from rm.hardware import resolve_hardware
 from rm.validate import resolve_world_size, validate
 import transformers.models.mistral.modeling_mistral
+import peft  # the LoRA trace wraps the model with it
 imports = time.perf_counter() - t0
 out = []
 for i in range({repeats}):
@@ -68,14 +74,14 @@ def main() -> None:
         ("`python -m rm.estimate` (Mistral-7B LoRA, H100)", [sys.executable, "-m", "rm.estimate", *MISTRAL]),
         ("`python -m rm.estimate estimate.json=true` (same)", [sys.executable, "-m", "rm.estimate", *MISTRAL, "estimate.json=true"]),
     ]:
-        median, lo, hi, load = wall(argv, repeats)
-        rows.append((label, f"{median:.2f} s (min {lo:.2f}, max {hi:.2f}, {repeats} runs)", f"{load:.2f}"))
+        median, lo, hi, cpu, load = wall(argv, repeats)
+        rows.append((label, f"{median:.2f} s (min {lo:.2f}, max {hi:.2f}, {repeats} runs)", f"{cpu:.2f} s", f"{load:.2f}"))
     imports, first, *cached, load = in_process(3)
     rows.append(("imports (rm.estimate, transformers' Mistral)", f"{imports:.2f} s", f"{load:.2f}"))
     rows.append(("Mistral-7B estimate after imports, first call", f"{first:.2f} s", f"{load:.2f}"))
     rows.append(("the same, later calls (traces cached)", f"{statistics.median(cached):.3f} s", f"{load:.2f}"))
     print(f"{os.cpu_count()} CPUs; overrides: {' '.join(MISTRAL)}\n")
-    print("| what | time | 1-min load before |\n| --- | ---: | ---: |")
+    print("| what | wall time | CPU time | 1-min load before |\n| --- | ---: | ---: | ---: |")
     for row in rows:
         print("| " + " | ".join(row) + " |")
 

@@ -93,19 +93,41 @@ def point(model: str, profile: str, checkpointing: bool, length: int, workdir: P
             "error_pct": errors[worst], "errors_per_rank_pct": errors, "phase": memory["phase"]}
 
 
-def _run_point(model, profile, checkpointing, length, workdir, distributed, nproc, accumulation, extra, data):
-    """One training run of the point: (the estimate in bytes, {"ranks": each rank's measurement, "phase": ...})."""
-    run_dir = workdir / f"{len(list(workdir.iterdir()))}"
+def run_overrides(model, profile, checkpointing, length, distributed, nproc, accumulation, extra=(), data=None) -> list:
+    """The ``rm.train`` overrides of a grid point (no run directory)."""
     data = data or ["data.synthetic_train_size=256", "data.synthetic_test_size=8"]
     # experiment=tiny shares prefixes; the layouts of the grid are measured on plain pairs unless a point asks.
     plain = [] if any(o.startswith("train.share_prefix") for o in extra) else ["train.share_prefix=false"]
-    overrides = [f"distributed={distributed}", *extra, *plain,
-        "experiment=tiny", *MODELS[model], f"memory_profile={profile}", f"train.gradient_checkpointing={checkpointing}",
-        f"data.max_length={length}", *data,
-        "train.micro_batch_size=2", f"train.global_batch_size={2 * nproc * accumulation}", "train.eval_batch_size=1",
-        "train.max_steps=2", "train.eval_steps=0", "train.logging_steps=1", "train.track_memory=true", "preflight=warn",
-        f"hydra.run.dir={run_dir}",
-    ]
+    return [f"distributed={distributed}", *extra, *plain,
+            "experiment=tiny", *MODELS[model], f"memory_profile={profile}", f"train.gradient_checkpointing={checkpointing}",
+            f"data.max_length={length}", *data,
+            "train.micro_batch_size=2", f"train.global_batch_size={2 * nproc * accumulation}", "train.eval_batch_size=1",
+            "train.max_steps=2", "train.eval_steps=0", "train.logging_steps=1", "train.track_memory=true", "preflight=warn"]
+
+
+def recompute(rows) -> None:
+    """Estimate each saved point again with the estimator as it is now (a pure function of the config), in place:
+    measurements stand, estimates and errors follow the code. Used after a change to the estimate alone."""
+    from rm.estimate import compose, estimate_run
+    from rm.validate import validate
+
+    for r in rows:
+        extra = LAYOUTS[r["layout"]][1][1:] if "layout" in r else ()
+        cfg = compose(run_overrides(r["model"], r["profile"], r["checkpointing"], r["max_length"], r["distributed"],
+                                    r["nproc"], r["accumulation"], extra))
+        source = f"WORLD_SIZE={r['nproc']} from the launcher" if r["nproc"] > 1 else "given"
+        est = estimate_run(cfg, validate(cfg, r["nproc"], source))
+        r["estimate_mib"], r["phase"] = est.peak_bytes / 2**20, est.peak_phase
+        r["errors_per_rank_pct"] = [100 * (r["estimate_mib"] - m) / m for m in r["measured_per_rank_mib"]]
+        worst = max(range(len(r["errors_per_rank_pct"])), key=lambda i: abs(r["errors_per_rank_pct"][i]))
+        r["error_pct"], r["measured_mib"] = r["errors_per_rank_pct"][worst], r["measured_per_rank_mib"][worst]
+
+
+def _run_point(model, profile, checkpointing, length, workdir, distributed, nproc, accumulation, extra, data):
+    """One training run of the point: (the estimate in bytes, {"ranks": each rank's measurement, "phase": ...})."""
+    run_dir = workdir / f"{len(list(workdir.iterdir()))}"
+    overrides = run_overrides(model, profile, checkpointing, length, distributed, nproc, accumulation, extra, data)
+    overrides.append(f"hydra.run.dir={run_dir}")
     launch = [sys.executable, "-m", "rm.train"]
     if nproc > 1:  # every rank on this machine's CPU, over gloo, as train_rm_distributed.sh starts them
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -118,17 +140,40 @@ def _run_point(model, profile, checkpointing, length, workdir, distributed, npro
     return memory["estimate"]["peak_bytes"], {"ranks": ranks, "phase": memory["estimate"]["peak_phase"]}
 
 
-def multi_process_rows(models, workdir: Path, quick: bool, repeats: int) -> list:
-    """2-process points: every layout, two model sizes, accumulation 1 and 2, each run ``repeats`` times."""
+def merge_runs(old: dict, new: dict) -> dict:
+    """One point measured in two sessions: each rank's highest and lowest peak over all the runs."""
+    merged = dict(new, repeats=old.get("repeats", 1) + new["repeats"])
+    merged["measured_per_rank_mib"] = [max(a, b) for a, b in zip(old["measured_per_rank_mib"], new["measured_per_rank_mib"])]
+    merged["measured_min_per_rank_mib"] = [min(a, b) for a, b in zip(old.get("measured_min_per_rank_mib", old["measured_per_rank_mib"]),
+                                                                      new["measured_min_per_rank_mib"])]
+    merged["errors_per_rank_pct"] = [100 * (new["estimate_mib"] - m) / m for m in merged["measured_per_rank_mib"]]
+    worst = max(range(len(merged["errors_per_rank_pct"])), key=lambda i: abs(merged["errors_per_rank_pct"][i]))
+    merged["error_pct"], merged["measured_mib"] = merged["errors_per_rank_pct"][worst], merged["measured_per_rank_mib"][worst]
+    return merged
+
+
+def multi_process_rows(models, workdir: Path, quick: bool, repeats: int, saved=(), layouts=None, accumulations=None,
+                       more_runs: bool = False) -> list:
+    """2-process points: every layout, two model sizes, accumulation 1 and 2, each run ``repeats`` times.
+
+    ``layouts`` / ``accumulations``: measure only these; the other points are kept from ``saved``.
+    ``more_runs``: add the new runs to the saved ones of the same point instead of replacing them."""
     data = long_pairs(workdir / "long_pairs.jsonl")
     data_overrides = ["data=local", f"data.train_files=[{data}]", f"data.eval_files=[{data}]"]
+    kept = {(r["model"], r["layout"], r["accumulation"]): r for r in saved}
     rows = []
     for model in models:
         for name, (profile, dist) in LAYOUTS.items():
             for accumulation in ([2] if quick else [1, 2]):
+                if (layouts and name not in layouts) or (accumulations and accumulation not in accumulations):
+                    if (model, name, accumulation) in kept:
+                        rows.append(kept[(model, name, accumulation)])
+                    continue
                 row = point(model, profile, False, 64, workdir, dist[0], nproc=2, accumulation=accumulation,
                             extra=dist[1:], data=data_overrides, repeats=repeats)
                 row["layout"] = name
+                if more_runs and (model, name, accumulation) in kept:
+                    row = merge_runs(kept[(model, name, accumulation)], row)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -239,12 +284,39 @@ def torch_driver() -> str:
 RESULTS = ROOT / "docs" / "memory_calibration.json"  # every row, so that one part can be rerun alone
 
 
+def run_parts(args, models, tmp: Path, rows, zero_rows, multi_rows):
+    """Measure the parts ``--part`` asks for; the others stay as saved."""
+    if args.part in ("all", "single", "zero"):
+        rows = rows if args.part == "zero" else []
+        zero_rows = []
+        for model in models:
+            lengths = [64, 128] if model.startswith("medium") else [32, 128]
+            for profile in PROFILES if args.part != "zero" else []:
+                for checkpointing in [False, True]:
+                    for length in lengths:
+                        rows.append(point(model, profile, checkpointing, length, tmp))
+                        print(json.dumps(rows[-1]), flush=True)
+            for distributed in ["zero2", "zero3"]:
+                zero_rows.append(point(model, "full", False, 64, tmp, distributed))
+                print(json.dumps(zero_rows[-1]), flush=True)
+    if args.part in ("all", "multi"):
+        multi_rows = multi_process_rows([m for m in models if not m.startswith("tiny")], tmp, args.quick, args.repeats,
+                                        multi_rows, args.layouts, args.accumulation, args.more_runs)
+    return rows, zero_rows, multi_rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny and small models only")
     parser.add_argument("--part", choices=["all", "single", "zero", "multi"], default="all",
                         help="single: one-process grid (with the ZeRO rows); zero: the one-process ZeRO rows; multi: the "
                              "2-process layouts; the other parts are kept from docs/memory_calibration.json")
+    parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="with --part multi: measure only these layouts")
+    parser.add_argument("--accumulation", nargs="*", type=int, help="with --part multi: measure only these accumulations")
+    parser.add_argument("--more-runs", action="store_true",
+                        help="with --part multi: add the runs to the saved ones of the same points (highest peak over all)")
+    parser.add_argument("--recompute", action="store_true",
+                        help="run nothing: estimate the saved points again with the current estimator and rewrite the doc")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per 2-process point; each rank's highest peak is compared (default 2)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -263,22 +335,11 @@ def main() -> None:
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     rows, zero_rows, multi_rows = saved.get("single", []), saved.get("zero", []), saved.get("multi", [])
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.part in ("all", "single", "zero"):
-            rows = rows if args.part == "zero" else []
-            zero_rows = []
-            for model in models:
-                lengths = [64, 128] if model.startswith("medium") else [32, 128]
-                for profile in PROFILES if args.part != "zero" else []:
-                    for checkpointing in [False, True]:
-                        for length in lengths:
-                            rows.append(point(model, profile, checkpointing, length, Path(tmp)))
-                            print(json.dumps(rows[-1]), flush=True)
-                for distributed in ["zero2", "zero3"]:
-                    zero_rows.append(point(model, "full", False, 64, Path(tmp), distributed))
-                    print(json.dumps(zero_rows[-1]), flush=True)
-        if args.part in ("all", "multi"):
-            multi_rows = multi_process_rows([m for m in models if not m.startswith("tiny")], Path(tmp), args.quick, args.repeats)
+    if args.recompute:
+        recompute(rows + zero_rows + multi_rows)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows, zero_rows, multi_rows = run_parts(args, models, Path(tmp), rows, zero_rows, multi_rows)
     elapsed = time.perf_counter() - start
     RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows}, indent=1) + "\n")
     write_doc(out, rows, zero_rows, multi_rows, args, elapsed)
@@ -295,7 +356,7 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
         "# Memory estimate vs measurement (CPU)",
         "",
         f"Regenerate: `python benchmarks/memory_calibration.py` (all parts; `--part single` or `--part multi` reruns one "
-        f"and keeps the other from `docs/memory_calibration.json`). This run: `--part {args.part}`, {elapsed:.0f} s on "
+        f"and keeps the other from `docs/memory_calibration.json`). This run: `{'--recompute' if args.recompute else '--part ' + args.part}`, {elapsed:.0f} s on "
         f"{os.cpu_count()} CPU cores, load average {load[0]:.1f} at the end.",
         "",
         "Each point: 2 optimizer steps of 2 micro-batches of 2 pairs (4 sequences) padded to `max_length`, fp32,",
@@ -326,16 +387,16 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
             f"the error is the estimate against each rank. Largest error **{worst_multi:.2f}%**, lowest {lowest:+.2f}%",
             "(target: within 5% of every rank, never more than 2% under).",
             "",
-            f"Each point ran {multi_rows[0].get('repeats', 1)} times; a rank's measured peak is its highest (the one that",
-            "runs out of memory), the lowest is in brackets.",
+            "A point run several times (runs) compares each rank's highest peak (the one that runs out of memory); the",
+            "lowest is in brackets.",
             "",
-            "| model | layout | accumulation | estimate (MiB) | rank 0 (MiB) | rank 1 (MiB) | error rank 0 | error rank 1 | peak phase |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+            "| model | layout | accumulation | runs | estimate (MiB) | rank 0 (MiB) | rank 1 (MiB) | error rank 0 | error rank 1 | peak phase |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
         ]
         for r in multi_rows:
             m, e = r["measured_per_rank_mib"], r["errors_per_rank_pct"]
             lo = r.get("measured_min_per_rank_mib", m)
-            lines.append(f"| {r['model']} | {r['layout']} | {r['accumulation']} | {r['estimate_mib']:.2f} | {m[0]:.2f} ({lo[0]:.2f}) | "
+            lines.append(f"| {r['model']} | {r['layout']} | {r['accumulation']} | {r.get('repeats', 1)} | {r['estimate_mib']:.2f} | {m[0]:.2f} ({lo[0]:.2f}) | "
                          f"{m[1]:.2f} ({lo[1]:.2f}) | {e[0]:+.2f}% | {e[1]:+.2f}% | {r['phase']} |")
         misses = [r for r in multi_rows if max(r["errors_per_rank_pct"]) > 5 or min(r["errors_per_rank_pct"]) < -2]
         if misses:
@@ -351,20 +412,20 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
 
 
 MULTI_NOTES = [
-    "What the rows show, and why some sit above the target:",
+    "What the rows show:",
     "",
     "- **ZeRO-1/2, the end of a backward.** `allreduce_bucket` flattens the bucket's gradients into a new tensor, and",
     "  `copy_grads_in_partition` then allocates the rank's gradient partition (every parameter touching its slice,",
     "  whole). Whether the flattened copy is freed before the partition is allocated depends on when gloo's worker",
-    "  thread drops its reference: the same point measured both ways in repeated runs (on the 13M model ZeRO-2 at",
-    "  accumulation 1 gave 253.1 MiB on one rank and 276.6 on the other in one run). The estimate counts both alive,",
-    "  the peak that can happen; runs that got the lower one show up to about +11% here. rm also calls",
-    "  `gc.collect()` after each DeepSpeed backward and step: DeepSpeed's old partitions sat in reference cycles,",
-    "  which made the peak swing by a partition between otherwise identical runs.",
-    "- **ZeRO-3** gathers parameters ahead of use and holds them twice for a moment (the coalesced all-gather buffer",
-    "  and each parameter's copy). How many depends on DeepSpeed's prefetch and live-parameter limits; until that is",
-    "  modelled from its coordinator, the estimate takes the live limit (the whole model at these sizes), which is",
-    "  over, the safe side.",
+    "  thread drops its reference, so at accumulation 1 the same point peaks one way in some runs and the other way",
+    "  in others (the bracketed lowest run). The estimate counts both alive, the peak that can happen; these points",
+    "  run 3 times and compare each rank's highest. rm calls `gc.collect()` after each DeepSpeed backward and step:",
+    "  DeepSpeed's old partitions sat in reference cycles, which made the peak swing by a partition between runs.",
+    "- **ZeRO-3** is configured as transformers' Trainer configures `\"auto\"` (`rm.engine.deepspeed_buckets`: bucket",
+    "  hidden^2, prefetch 0.9 x hidden^2, persistence 10 x hidden). DeepSpeed's coordinator keeps a gathered",
+    "  parameter until its reuse in the backward (`stage3_max_reuse_distance`), so the backward starts with every",
+    "  non-persistent parameter gathered once; with it one gradient bucket and the reduce-scatter input of the largest",
+    "  gradient. The step flattens the gradient partition (`_prepare_fp32_grad_for_sub_group`), the one-process peak.",
     "- **DDP** runs with `gradient_as_bucket_view=True`: gradients are views into the reducer's buckets, which exist",
     "  from the wrap on, so one gradient copy is alive for the whole step (before, the buckets were a second copy:",
     "  the -17.6% of issue 13).",

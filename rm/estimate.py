@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
-from rm.validate import Plan
+
+if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
+    from rm.validate import Plan
 
 GIB = 1024**3
 MIB = 1024**2
@@ -43,7 +44,6 @@ class ParameterCounts:
     total: int  # every parameter the training process holds (LoRA: base + adapters + head copy)
     trainable: int
     base: int  # the plain model
-    largest_layer: int  # one decoder layer: what ZeRO-3 gathers at once
     trainable_tensors: List[int] = field(default_factory=list)  # numel of each trainable tensor
     tensors: List[int] = field(default_factory=list)  # numel of every parameter tensor (ZeRO-3 partitions each)
 
@@ -76,12 +76,12 @@ def parameter_counts(m: ModelConfig, lora: Optional[LoraConfig]) -> ParameterCou
     base = m.vocab_size * h + m.num_hidden_layers * layer + h + h  # embedding, layers, final norm, score (h x 1)
     base_tensors = [m.vocab_size * h] + layer_tensors * m.num_hidden_layers + [h, h]
     if lora is None:
-        return ParameterCounts(base, base, base, layer, base_tensors, base_tensors)
+        return ParameterCounts(base, base, base, base_tensors, base_tensors)
     adapter = [lora.r * n for name in lora.target_modules if name in shapes for n in shapes[name][:2]]
     adapters = m.num_hidden_layers * sum(adapter)
     # PEFT's modules_to_save keeps the original head and trains a copy of it.
     tensors = adapter * m.num_hidden_layers + [h]
-    return ParameterCounts(base + adapters + h, adapters + h, base, layer, tensors, base_tensors + tensors)
+    return ParameterCounts(base + adapters + h, adapters + h, base, tensors, base_tensors + tensors)
 
 
 def adamw_state_bytes(tensor_numels: List[int], state_bytes: int, eight_bit: bool) -> int:
@@ -164,6 +164,7 @@ class Estimate:
 def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     """The estimate for a validated config (``cfg.hardware`` already resolved)."""
     from rm.activations import estimate_activations, inference_peak_bytes, shape_from_model_config
+    from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
     from rm.model import DTYPES, weight_dtype
 
     m, t, profile = cfg.model, cfg.train, cfg.memory_profile
@@ -197,6 +198,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     temporaries = 0
     overhead_buffers = 0  # communication and staging buffers that live as long as the engine
     reduction = 0  # DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own
+    step_extra = 0  # buffers only the optimizer step allocates
 
     # Optimizer states, where they live, and what the host keeps.
     host = 0
@@ -224,8 +226,12 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
             persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
             gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
             temporaries = bucket * trained_bytes + gathered + max(counts.trainable_tensors) * trained_bytes
-        elif stage == 3:
-            temporaries += counts.largest_layer * wbytes  # one layer gathered at a time
+        # One process: each partition is its whole parameter and nothing is gathered (measured).
+        if stage == 3:
+            # The step flattens each sub-group's gradient partition (stage3.py, _prepare_fp32_grad_for_sub_group)
+            # and casts the copy to fp32, the optimizer's gradient (sub-groups of DeepSpeed's default 1e9 elements).
+            flat = min(shard, 1_000_000_000)
+            step_extra = flat * trained_bytes + (flat * 4 if trained_bytes != 4 else 0)
         if profile.offload_optimizer:
             # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
             # master weights and moments, the fp32 gradient partition, a weight-dtype copy of the
@@ -326,7 +332,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     kept_gradients = gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
     phases = {
         "forward/backward": backward + temporaries,
-        "optimizer step": step + temporaries,
+        "optimizer step": step + temporaries + step_extra,
         "gradient reduction": reduction,
         "evaluation": weights + states + kept_gradients + evaluation,
         "load": weights,
@@ -504,12 +510,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
+    from rm.cli import without_run_dir
     from rm.config import to_run_config
     from rm.errors import boundary
-    from rm.hardware import resolve_hardware
-    from rm.validate import resolve_world_size, validate
-
-    from rm.cli import without_run_dir
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
 
@@ -522,6 +525,9 @@ def main() -> None:
             if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
                 handler.setStream(sys.stderr)
         with boundary(), contextlib.redirect_stdout(sys.stderr):
+            from rm.hardware import resolve_hardware  # here, not above: `--help` needs no torch
+            from rm.validate import resolve_world_size, validate
+
             cfg = to_run_config(raw)
             cfg.hardware = resolve_hardware(cfg.hardware)
             plan = validate(cfg, *resolve_world_size(cfg, launched=False))
