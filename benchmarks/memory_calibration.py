@@ -113,6 +113,8 @@ def recompute(rows) -> None:
 
     for r in rows:
         extra = LAYOUTS[r["layout"]][1][1:] if "layout" in r else ()
+        r.setdefault("accumulation", 2)  # one-process rows saved before the key existed: point()'s default
+        r.setdefault("measured_per_rank_mib", [r["measured_mib"]])
         cfg = compose(run_overrides(r["model"], r["profile"], r["checkpointing"], r["max_length"], r["distributed"],
                                     r["nproc"], r["accumulation"], extra))
         source = f"WORLD_SIZE={r['nproc']} from the launcher" if r["nproc"] > 1 else "given"
@@ -359,6 +361,7 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
         f"and keeps the other from `docs/memory_calibration.json`). This run: `{'--recompute' if args.recompute else '--part ' + args.part}`, {elapsed:.0f} s on "
         f"{os.cpu_count()} CPU cores, load average {load[0]:.1f} at the end.",
         "",
+        *(PROVENANCE if args.recompute else []),
         "Each point: 2 optimizer steps of 2 micro-batches of 2 pairs (4 sequences) padded to `max_length`, fp32,",
         "measured as the exact peak of live tensor bytes (`train.track_memory=true`). Largest error: "
         f"**{worst:.2f}%**. GPU figures (allocator reserve, CUDA context) are not measured yet: no GPU was available; "
@@ -411,6 +414,17 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
     out.write_text("\n".join(lines) + "\n")
 
 
+# Printed by --recompute, which keeps measurements from several runs: where they came from (as of 2026-11-23).
+PROVENANCE = [
+    "Where the measurements come from (2026-11-23): the one-process grid from a full run on an idle 2-core machine",
+    "(927 s); the one-process ZeRO rows, the 2-process ZeRO-3 rows and the repeated ZeRO-1/2 accumulation-1 rows",
+    "were measured again after DeepSpeed's ZeRO-3 sizing changed, on the same kind of machine at load 8-9; the other",
+    "2-process rows in the session before, at load 7-11. Load changes timings, not live-tensor counts (but see the",
+    "ZeRO-1/2 race below). Every estimate is recomputed with the estimator as committed (`--recompute`).",
+    "",
+]
+
+
 MULTI_NOTES = [
     "What the rows show:",
     "",
@@ -419,8 +433,13 @@ MULTI_NOTES = [
     "  whole). Whether the flattened copy is freed before the partition is allocated depends on when gloo's worker",
     "  thread drops its reference, so at accumulation 1 the same point peaks one way in some runs and the other way",
     "  in others (the bracketed lowest run). The estimate counts both alive, the peak that can happen; these points",
-    "  run 3 times and compare each rank's highest. rm calls `gc.collect()` after each DeepSpeed backward and step:",
-    "  DeepSpeed's old partitions sat in reference cycles, which made the peak swing by a partition between runs.",
+    "  ran 3 times and compare each rank's highest. On the 13M model both outcomes showed (ZeRO-1 reached the",
+    "  estimate on both ranks; ZeRO-2 on rank 1, while rank 0 stayed low in all 3 runs). On the 134M model every",
+    "  run freed the copy first, so the estimate is 9-11% over there: **these are the points still outside the",
+    "  target**. On a GPU the timing is NCCL's and the caching allocator's, not gloo's: the estimate keeps the case",
+    "  that can happen until the GPU calibration shows which one does. rm calls",
+    "  `gc.collect()` after each DeepSpeed backward and step: DeepSpeed's old partitions sat in reference cycles,",
+    "  which made the peak swing by a partition between runs.",
     "- **ZeRO-3** is configured as transformers' Trainer configures `\"auto\"` (`rm.engine.deepspeed_buckets`: bucket",
     "  hidden^2, prefetch 0.9 x hidden^2, persistence 10 x hidden). DeepSpeed's coordinator keeps a gathered",
     "  parameter until its reuse in the backward (`stage3_max_reuse_distance`), so the backward starts with every",
