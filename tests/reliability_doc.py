@@ -48,16 +48,13 @@ Expected errors print one message naming the key, file, row or path and the fix,
 FOOTER = """## Not covered yet
 
 - Under DeepSpeed, a write that fails inside DeepSpeed's own `save_checkpoint` on one rank (its ZeRO
-  optimizer shard) leaves the other ranks in DeepSpeed's closing barrier until the launcher stops them
-  (torchrun does once a rank exits); rm agrees on the outcome only after `save_checkpoint` returns. With
-  DDP every rank ends with exit 5 (see Faults).
-- A write that fails outside a checkpoint or the final model on the main process of several (`metrics.jsonl`,
-  `data_audit.json`, the plots): it exits 5 and the other ranks wait at the next collective until the
-  launcher stops them.
-- Invalid JSON lines are always an error, not a counted skip.
-- A non-string cell in a file read *together with other files* of the split: `datasets` converts it to
-  a string (`7` becomes `"7"`) when an earlier file fixed the column as strings, so it is not reported.
-  Within one file it is (see Data).
+  optimizer shard): that rank exits 5, but the others are in DeepSpeed's closing barrier, which rm cannot
+  reach; they fail there once the failed rank's connection closes (gloo: `Connection closed by peer`, exit 1
+  with a traceback) or wait until the launcher or the collective's timeout stops them (NCCL). With DDP
+  every rank ends with exit 5 (see Faults).
+- A write that fails on the main process of several outside a checkpoint or the final model
+  (`metrics.jsonl`, `data_audit.json`, the plots): it exits 5; the others fail or wait at their next
+  collective as above.
 - A job of a multirun refused for its directory (a reused `hydra.sweep.dir`) leaves the earlier job's
   `job_result.json` in place, so the sweep summary shows the earlier job's result for it; the refusal is in
   the sweep's console output.
