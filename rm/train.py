@@ -328,9 +328,15 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     run_tokens, paused_s, loop_start = 0, 0.0, time.perf_counter()
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
-    stopping = False  # agreed by every rank at the end of each step, unlike the signal itself
+    stopping = False  # agreed by every rank before each step, unlike the signal itself
     with StopRequest() as stop:
-        while step < total_steps and not stopping:
+        while step < total_steps:
+            # A signal must stop every rank at the same step, or the next collective would hang: the ranks agree
+            # before each step whether any of them received one (during the last step, its logging or evaluation).
+            if engine.reduce(torch.tensor(float(stop.signum > 0), device=device)).item():
+                stopping = True
+                stop.signum = stop.signum or signal.SIGTERM
+                break
             micro_batches = micro_batches_for_step(
                 step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
                 plan.world_size, engine.process_index, t.seed, lengths,
@@ -372,11 +378,6 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
             window_steps += 1
             progress.update(1)
 
-            # A signal must stop every rank at the same step, or the next collective would hang: the loop stops on
-            # this agreed flag, and a signal that arrives after it (during evaluation, say) counts at the next step.
-            stopping = bool(engine.reduce(torch.tensor(float(stop.signum > 0), device=device)).item())
-            if stopping and not stop.signum:
-                stop.signum = signal.SIGTERM
             if t.logging_steps and (step % t.logging_steps == 0 or step == total_steps):
                 elapsed = time.perf_counter() - window_start
                 tokens = int(engine.reduce(torch.tensor(window_tokens, device=device), reduction="sum"))
