@@ -126,9 +126,14 @@ def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     return found[-1][1] if found else None
 
 
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> List[str]:
     """Refuse to start a fresh run over an earlier one, or to resume a finished one: a model is never
-    overwritten silently.
+    overwritten silently. Nothing is changed here: it runs before the settings are validated, so that a
+    refused run touches nothing of the directory, and an invalid one replaces nothing.
+
+    Returns:
+        What ``train.overwrite=true`` replaces (names under ``run_dir``), for :func:`replace_earlier_run`
+        once the settings are known to be valid; ``[]`` otherwise.
 
     Raises:
         RunDirError: ``run_dir`` holds a final model, checkpoints or metrics of an earlier run and
@@ -144,20 +149,26 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             "with train.overwrite=true (without train.resume)"
         )
     if not earlier or (resume and not overwrite):
-        return
+        return []
     if resume and overwrite:
         raise RunDirError("train.resume=true and train.overwrite=true contradict each other: continue the run or replace it")
     if overwrite:
-        log.warning("train.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(earlier))
-        for name in earlier:
-            path = run_dir / name
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        return
+        return earlier
     finished = "a finished run (final/)" if "final" in earlier else "an earlier run (" + ", ".join(earlier) + ")"
     raise RunDirError(
         f"{run_dir} already holds {finished}. Continue it with train.resume=true, replace it with "
         "train.overwrite=true, or choose another hydra.run.dir"
     )
+
+
+def replace_earlier_run(run_dir: Path, names: List[str]) -> None:
+    """Delete what :func:`check_run_dir` said ``train.overwrite=true`` replaces."""
+    if not names:
+        return
+    log.warning("train.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(names))
+    for name in names:
+        path = Path(run_dir) / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def weights_are_finite(engine) -> bool:
@@ -167,16 +178,46 @@ def weights_are_finite(engine) -> bool:
     return engine.reduce(torch.tensor(float(not finite), device=device)).item() == 0
 
 
+def failed_ranks(engine, failed: bool) -> List[int]:
+    """Which processes say they failed; every process gets the same answer.
+
+    A collective: every process must call it, failed or not. A process that raised out of a save on its own
+    would leave the others waiting at the next barrier; agreeing first lets every process end the same way.
+    """
+    flags = torch.zeros(engine.num_processes, device=engine.device)
+    flags[engine.process_index] = float(failed)
+    return [rank for rank, flag in enumerate(engine.reduce(flags).tolist()) if flag]
+
+
+def raise_save_failure(err: Optional[BaseException], failed: List[int], what: str, where: Path, after: str,
+                       kind: type = CheckpointError) -> None:
+    """Raise, on one process, the error for writing ``what`` having failed on the processes ``failed``.
+
+    Its own failure when it had one: one of our storage errors as it is, any other storage error
+    (``OSError``, a safetensors error) as ``kind`` (default :class:`CheckpointError`, exit 5) naming
+    ``what`` and the free space at ``where``, anything else (a bug) as it was. A process that did not
+    fail raises ``kind`` naming the processes whose message says why.
+    """
+    if err is not None and (isinstance(err, StorageError) or exit_code(err) != StorageError.exit_code):
+        raise err
+    if err is None:
+        why = f"process(es) {', '.join(map(str, failed))} of this run could not write their part (their message says why)"
+    else:
+        why = write_failure(err, where)
+    raise kind(f"could not write {what}: {why}. {after}") from err
+
+
 def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Optional[Dict] = None) -> Path:
     """Save model, optimizer, scheduler and RNG states for ``step``; keep the newest ``keep``.
 
     Every process takes part (each writes its own shards under ZeRO); the main
-    process alone checksums, renames and prunes.
+    process alone checksums, renames and prunes. The processes agree on the outcome
+    (:func:`failed_ranks`), so a write that fails on one of them fails the save on all.
 
     Raises:
         NonFiniteError: a weight is NaN or infinite; nothing is written, the previous checkpoint stays newest.
-        CheckpointError: a file could not be written (``OSError``, a safetensors error); the temporary
-            directory is removed.
+        CheckpointError: a file could not be written (``OSError``, a safetensors error) on any process;
+            the temporary directory is removed.
     """
     root = checkpoint_root(run_dir)
     final = root / f"checkpoint-{step}"
@@ -189,30 +230,34 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
     if engine.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     engine.wait_for_everyone()
+    error: Optional[BaseException] = None
     try:
         engine.save_state(tmp)
-        engine.wait_for_everyone()
-        if engine.is_main_process:
+    except Exception as err:  # noqa: BLE001  (kept until every process has said how its save went)
+        error = err
+    if not failed_ranks(engine, error is not None) and engine.is_main_process:  # every state file is written
+        try:
             state = {"step": step, "finite": True, "files": _manifest(tmp), "fingerprint": fingerprint}
             with open(tmp / STATE_FILE, "w") as f:
                 json.dump(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-    except Exception as err:
-        if exit_code(err) != StorageError.exit_code:
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+        except Exception as err:  # noqa: BLE001
+            error = err
+    failed = failed_ranks(engine, error is not None)  # the main process's manifest and rename included
+    if failed:
+        if engine.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_checkpoint(run_dir)
-        raise CheckpointError(
-            f"could not write checkpoint-{step} in {root}: {write_failure(err, root)}. "
-            f"The previous checkpoint, {previous or 'none'}, is intact; free space and resume with train.resume=true"
-        ) from err
+        raise_save_failure(
+            error, failed, f"checkpoint-{step} in {root}", root,
+            f"The previous checkpoint, {previous or 'none'}, is intact; free space and resume with train.resume=true",
+        )
     if engine.is_main_process:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
-    engine.wait_for_everyone()
     return final
 
 

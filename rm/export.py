@@ -40,7 +40,7 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Union
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rm.errors import StorageError, boundary
+from rm.errors import ConfigError, StorageError, boundary
 from rm.model import last_token_index, sequence_rewards
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,8 @@ def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] =
         device: where to put the model.
 
     Raises:
-        ValueError: an adapter whose base is not on disk (a random init) and no ``base_model``.
+        ConfigError: an adapter whose base is not on disk (a random init, or a directory that was moved)
+            and no ``base_model``, or a ``base_model`` path that does not exist.
     """
     directory = Path(directory)
     if not (directory / ADAPTER_CONFIG).is_file():
@@ -224,9 +225,17 @@ def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] =
     if not isinstance(base_model, torch.nn.Module):
         name = base_model or adapter_base(directory)
         if not name:
-            raise ValueError(
+            raise ConfigError(
                 f"{directory} is an adapter whose base model is not on disk (adapter_config.json names none "
                 f"and there is no {BASE_DIR}/ beside it): pass the base, or train with lora.merge_on_save=true"
+            )
+        if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+            # transformers would try the path as a Hub id: "Repo id must be in the form ...".
+            named = "given as the base" if base_model else f"named by {directory / ADAPTER_CONFIG}"
+            raise ConfigError(
+                f"{directory} is an adapter whose base model {name} ({named}) does not exist: put the base "
+                "back there, or give where it is now (python -m rm.export <final/> --merge --base <base directory> "
+                "folds the adapter into a plain model that loads on its own)"
             )
         pad_token_id = AutoTokenizer.from_pretrained(directory).pad_token_id
         # Hub checkpoints default to two labels and, for Mistral/Llama, no pad id.
@@ -353,7 +362,7 @@ def export_final(
 
     Every process gathers the weights (ZeRO-3) and scores the probe in memory; the main process
     writes, reloads and compares (and with ``merge`` writes and verifies ``merged/``); the verdict
-    is shared, so every process fails on a mismatch rather than waiting for rank 0.
+    is shared, so every process fails on a mismatch or a failed write rather than waiting for rank 0.
 
     Args:
         engine: an ``rm.engine`` engine.
@@ -370,39 +379,43 @@ def export_final(
             adapter is verified by loading it from there, as a consumer would.
 
     Raises:
-        ExportMismatch: on every process, when a reload does not give the in-memory rewards.
+        ExportMismatch: on the main process, when a reload does not give the in-memory rewards.
+        StorageError: on the other processes when the main one failed (a mismatch, a failed write);
+            the main process raises its own error (``OSError``, a safetensors error, ...).
     """
     directory = Path(directory)
     state_dict = engine.model_state_dict()
     input_ids, attention_mask = probe["input_ids"].to(engine.device), probe["attention_mask"].to(engine.device)
     expected = probe_rewards(model, input_ids, attention_mask, engine.autocast)
-    error: Optional[ExportMismatch] = None
+    error: Optional[BaseException] = None
     if engine.is_main_process:
-        save_bundle(
-            engine.unwrapped_model(), tokenizer, directory, state_dict=state_dict, reward_stats=reward_stats,
-            probe={"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"], "rewards": expected},
-            compute_dtype=compute_dtype,
-        )
-        del state_dict
-        adapter = (directory / ADAPTER_CONFIG).is_file()
-        if adapter and base_is_random and base_factory is not None:
-            save_base(base_factory(), tokenizer, directory, final_dir)
-        # The reload runs on the CPU: on the training device it would sit beside the trained model and its
-        # optimizer states (a second copy of the weights, 14 GB at 7B), a peak the run never needed.
-        # rm.estimate counts it in host RAM instead.
         try:
+            save_bundle(
+                engine.unwrapped_model(), tokenizer, directory, state_dict=state_dict, reward_stats=reward_stats,
+                probe={"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"], "rewards": expected},
+                compute_dtype=compute_dtype,
+            )
+            del state_dict
+            adapter = (directory / ADAPTER_CONFIG).is_file()
+            if adapter and base_is_random and base_factory is not None:
+                save_base(base_factory(), tokenizer, directory, final_dir)
+            # The reload runs on the CPU: on the training device it would sit beside the trained model and its
+            # optimizer states (a second copy of the weights, 14 GB at 7B), a peak the run never needed.
+            # rm.estimate counts it in host RAM instead.
             from_factory = adapter and base_factory is not None and not base_is_random
             verify_bundle(directory, base_model=base_factory() if from_factory else None, device="cpu")
             if merge:
                 merge_adapter(directory, directory / "merged", device="cpu",
                               base_model=base_factory() if base_factory else None)
-        except ExportMismatch as err:
+        except Exception as err:  # noqa: BLE001  (kept until every process has heard of it, then raised)
             error = err
+    # The main process's verdict is shared: a mismatch or a failed write (a full disk) fails the export on
+    # every process, rather than leaving the others at the next barrier.
     failed = engine.reduce(torch.tensor(float(error is not None), device=engine.device)).item()
     if error is not None:
         raise error
     if failed:
-        raise ExportMismatch(f"the main process found that {directory} does not reproduce the in-memory rewards")
+        raise StorageError(f"the main process could not write or verify {directory} (its message says why)")
     return directory
 
 

@@ -17,7 +17,7 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import datasets
 import hydra
@@ -30,8 +30,8 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from rm.checkpoint import (
-    CheckpointError, RunLock, check_run_dir, checkpoint_state, latest_checkpoint, load_checkpoint, resume_candidates,
-    save_checkpoint, write_failure,
+    CheckpointError, RunLock, check_run_dir, checkpoint_state, failed_ranks, latest_checkpoint, load_checkpoint,
+    raise_save_failure, replace_earlier_run, resume_candidates, save_checkpoint,
 )
 from rm.config import RunConfig, to_run_config
 from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, steps_per_epoch
@@ -50,7 +50,8 @@ from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
 from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
 from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
-from rm.errors import NonFiniteError, Refused, StorageError, boundary, exit_code, report
+from rm.errors import NonFiniteError, Refused, StorageError, boundary, report
+from rm.run_record import claim as claim_run_dir, hold_log
 from rm.resume import apply_changes, check_resume
 from rm.resume import fingerprint as fingerprint_of
 
@@ -219,28 +220,38 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]):
     return plan, est
 
 
-def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Dict[str, float]:
+def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = (),
+          on_claim: Optional[Callable[[], None]] = None) -> Dict[str, float]:
     """Run one training job into ``run_dir``; return the final eval metrics and the status.
 
     ``overrides`` are the Hydra overrides the config came from; the pre-flight check
     re-composes them with candidate changes to say which would fit. The run directory is
     locked for the whole job (by the main process: torchrun's ranks are one run).
+    ``on_claim`` is called, once per process, as soon as the directory is known to be this run's
+    (locked and accepted by ``check_run_dir``): before it, nothing of the directory may change.
     """
+    is_main = int(os.environ.get("RANK", "0")) == 0
     # The lock and the memory monitor's dispatch mode are undone however the run ends.
-    with RunLock(run_dir) if int(os.environ.get("RANK", "0")) == 0 else nullcontext(), ExitStack() as cleanup:
-        return _train(cfg, Path(run_dir), overrides, cleanup)
+    with RunLock(run_dir) if is_main else nullcontext(), ExitStack() as cleanup:
+        replaced = []
+        if is_main:  # one process decides (torchrun stops the others if it refuses)
+            replaced = check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
+            if on_claim is not None:
+                on_claim()
+        return _train(cfg, Path(run_dir), overrides, cleanup, replaced, on_claim)
 
 
-def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: ExitStack) -> Dict[str, float]:
+def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: ExitStack, replaced: List[str],
+           on_claim: Optional[Callable[[], None]]) -> Dict[str, float]:
     # ---- setup: validate and estimate memory before anything heavy
     run_dir = Path(run_dir)
     cfg.hardware = resolve_hardware(cfg.hardware)
     plan = validate(cfg, *resolve_world_size(cfg, launched=True))
     plan, estimate = preflight(cfg, plan, overrides)
     t = cfg.train
-    if int(os.environ.get("RANK", "0")) == 0:  # one process decides (torchrun stops the others if it refuses)
-        check_run_dir(run_dir, t.resume, t.overwrite)
     engine = build_engine(cfg, plan)
+    if not engine.is_main_process and on_claim is not None:  # the main process has accepted the directory by now
+        on_claim()
     if engine.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         if plan.strategy == "deepspeed":  # a record of what DeepSpeed was given, generated, never edited
@@ -251,6 +262,10 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     tokenizer = build_tokenizer(cfg.model)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
+    extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
+    total_steps = total_training_steps(cfg, len(train_set))
+    # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
+    replace_earlier_run(run_dir, replaced)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))
@@ -263,7 +278,6 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     train_collator = PackedPairCollator() if t.packing else collator  # train.packing: one row of real tokens, no pads
     if t.share_prefix:  # one sequence per pair, the shared prompt computed once (several pairs per row when packing)
         train_collator = PrefixSharedCollator(packed=t.packing, pad_token_id=tokenizer.pad_token_id)
-    extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # Started before the model exists: everything the step's peak holds (weights, the engine's buckets and
     # partitions, restored states) is counted as it is allocated.
     monitor = MemoryMonitor(engine.device, track_cpu_tensors=t.track_memory).start()
@@ -275,7 +289,6 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     if fp32_head_enabled(cfg.health.fp32_head, plan.precision):
         keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
     model = apply_memory_profile(model, cfg.memory_profile, cfg.lora)
-    total_steps = total_training_steps(cfg, len(train_set))
     model = engine.prepare(
         model,
         lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon),
@@ -316,8 +329,15 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     run_tokens, paused_s, loop_start = 0, 0.0, time.perf_counter()
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
+    stopping = False  # agreed by every rank before each step, unlike the signal itself
     with StopRequest() as stop:
-        while step < total_steps and not stop.signum:
+        while step < total_steps:
+            # A signal must stop every rank at the same step, or the next collective would hang: the ranks agree
+            # before each step whether any of them received one (during the last step, its logging or evaluation).
+            if engine.reduce(torch.tensor(float(stop.signum > 0), device=device)).item():
+                stopping = True
+                stop.signum = stop.signum or signal.SIGTERM
+                break
             micro_batches = micro_batches_for_step(
                 step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
                 plan.world_size, engine.process_index, t.seed, lengths,
@@ -359,9 +379,6 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
             window_steps += 1
             progress.update(1)
 
-            # A signal must stop every rank at the same step, or the next collective would hang.
-            if engine.reduce(torch.tensor(float(stop.signum > 0), device=device)).item() and not stop.signum:
-                stop.signum = signal.SIGTERM
             if t.logging_steps and (step % t.logging_steps == 0 or step == total_steps):
                 elapsed = time.perf_counter() - window_start
                 tokens = int(engine.reduce(torch.tensor(window_tokens, device=device), reduction="sum"))
@@ -404,7 +421,10 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
             "skipped_steps": health.skipped_steps,
         }
 
-        if stop.signum:
+        if stop.signum and step == total_steps:  # trained to the end anyway: the final model, not a checkpoint
+            log.warning("received %s during the last step: writing the final model instead of a checkpoint",
+                        signal.Signals(stop.signum).name)
+        elif stopping:
             path = save_checkpoint(engine, run_dir, step, t.save_total_limit, fingerprint)
             log.warning(
                 "stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
@@ -443,6 +463,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     tmp_final = run_dir / ".tmp-final"
     if engine.is_main_process:
         shutil.rmtree(tmp_final, ignore_errors=True)
+    error: Optional[BaseException] = None
     try:
         export_final(
             engine, model, tokenizer, tmp_final,
@@ -454,16 +475,17 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
         )
         if engine.is_main_process:
             os.replace(tmp_final, final_dir)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001  (every process hears of it first: none may wait for another)
+        error = err
+    failed = failed_ranks(engine, error is not None)
+    if failed:
         if engine.is_main_process:
             shutil.rmtree(tmp_final, ignore_errors=True)
-        if exit_code(err) != StorageError.exit_code or isinstance(err, StorageError):
-            raise
-        raise StorageError(
-            f"could not write the final model to {final_dir}: {write_failure(err, run_dir)}. Nothing was "
-            f"left half-written; free space and run again with train.resume=true (newest checkpoint: "
-            f"{latest_checkpoint(run_dir) or 'none'})"
-        ) from err
+        raise_save_failure(
+            error, failed, f"the final model to {final_dir}", run_dir,
+            f"Nothing was left half-written; free space and run again with train.resume=true (newest checkpoint: "
+            f"{latest_checkpoint(run_dir) or 'none'})", kind=StorageError,
+        )
     log.info("saved the reward model to %s", final_dir)
     metrics.close()
     engine.end()
@@ -531,20 +553,29 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 def _job(cfg: DictConfig) -> Optional[float]:
-    join_submitit_tasks()
-    _quiet_other_ranks()
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
+    # Until train() has the directory (locked, no earlier run in the way), the log stays in memory and
+    # .hydra/ unwritten: a refused run changes no file of an earlier one (rm.run_record).
+    hold_log(run_dir)
+    join_submitit_tasks()
+    _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
     is_main = int(os.environ.get("RANK", "0")) == 0
+    claimed = False
+
+    def claim():
+        nonlocal claimed
+        claim_run_dir(run_dir, cfg, is_main)
+        claimed = True
 
     def record(status, **fields):
-        if multirun and is_main:
+        if multirun and is_main and claimed:  # a refused directory keeps the record of the job that ran there
             write_job_record(run_dir, job_record(overrides, status, job=hydra_cfg.job.num, **fields))
 
     try:
-        result = train(run_cfg, run_dir, overrides)
+        result = train(run_cfg, run_dir, overrides, on_claim=claim)
     except PreflightRefusal as err:
         log.error("refusing to start: the estimated peak does not fit in device memory\n%s", err)
         record("refused", estimate=err.estimate,

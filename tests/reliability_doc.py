@@ -33,7 +33,8 @@ HEADER = """# Bad input and faults: what was tried, what happens, which test
 tests; edit the tests, not this file. tests/test_reliability_doc.py fails when it is out of date. -->
 
 Every row is checked by the test named in its last column; `python -m pytest -q` runs all of them
-except those marked *slow*, which `python -m pytest -q -m slow` runs (CI runs both).
+except those marked *slow*, which `python -m pytest -q -m slow` runs (CI runs the default suite; the
+slow one is run by hand).
 
 Exit codes of every entry point (`rm.train`, `rm.estimate`, `rm.score`, `rm.export`, `rm.gpu_report`):
 0 done; 1 a Hydra composition error (unknown option, wrong type), or a bug in rm (its traceback and a
@@ -46,15 +47,17 @@ Expected errors print one message naming the key, file, row or path and the fix,
 
 FOOTER = """## Not covered yet
 
-- A checkpoint or final-model save failing on one rank of several: the other ranks wait at the next
-  barrier until torchrun's timeout; a single process reports it at once.
-- Invalid JSON lines are always an error, not a counted skip.
-- A non-string cell in a file read *together with other files* of the split: `datasets` converts it to
-  a string (`7` becomes `"7"`) when an earlier file fixed the column as strings, so it is not reported.
-  Within one file it is (see Data).
-- Hydra writes its own record of each invocation (`.hydra/config.yaml`, `overrides.yaml`) into the run
-  directory before rm runs, so a refused run (an earlier run, a held lock) rewrites that record of the
-  earlier run; the model, checkpoints (each with its settings' fingerprint), metrics and audit are untouched.
+- Under DeepSpeed, a write that fails inside DeepSpeed's own `save_checkpoint` on one rank (its ZeRO
+  optimizer shard): that rank exits 5, but the others are in DeepSpeed's closing barrier, which rm cannot
+  reach; they fail there once the failed rank's connection closes (gloo: `Connection closed by peer`, exit 1
+  with a traceback) or wait until the launcher or the collective's timeout stops them (NCCL). With DDP
+  every rank ends with exit 5 (see Faults).
+- A write that fails on the main process of several outside a checkpoint or the final model
+  (`metrics.jsonl`, `data_audit.json`, the plots): it exits 5; the others fail or wait at their next
+  collective as above.
+- A job of a multirun refused for its directory (a reused `hydra.sweep.dir`) leaves the earlier job's
+  `job_result.json` in place, so the sweep summary shows the earlier job's result for it; the refusal is in
+  the sweep's console output.
 - A run lock on a shared file system seen from two hosts: liveness of the holder cannot be checked from
   the other host, so the message names the lock file to delete once that run is known to be gone.
 """

@@ -67,6 +67,26 @@ def test_a_bug_keeps_its_traceback_and_rm_debug_shows_every_traceback(capsys, mo
     assert exited.value.code == 2 and "Traceback" in out and "error: train.seed=-1" in out and BUG_LINE not in out
 
 
+@pytest.mark.reliability("Entry points", "an unexpected exception inside `python -m rm.train` (under Hydra)",
+                         "its traceback, then the line saying it is a bug to report; exit 1 (not "
+                         "Hydra's own report)")
+def test_a_bug_in_the_train_cli_shows_its_traceback_and_the_bug_line(tmp_path):
+    code = (  # a bug planted where rm.train calls it, then run as `python -m rm.train` runs it
+        "import runpy\n"
+        "import rm.model\n"
+        "def build_tokenizer(model_cfg):\n"
+        "    return 1 / 0\n"
+        "rm.model.build_tokenizer = build_tokenizer\n"
+        "runpy.run_module('rm.train', run_name='__main__', alter_sys=True)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, *FAST_TINY, "train.max_steps=2", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "RM_DEBUG": ""})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "Traceback" in out and "ZeroDivisionError: division by zero" in out and BUG_LINE in out, out[-3000:]
+    assert "Set the environment variable HYDRA_FULL_ERROR" not in out  # the boundary, not Hydra, reported it
+
+
 def _run(module, *args, timeout=300):
     proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     return proc.returncode, proc.stdout + proc.stderr
@@ -162,3 +182,36 @@ def test_score_cli_bad_input_exits_2_naming_it(tmp_path, tiny_model_dir, case, c
         code, out = exited.value.code, "".join(capsys.readouterr())
     assert code == 2, out[-3000:]
     assert needle in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.reliability("Entry points", "a LoRA adapter whose base directory is gone (moved), to `rm.score`; "
+                         "`rm.export --merge --base <path>` with a path that does not exist",
+                         "`is an adapter whose base model <path> (named by .../adapter_config.json) does not exist` "
+                         "with the fix, not the Hub's `Repo id must be in the form ...`; exit 2")
+def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model_dir, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    final = tmp_path / "final"
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["score"])).save_pretrained(final)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(final)
+    config = json.loads((final / "adapter_config.json").read_text())
+    config["base_model_name_or_path"] = str(tmp_path / "moved")  # where the base was when it trained
+    (final / "adapter_config.json").write_text(json.dumps(config))
+    good = _write(tmp_path / "pairs.jsonl", [{"chosen": "Human: hi Assistant: yes", "rejected": "Human: hi Assistant: no"}])
+    from rm.score import main as score
+
+    with pytest.raises(SystemExit) as exited, boundary():
+        sys.exit(score(["--model", str(final), "--input", str(good)]))
+    out = "".join(capsys.readouterr())
+    assert exited.value.code == 2 and f"base model {tmp_path / 'moved'} (named by" in out and "--base" in out, out[-3000:]
+    assert "Traceback" not in out and "Repo id" not in out, out[-3000:]
+
+    from rm.export import PROBE_FILE
+    from rm.export import main as export
+
+    (final / PROBE_FILE).write_text("{}")  # what makes a directory a bundle to rm.export; the base fails first
+    assert export([str(final), "--merge", "--base", str(tmp_path / "nope")]) == 2
+    out = "".join(capsys.readouterr())
+    assert f"base model {tmp_path / 'nope'} (given as the base) does not exist" in out and "Traceback" not in out, out[-3000:]

@@ -74,6 +74,41 @@ def test_cli_refuses_an_earlier_run_dir_with_exit_2(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def _files(run_dir):
+    """Every file under ``run_dir`` with its bytes and modification time."""
+    return {str(p.relative_to(run_dir)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.reliability("Faults", "a run refused for its directory (it holds a finished run; `train.resume=true` on it)",
+                         "no file under the directory changes, Hydra's `.hydra/` record and `train.log` included (bytes and "
+                         "mtime): rm writes them only once the directory is the run's; exit 2")
+def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
+    from omegaconf import OmegaConf
+
+    from tests.conftest import compose_run
+
+    run_dir = tmp_path / "run"
+    args = [*FAST_TINY, "train.max_steps=2", "train.save_steps=1", "train.eval_steps=0"]
+    proc = subprocess.run([sys.executable, "-m", "rm.train", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # The record rm wrote once the directory was the run's: what Hydra itself writes.
+    record = run_dir / ".hydra"
+    assert (record / "config.yaml").read_text() == OmegaConf.to_yaml(compose_run(args))
+    assert OmegaConf.load(record / "overrides.yaml") == args
+    assert OmegaConf.load(record / "hydra.yaml").hydra.runtime.output_dir == str(run_dir)
+    assert "saved the reward model" in (run_dir / "train.log").read_text()
+    before = _files(run_dir)
+    assert {"final/model.safetensors", "checkpoints/checkpoint-1/trainer_state.json", "metrics.jsonl"} <= set(before)
+    for extra, needle in [([], "already holds a finished run"), (["train.resume=true"], "there is nothing to resume")]:
+        proc = subprocess.run([sys.executable, "-m", "rm.train", *args, "train.seed=7", *extra, f"hydra.run.dir={run_dir}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=600)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and needle in out and "Traceback" not in out, out[-3000:]
+        after = _files(run_dir)
+        assert after == before, [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
+
+
 @pytest.mark.reliability("Security", "tokens in the environment (`HF_TOKEN`, `WANDB_API_KEY`)", "never in the log, `metrics.jsonl`, the saved Hydra config or any other file of the run")
 def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     secret = "hf_SECRETtoken1234567890"
@@ -303,6 +338,30 @@ def test_a_checkpoint_past_max_steps_is_a_clear_error(six_step_run, tmp_path):
         rm_train.train(_cfg("train.resume=true", "train.resume_allow_changes=true", "train.max_steps=3"), run_dir)
 
 
+@pytest.mark.reliability("Faults", "SIGTERM (a SLURM pre-emption, `kill`) during the last step",
+                         "the run finishes: the final model is written, not a checkpoint at the last step that no "
+                         "resume could continue (it would be at `train.max_steps`); exit 0")
+def test_a_signal_during_the_last_step_finishes_the_run(tiny_cfg, tmp_path, monkeypatch, caplog):
+    import os
+    import signal
+
+    real_step = rm_train.AccelerateEngine.step
+    steps = []
+
+    def step_then_signal(self, skip=False):
+        steps.append(skip)
+        if len(steps) == 4:  # the last step of train.max_steps=4
+            os.kill(os.getpid(), signal.SIGTERM)  # rm.train.StopRequest handles it while the run lasts
+        return real_step(self, skip)
+
+    monkeypatch.setattr(rm_train.AccelerateEngine, "step", step_then_signal)
+    result = rm_train.train(tiny_cfg(*STEPS), tmp_path)
+    assert result["status"] == "ok" and result["step"] == 4
+    assert "received SIGTERM during the last step: writing the final model" in caplog.text
+    assert (tmp_path / "final" / "model.safetensors").is_file()
+    assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2]
+
+
 @pytest.mark.reliability("Faults", "the disk fills (or safetensors fails) while the final model is written",
                          "`could not write the final model to .../final`; no final/ and no temporary directory left, so "
                          "`train.resume=true` continues; exit 5")
@@ -330,7 +389,7 @@ def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monke
                          "no checkpoint is written (never a 'good' one with NaN weights): `NonFiniteError`; exit 4")
 def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
     class Engine:  # the part of rm.engine's interface that saving uses
-        device, is_main_process = torch.device("cpu"), True
+        device, is_main_process, process_index, num_processes = torch.device("cpu"), True, 0, 1
         model = torch.nn.Linear(2, 2)
 
         def unwrapped_model(self):
@@ -403,3 +462,84 @@ def test_a_real_full_disk_exits_5_and_leaves_no_temporary_directory(tmp_path):
     finally:
         subprocess.run(["umount", str(mount)])
         shutil.rmtree(mount, ignore_errors=True)
+
+
+# Run as each rank of a 2-process run: a full disk on one rank only, then rm.train as `python -m rm.train` runs it.
+ONE_RANK_FAILS = r"""
+import errno, os, runpy, sys
+
+fault, faulty_rank = sys.argv.pop(1), sys.argv.pop(1)
+if os.environ["RANK"] == faulty_rank:
+    if fault == "checkpoint":  # every rank writes its part of a checkpoint (its RNG state here)
+        from rm.engine import AccelerateEngine
+
+        real_save = AccelerateEngine.save_state
+
+        def save_state(self, directory):
+            real_save(self, directory)
+            if directory.name.endswith("checkpoint-4"):
+                (directory / "partial").write_bytes(b"partial")
+                raise OSError(errno.ENOSPC, "No space left on device", str(directory / "partial"))
+
+        AccelerateEngine.save_state = save_state
+    else:  # the main process writes the final model
+        import rm.export
+        from safetensors import SafetensorError
+
+        def save_bundle(model, tokenizer, directory, **kwargs):
+            model.config.save_pretrained(directory)
+            raise SafetensorError("Error while serializing: IoError(No space left on device)")
+
+        rm.export.save_bundle = save_bundle
+runpy.run_module("rm.train", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.reliability("Faults", "2 processes (DDP): the disk fills on one rank only, while a checkpoint (rank 1) or the "
+                         "final model (rank 0) is written",
+                         "the ranks agree on the outcome: every rank exits 5 with `could not write checkpoint-4 ...` / "
+                         "`could not write the final model ...` (the others name the rank that failed); none waits at a "
+                         "barrier; no temporary directory, no final/, the previous checkpoint intact")
+@pytest.mark.parametrize("fault, faulty_rank", [("checkpoint", 1), ("final", 0)])
+def test_a_save_failing_on_one_rank_fails_every_rank_without_hanging(tmp_path, fault, faulty_rank):
+    import os
+    import socket
+    import time
+
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(ONE_RANK_FAILS)
+    run_dir = tmp_path / "run"
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    args = [*FAST_TINY, "distributed=ddp", f"train.max_steps={6 if fault == 'checkpoint' else 4}", "train.save_steps=2",
+            "train.eval_steps=0", f"hydra.run.dir={run_dir}"]
+    # Started by hand with torchrun's variables rather than by torchrun, whose agent stops the other ranks
+    # once one exits and would hide a rank left waiting at a barrier.
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+           "PYTHONPATH": str(ROOT), "RM_DEBUG": ""}
+    procs = [subprocess.Popen([sys.executable, str(script), fault, str(faulty_rank), *args], cwd=ROOT, text=True,
+                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for rank in (0, 1)]
+    deadline, outs = time.monotonic() + 420, []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=max(1, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for proc in procs:
+            proc.kill()
+        pytest.fail(f"a rank still runs after {fault} failed on rank {faulty_rank}: it waits for the other at a barrier")
+    what = "checkpoint-4 in" if fault == "checkpoint" else "the final model to"
+    for rank, (proc, out) in enumerate(zip(procs, outs)):
+        assert proc.returncode == 5, f"rank {rank}:\n{out[-3000:]}"
+        assert f"could not write {what}" in out or (rank != faulty_rank and "the main process could not write" in out), out[-3000:]
+        assert "Traceback" not in out, out[-3000:]
+    assert "No space left on device" in outs[faulty_rank]
+    if fault == "checkpoint":
+        assert f"process(es) {faulty_rank} of this run could not write their part" in outs[1 - faulty_rank]
+    assert not list((run_dir / "checkpoints").glob(".tmp-*")) and not (run_dir / ".tmp-final").exists()
+    assert not (run_dir / "final").exists()
+    assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [2] and ckpt.damage(ckpt.latest_checkpoint(run_dir)) is None
+    assert not (run_dir / ckpt.LOCK_FILE).exists()
