@@ -17,6 +17,8 @@ names, health alarms) may change freely.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from array import array
 import logging
 from typing import Dict, List, Optional
 
@@ -46,9 +48,12 @@ def _flat(prefix: str, obj) -> Dict[str, object]:
     return out
 
 
-def fingerprint(cfg: RunConfig, world_size: int) -> Dict[str, object]:
-    """The settings that shape the trajectory, as ``{"group.key": value}`` (JSON-able)."""
+def fingerprint(cfg: RunConfig, world_size: int, train_digest: Optional[str] = None) -> Dict[str, object]:
+    """The settings that shape the trajectory, as ``{"group.key": value}`` (JSON-able), and the train data's
+    :func:`data_digest` when given."""
     fp = _flat("model", cfg.model)
+    if train_digest is not None:
+        fp["data.train_sha256"] = train_digest
     fp.update({k: v for k, v in _flat("data", cfg.data).items() if k.split(".", 1)[1] not in EVAL_DATA_KEYS})
     fp.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_KEYS})
     fp.update(_flat("memory_profile", cfg.memory_profile))
@@ -56,6 +61,17 @@ def fingerprint(cfg: RunConfig, world_size: int) -> Dict[str, object]:
         fp.update({k: v for k, v in _flat("lora", cfg.lora).items() if k != "lora.merge_on_save"})
     fp["world_size"] = world_size  # the per-rank sampling of each step depends on it
     return fp
+
+
+def data_digest(train_set) -> str:
+    """sha256 of the train set's token ids in order (chosen, then rejected, pair by pair): the data that shapes
+    the trajectory, whatever its config keys say. A data file edited in place between a run and its resume
+    changes it, as does a changed tokenizer."""
+    digest = hashlib.sha256()
+    for batch in train_set.select_columns(["chosen_input_ids", "rejected_input_ids"]).iter(batch_size=4096):
+        for chosen, rejected in zip(batch["chosen_input_ids"], batch["rejected_input_ids"]):
+            digest.update(array("i", chosen).tobytes() + b"|" + array("i", rejected).tobytes() + b";")
+    return digest.hexdigest()
 
 
 def changed_keys(saved: Optional[Dict], current: Dict) -> List[str]:

@@ -52,7 +52,7 @@ from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer,
 from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
 from rm.errors import NonFiniteError, Refused, StorageError, boundary, report
 from rm.run_record import claim as claim_run_dir, hold_log
-from rm.resume import apply_changes, check_resume
+from rm.resume import apply_changes, check_resume, data_digest
 from rm.resume import fingerprint as fingerprint_of
 
 log = logging.getLogger("rm.train")
@@ -299,7 +299,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     log.info(summary(cfg, plan, engine, total_steps, len(train_set)))
 
     start_step = 0
-    fingerprint = fingerprint_of(cfg, plan.world_size)  # saved with each checkpoint, compared on resume
+    fingerprint = fingerprint_of(cfg, plan.world_size, data_digest(train_set))  # saved with each checkpoint, compared on resume
     if t.resume:
         start_step = resume(engine, run_dir, cfg, fingerprint, total_steps)
 

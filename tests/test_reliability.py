@@ -305,6 +305,39 @@ def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path)
     assert result["status"] == "ok"
 
 
+@pytest.mark.reliability("Faults", "resume after the training data changed under the same config (a file edited in place)",
+                         "refused naming `data.train_sha256`, the digest of the train token ids")
+def test_resume_refuses_train_data_that_changed_under_the_same_config(six_step_run, tmp_path, monkeypatch):
+    run_dir = _copy(six_step_run, tmp_path)
+    real = rm_train.build_datasets
+
+    def one_pair_edited(data_cfg, tokenizer):
+        train, eval_set, audit = real(data_cfg, tokenizer)
+        ids = list(train["rejected_input_ids"])
+        ids[0] = list(reversed(ids[0]))
+        return train.remove_columns("rejected_input_ids").add_column("rejected_input_ids", ids), eval_set, audit
+
+    monkeypatch.setattr(rm_train, "build_datasets", one_pair_edited)
+    with pytest.raises(rm_train.ConfigError) as err:
+        rm_train.train(_cfg("train.resume=true"), run_dir)
+    assert "data.train_sha256" in str(err.value)
+
+
+def test_data_digest_follows_the_token_ids_and_their_order():
+    import datasets
+
+    from rm.resume import data_digest
+
+    def ds(chosen, rejected):
+        return datasets.Dataset.from_dict({"chosen_input_ids": chosen, "rejected_input_ids": rejected, "margin": [0.0] * len(chosen)})
+
+    base = data_digest(ds([[1, 2], [3]], [[1], [4, 5]]))
+    assert base == data_digest(ds([[1, 2], [3]], [[1], [4, 5]]))
+    assert base != data_digest(ds([[3], [1, 2]], [[4, 5], [1]]))  # order
+    assert base != data_digest(ds([[1, 2], [3]], [[1], [4, 6]]))  # one id
+    assert base != data_digest(ds([[1], [2, 3]], [[1], [4, 5]]))  # where a sequence ends
+
+
 @pytest.mark.reliability("Faults", "resume with `train.resume_allow_changes=true` and a new learning rate",
                          "each change logged, and applied: from the resumed step the schedule runs from the new rate")
 def test_resume_allow_changes_applies_a_new_learning_rate(six_step_run, tmp_path, caplog):
