@@ -179,8 +179,9 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
     if d.source == "hub" and not d.path:
         errors.append("data.source=hub needs data.path, e.g. data.path=Anthropic/hh-rlhf")
     _check_extra_eval_files(d.extra_eval_files, errors)
-    if cfg.model.pretrained is None and cfg.model.tokenizer is None:
-        errors.append(f"model={cfg.model.name} has neither model.pretrained nor model.tokenizer: name a tokenizer")
+    if cfg.model.tokenizer == "builtin":  # the name before the byte-level BPE became the default
+        errors.append("model.tokenizer=builtin is now model.tokenizer=bpe (a byte-level BPE trained on your texts, the "
+                      "default) or model.tokenizer=words (the word-level tokenizer of the synthetic data)")
 
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = t.precision
