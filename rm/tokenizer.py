@@ -26,11 +26,13 @@ from __future__ import annotations
 from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
 
 from rm.data.synthetic import VOCABULARY
 
-__all__ = ["SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "MIN_BPE_VOCAB", "train_bpe_tokenizer", "build_word_level_tokenizer", "text_only"]
+__all__ = [
+    "SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "MIN_BPE_VOCAB", "train_bpe_tokenizer", "train_byte_level_bpe",
+    "build_word_level_tokenizer", "text_only",
+]
 
 # Order fixes the ids: pad=0, unk=1, bos=2, eos=3, in both tokenizers (config.json
 # records them; the byte-level one never emits <unk> but keeps its id for the same layout).
@@ -88,6 +90,12 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
         >>> tok.unk_token_id in tok("Grüße, 東京 🙂")["input_ids"], tok.convert_ids_to_tokens(tok("hello")["input_ids"])
         (False, ['hello'])
     """
+    return _wrap(train_byte_level_bpe(texts, vocab_size), model_max_length)
+
+
+def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """The ``tokenizers`` model of :func:`train_bpe_tokenizer`, before transformers wraps it (this module imports
+    transformers only to wrap, so that this runs without it)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -96,7 +104,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return _wrap(tok, model_max_length)
+    return tok
 
 
 def build_word_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokenizerFast:
@@ -129,6 +137,8 @@ def build_word_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokeni
 
 def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
     """The transformers tokenizer around a ``tokenizers`` one: special tokens, right padding, chat template."""
+    from transformers import PreTrainedTokenizerFast
+
     pad, unk, bos, eos = SPECIAL_TOKENS
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=pad, unk_token=unk, bos_token=bos, eos_token=eos,

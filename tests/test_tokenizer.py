@@ -23,8 +23,9 @@ STRANGE = ["Grüße aus Köln, 東京 and Zürich 🙂", "tab\there\r\nand\u00a0
 
 
 def digest(tokenizer) -> str:
-    """The tokenizer's vocabulary and merges, as one hash."""
-    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest()
+    """The tokenizer's vocabulary and merges (its ``tokenizers`` model), as one hash."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    return hashlib.sha256(json.dumps(json.loads(backend.to_str())["model"], sort_keys=True).encode()).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +57,20 @@ def test_size_is_capped_by_vocab_size_and_never_below_the_bytes():
 
 def test_same_data_and_settings_give_the_same_tokenizer_in_another_process(tiny_cfg):
     """The trainer breaks ties by ids that depend only on the texts (the Rust hash maps are seeded per process,
-    which made WordPiece's training non-deterministic: huggingface/tokenizers#1794)."""
-    cfg = tiny_cfg()
+    which made WordPiece's training non-deterministic: huggingface/tokenizers#1794). The other process trains
+    on the same texts without transformers (light enough for a loaded machine)."""
+    cfg = tiny_cfg()  # the synthetic train split: 512 pairs of seed 0, chosen sides then rejected sides
     here = digest(run_tokenizer(cfg.model, cfg.data))
-    code = ("import hashlib, sys; sys.path.insert(0, '.'); from tests.conftest import compose_run, FAST_TINY; "
-            "from rm.config import to_run_config; from rm.data.build import run_tokenizer; "
-            "cfg = to_run_config(compose_run(FAST_TINY)); "
-            "print(hashlib.sha256(run_tokenizer(cfg.model, cfg.data).backend_tokenizer.to_str().encode()).hexdigest())")
+    code = ("import sys; sys.path.insert(0, '.'); from rm.data.synthetic import generate_pairs; "
+            "from rm.tokenizer import train_byte_level_bpe; "
+            f"rows = generate_pairs({cfg.data.synthetic_train_size}, seed={cfg.data.synthetic_seed}, split='train'); "
+            f"print(train_byte_level_bpe([r['chosen'] for r in rows] + [r['rejected'] for r in rows], "
+            f"{cfg.model.vocab_size}).to_str())")
     proc = subprocess.run([sys.executable, "-c", code], cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split()[-1] == here
+    from tokenizers import Tokenizer
+
+    assert digest(Tokenizer.from_str(proc.stdout.strip().splitlines()[-1])) == here
     other = tiny_cfg("data.synthetic_seed=1")  # other data: another vocabulary
     assert digest(run_tokenizer(other.model, other.data)) != here
 

@@ -91,7 +91,7 @@ def training_texts(data_cfg: DataConfig) -> List[str]:
     from rm.tokenizer import build_word_level_tokenizer  # any rm tokenizer: only its chat template renders
 
     pairs, _ = _normalised_split(data_cfg, build_word_level_tokenizer(), "train")
-    return pairs["chosen"] + pairs["rejected"]
+    return list(pairs["chosen"]) + list(pairs["rejected"])
 
 
 def run_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig, saved: Optional[Path] = None):
