@@ -87,8 +87,8 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
         >>> tok = train_bpe_tokenizer(["\\n\\nHuman: hello there\\n\\nAssistant: hello"] * 3, vocab_size=300)
         >>> tok.decode(tok("Grüße, 東京 🙂")["input_ids"])
         'Grüße, 東京 🙂'
-        >>> tok.unk_token_id in tok("Grüße, 東京 🙂")["input_ids"], tok.convert_ids_to_tokens(tok("hello")["input_ids"])
-        (False, ['hello'])
+        >>> tok.unk_token_id in tok("Grüße, 東京 🙂")["input_ids"], tok.convert_ids_to_tokens(tok(" hello")["input_ids"])
+        (False, ['Ġhello'])
     """
     return _wrap(train_byte_level_bpe(texts, vocab_size), model_max_length)
 
