@@ -48,7 +48,7 @@ def load_record() -> Dict:
 
 
 def save_record(record: Dict) -> None:
-    RECORD.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    RECORD.write_text(json.dumps(record, indent=2) + "\n")  # key order kept: format_eval prints in the run's order
 
 
 def _env() -> Dict[str, str]:
@@ -79,7 +79,8 @@ def render_demo_figures(demo: Dict) -> str:
         f"default; 1-minute load average {demo['load_before']:.2f} before the run and {demo['load_after']:.2f} after "
         f"it, the run's own two threads included), measured on {demo['date']} with `python -m tests.readme_samples "
         f"--run-demo DIR`, which runs `python -m rm.train {' '.join(demo['args'])} hydra.run.dir=DIR`. The slow test "
-        "`tests/test_train.py::test_demo_reaches_90_percent` runs the same command and asserts at least 0.90.\n"
+        "`tests/test_train.py::test_demo_reaches_90_percent` runs the same command and asserts at least 0.90."
+        + (f" {demo['note']}" if demo.get("note") else "") + "\n"
     )
 
 
