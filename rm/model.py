@@ -149,12 +149,22 @@ def build_model(
         finally:
             torch.set_default_dtype(previous)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) without enable_input_require_grads.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     # The KV cache is useless for scoring and incompatible with gradient checkpointing.
     model.config.use_cache = False
     model.train()
     return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in backward, non-reentrant: that works with frozen inputs (LoRA)
+    without ``enable_input_require_grads``. transformers 5 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns on every call, from 5.2x) and the kwargs with it;
+    the old name stays for the transformers 5 releases without the new one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, lora_cfg: LoraConfig) -> PreTrainedModel:
@@ -169,7 +179,8 @@ def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, l
         # Casts norms and the head to fp32 for stable 4-bit training; keeps our checkpointing choice.
         model = prepare_model_for_kbit_training(
             model,
-            use_gradient_checkpointing=model.is_gradient_checkpointing,
+            use_gradient_checkpointing=(model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing")
+                                        else model.is_gradient_checkpointing),
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     peft_cfg = PeftLoraConfig(

@@ -74,3 +74,21 @@ def test_train_plot_is_drawn_from_metrics_jsonl(tmp_path):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     metrics.write_text(json.dumps({"event": "eval", "step": 0, "eval_loss": 0.7}) + "\n")
     assert write_train_plot(metrics, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("profile", ["full", "lora"])
+def test_a_checkpointed_model_builds_without_future_warnings(tiny_cfg, profile):
+    """transformers 5.2x deprecates `gradient_checkpointing_enable` and `is_gradient_checkpointing` with a
+    FutureWarning on every call; rm calls the new names, and what PEFT still calls is filtered (rm.quiet)."""
+    import warnings
+
+    from rm.model import apply_memory_profile, build_model
+    from rm.quiet import install
+
+    cfg = tiny_cfg(f"memory_profile={profile}", "lora=r8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning, once per call, as a fresh process would show it
+        install()  # rm's own filters, which every entry point has (simplefilter cleared them)
+        model = apply_memory_profile(build_model(cfg.model, 0, "fp32", True), cfg.memory_profile, cfg.lora)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    assert model.is_activation_checkpointing
