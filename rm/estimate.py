@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE
 from rm.validate import Plan
 
 GIB = 1024**3
@@ -195,6 +194,8 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     # Optimizer states, where they live, and what the host keeps.
     host = 0
     if plan.strategy == "deepspeed":
+        from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE  # here: rm.engine loads torch, which --help does not need
+
         if stage == 3:
             uncalibrated.append("DeepSpeed ZeRO-3 buffers")
         shard = math.ceil(counts.trainable / n)

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import List, Tuple
 
 from rm.config import ALL_LINEAR, RunConfig
-from rm.data.preference import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
-from rm.diagnostics import eval_keys
+from rm.data.policies import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 
 CHOICES = {
@@ -324,12 +323,16 @@ def check_tokenizer_fits(model_cfg, tokenizer) -> None:
     if model_cfg.pretrained is None and len(tokenizer) > model_cfg.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
-            f"(model.tokenizer={model_cfg.tokenizer}): set model.vocab_size >= {len(tokenizer)}"
+            f"(model.tokenizer={model_cfg.tokenizer or 'bpe'}): set model.vocab_size >= {len(tokenizer)}"
         )
 
 
 def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:
     """Each name must make metric keys of its own: ``eval_<name>_...`` may not collide with another set's keys."""
+    if not extra_eval_files:
+        return
+    from rm.diagnostics import eval_keys  # here: it loads torch, which `--help` and most validations do not need
+
     owners = {key: "the main eval set" for key in eval_keys("eval_")}
     for name, files in extra_eval_files.items():
         key = f"data.extra_eval_files.{name}"

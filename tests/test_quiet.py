@@ -49,6 +49,16 @@ def test_every_cli_lists_its_arguments_on_help(cli, expect, tmp_path):
     assert not (tmp_path / "outputs").exists()  # asking for help writes nothing
 
 
+@pytest.mark.parametrize("cli", ["rm.score", "rm.estimate", "rm.gpu_report"])
+def test_help_does_not_load_torch(cli, tmp_path):
+    """Help answers in about the time Python and Hydra start: torch (seconds on 2 cores) loads only for work."""
+    code = f"import runpy, sys; sys.argv = ['{cli}', '--help']\ntry:\n    runpy.run_module('{cli}', run_name='__main__')\n" \
+           "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
+    assert proc.stdout.strip().endswith("NO TORCH"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("cli", ["rm.estimate", "rm.gpu_report"])
 def test_commands_that_only_print_leave_no_run_directory(cli, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(CONF_DIR.parent)}

@@ -97,15 +97,11 @@ from typing import Any
 import datasets
 
 from rm.data.audit import length_stats
+from rm.data.policies import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION  # noqa: F401  (documented here)
 from rm.errors import ConfigError, DataError, DataFileNotFound
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("auto", "hh", "prompt", "messages")
-TRUNCATION = ("truncate", "drop", "error")
-IDENTICAL_PAIRS = ("drop", "keep")
-DUPLICATES = ("keep", "drop")
-ON_MALFORMED = ("skip", "error")
 SOURCES = ("hub", "local")
 
 _EXTENSION_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
