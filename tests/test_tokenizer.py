@@ -136,3 +136,10 @@ def test_export_round_trip_gives_identical_ids(exported):
     config = json.loads((run_dir / "final" / "config.json").read_text())
     assert (config["pad_token_id"], config["bos_token_id"], config["eos_token_id"]) == (0, 2, 3)
     assert len(loaded) <= config["vocab_size"] == cfg.model.vocab_size
+
+
+def test_the_old_builtin_name_is_refused_with_the_new_ones(tiny_cfg):
+    from rm.validate import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"model.tokenizer=builtin is now model.tokenizer=bpe .* or model.tokenizer=words"):
+        validate(tiny_cfg("model.tokenizer=builtin"), 1)

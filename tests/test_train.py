@@ -161,10 +161,11 @@ def test_tensorboard_when_asked(tiny_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_demo_reaches_90_percent(tmp_path):
-    """The README's demo, exactly as a user runs it (about 2 minutes on 2 cores)."""
+    """The README's demo, exactly as a user runs it (about 2 minutes on 2 idle cores; RM_DEMO_TIMEOUT_S raises the
+    15-minute limit on a machine busy with other work, where it has taken over an hour)."""
     proc = subprocess.run(
         [sys.executable, "-m", "rm.train", "experiment=tiny", f"hydra.run.dir={tmp_path}"],
-        cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=900,
+        cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=int(os.environ.get("RM_DEMO_TIMEOUT_S", 900)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = [m for m in read_metrics(tmp_path) if m["event"] == "eval"][-1]
