@@ -182,7 +182,9 @@ def run_rm(data, variant_overrides, workdir: Path):
     from rm.data.audit import audit_split
     from rm.config import to_run_config
 
-    overrides = ["experiment=tiny", "hardware=cpu", *SHAPE, f"data.max_length={MAX_LENGTH}",
+    # The pairs are token ids made here (make_pairs): the tokenizer only gives the pad id, so the word-level one is
+    # used rather than training the default BPE on texts the run never reads.
+    overrides = ["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE, f"data.max_length={MAX_LENGTH}",
                  f"train.max_steps={STEPS}", f"train.global_batch_size={PAIRS_PER_STEP}", "train.eval_batch_size=8",
                  f"train.learning_rate={LR}", "train.lr_scheduler_type=linear", f"train.warmup_ratio={WARMUP / STEPS}",
                  "train.max_grad_norm=1.0", "train.precision=fp32", "train.gradient_checkpointing=false",
@@ -228,7 +230,7 @@ def run_trl(data, workdir: Path):
     from rm.model import build_model, build_tokenizer
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "hardware=cpu", *SHAPE]))
+        cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE]))
     tokenizer = build_tokenizer(cfg.model)
     set_seed(42)
     model = build_model(cfg.model, tokenizer.pad_token_id, "fp32", gradient_checkpointing=False)

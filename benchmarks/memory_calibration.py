@@ -98,8 +98,9 @@ def run_overrides(model, profile, checkpointing, length, distributed, nproc, acc
     data = data or ["data.synthetic_train_size=256", "data.synthetic_test_size=8"]
     # experiment=tiny shares prefixes; the layouts of the grid are measured on plain pairs unless a point asks.
     plain = [] if any(o.startswith("train.share_prefix") for o in extra) else ["train.share_prefix=false"]
+    # model.tokenizer=words: the sequence lengths of docs/memory_calibration.md were measured with the word-level tokenizer.
     return [f"distributed={distributed}", *extra, *plain,
-            "experiment=tiny", *MODELS[model], f"memory_profile={profile}", f"train.gradient_checkpointing={checkpointing}",
+            "experiment=tiny", "model.tokenizer=words", *MODELS[model], f"memory_profile={profile}", f"train.gradient_checkpointing={checkpointing}",
             f"data.max_length={length}", *data,
             "train.micro_batch_size=2", f"train.global_batch_size={2 * nproc * accumulation}", "train.eval_batch_size=1",
             "train.max_steps=2", "train.eval_steps=0", "train.logging_steps=1", "train.track_memory=true", "preflight=warn"]
@@ -185,7 +186,7 @@ GPU_MODELS = {  # random weights built from the shape: the GPU machine cannot do
     "0.45B (Mistral-style)": ["model.vocab_size=32000", "model.hidden_size=1536", "model.intermediate_size=4096",
                               "model.num_hidden_layers=16", "model.num_attention_heads=12", "model.num_key_value_heads=4",
                               "model.head_dim=128", "model.max_position_embeddings=4096"],
-    "Mistral-7B shape": ["model=mistral_7b", "model.pretrained=null", "model.tokenizer=builtin"],
+    "Mistral-7B shape": ["model=mistral_7b", "model.pretrained=null", "model.tokenizer=words"],
 }
 
 

@@ -3,8 +3,8 @@
     python benchmarks/profile_table.py                 # about 10 minutes on 2 CPU cores
     python benchmarks/profile_table.py --steps 4 --out /tmp/table.md
 
-Every profile trains the same ~50M-parameter Mistral-architecture model (random init, built-in
-tokenizer, synthetic pairs) for the same steps in a fresh process. Peak memory is counted two ways:
+Every profile trains the same ~50M-parameter Mistral-architecture model (random init, the
+word-level tokenizer, synthetic pairs) for the same steps in a fresh process. Peak memory is counted two ways:
 the peak of live tensor bytes (``train.track_memory=true``, exact, what a GPU allocator would
 hold) and the process's peak resident set size (``os.wait4``), which adds Python, the libraries and
 malloc's caches (importing the stack alone is measured as the floor). Step time is the mean over
@@ -41,7 +41,8 @@ WHERE = {
 def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
     run_dir = workdir / f"{profile}-{track_memory}"
     overrides = [
-        "experiment=tiny", *MODEL, "data.synthetic_train_size=1024", "data.synthetic_test_size=64",
+        "experiment=tiny", "model.tokenizer=words",  # the tokenizer docs/memory_profiles.md was measured with
+        *MODEL, "data.synthetic_train_size=1024", "data.synthetic_test_size=64",
         "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16",
         f"train.max_steps={max(steps, 1)}", "train.logging_steps=1", "train.eval_steps=0",
         "train.learning_rate=1e-4", f"train.track_memory={str(track_memory).lower()}", f"hydra.run.dir={run_dir}",

@@ -29,7 +29,10 @@ class ModelConfig:
 
     name: str = MISSING
     pretrained: Optional[str] = None  # hub id or local directory; null: random init from the shape below
-    tokenizer: Optional[str] = None  # null: same as `pretrained`; "builtin": rm's word-level tokenizer
+    # null: the pretrained model's; for a random init (pretrained null too) "bpe". "bpe": a byte-level BPE trained on
+    # the run's training texts, at most vocab_size tokens (rm.tokenizer); "words": the synthetic data's word list
+    # (other words become <unk>); else a hub id or directory.
+    tokenizer: Optional[str] = None
     model_type: str = "mistral"  # transformers model_type: mistral | llama | qwen2
     vocab_size: int = MISSING
     hidden_size: int = MISSING

@@ -203,6 +203,8 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     # Optimizer states, where they live, and what the host keeps.
     host = 0
     if plan.strategy == "deepspeed":
+        from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE  # here: rm.engine loads torch, which --help does not need
+
         if stage == 3:
             uncalibrated.append("DeepSpeed ZeRO-3 buffers")
         shard = math.ceil(counts.trainable / n)

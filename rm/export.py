@@ -178,7 +178,7 @@ def save_bundle(
 
     Raises:
         ValueError: the tokenizer has no pad token.
-        ExportMismatch: the tokenizer does not reload with the same pad token and chat template.
+        ExportMismatch: the tokenizer does not reload with the same pad token, chat template and vocabulary.
     """
     directory = Path(directory)
     if tokenizer.pad_token_id is None:
@@ -194,6 +194,9 @@ def save_bundle(
             f"{'a' if reloaded.chat_template else 'no'} chat template; saved: pad id {tokenizer.pad_token_id} and "
             f"{'a' if tokenizer.chat_template else 'no'} chat template"
         )
+    if reloaded.get_vocab() != tokenizer.get_vocab():  # e.g. a tokenizer trained for the run, saved incompletely
+        raise ExportMismatch(f"{directory}: the tokenizer reloads with another vocabulary ({len(reloaded)} tokens; "
+                             f"saved: {len(tokenizer)})")
     if reward_stats is not None:
         (directory / STATS_FILE).write_text(json.dumps(dict(reward_stats), indent=2) + "\n")
     if probe is not None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -25,6 +24,8 @@ PROFILES = ("full", "lora", "8bit", "offload", "qlora")
 
 
 def device_lines() -> list:
+    import torch  # here, so that --help answers without loading it
+
     if not torch.cuda.is_available():
         return [f"no CUDA device; CPU with {host_ram_gib():.1f} GiB RAM"]
     lines = []

@@ -6,8 +6,6 @@ import dataclasses
 import math
 import os
 
-import torch
-
 from rm.config import HardwareConfig
 
 GIB = 1024**3
@@ -26,6 +24,8 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     """
     if hw.accelerator != "auto":
         return hw
+    import torch  # here: only detection needs it, and `--help` should not load it
+
     ram = round(host_ram_gib(), 1)
     if torch.cuda.is_available():
         count = torch.cuda.device_count()

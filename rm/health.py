@@ -97,7 +97,8 @@ def pad_token_alarm(pad_token_id: Optional[int], pad_token: Optional[str], pad_i
 
 
 # Above this share of <unk> tokens in a split, the tokenizer does not know the data: distinct texts
-# collapse to the same ids (a word-level tokenizer on other text). Byte-fallback tokenizers emit none.
+# collapse to the same ids (a word-level tokenizer on other text). Byte-level and byte-fallback tokenizers
+# (rm's default bpe, Llama's, Mistral's) emit none.
 UNK_RATE_ALARM = 0.01
 
 
@@ -117,8 +118,9 @@ def unknown_tokens_alarm(unk_rates: Mapping[str, float]) -> Optional[Alarm]:
     return Alarm(
         "unknown_tokens",
         f"{where} of the tokens are the unknown token: the tokenizer does not know this text, so different answers "
-        "become the same ids (see the audit's identical pairs). Likely cause: the demo's word-level tokenizer "
-        "(model.tokenizer=builtin) on your own data; use a real model's tokenizer (model.tokenizer=<hub id or dir>).",
+        "become the same ids (see the audit's identical pairs). Likely cause: a word-level tokenizer (model.tokenizer="
+        "words, or one of yours) on text it was not made for; use the model's own tokenizer (model.tokenizer=<hub id or "
+        "dir>), or for a random-init model model.tokenizer=bpe, which is trained on your texts and knows every byte.",
     )
 
 

@@ -102,8 +102,16 @@ def evaluate_sets(
 
 
 def format_eval(metrics: Mapping[str, float]) -> str:
-    """One log line of eval metrics; the per-bucket keys stay in ``metrics.jsonl`` and the plot."""
-    return "  ".join(f"{k} {v:.4f}" for k, v in metrics.items() if "_len_diff_" not in k)
+    """One log line of eval metrics; the per-bucket keys stay in ``metrics.jsonl`` and the plot. Counts are integers.
+
+    Example:
+        >>> format_eval({"eval_accuracy": 0.93, "eval_pairs": 1000, "eval_acc_len_diff_0..0": 1.0, "eval_hard_pairs": 8})
+        'eval_accuracy 0.9300  eval_pairs 1000  eval_hard_pairs 8'
+    """
+    def value(key, v):
+        return f"{v:.0f}" if key.endswith("_pairs") else f"{v:.4f}"
+
+    return "  ".join(f"{k} {value(k, v)}" for k, v in metrics.items() if "_len_diff_" not in k)
 
 
 class MetricsLog:

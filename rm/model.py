@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Tuple
 
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
@@ -22,8 +23,28 @@ def weight_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def build_tokenizer(model_cfg: ModelConfig):
-    """Load the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
+def tokenizer_kind(model_cfg: ModelConfig) -> str:
+    """``bpe`` | ``words`` | ``pretrained`` (a hub id or directory): what :func:`build_tokenizer` makes.
+
+    ``model.tokenizer`` null means the pretrained model's tokenizer, or for a model built
+    from its shape (``model.pretrained`` null too) a byte-level BPE trained on the run's texts.
+    """
+    if model_cfg.tokenizer in ("bpe", "words"):
+        return model_cfg.tokenizer
+    if model_cfg.tokenizer is None and model_cfg.pretrained is None:
+        return "bpe"
+    return "pretrained"
+
+
+def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterable[str]]] = None,
+                    saved: Optional[Path] = None):
+    """Load or make the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
+
+    ``model.tokenizer=bpe`` (:func:`tokenizer_kind`) trains a byte-level BPE of at most
+    ``model.vocab_size`` tokens on ``texts()`` (:func:`rm.tokenizer.train_bpe_tokenizer`;
+    :func:`rm.data.build.run_tokenizer` passes the train split's texts), or loads it from
+    ``saved`` when that directory exists: a resumed run keeps the tokenizer its checkpoints
+    were trained with, whatever the data files hold now.
 
     The reward is read at the last token of the text itself (:func:`rm.tokenizer.text_only`
     says why: every client then tokenises alike). Mistral and Llama ship without a pad
@@ -31,13 +52,28 @@ def build_tokenizer(model_cfg: ModelConfig):
     so the pad id must never occur in text: we take ``unk`` (which byte-fallback
     tokenizers never emit) before falling back to ``eos``. The data pipeline drops a side
     that contains the pad id (``rm.data.preference``).
+
+    Raises:
+        ValueError: ``model.tokenizer=bpe`` without ``texts`` (nor a saved tokenizer).
     """
     from rm.tokenizer import text_only
 
-    if model_cfg.tokenizer == "builtin":
-        from rm.tokenizer import build_builtin_tokenizer
+    kind = tokenizer_kind(model_cfg)
+    if kind == "bpe" and saved is not None and Path(saved).is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(saved)
+        log.info("tokenizer: the run's byte-level BPE, loaded from %s (%d tokens)", saved, len(tokenizer))
+    elif kind == "bpe":
+        if texts is None:
+            raise ValueError("model.tokenizer=bpe is trained on the run's texts: pass texts (rm.data.build.run_tokenizer does)")
+        from rm.tokenizer import train_bpe_tokenizer
 
-        tokenizer = build_builtin_tokenizer()
+        tokenizer = train_bpe_tokenizer(texts(), model_cfg.vocab_size)
+        log.info("tokenizer: byte-level BPE trained on the training texts: %d tokens (model.vocab_size=%d)",
+                 len(tokenizer), model_cfg.vocab_size)
+    elif kind == "words":
+        from rm.tokenizer import build_word_level_tokenizer
+
+        tokenizer = build_word_level_tokenizer()
     else:
         tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.tokenizer or model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code
@@ -113,12 +149,22 @@ def build_model(
         finally:
             torch.set_default_dtype(previous)
     if gradient_checkpointing:
-        # Non-reentrant checkpointing works with frozen inputs (LoRA) without enable_input_require_grads.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_activation_checkpointing(model)
     # The KV cache is useless for scoring and incompatible with gradient checkpointing.
     model.config.use_cache = False
     model.train()
     return model
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in backward, non-reentrant: that works with frozen inputs (LoRA)
+    without ``enable_input_require_grads``. transformers 5 renamed ``gradient_checkpointing_enable`` to
+    ``activation_checkpointing_enable`` (the old name warns on every call, from 5.2x) and the kwargs with it;
+    the old name stays for the transformers 5 releases without the new one."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, lora_cfg: LoraConfig) -> PreTrainedModel:
@@ -133,7 +179,8 @@ def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, l
         # Casts norms and the head to fp32 for stable 4-bit training; keeps our checkpointing choice.
         model = prepare_model_for_kbit_training(
             model,
-            use_gradient_checkpointing=model.is_gradient_checkpointing,
+            use_gradient_checkpointing=(model.is_activation_checkpointing if hasattr(model, "is_activation_checkpointing")
+                                        else model.is_gradient_checkpointing),
             gradient_checkpointing_kwargs={"use_reentrant": False},
         )
     peft_cfg = PeftLoraConfig(

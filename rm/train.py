@@ -36,7 +36,7 @@ from rm.checkpoint import (
 from rm.config import RunConfig, to_run_config
 from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
-from rm.data.build import build_datasets, build_extra_eval_sets
+from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
@@ -48,7 +48,7 @@ from rm.memory_monitor import MemoryMonitor, gather_snapshots
 from rm.sweep import job_record, write_job_record
 from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
-from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, build_tokenizer, count_parameters, pair_rewards
+from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
 from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
 from rm.errors import NonFiniteError, Refused, StorageError, boundary, report
 from rm.run_record import claim as claim_run_dir, hold_log
@@ -56,6 +56,7 @@ from rm.resume import apply_changes, check_resume, data_digest
 from rm.resume import fingerprint as fingerprint_of
 
 log = logging.getLogger("rm.train")
+TOKENIZER_DIR = "tokenizer"  # in the run directory: the tokenizer model.tokenizer=bpe trained, read back on resume
 
 class StopRequest:
     """Turns SIGTERM (SLURM pre-emption, ``kill``) and SIGINT (Ctrl-C) into a checkpoint and a clean exit.
@@ -259,7 +260,13 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     set_seed(t.seed)
 
     # ---- build
-    tokenizer = build_tokenizer(cfg.model)
+    # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
+    # back, so its checkpoints meet the tokenizer they were trained with.
+    saved_tokenizer = run_dir / TOKENIZER_DIR
+    resuming = t.resume and latest_checkpoint(run_dir) is not None
+    tokenizer = run_tokenizer(cfg.model, cfg.data, saved=saved_tokenizer if resuming else None)
+    if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
+        tokenizer.save_pretrained(saved_tokenizer)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*

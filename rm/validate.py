@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import List, Tuple
 
 from rm.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, RunConfig
-from rm.diagnostics import eval_keys
 from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 
 CHOICES = {
@@ -21,7 +20,7 @@ CHOICES = {
     "distributed.strategy": ("auto", "ddp", "deepspeed"),
     "hardware.accelerator": ("cuda", "cpu", "auto"),
     "data.source": ("hub", "local", "synthetic"),
-    # The data policies are defined (and documented) once, in rm.data.preference.
+    # The data policies are defined once, in rm.config (documented in rm.data.preference).
     "data.format": FORMATS,
     "data.truncation": TRUNCATION,
     "data.identical_pairs": IDENTICAL_PAIRS,
@@ -178,8 +177,9 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
     if d.source == "hub" and not d.path:
         errors.append("data.source=hub needs data.path, e.g. data.path=Anthropic/hh-rlhf")
     _check_extra_eval_files(d.extra_eval_files, errors)
-    if cfg.model.pretrained is None and cfg.model.tokenizer is None:
-        errors.append(f"model={cfg.model.name} has neither model.pretrained nor model.tokenizer: name a tokenizer")
+    if cfg.model.tokenizer == "builtin":  # the name before the byte-level BPE became the default
+        errors.append("model.tokenizer=builtin is now model.tokenizer=bpe (a byte-level BPE trained on your texts, the "
+                      "default) or model.tokenizer=words (the word-level tokenizer of the synthetic data)")
 
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = t.precision
@@ -322,12 +322,16 @@ def check_tokenizer_fits(model_cfg, tokenizer) -> None:
     if model_cfg.pretrained is None and len(tokenizer) > model_cfg.vocab_size:
         raise ConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
-            f"(model.tokenizer={model_cfg.tokenizer}): set model.vocab_size >= {len(tokenizer)}"
+            f"(model.tokenizer={model_cfg.tokenizer or 'bpe'}): set model.vocab_size >= {len(tokenizer)}"
         )
 
 
 def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:
     """Each name must make metric keys of its own: ``eval_<name>_...`` may not collide with another set's keys."""
+    if not extra_eval_files:
+        return
+    from rm.diagnostics import eval_keys  # here: it loads torch, which `--help` and most validations do not need
+
     owners = {key: "the main eval set" for key in eval_keys("eval_")}
     for name, files in extra_eval_files.items():
         key = f"data.extra_eval_files.{name}"

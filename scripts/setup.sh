@@ -23,9 +23,10 @@ else
   if ! $PIP install --retries 0 --timeout 5 --index-url "$index" "$TORCH_SPEC" 2>/dev/null; then
     # Machines without the PyTorch index (e.g. a mirror-only network) may carry a local CPU wheel
     # that pip finds for the exact pinned version.
-    echo "$index not reachable: installing $TORCH_SPEC from pip's configured index"
+    echo "$index failed (unreachable, or it has no $TORCH_SPEC): installing $TORCH_SPEC from pip's configured index"
     $PIP install "$TORCH_SPEC"
   fi
 fi
 $PIP install -e ".[${extras}]"
-python -c "import torch, transformers, peft, accelerate, datasets, hydra; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| hydra', hydra.__version__)"
+# rm first: importing it quiets the bitsandbytes "kernels" and DeepSpeed accelerator lines (rm/quiet.py).
+python -c "import rm, torch, transformers, peft, accelerate, datasets, hydra; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| hydra', hydra.__version__)"

@@ -1,6 +1,6 @@
 """The pair audit (rm.data.audit) on a crafted split, with numbers worked out by hand.
 
-The split below goes through normalise_pairs and tokenize_pairs with the builtin word-level
+The split below goes through normalise_pairs and tokenize_pairs with the word-level
 vocabulary (rm/tokenizer.py) in a tokenizer that itself prepends ``<s>`` and appends ``</s>``
 (rm's own add nothing; some tokenizers add both, and truncation must keep the ``<s>``), so a side
 of w known words is w + 2 tokens, a word outside the vocabulary becomes ``<unk>`` and ``<pad>`` in
@@ -32,7 +32,7 @@ import rm.train as rm_train
 from rm.data.audit import audit_split, format_audit, length_stats, pair_lengths, write_audit
 from rm.data.preference import encode_texts, format_counts, normalise_pairs, tokenize_pairs
 from rm.data.synthetic import generate_pairs
-from rm.tokenizer import build_builtin_tokenizer
+from rm.tokenizer import build_word_level_tokenizer
 from rm.validate import ConfigError
 
 SEVEN = "red blue green yellow purple orange"
@@ -55,7 +55,7 @@ MAX_LENGTH = 6
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    tok = build_builtin_tokenizer()
+    tok = build_word_level_tokenizer()
     tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A </s>", special_tokens=[("<s>", tok.bos_token_id), ("</s>", tok.eos_token_id)]
     )
@@ -227,7 +227,7 @@ def short_pairs(tokenizer, n, split):
 @pytest.fixture
 def local_files(tmp_path, tokenizer):
     """train.jsonl: 20 clean pairs, then an identical pair (row 20), a duplicate of row 1 (21), an empty
-    chosen side (22) and a pair whose chosen side is 7 + 60 + 3 = 70 tokens with the run's builtin tokenizer
+    chosen side (22) and a pair whose chosen side is 7 + 60 + 3 = 70 tokens with the run's word-level tokenizer
     (row 23: "Human : Please repeat these words :", 60 colours, "Assistant : red"; the rejected side ends in
     "blue"), 72 with the fixture's <s> and </s>.
     eval.jsonl: 10 clean pairs and an identical one (row 10)."""
@@ -252,7 +252,9 @@ def local_files(tmp_path, tokenizer):
 def local_run(tiny_cfg, files, *overrides):
     return tiny_cfg(
         "data=local", f"data.train_files=[{files['train']}]", f"data.eval_files=[{files['eval']}]",
-        f"data.max_length={E2E_MAX_LENGTH}", "train.max_steps=2", "train.eval_steps=0", *overrides,
+        f"data.max_length={E2E_MAX_LENGTH}", "train.max_steps=2", "train.eval_steps=0",
+        "model.tokenizer=words",  # the hand-counted token numbers above are the word-level tokenizer's
+        *overrides,
     )
 
 

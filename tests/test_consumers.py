@@ -132,10 +132,11 @@ def policy(tmp_path_factory, runs):
 
     path = tmp_path_factory.mktemp("policy")
     torch.manual_seed(0)
-    config = AutoConfig.for_model("mistral", vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    tokenizer = AutoTokenizer.from_pretrained(runs["full"])
+    config = AutoConfig.for_model("mistral", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=1)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    AutoTokenizer.from_pretrained(runs["full"]).save_pretrained(path)
+    tokenizer.save_pretrained(path)
     return path
 
 

@@ -4,16 +4,15 @@ import json
 
 import pytest
 
-from rm.data.build import build_split
+from rm.data.build import build_split, run_tokenizer
 from rm.errors import DataError
 from rm.estimate import compose
 from rm.data.synthetic import generate_pairs
-from rm.model import build_tokenizer
 
 
 def _split(path, *extra):
     cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{path}]", *extra])
-    return build_split(cfg.data, build_tokenizer(cfg.model), "train")
+    return build_split(cfg.data, run_tokenizer(cfg.model, cfg.data), "train")
 
 
 def _jsonl(path, rows):
@@ -21,7 +20,6 @@ def _jsonl(path, rows):
     return path
 
 
-# Words of the builtin (word-level) tokenizer, so that different texts stay different ids.
 PAIRS = generate_pairs(8, seed=0, split="train")
 GOOD = PAIRS[0]
 

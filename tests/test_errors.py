@@ -138,10 +138,11 @@ def test_export_cli_without_a_bundle_exits_2(tmp_path):
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
     from rm.estimate import compose
-    from rm.model import build_model, build_tokenizer
+    from rm.data.build import run_tokenizer
+    from rm.model import build_model
 
     cfg = compose(["experiment=tiny"])
-    tokenizer = build_tokenizer(cfg.model)
+    tokenizer = run_tokenizer(cfg.model, cfg.data)
     directory = tmp_path_factory.mktemp("model")
     build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

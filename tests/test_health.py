@@ -15,9 +15,10 @@ from rm.health import (
     LN2, SKIP, STOP, CONTINUE, HealthMonitor, chance_accuracy_alarm, fp32_head_enabled, head_gradient_alarm,
     keep_head_in_fp32, ln2_plateau_alarm, nonfinite_alarm, pad_token_alarm, reward_scale_alarm,
 )
-from rm.model import apply_memory_profile, build_model, build_tokenizer
+from rm.model import apply_memory_profile, build_model
 from rm.validate import ConfigError
 from tests.conftest import CONF_DIR, FAST_TINY
+from tests.test_tokenizer import OWN_TEXT
 
 
 def read_metrics(run_dir):
@@ -80,14 +81,17 @@ def test_pad_token_alarm():
     assert alarm.name == "pad_token_in_text" and "4 pairs (train 3, eval 1)" in alarm.message
 
 
-def test_own_text_unknown_to_the_builtin_tokenizer_raises_unknown_tokens_by_name(tiny_cfg, tmp_path):
-    """The demo's word-level tokenizer on other text: most words become <unk>, the run says so by name."""
-    rows = [{"chosen": f"\n\nHuman: quelle heure est-il {i}\n\nAssistant: il est midi pile",
-             "rejected": f"\n\nHuman: quelle heure est-il {i}\n\nAssistant: aucune idée"} for i in range(40)]
+def test_own_text_unknown_to_a_word_level_tokenizer_raises_unknown_tokens_by_name(tiny_cfg, tmp_path):
+    """A user's word-level tokenizer (a directory, as model.tokenizer takes it) on text it does not know:
+    most words become <unk>, and the run says so by name. The default tokenizer keeps every pair of the same
+    text (tests/test_tokenizer.py)."""
+    from rm.tokenizer import build_word_level_tokenizer
+
+    build_word_level_tokenizer().save_pretrained(tmp_path / "words")
     path = tmp_path / "own.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text("".join(json.dumps(r) + "\n" for r in OWN_TEXT))
     cfg = tiny_cfg("data=local", f"data.train_files=[{path}]", f"data.eval_files=[{path}]", "train.max_steps=1",
-                   "data.identical_pairs=keep", *SHORT)
+                   "data.identical_pairs=keep", f"model.tokenizer={tmp_path / 'words'}", *SHORT)
     result = rm_train.train(cfg, tmp_path / "run")
     assert "unknown_tokens" in result["alarms"]
     message = alarms_in(tmp_path / "run")["unknown_tokens"]["message"]
@@ -268,33 +272,34 @@ def test_a_learning_run_raises_no_alarm(tiny_cfg, tmp_path):
 
 
 def test_tokenizer_without_pad_id_is_a_clear_error(tiny_cfg, tmp_path, monkeypatch):
-    real = rm_train.build_tokenizer
+    real = rm_train.run_tokenizer
 
-    def no_pad(model_cfg):
-        tokenizer = real(model_cfg)
+    def no_pad(model_cfg, data_cfg, **kwargs):
+        tokenizer = real(model_cfg, data_cfg, **kwargs)
         tokenizer.pad_token = None
         return tokenizer
 
-    monkeypatch.setattr(rm_train, "build_tokenizer", no_pad)
+    monkeypatch.setattr(rm_train, "run_tokenizer", no_pad)
     with pytest.raises(ConfigError, match="pad_token_unset: the tokenizer has no pad token"):
         rm_train.train(tiny_cfg("train.max_steps=2"), tmp_path)
     assert "pad_token_unset" in alarms_in(tmp_path)
 
 
 def test_pad_token_inside_texts_raises_an_alarm_and_trains(tiny_cfg, tmp_path, monkeypatch):
-    real = rm_train.build_tokenizer
+    real = rm_train.run_tokenizer
 
-    def word_as_pad(model_cfg):
-        tokenizer = real(model_cfg)
-        tokenizer.pad_token = "rabbit"  # a word of the synthetic texts
+    def word_as_pad(model_cfg, data_cfg, **kwargs):
+        tokenizer = real(model_cfg, data_cfg, **kwargs)
+        tokenizer.pad_token = "rabbit"  # a word of the synthetic texts, and a token of the word-level tokenizer
         return tokenizer
 
-    monkeypatch.setattr(rm_train, "build_tokenizer", word_as_pad)
-    result = rm_train.train(tiny_cfg("train.max_steps=2", *SHORT), tmp_path)
+    monkeypatch.setattr(rm_train, "run_tokenizer", word_as_pad)
+    result = rm_train.train(tiny_cfg("train.max_steps=2", "model.tokenizer=words", *SHORT), tmp_path)
     assert result["status"] == "ok" and "pad_token_in_text" in result["alarms"]
     audit = json.loads((tmp_path / "data_audit.json").read_text())
     dropped = audit["splits"]["train"]["dropped"]["pad_in_text"] + audit["splits"]["eval"]["dropped"]["pad_in_text"]
-    assert dropped > 0 and f"'rabbit' (id {build_tokenizer(tiny_cfg().model).convert_tokens_to_ids('rabbit')})" in \
+    words = tiny_cfg("model.tokenizer=words")
+    assert dropped > 0 and f"'rabbit' (id {real(words.model, words.data).convert_tokens_to_ids('rabbit')})" in \
         alarms_in(tmp_path)["pad_token_in_text"]["message"]
 
 

@@ -14,7 +14,8 @@ import rm.train as rm_train
 from rm.data.build import build_split
 from rm.data.collator import PairCollator
 from rm.loss import bradley_terry_loss
-from rm.model import build_model, build_tokenizer, pair_rewards
+from rm.data.build import run_tokenizer
+from rm.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR, FAST_TINY
 
 STEPS = ["train.max_steps=30", "train.save_steps=15", "train.eval_steps=0", "train.logging_steps=5"]
@@ -33,7 +34,7 @@ def losses(run_dir):
 
 
 def initial_weights(cfg):
-    tokenizer = build_tokenizer(cfg.model)
+    tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(cfg.train.seed)  # train() seeds the same way before building: the same initial weights
     return build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).state_dict()
 

@@ -49,6 +49,16 @@ def test_every_cli_lists_its_arguments_on_help(cli, expect, tmp_path):
     assert not (tmp_path / "outputs").exists()  # asking for help writes nothing
 
 
+@pytest.mark.parametrize("cli", ["rm.score", "rm.estimate", "rm.gpu_report"])
+def test_help_does_not_load_torch(cli, tmp_path):
+    """Help answers in about the time Python and Hydra start: torch (seconds on 2 cores) loads only for work."""
+    code = f"import runpy, sys; sys.argv = ['{cli}', '--help']\ntry:\n    runpy.run_module('{cli}', run_name='__main__')\n" \
+           "except SystemExit:\n    pass\nprint('TORCH' if 'torch' in sys.modules else 'NO TORCH')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
+    assert proc.stdout.strip().endswith("NO TORCH"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("cli", ["rm.estimate", "rm.gpu_report"])
 def test_commands_that_only_print_leave_no_run_directory(cli, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(CONF_DIR.parent)}
@@ -74,3 +84,21 @@ def test_train_plot_is_drawn_from_metrics_jsonl(tmp_path):
     assert out.stat().st_size > 10_000 and out.read_bytes()[:4] == b"\x89PNG"
     metrics.write_text(json.dumps({"event": "eval", "step": 0, "eval_loss": 0.7}) + "\n")
     assert write_train_plot(metrics, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize("profile", ["full", "lora"])
+def test_a_checkpointed_model_builds_without_future_warnings(tiny_cfg, profile):
+    """transformers 5.2x deprecates `gradient_checkpointing_enable` and `is_gradient_checkpointing` with a
+    FutureWarning on every call; rm calls the new names, and what PEFT still calls is filtered (rm.quiet)."""
+    import warnings
+
+    from rm.model import apply_memory_profile, build_model
+    from rm.quiet import install
+
+    cfg = tiny_cfg(f"memory_profile={profile}", "lora=r8")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # every warning, once per call, as a fresh process would show it
+        install()  # rm's own filters, which every entry point has (simplefilter cleared them)
+        model = apply_memory_profile(build_model(cfg.model, 0, "fp32", True), cfg.memory_profile, cfg.lora)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    assert model.is_activation_checkpointing

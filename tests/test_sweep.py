@@ -37,8 +37,9 @@ def summary_rows(sweep_dir):
 
 
 def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
-    proc = multirun(["hardware.device_memory_gib=0.032", "hardware.headroom_gib=0", "train.track_memory=true",
-                     "memory_profile=full,lora,8bit,offload", "lora.r=8,16"], tmp_path)
+    from tests.readme_samples import SWEEP_ARGS
+
+    proc = multirun(SWEEP_ARGS, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = summary_rows(tmp_path)
     assert len(rows) == 8
@@ -66,6 +67,14 @@ def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
     # The table at the end names every job by what differs between them.
     assert "8 jobs: 5 ok, 3 refused, 0 failed" in proc.stderr + proc.stdout
     assert "memory_profile=offload lora.r=16" in proc.stderr + proc.stdout
+    # The README's table (tests/readme_samples.py) is this sweep, recorded: what does not depend on timing must match.
+    from tests.readme_samples import SWEEP_ARGS, load_record
+
+    recorded = load_record()["sweep"]
+    assert recorded["args"] == SMALL_RUN + SWEEP_ARGS
+    fixed = ("job", "status", "overrides", "estimated_peak_bytes", "usable_bytes", "error")
+    assert [{k: r[k] for k in fixed} for r in json.loads((tmp_path / "summary.json").read_text())] == \
+        [{k: r[k] for k in fixed} for r in recorded["records"]], "re-record: python -m tests.readme_samples --run-sweep DIR"
 
 
 @pytest.mark.parametrize("on_failure,exit_ok", [("raise", False), ("continue", True)])

@@ -1,4 +1,4 @@
-"""Tests for the synthetic preference data and the builtin word-level tokenizer."""
+"""Tests for the synthetic preference data and the word-level tokenizer of its vocabulary (model.tokenizer=words)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from transformers import AutoTokenizer
 
 from rm.data import synthetic
 from rm.data.synthetic import VOCABULARY, generate_pairs, write_synthetic
-from rm.tokenizer import build_builtin_tokenizer
+from rm.tokenizer import build_word_level_tokenizer
 
 SEP = "\n\nAssistant:"
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return build_builtin_tokenizer()
+    return build_word_level_tokenizer()
 
 
 @pytest.fixture(scope="module")

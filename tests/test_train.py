@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
-from rm.data.build import build_split
+from rm.data.build import build_split, run_tokenizer
 from rm.data.collator import PairCollator
-from rm.model import build_model, build_tokenizer, pair_rewards
+from rm.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR
 
 
@@ -56,7 +56,7 @@ def test_eval_accuracy_rises_well_above_chance(learned_run):
 
 def test_trainable_weights_changed(learned_run):
     cfg, run_dir, _ = learned_run
-    tokenizer = build_tokenizer(cfg.model)
+    tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(cfg.train.seed)  # the same seed train() sets before building: the same initial weights
     initial = build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).state_dict()
     final = load_file(run_dir / "final" / "model.safetensors")
@@ -69,7 +69,7 @@ def test_saved_model_gives_the_pipelines_rewards_with_plain_transformers(learned
     cfg, run_dir, result = learned_run
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final").eval()
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
-    assert tokenizer.pad_token_id == model.config.pad_token_id == build_tokenizer(cfg.model).pad_token_id
+    assert tokenizer.pad_token_id == model.config.pad_token_id == run_tokenizer(cfg.model, cfg.data).pad_token_id
     eval_set, _ = build_split(cfg.data, tokenizer, "eval")
     batch = PairCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
@@ -124,6 +124,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_cfg, tmp_path, mo
     assert checkpoints == ["checkpoint-4", "checkpoint-6"]
     monkeypatch.undo()
 
+    assert (tmp_path / "resumed" / rm_train.TOKENIZER_DIR / "tokenizer.json").is_file()  # read back on resume
     resumed = rm_train.train(tiny_cfg(*overrides, "train.resume=true"), tmp_path / "resumed")
     assert resumed["status"] == "ok"
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
@@ -139,7 +140,7 @@ def test_lora_profile_trains_adapters_and_head_only(tiny_cfg, tmp_path):
     cfg = tiny_cfg("memory_profile=lora", "lora=r8", "train.max_steps=4", "train.save_steps=2", "train.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok"
-    tokenizer = build_tokenizer(cfg.model)
+    tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(cfg.train.seed)
     base = build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).state_dict()
     saved = load_file(tmp_path / "checkpoints" / "checkpoint-2" / "model.safetensors")
@@ -160,11 +161,19 @@ def test_tensorboard_when_asked(tiny_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_demo_reaches_90_percent(tmp_path):
-    """The README's demo, exactly as a user runs it (about 2 minutes on 2 cores)."""
+    """The README's demo, exactly as a user runs it (about 2 minutes on 2 idle cores; RM_DEMO_TIMEOUT_S raises the
+    15-minute limit on a machine busy with other work, where it has taken over an hour)."""
     proc = subprocess.run(
         [sys.executable, "-m", "rm.train", "experiment=tiny", f"hydra.run.dir={tmp_path}"],
-        cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=900,
+        cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=int(os.environ.get("RM_DEMO_TIMEOUT_S", 900)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = [m for m in read_metrics(tmp_path) if m["event"] == "eval"][-1]
     assert final["step"] == 800 and final["eval_accuracy"] >= 0.90, final
+    # The README's figure (docs/readme_samples.json) is a run of this command: this one lands near it (CPU
+    # kernels may round differently on another machine, so not to the bit).
+    from tests.readme_samples import load_record
+
+    recorded = load_record()["demo"]
+    assert recorded["step"] == final["step"] and recorded["eval"]["eval_pairs"] == final["eval_pairs"]
+    assert abs(recorded["eval"]["eval_accuracy"] - final["eval_accuracy"]) <= 0.02, (recorded["eval"], final)

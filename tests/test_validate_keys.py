@@ -52,13 +52,18 @@ def test_each_bad_value_is_rejected_naming_its_key(tiny_cfg, tmp_path, overrides
 
 @pytest.mark.reliability("Configuration", "`model.vocab_size` smaller than the tokenizer", "`model.vocab_size=16 is smaller than the tokenizer's N tokens`, before the model is built")
 def test_a_vocabulary_smaller_than_the_tokenizer_is_rejected(tiny_cfg):
-    from rm.model import build_tokenizer
+    from rm.data.build import run_tokenizer
 
     cfg = tiny_cfg("model.vocab_size=16")
     validate(cfg, 1)  # the tokenizer is not known yet; checked once it is built
-    with pytest.raises(ConfigError, match=r"model.vocab_size=16 is smaller than the tokenizer's \d+ tokens"):
-        check_tokenizer_fits(cfg.model, build_tokenizer(cfg.model))
-    check_tokenizer_fits(tiny_cfg().model, build_tokenizer(cfg.model))  # the tiny model's own vocabulary fits
+    # The byte-level BPE keeps its 4 special tokens and 256 bytes whatever the size asked for.
+    with pytest.raises(ConfigError, match=r"model.vocab_size=16 is smaller than the tokenizer's 260 tokens \(model.tokenizer=bpe\)"):
+        check_tokenizer_fits(cfg.model, run_tokenizer(cfg.model, cfg.data))
+    words = tiny_cfg("model.vocab_size=16", "model.tokenizer=words")
+    with pytest.raises(ConfigError, match=r"model.vocab_size=16 is smaller than the tokenizer's \d+ tokens \(model.tokenizer=words\)"):
+        check_tokenizer_fits(words.model, run_tokenizer(words.model, words.data))
+    tiny = tiny_cfg()
+    check_tokenizer_fits(tiny.model, run_tokenizer(tiny.model, tiny.data))  # sized to the tiny model's vocabulary
 
 
 def test_the_shipped_configs_pass(tiny_cfg):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import Dict, Tuple
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
 
 import datasets
 
-from rm.config import DataConfig
+from rm.config import DataConfig, ModelConfig
 from rm.data.audit import audit_split, pair_lengths
 from rm.data.preference import format_counts, load_preference_split, locate_row, normalise_pairs, tokenize_pairs
 from rm.data.synthetic import generate_pairs
@@ -38,6 +39,20 @@ def _raw_split(data_cfg: DataConfig, split: str) -> datasets.Dataset:
     )
 
 
+def _normalised_split(data_cfg: DataConfig, tokenizer, split: str):
+    """The split's raw rows as ``chosen``/``rejected`` texts (:func:`normalise_pairs`) and their counts; a refused
+    row is reported with the data, split and file it is in."""
+    raw = _raw_split(data_cfg, split)
+    try:
+        return normalise_pairs(
+            raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
+            on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
+        )
+    except DataError as err:
+        # The row index alone does not say which data, split or file it counts in.
+        raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
+
+
 def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.Dataset, Dict]:
     """Load, normalise and tokenise one split; log what was dropped and why.
 
@@ -50,18 +65,13 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
             ``data.truncation=error``; the message starts with the data and split
             and names the row), or no usable pair left.
     """
-    raw = _raw_split(data_cfg, split)
+    pairs, norm_counts = _normalised_split(data_cfg, tokenizer, split)
     try:
-        pairs, norm_counts = normalise_pairs(
-            raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
-            on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
-        )
         tokenised, tok_counts = tokenize_pairs(
             pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
             identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates,
         )
     except DataError as err:
-        # The row index alone does not say which data, split or file it counts in.
         raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
     counts = {**norm_counts, **tok_counts}
     log.info("data %s [%s]: %s", data_cfg.name, split, format_counts(counts))
@@ -72,6 +82,24 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     if len(tokenised) == 0:
         raise DataError(f"data {data_cfg.name} [{split}]: no usable pairs left ({format_counts(counts)}{reasons})")
     return tokenised, counts
+
+
+def training_texts(data_cfg: DataConfig) -> List[str]:
+    """The texts ``model.tokenizer=bpe`` is trained on: both sides of every pair the train split keeps after
+    normalisation, rendered as training renders them (conversations with the HH chat template of rm's
+    tokenizers). A refused row raises here what :func:`build_split` would raise."""
+    from rm.tokenizer import build_word_level_tokenizer  # any rm tokenizer: only its chat template renders
+
+    pairs, _ = _normalised_split(data_cfg, build_word_level_tokenizer(), "train")
+    return list(pairs["chosen"]) + list(pairs["rejected"])
+
+
+def run_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig, saved: Optional[Path] = None):
+    """The tokenizer a run of these settings uses: :func:`rm.model.build_tokenizer`, given the train split's texts
+    (:func:`training_texts`), which only ``model.tokenizer=bpe`` reads, and the directory a resumed run saved it in."""
+    from rm.model import build_tokenizer
+
+    return build_tokenizer(model_cfg, texts=lambda: training_texts(data_cfg), saved=saved)
 
 
 def _where(data_cfg: DataConfig, split: str, row) -> str:

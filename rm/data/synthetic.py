@@ -41,7 +41,7 @@ few are several times the median, and nearly all stay under ~120 words.
 conversation first has 1 to 4 earlier exchanges of chit-chat (human turns of 1 to
 3 sentences, assistant replies of 1 to 2), as HH-RLHF conversations do, so the
 prompt the two transcripts share carries most of each pair's tokens: with the
-builtin tokenizer, a median of 139 tokens per side and about 98% of a pair's
+word-level tokenizer (``model.tokenizer=words``), a median of 139 tokens per side and about 98% of a pair's
 tokens in the prompt (counted once per side; prompt : answers about 23 : 1),
 against 33 tokens and 93% in single-turn mode.
 This is the data on which scoring the shared prompt once (``train.share_prefix``)
@@ -51,7 +51,8 @@ closed vocabulary.
 The generator uses a closed vocabulary: :data:`VOCABULARY` is derived from every
 literal fragment and slot value below, split the way the ``tokenizers``
 ``Whitespace`` pre-tokenizer splits text (``\\w+|[^\\w\\s]+``), so the word-level
-tokenizer in :mod:`rm.tokenizer` covers the data with no unknown tokens.
+tokenizer in :mod:`rm.tokenizer` (``model.tokenizer=words``) covers the data with no unknown
+tokens. The demo's default, a byte-level BPE trained on the data, covers any text.
 
 Train and test are kept disjoint by construction: each pair is assigned to a
 split by a stable hash of its text and sampling rejects pairs that hash to the
@@ -246,7 +247,7 @@ def _build_vocabulary() -> tuple[str, ...]:
 VOCABULARY: tuple[str, ...] = _build_vocabulary()
 """Every token the generator can emit, sorted, as the Whitespace pre-tokenizer
 splits text. Includes the role words ``Human``, ``Assistant`` and ``System``
-(the latter only used by the builtin tokenizer's chat template)."""
+(the latter only used by the chat template of rm's tokenizers)."""
 
 
 def _transcript(turns: Sequence[tuple[str, str]]) -> str:
