@@ -172,6 +172,19 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def rm_overrides(variant_overrides):
+    """The Hydra overrides of one rm row: the run every row shares, then the row's layout."""
+    # The pairs are token ids made here (make_pairs): the tokenizer only gives the pad id, so the word-level one is
+    # used rather than training the default BPE on texts the run never reads.
+    return ["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE, f"data.max_length={MAX_LENGTH}",
+            f"train.max_steps={STEPS}", f"train.global_batch_size={PAIRS_PER_STEP}", "train.eval_batch_size=8",
+            f"train.learning_rate={LR}", "train.lr_scheduler_type=linear", f"train.warmup_ratio={WARMUP / STEPS}",
+            "train.max_grad_norm=1.0", "train.precision=fp32", "train.gradient_checkpointing=false",
+            "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={min(10, STEPS)}", "preflight.mode=off",
+            # experiment=tiny shares prefixes (the CPU demo's default): off unless the variant turns it on.
+            "train.share_prefix=false", *variant_overrides]
+
+
 def run_rm(data, variant_overrides, workdir: Path):
     import datasets
     from hydra import compose, initialize_config_dir
@@ -182,14 +195,7 @@ def run_rm(data, variant_overrides, workdir: Path):
     from rm.data.audit import audit_split
     from rm.config import to_run_config
 
-    # The pairs are token ids made here (make_pairs): the tokenizer only gives the pad id, so the word-level one is
-    # used rather than training the default BPE on texts the run never reads.
-    overrides = ["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE, f"data.max_length={MAX_LENGTH}",
-                 f"train.max_steps={STEPS}", f"train.global_batch_size={PAIRS_PER_STEP}", "train.eval_batch_size=8",
-                 f"train.learning_rate={LR}", "train.lr_scheduler_type=linear", f"train.warmup_ratio={WARMUP / STEPS}",
-                 "train.max_grad_norm=1.0", "train.precision=fp32", "train.gradient_checkpointing=false",
-                 "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={min(10, STEPS)}", "preflight.mode=off",
-                 *variant_overrides]
+    overrides = rm_overrides(variant_overrides)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = to_run_config(compose(config_name="config", overrides=overrides))
     train_set = datasets.Dataset.from_list(data["train"])

@@ -46,6 +46,7 @@ def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
         "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16",
         f"train.max_steps={max(steps, 1)}", "train.logging_steps=1", "train.eval_steps=0",
         "train.learning_rate=1e-4", f"train.track_memory={str(track_memory).lower()}", f"hydra.run.dir={run_dir}",
+        "train.share_prefix=false",  # experiment=tiny shares prefixes; the profiles are compared on plain padded pairs
     ]
     command = [sys.executable, "-m", "rm.train", *overrides, f"memory_profile={profile}"]
     if profile == "none":  # the floor: the interpreter with torch, transformers, peft and DeepSpeed imported

@@ -39,7 +39,7 @@ FAST_TINY = [
     "train.global_batch_size=16",
     "train.eval_batch_size=64",
     "train.logging_steps=2",
-    # experiment=tiny may share prefixes (the fastest on a CPU); the tests of the other layouts need it off,
+    # experiment=tiny shares prefixes (the fastest on a CPU); the tests of the other layouts need it off,
     # and tests/test_prefix_sharing.py turns it on where it is tested.
     "train.share_prefix=false",
 ]

@@ -39,6 +39,20 @@ def test_default_is_the_flagship():
     assert cfg.data.subsets == ["helpful-base", "helpful-online", "helpful-rejection-sampled"]
 
 
+def test_prefix_sharing_is_the_cpu_demos_layout_and_no_gpu_default():
+    """``experiment=tiny`` (the CPU demo, ``hardware=cpu``) shares prefixes, one row per pair: the fastest exact
+    layout measured on a CPU (README, "Throughput"). The schema default, which every ``hardware`` option and so
+    every GPU run starts from, does not: nothing is measured on a GPU, and a custom mask takes SDPA off its
+    flash kernel. The choice is plain YAML, composed and validated like any other key."""
+    demo = to_run_config(compose_run(["experiment=tiny"]))
+    assert (demo.hardware.accelerator, demo.model.attn_implementation) == ("cpu", "sdpa")
+    t = demo.train
+    assert (t.share_prefix, t.group_by_length, t.packing, t.micro_batch_size) == (True, True, False, 8)
+    validate(demo, world_size=1)
+    for hardware in sorted(path.stem for path in (CONF_DIR / "hardware").glob("*.yaml")):
+        assert to_run_config(compose_run([f"hardware={hardware}"])).train.share_prefix is False, hardware
+
+
 def test_mistral_shape_is_mistral_7b_v01():
     """7,241,732,096 parameters for the causal LM (Mistral's model card: 7.24B).
 

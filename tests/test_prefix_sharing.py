@@ -11,13 +11,14 @@ import torch
 from accelerate.utils import set_seed
 
 import rm.train as rm_train
+from rm.config import to_run_config
 from rm.data.collator import PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.data.preference import truncate_left
 from rm.loss import bradley_terry_loss
 from rm.model import apply_memory_profile, build_model, pair_rewards
 from rm.prefix_sharing import allowed
 from rm.validate import ConfigError, validate
-from tests.conftest import FAST_TINY
+from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 from tests.test_packing import STEPS
 
 PROMPT = [2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]  # BOS + an 11-token shared prompt
@@ -276,3 +277,14 @@ def test_run_estimate_bounds_the_measured_peak(tmp_path, packing):
     # The monitor starts before the model is built, so a few hundred bytes made while building it (rotary
     # buffers) are in the count: the estimate may sit that far under, far inside the 2% the calibration allows.
     assert 0.999 * measured <= estimate <= 1.05 * measured, (estimate, measured)
+
+
+def test_benchmark_rows_measure_the_layout_they_name(monkeypatch):
+    """experiment=tiny shares prefixes; every rm row of bench_vs_trl composes to the layout its name says (the
+    padded, grouped and packed rows turn sharing off), so the table compares what it claims to."""
+    monkeypatch.syspath_prepend(str(CONF_DIR.parent / "benchmarks"))
+    import bench_vs_trl as bench
+
+    for name, extra in bench.VARIANTS.items():
+        t = to_run_config(compose_run(bench.rm_overrides(extra))).train
+        assert (t.share_prefix, t.packing) == ("prefix-shared" in name, "packed" in name), name
