@@ -73,7 +73,8 @@ def render_demo(demo: Dict) -> str:
 
 def render_demo_figures(demo: Dict) -> str:
     return (
-        f"Measured on a 2-core CPU shared with other work ({demo['machine']}), the whole command including "
+        f"Measured on a 2-core CPU {'shared with other work' if demo['load_before'] > 1.0 else 'otherwise idle'} "
+        f"({demo['machine']}), the whole command including "
         f"start-up: **{demo['eval']['eval_accuracy']:.3f} pairwise accuracy on the "
         f"{int(demo['eval']['eval_pairs']):,} synthetic test pairs in {demo['wall_s']:.0f} s** (`train.seed=42`, the "
         f"default; 1-minute load average {demo['load_before']:.2f} before the run and {demo['load_after']:.2f} after "
