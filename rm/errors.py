@@ -10,9 +10,9 @@ without a traceback and returns the documented exit code:
 code meaning
 ==== =====================================================================
 0    done
-1    a bug in rm (the traceback is printed, with a line asking to report it),
-     or a Hydra composition error (unknown option, wrong type)
-2    invalid configuration or data (:class:`ConfigError`, :class:`DataError`)
+1    a bug in rm (the traceback is printed, with a line asking to report it)
+2    invalid configuration or data (:class:`ConfigError`, :class:`DataError`), including
+     what Hydra cannot compose (unknown key or option, wrong type, bad override syntax)
 3    refused: the run will not fit, or another run holds the directory (:class:`Refused`)
 4    stopped by a non-finite loss, gradient or weight (:class:`NonFiniteError`)
 5    storage: a file could not be written or read back intact (:class:`StorageError`,
@@ -23,7 +23,8 @@ code meaning
 
 Hydra catches exceptions raised in a task function and prints them with a traceback and
 exit status 1, so the boundary must sit inside the task function (:func:`boundary`);
-``SystemExit`` passes through Hydra untouched.
+``SystemExit`` passes through Hydra untouched. Hydra reports a config it cannot compose itself,
+before the task function starts, and exits 1; :func:`run_hydra_app` turns that exit into 2.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import os
 import sys
 import traceback
 from contextlib import contextmanager
-from typing import Optional
+from typing import Callable, Optional
 
 BUG_LINE = (
     "this is a bug in rm, not a problem with your settings or data: please report it with the "
@@ -163,6 +164,7 @@ def boundary(log: Optional[logging.Logger] = None):
     Use it inside a Hydra task function, where Hydra would otherwise print the traceback and
     exit 1, and around the body of an argparse ``main``.
     """
+    task_started()
     try:
         yield
     except KeyboardInterrupt:
@@ -170,3 +172,31 @@ def boundary(log: Optional[logging.Logger] = None):
         sys.exit(130)
     except Exception as err:  # noqa: BLE001  (the boundary: every exception ends here, with its code)
         sys.exit(report(err, log))
+
+
+_task_started = False
+
+
+def task_started() -> None:
+    """Mark that Hydra composed the config and called the task: an exit 1 from here on is rm's own (a bug)."""
+    global _task_started
+    _task_started = True
+
+
+def run_hydra_app(main: Callable[[], object]) -> None:
+    """Call a ``@hydra.main`` function, with exit 2 for a config Hydra cannot compose.
+
+    Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
+    rm keeps for bugs; the same mistake caught by :mod:`rm.validate` exits 2, and so does this one.
+    """
+    try:
+        main()
+    except SystemExit as stop:
+        if stop.code == 1 and not _task_started:
+            # Hydra's message names the key, except for a syntax error: name what it was given.
+            from rm.cli import NO_RUN_DIR  # added by rm itself, not typed by the user
+
+            given = " ".join(a for a in sys.argv[1:] if a not in NO_RUN_DIR)
+            print(f"error: the config could not be composed from the command line: {given}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise

@@ -514,7 +514,7 @@ def main() -> None:
 
     from rm.cli import without_run_dir
     from rm.config import to_run_config
-    from rm.errors import boundary
+    from rm.errors import boundary, run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
 
@@ -544,7 +544,7 @@ def main() -> None:
         print(text, file=answer)
         sys.exit(0 if est.fits else 3)
 
-    run()
+    run_hydra_app(run)
 
 
 def format_suggestions(found) -> str:

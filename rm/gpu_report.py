@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from rm.config import to_run_config
-from rm.errors import boundary
+from rm.errors import boundary, run_hydra_app
 from rm.estimate import GIB, compose, estimate_run
 from rm.hardware import host_ram_gib, resolve_hardware
 from rm.validate import ConfigError, resolve_world_size, validate
@@ -68,4 +68,4 @@ if __name__ == "__main__":
     from rm.cli import without_run_dir
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
-    main()
+    run_hydra_app(main)

@@ -50,7 +50,7 @@ from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
 from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
 from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
-from rm.errors import NonFiniteError, Refused, StorageError, boundary, report
+from rm.errors import NonFiniteError, Refused, StorageError, boundary, report, run_hydra_app, task_started
 from rm.run_record import claim as claim_run_dir, hold_log
 from rm.resume import apply_changes, check_resume, data_digest
 from rm.resume import fingerprint as fingerprint_of
@@ -553,6 +553,7 @@ def main(cfg: DictConfig) -> Optional[float]:
     other failures follow ``sweep.on_failure``.
     Returns the final eval accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
     the Optuna sweeper records as a failed (infeasible) trial rather than a value to learn from."""
+    task_started()  # from here on, an exit 1 is a bug (a multirun job does not pass through boundary())
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         return _job(cfg)  # a failed job goes to Hydra's sweeper, which goes on or stops per sweep.on_failure
     with boundary(log):
@@ -614,4 +615,4 @@ def _job(cfg: DictConfig) -> Optional[float]:
 
 
 if __name__ == "__main__":
-    main()
+    run_hydra_app(main)

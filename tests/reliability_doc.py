@@ -37,8 +37,8 @@ except those marked *slow*, which `python -m pytest -q -m slow` runs (CI runs th
 slow one is run by hand).
 
 Exit codes of every entry point (`rm.train`, `rm.estimate`, `rm.score`, `rm.export`, `rm.gpu_report`):
-0 done; 1 a Hydra composition error (unknown option, wrong type), or a bug in rm (its traceback and a
-line asking to report it); 2 invalid configuration or data; 3 refused (the run will not fit, or another
+0 done; 1 a bug in rm (its traceback and a line asking to report it); 2 invalid configuration or data
+(Hydra's composition errors included: unknown key or option, wrong type, override syntax); 3 refused (the run will not fit, or another
 run holds the run directory); 4 stopped by a non-finite loss, gradient or weight; 5 storage (a file could
 not be written or read back intact: any `OSError` or safetensors error); 128+N stopped by signal N.
 Expected errors print one message naming the key, file, row or path and the fix, without a traceback;

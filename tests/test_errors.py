@@ -2,6 +2,7 @@
 code, no traceback unless RM_DEBUG=1, and a traceback with a bug line for anything unexpected."""
 
 import errno
+import os
 import json
 import subprocess
 import sys
@@ -74,13 +75,13 @@ def test_a_bug_in_the_train_cli_shows_its_traceback_and_the_bug_line(tmp_path):
     code = (  # a bug planted where rm.train calls it, then run as `python -m rm.train` runs it
         "import runpy\n"
         "import rm.model\n"
-        "def build_tokenizer(model_cfg):\n"
+        "def build_tokenizer(*args, **kwargs):\n"
         "    return 1 / 0\n"
         "rm.model.build_tokenizer = build_tokenizer\n"
         "runpy.run_module('rm.train', run_name='__main__', alter_sys=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, *FAST_TINY, "train.max_steps=2", f"hydra.run.dir={tmp_path}"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**__import__("os").environ, "RM_DEBUG": ""})
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "RM_DEBUG": ""})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "Traceback" in out and "ZeroDivisionError: division by zero" in out and BUG_LINE in out, out[-3000:]
@@ -126,6 +127,21 @@ def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
 def test_estimate_cli_config_error_exits_2(tmp_path):
     code, out = _run("rm.estimate", "experiment=tiny", "train.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
     assert code == 2 and "train.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.reliability("Entry points", "`rm.estimate`, `rm.gpu_report`: a key Hydra cannot compose (unknown key, "
+                         "wrong type, override syntax)", "Hydra's message and a line quoting the command line; exit 2, "
+                         "no `Traceback`, no `outputs/` folder")
+@pytest.mark.parametrize("module", ["rm.estimate", "rm.gpu_report"])
+@pytest.mark.parametrize("override,needle", [("train.micro_batch=4", "train.micro_batch"),
+                                             ("train.micro_batch_size=abc", "abc"), ("train.x=[", "train.x=[")])
+def test_printing_clis_exit_2_on_what_hydra_cannot_compose(tmp_path, module, override, needle):
+    proc = subprocess.run([sys.executable, "-m", module, "experiment=tiny", override], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"could not be composed from the command line: experiment=tiny {override}" in out and needle in out
+    assert "Traceback" not in out and not any(tmp_path.iterdir())
 
 
 @pytest.mark.reliability("Entry points", "`rm.export` of a directory that holds no bundle", "names the path and what is missing; exit 2")
