@@ -407,7 +407,35 @@ class DeepSpeedEngine:
         dist.barrier()
 
     def save_state(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory), tag="state")
+        # DeepSpeed's save_checkpoint meets the other ranks at barriers between its writes, so a write that
+        # raised on one rank would leave the others waiting there for good. Its writes (the checkpoint engine's
+        # save and makedirs, the recovery script's copy) record a failure and skip the rest instead; every rank
+        # reaches the end, and this rank's first failure is raised after it, for rm.checkpoint to agree on.
+        # No `latest` file: rm loads its fixed tag, and that plain open() could not be deferred.
+        failures: List[BaseException] = []
+
+        def deferred(write):
+            def call(*args, **kwargs):
+                if not failures:
+                    try:
+                        return write(*args, **kwargs)
+                    except Exception as err:  # noqa: BLE001  (raised below, once every rank is past the barriers)
+                        failures.append(err)
+                return None
+            return call
+
+        writes = [(self.engine.checkpoint_engine, "save"), (self.engine.checkpoint_engine, "makedirs"),
+                  (self.engine, "_copy_recovery_script")]
+        originals = [getattr(owner, name) for owner, name in writes]
+        for (owner, name), original in zip(writes, originals):
+            setattr(owner, name, deferred(original))
+        try:
+            self.engine.save_checkpoint(str(directory), tag="state", save_latest=False)
+        finally:
+            for (owner, name), original in zip(writes, originals):
+                setattr(owner, name, original)
+        if failures:
+            raise failures[0]
         torch.save(_rng_state(), Path(directory) / f"rng_state_{self.process_index}.pth")
 
     def load_state(self, directory: Path) -> None:

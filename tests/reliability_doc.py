@@ -47,14 +47,10 @@ Expected errors print one message naming the key, file, row or path and the fix,
 
 FOOTER = """## Not covered yet
 
-- Under DeepSpeed, a write that fails inside DeepSpeed's own `save_checkpoint` on one rank (its ZeRO
-  optimizer shard): that rank exits 5, but the others are in DeepSpeed's closing barrier, which rm cannot
-  reach; they fail there once the failed rank's connection closes (gloo: `Connection closed by peer`, exit 1
-  with a traceback) or wait until the launcher or the collective's timeout stops them (NCCL). With DDP
-  every rank ends with exit 5 (see Faults).
 - A write that fails on the main process of several outside a checkpoint or the final model
-  (`metrics.jsonl`, `data_audit.json`, the plots): it exits 5; the others fail or wait at their next
-  collective as above.
+  (`metrics.jsonl`, `data_audit.json`, the plots): it exits 5; the others fail at their next collective
+  once its connection closes (gloo: `Connection closed by peer`, exit 1 with a traceback) or wait until the
+  launcher stops them (torchrun stops the other ranks when one exits) or the collective's timeout (NCCL).
 - A job of a multirun refused for its directory (a reused `hydra.sweep.dir`) leaves the earlier job's
   `job_result.json` in place, so the sweep summary shows the earlier job's result for it; the refusal is in
   the sweep's console output.

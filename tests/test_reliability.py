@@ -516,6 +516,17 @@ if os.environ["RANK"] == faulty_rank:
                 raise OSError(errno.ENOSPC, "No space left on device", str(directory / "partial"))
 
         AccelerateEngine.save_state = save_state
+    elif fault == "deepspeed":  # DeepSpeed writes this rank's ZeRO optimizer shard inside its own save_checkpoint
+        from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+        real_ds_save = TorchCheckpointEngine.save
+
+        def ds_save(self, state_dict, path):
+            if "checkpoint-4" in str(path) and "optim_states" in str(path):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+            return real_ds_save(self, state_dict, path)
+
+        TorchCheckpointEngine.save = ds_save
     else:  # the main process writes the final model
         import rm.export
         from safetensors import SafetensorError
@@ -536,7 +547,10 @@ runpy.run_module("rm.train", run_name="__main__", alter_sys=True)
                          "the ranks agree on the outcome: every rank exits 5 with `could not write checkpoint-4 ...` / "
                          "`could not write the final model ...` (the others name the rank that failed); none waits at a "
                          "barrier; no temporary directory, no final/, the previous checkpoint intact")
-@pytest.mark.parametrize("fault, faulty_rank", [("checkpoint", 1), ("final", 0)])
+@pytest.mark.reliability("Faults", "2 processes (ZeRO-2): the disk fills on one rank only while DeepSpeed's own "
+                         "save_checkpoint writes that rank's optimizer shard",
+                         "DeepSpeed's writes are deferred past its barriers: every rank exits 5 as above, none waits")
+@pytest.mark.parametrize("fault, faulty_rank", [("checkpoint", 1), ("final", 0), ("deepspeed", 1)])
 def test_a_save_failing_on_one_rank_fails_every_rank_without_hanging(tmp_path, fault, faulty_rank):
     import os
     import socket
@@ -548,7 +562,7 @@ def test_a_save_failing_on_one_rank_fails_every_rank_without_hanging(tmp_path, f
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [*FAST_TINY, "distributed=ddp", f"train.max_steps={6 if fault == 'checkpoint' else 4}", "train.save_steps=2",
+    args = [*FAST_TINY, f"distributed={'zero2' if fault == 'deepspeed' else 'ddp'}", f"train.max_steps={4 if fault == 'final' else 6}", "train.save_steps=2",
             "train.eval_steps=0", f"hydra.run.dir={run_dir}"]
     # Started by hand with torchrun's variables rather than by torchrun, whose agent stops the other ranks
     # once one exits and would hide a rank left waiting at a barrier.
@@ -565,13 +579,13 @@ def test_a_save_failing_on_one_rank_fails_every_rank_without_hanging(tmp_path, f
         for proc in procs:
             proc.kill()
         pytest.fail(f"a rank still runs after {fault} failed on rank {faulty_rank}: it waits for the other at a barrier")
-    what = "checkpoint-4 in" if fault == "checkpoint" else "the final model to"
+    what = "the final model to" if fault == "final" else "checkpoint-4 in"
     for rank, (proc, out) in enumerate(zip(procs, outs)):
         assert proc.returncode == 5, f"rank {rank}:\n{out[-3000:]}"
         assert f"could not write {what}" in out or (rank != faulty_rank and "the main process could not write" in out), out[-3000:]
         assert "Traceback" not in out, out[-3000:]
     assert "No space left on device" in outs[faulty_rank]
-    if fault == "checkpoint":
+    if fault != "final":
         assert f"process(es) {faulty_rank} of this run could not write their part" in outs[1 - faulty_rank]
     assert not list((run_dir / "checkpoints").glob(".tmp-*")) and not (run_dir / ".tmp-final").exists()
     assert not (run_dir / "final").exists()
