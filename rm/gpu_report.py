@@ -52,16 +52,20 @@ def print_report(raw: DictConfig) -> None:
     base.hardware = hardware
     world, source = resolve_world_size(base, launched=False)  # counted as rm.estimate and rm.train count them
     print(f"\nmodel={base.model.name}, {world} process(es) ({source}), {hardware.device_memory_gib} GiB per device ({hardware.name})")
+    errors = []
     for profile in PROFILES:
         cfg = compose([*overrides, f"memory_profile={profile}"])
         cfg.hardware = hardware
         try:
             est = estimate_run(cfg, validate(cfg, world, source))
         except ConfigError as err:
+            errors.append(err)
             print(f"  {profile:<8} cannot run here: {str(err).splitlines()[-1].strip(' -')}")
             continue
         verdict = "fits" if est.fits else "does not fit"
         print(f"  {profile:<8} peak {est.peak_bytes / GIB:7.2f} GiB ({est.peak_phase}): {verdict}")
+    if len(errors) == len(PROFILES):  # not a fact about this machine: the config itself is invalid (exit 2)
+        raise ConfigError(f"no memory profile can run this config; with memory_profile={PROFILES[0]}: {errors[0]}")
 
 
 if __name__ == "__main__":

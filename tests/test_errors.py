@@ -144,6 +144,17 @@ def test_printing_clis_exit_2_on_what_hydra_cannot_compose(tmp_path, module, ove
     assert "Traceback" not in out and not any(tmp_path.iterdir())
 
 
+@pytest.mark.reliability("Entry points", "`rm.gpu_report` with an invalid key (`train.adam_beta1=1.5`)",
+                         "each profile's line says why it cannot run, then `no memory profile can run this config` "
+                         "naming the key; exit 2")
+def test_gpu_report_config_error_exits_2(tmp_path):
+    code, out = _run("rm.gpu_report", "experiment=tiny", "train.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
+    assert code == 2 and "no memory profile can run this config" in out and "train.adam_beta1=1.5 must be in [0, 1)" in out
+    assert "Traceback" not in out, out[-3000:]
+    code, out = _run("rm.gpu_report", "experiment=tiny", f"hydra.run.dir={tmp_path}")  # qlora alone cannot: a report
+    assert code == 0 and "qlora    cannot run here" in out and "full     peak" in out, out[-3000:]
+
+
 @pytest.mark.reliability("Entry points", "`rm.export` of a directory that holds no bundle", "names the path and what is missing; exit 2")
 def test_export_cli_without_a_bundle_exits_2(tmp_path):
     code, out = _run("rm.export", str(tmp_path))
