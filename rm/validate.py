@@ -326,6 +326,56 @@ def check_tokenizer_fits(model_cfg, tokenizer) -> None:
         )
 
 
+# Texts on which pre-tokenizers disagree: digit runs, contractions, runs of spaces, tabs and newlines, accents,
+# CJK, emoji, code. Fixed, so the check needs no data and says the same thing in every process.
+TOKENIZER_PROBES = (
+    "\n\nHuman: What's 12345 + 678? Don't   guess.\n\nAssistant: It's 13023 -- I've checked twice!",
+    "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f642 tabs\tand  double  spaces\r\n",
+    "def f(x):\n    return x**2  # squared, 3.14159\n",
+)
+
+
+def check_consumers_tokenize_alike(model_cfg, tokenizer, texts: Tuple[str, ...] = ()) -> None:
+    """The exported model's tokenizer must tokenise as training did, as its consumers load it.
+
+    Checked on ``texts`` (the run passes some of its own training texts: whether two pre-tokenizers disagree
+    depends on the merges learnt from the data) and :data:`TOKENIZER_PROBES`.
+
+    Every consumer (``AutoTokenizer``, ``pipeline``, TRL, RewardBench, ``rm.score``) loads the bundle's tokenizer
+    with ``AutoTokenizer.from_pretrained``, which in transformers 5 picks the class from ``config.json``'s
+    ``model_type`` for some architectures (Qwen2: ``Qwen2Tokenizer``, which rebuilds the pre-tokenizer) whatever
+    ``tokenizer_config.json`` says. A tokenizer that does not survive that trip would give other tokens, and so
+    other rewards, than training used: refused here, before any weight loads.
+
+    Raises:
+        ConfigError: naming ``model.tokenizer``, ``model.model_type``, the class transformers loads and a probe.
+    """
+    import json
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from rm.export import write_compat_fields
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_cfg.model_type}))
+        write_compat_fields(Path(tmp))  # as rm.export writes the bundle
+        reloaded = AutoTokenizer.from_pretrained(tmp)
+    probes = (*texts, *TOKENIZER_PROBES)
+    differ = [text for text in probes if reloaded(text)["input_ids"] != tokenizer(text)["input_ids"]]
+    if differ:
+        raise ConfigError(
+            f"model.tokenizer={model_cfg.tokenizer or ('bpe' if model_cfg.pretrained is None else model_cfg.pretrained)} "
+            f"with model.model_type={model_cfg.model_type}: transformers' AutoTokenizer loads the exported model's "
+            f"tokenizer as {type(reloaded).__name__}, which tokenises {len(differ)} of {len(probes)} probe texts "
+            f"differently (e.g. {differ[0][:40]!r}: {len(tokenizer(differ[0])['input_ids'])} tokens in training, "
+            f"{len(reloaded(differ[0])['input_ids'])} reloaded), so every consumer of the model would score other tokens "
+            f"than training did. Use the model's own tokenizer (model.pretrained=<dir> with model.tokenizer=null), "
+            f"or, for a tokenizer of your own, a model_type whose tokenizer class is generic (llama, mistral)"
+        )
+
+
 def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:
     """Each name must make metric keys of its own: ``eval_<name>_...`` may not collide with another set's keys."""
     if not extra_eval_files:
