@@ -289,7 +289,44 @@ def _model_shape_errors(m) -> List[str]:
                       "--no-build-isolation (CUDA only), or use model.attn_implementation=sdpa")
     if m.pretrained:
         errors += _pretrained_errors(m.pretrained)
+        errors += _pretrained_shape_errors(m)
+        if m.tokenizer in ("bpe", "words"):
+            errors.append(f"model.tokenizer={m.tokenizer} makes a new tokenizer, whose ids model.pretrained={m.pretrained} "
+                          f"never learnt: leave model.tokenizer null (the model's own tokenizer) or set model.pretrained=null")
     return errors
+
+
+# config.json key -> the model group's: what the estimate sizes the model by.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def _pretrained_shape_errors(m) -> List[str]:
+    """A local ``model.pretrained`` must have the shape of the ``model`` group: the estimate (and the label of the
+    run) come from the group, the weights from the directory. Each key that differs is named with its value there,
+    as the override to add. A Hub id cannot be read offline; its group is the one that names it."""
+    import json
+
+    config_file = Path(m.pretrained).expanduser() / "config.json"
+    if not config_file.is_file():
+        return []
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        return [f"model.pretrained={m.pretrained}: {config_file} is not readable JSON ({err})"]
+    config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    if config.get("head_dim") is None and config.get("hidden_size") and config.get("num_attention_heads"):
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    ours = {key: getattr(m, key) for key in SHAPE_KEYS}
+    if ours["head_dim"] is None:
+        ours["head_dim"] = m.hidden_size // max(m.num_attention_heads, 1)
+    differ = [key for key in SHAPE_KEYS if key in config and config[key] is not None and config[key] != ours[key]]
+    if not differ:
+        return []
+    fix = " ".join(f"model.{key}={str(config[key]).lower() if isinstance(config[key], bool) else config[key]}" for key in differ)
+    return [f"model.pretrained={m.pretrained} has another shape than model={m.name}, by which the memory estimate sizes "
+            f"it: " + ", ".join(f"{key} {config[key]} there, {ours[key]} here" for key in differ)
+            + f". Add: {fix} (and model.name=<yours>), or choose the model group of that architecture"]
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
