@@ -265,8 +265,6 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     saved_tokenizer = run_dir / TOKENIZER_DIR
     resuming = t.resume and latest_checkpoint(run_dir) is not None
     tokenizer = run_tokenizer(cfg.model, cfg.data, saved=saved_tokenizer if resuming else None)
-    if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
-        tokenizer.save_pretrained(saved_tokenizer)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
@@ -275,6 +273,9 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     total_steps = total_training_steps(cfg, len(train_set))
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     replace_earlier_run(run_dir, replaced)
+    # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
+    if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
+        tokenizer.save_pretrained(saved_tokenizer)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))
