@@ -23,8 +23,9 @@ average printed beside each trainer says how idle it was. The default run should
   scheme for a model without a tokenizer: ``<pad> <unk> <s> </s>``, the 256 bytes, then merges, at most 4096
   tokens), saved with ``save_pretrained`` in a directory of its own; rm (``model.tokenizer=<dir>``) and TRL
   (``AutoTokenizer``) read the same files, and this script counts tokens with what they read.
-* **Model**: a Qwen2-architecture reward model (3 layers, hidden 384, 6 heads, 2 KV heads, MLP 1024, q/k/v biases;
-  bench_vs_trl.py uses a 4 x 256 Mistral), random init from seed 0, saved with ``save_pretrained``; both trainers
+* **Model**: a Llama-architecture reward model (3 layers, hidden 384, 6 heads, 2 KV heads, MLP 1024;
+  bench_vs_trl.py uses a 4 x 256 Mistral). Not Qwen2: transformers 5 loads any tokenizer beside a Qwen2
+  ``config.json`` as a ``Qwen2Tokenizer``, which re-splits this BPE's text, and rm refuses such a pair), random init from seed 0, saved with ``save_pretrained``; both trainers
   load that directory (rm: ``model.pretrained=<dir>``), so both start from the same weights.
 * **rm** runs as ``python -m rm.train data=local data.train_files=[...] model.pretrained=<dir> ...`` in a subprocess,
   once with the README's CPU recommendation (``train.share_prefix=true train.group_by_length=true
@@ -77,7 +78,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 MAX_LENGTH, PAIRS_PER_STEP, LR, WARMUP_STEPS, EVAL_BATCH = 512, 8, 1e-3, 3, 8
 VOCAB_SIZE = 4096
-SHAPE = {"model_type": "qwen2", "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3,
+SHAPE = {"model_type": "llama", "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3,
          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": MAX_LENGTH,
          "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 RM_LAYOUTS = {  # name: the layout overrides on top of the shared rm command line
@@ -202,8 +203,7 @@ def train_tokenizer(texts: list[str], out_dir: Path):
 
     Nothing is added to a text when it is tokenised (no post-processor), which is rm's convention; TRL appends
     ``</s>`` to each text itself. Saved in a directory of its own and returned as ``AutoTokenizer`` reads it back,
-    which is how both trainers load it: beside a Qwen2 ``config.json``, transformers 5 would load it as a
-    ``Qwen2Tokenizer``, whose own pre-tokenizer splits text differently from the one trained here.
+    which is how both trainers load it.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
@@ -226,7 +226,7 @@ def train_tokenizer(texts: list[str], out_dir: Path):
 
 
 def save_random_model(tokenizer, out_dir: Path) -> int:
-    """The Qwen2-style reward model of :data:`SHAPE`, random init from seed 0, saved (weights and config only)."""
+    """The Llama-style reward model of :data:`SHAPE`, random init from seed 0, saved (weights and config only)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -317,7 +317,7 @@ def rm_command(data: dict, steps: int, run_dir: Path, layout: list[str]) -> list
         f"data.max_length={MAX_LENGTH}",
         # A local model directory; its shape numbers repeated for the pre-flight memory estimate, which reads the
         # model group rather than the directory.
-        "model=qwen2_7b", "model.name=bench_qwen2_3x384", f"model.pretrained={data['model_dir']}",
+        "model=llama3_8b", "model.name=bench_llama_3x384", f"model.pretrained={data['model_dir']}",
         f"model.tokenizer={data['tokenizer_dir']}",
         f"model.vocab_size={data['vocab']}", *shape,
         "hardware=cpu", "memory_profile=full", "train.precision=fp32", "train.gradient_checkpointing=false",
