@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+from rm.precision import Precision
+
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket, in elements
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # ZeRO-3 gathered parameters kept at once (stage3_max_live_parameters), in elements
 
@@ -118,8 +119,7 @@ def deepspeed_config(
         "gradient_accumulation_steps": gradient_accumulation_steps,
         "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
         "gradient_clipping": max_grad_norm,
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": precision == "fp16"},
+        **Precision.of(precision).deepspeed_sections(),
         "zero_optimization": zero,
         # A torch AdamW is a well-tested client optimizer; DeepSpeed only asks for this flag.
         "zero_allow_untested_optimizer": True,
@@ -194,7 +194,7 @@ class AccelerateEngine:
         # DDP's reducer keeps flat gradient buckets; by default param.grad is a second, separate copy.
         # As views into the buckets, the gradients cost one copy instead of two (the estimate counts one).
         ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=MIXED_PRECISION[precision], kwargs_handlers=[ddp])
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=Precision.of(precision).accelerate, kwargs_handlers=[ddp])
         self.accumulation = gradient_accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.device = self.accelerator.device

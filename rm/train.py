@@ -48,7 +48,7 @@ from rm.memory_monitor import MemoryMonitor, gather_snapshots
 from rm.sweep import job_record, write_job_record
 from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
-from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
+from rm.model import apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
 from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
 from rm.errors import NonFiniteError, Refused, StorageError, boundary, report, run_hydra_app, task_started
 from rm.run_record import claim as claim_run_dir, hold_log
@@ -475,7 +475,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
         export_final(
             engine, model, tokenizer, tmp_final,
             probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
-            reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
+            reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), precision=plan.precision,
             merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
             base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
             final_dir=final_dir,
