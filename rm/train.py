@@ -38,7 +38,7 @@ from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, 
 from rm.data.audit import format_audit, write_audit
 from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
-from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
+from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config, join_submitit_tasks
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.estimate import best_micro_batch, estimate_label, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
@@ -96,7 +96,7 @@ def total_training_steps(cfg: RunConfig, num_pairs: int) -> int:
     return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
 
 
-def summary(cfg: RunConfig, plan: Plan, engine, total_steps: int, num_pairs: int) -> str:
+def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int) -> str:
     trainable, total = count_parameters(engine.unwrapped_model())
     t = cfg.train
     states = "CPU (ZeRO-Offload)" if cfg.memory_profile.offload_optimizer else plan.device
@@ -154,7 +154,7 @@ def log_prefix_sharing(train_set) -> list:
     return [len(c) + len(r) - n for c, r, n in zip(chosen, rejected, prefix)]
 
 
-def build_engine(cfg: RunConfig, plan: Plan):
+def build_engine(cfg: RunConfig, plan: Plan) -> Engine:
     """The engine the plan asks for: DeepSpeed's for ZeRO, accelerate's for one process or DDP."""
     t = cfg.train
     if plan.strategy == "deepspeed":
@@ -363,10 +363,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 with engine.autocast():
                     chosen, rejected = pair_rewards(model, **inputs)
                     loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
-                if t.packing:  # micro-batches of unequal pair counts: weight each mean by its share of the step's pairs
-                    engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
-                else:
-                    engine.backward(loss)
+                engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
                 health.observe(loss, chosen, rejected)
                 window_loss += loss.item() * len(indices) / per_rank
                 # Real tokens are chosen + rejected tokens, as an unshared trainer (TRL) counts them, whatever the layout.
@@ -499,7 +496,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     return {**eval_metrics, **run_stats, "status": "ok", "step": step}
 
 
-def resume(engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps: int) -> int:
+def resume(engine: Engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps: int) -> int:
     """Restore the newest intact checkpoint whose settings match; return its step (0: none yet).
 
     Checkpoints that fail their checksums, or whose states do not load, are passed over for the
