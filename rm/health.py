@@ -320,7 +320,8 @@ class HealthMonitor:
             torch.where(finite, loss, torch.zeros_like(loss)),  # sum of the finite losses
             finite.float(),  # how many
             rewards.abs().sum(),
-            torch.tensor(float(rewards.numel()), device=loss.device),
+            # Filled on the device: a tensor made from a host number is copied there, and that copy waits for the device.
+            rewards.new_full((), rewards.numel()),
         ])
         self._sums = sums if self._sums is None else self._sums + sums
 

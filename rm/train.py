@@ -325,7 +325,10 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     device = engine.device
     eval_metrics: Dict[str, float] = {}
     eval_scores = {}  # per eval set, every pair's rewards and lengths at the last evaluation: the end-of-run plot
-    window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
+    # The window's loss stays on the device until a logging step: reading it per micro-batch (.item()) would wait
+    # for the device each time. float64 adds the weighted means exactly as the host's floats did.
+    window_loss = torch.zeros((), dtype=torch.float64, device=device)
+    window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
     # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
     progress = tqdm(
         total=total_steps, initial=start_step, desc="train", disable=not engine.is_main_process,
@@ -365,7 +368,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                     loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
                 engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
                 health.observe(loss, chosen, rejected)
-                window_loss += loss.item() * len(indices) / per_rank
+                window_loss += loss.detach().double() * len(indices) / per_rank
                 # Real tokens are chosen + rejected tokens, as an unshared trainer (TRL) counts them, whatever the layout.
                 real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                 real = int(batch["num_pair_tokens"]) if "num_pair_tokens" in batch else real
@@ -387,7 +390,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 elapsed = time.perf_counter() - window_start
                 tokens = int(engine.reduce(torch.tensor(window_tokens, device=device), reduction="sum"))
                 values = {
-                    "loss": float(engine.reduce(torch.tensor(window_loss / window_steps, device=device), reduction="mean")),
+                    "loss": float(engine.reduce((window_loss / window_steps).float(), reduction="mean")),
                     "lr": engine.lr(),
                     "grad_norm": grad_norm,
                     "epoch": step * t.global_batch_size / len(train_set),
@@ -396,7 +399,8 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 }
                 metrics.write("train", step, values)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
-                window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
+                window_loss.zero_()
+                window_tokens, window_steps, window_start = 0, 0, time.perf_counter()
             pause_start = time.perf_counter()
             if (eval_set is not None or extra_eval_sets) and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
                 eval_metrics, eval_scores = evaluate_sets(model, eval_set, extra_eval_sets, collator, t.eval_batch_size, engine)
