@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
 
@@ -129,7 +130,9 @@ class MetricsLog:
     def write(self, event: str, step: int, values: Dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"event": event, "step": step, **{k: _finite_or_none(v) for k, v in values.items()}}
+        # Wall-clock seconds since the epoch: throughput between any two records, without polling the file.
+        record = {"event": event, "step": step, "time": round(time.time(), 3),
+                  **{k: _finite_or_none(v) for k, v in values.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.writer is not None:

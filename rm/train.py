@@ -50,7 +50,7 @@ from rm.train_state import TrainState
 from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
 from rm.model import apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
-from rm.validate import ConfigError, Plan, check_tokenizer_fits, resolve_world_size, validate
+from rm.validate import ConfigError, Plan, check_consumers_tokenize_alike, check_tokenizer_fits, resolve_world_size, validate
 from rm.errors import NonFiniteError, Refused, StorageError, boundary, report, run_hydra_app, task_started
 from rm.run_record import claim as claim_run_dir, hold_log
 from rm.resume import apply_changes, check_resume, data_digest
@@ -266,14 +266,17 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     saved_tokenizer = run_dir / TOKENIZER_DIR
     resuming = t.resume and latest_checkpoint(run_dir) is not None
     tokenizer = run_tokenizer(cfg.model, cfg.data, saved=saved_tokenizer if resuming else None)
-    if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
-        tokenizer.save_pretrained(saved_tokenizer)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
+    # The exported model's readers must see the tokens training saw, on texts like the run's own.
+    check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64])))
     total_steps = total_training_steps(cfg, len(train_set))
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     replace_earlier_run(run_dir, replaced)
+    # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
+    if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
+        tokenizer.save_pretrained(saved_tokenizer)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))

@@ -289,7 +289,44 @@ def _model_shape_errors(m) -> List[str]:
                       "--no-build-isolation (CUDA only), or use model.attn_implementation=sdpa")
     if m.pretrained:
         errors += _pretrained_errors(m.pretrained)
+        errors += _pretrained_shape_errors(m)
+        if m.tokenizer in ("bpe", "words"):
+            errors.append(f"model.tokenizer={m.tokenizer} makes a new tokenizer, whose ids model.pretrained={m.pretrained} "
+                          f"never learnt: leave model.tokenizer null (the model's own tokenizer) or set model.pretrained=null")
     return errors
+
+
+# config.json key -> the model group's: what the estimate sizes the model by.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def _pretrained_shape_errors(m) -> List[str]:
+    """A local ``model.pretrained`` must have the shape of the ``model`` group: the estimate (and the label of the
+    run) come from the group, the weights from the directory. Each key that differs is named with its value there,
+    as the override to add. A Hub id cannot be read offline; its group is the one that names it."""
+    import json
+
+    config_file = Path(m.pretrained).expanduser() / "config.json"
+    if not config_file.is_file():
+        return []
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        return [f"model.pretrained={m.pretrained}: {config_file} is not readable JSON ({err})"]
+    config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    if config.get("head_dim") is None and config.get("hidden_size") and config.get("num_attention_heads"):
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    ours = {key: getattr(m, key) for key in SHAPE_KEYS}
+    if ours["head_dim"] is None:
+        ours["head_dim"] = m.hidden_size // max(m.num_attention_heads, 1)
+    differ = [key for key in SHAPE_KEYS if key in config and config[key] is not None and config[key] != ours[key]]
+    if not differ:
+        return []
+    fix = " ".join(f"model.{key}={str(config[key]).lower() if isinstance(config[key], bool) else config[key]}" for key in differ)
+    return [f"model.pretrained={m.pretrained} has another shape than model={m.name}, by which the memory estimate sizes "
+            f"it: " + ", ".join(f"{key} {config[key]} there, {ours[key]} here" for key in differ)
+            + f". Add: {fix} (and model.name=<yours>), or choose the model group of that architecture"]
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -323,6 +360,56 @@ def check_tokenizer_fits(model_cfg, tokenizer) -> None:
         raise ConfigError(
             f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
             f"(model.tokenizer={model_cfg.tokenizer or 'bpe'}): set model.vocab_size >= {len(tokenizer)}"
+        )
+
+
+# Texts on which pre-tokenizers disagree: digit runs, contractions, runs of spaces, tabs and newlines, accents,
+# CJK, emoji, code. Fixed, so the check needs no data and says the same thing in every process.
+TOKENIZER_PROBES = (
+    "\n\nHuman: What's 12345 + 678? Don't   guess.\n\nAssistant: It's 13023 -- I've checked twice!",
+    "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f642 tabs\tand  double  spaces\r\n",
+    "def f(x):\n    return x**2  # squared, 3.14159\n",
+)
+
+
+def check_consumers_tokenize_alike(model_cfg, tokenizer, texts: Tuple[str, ...] = ()) -> None:
+    """The exported model's tokenizer must tokenise as training did, as its consumers load it.
+
+    Checked on ``texts`` (the run passes some of its own training texts: whether two pre-tokenizers disagree
+    depends on the merges learnt from the data) and :data:`TOKENIZER_PROBES`.
+
+    Every consumer (``AutoTokenizer``, ``pipeline``, TRL, RewardBench, ``rm.score``) loads the bundle's tokenizer
+    with ``AutoTokenizer.from_pretrained``, which in transformers 5 picks the class from ``config.json``'s
+    ``model_type`` for some architectures (Qwen2: ``Qwen2Tokenizer``, which rebuilds the pre-tokenizer) whatever
+    ``tokenizer_config.json`` says. A tokenizer that does not survive that trip would give other tokens, and so
+    other rewards, than training used: refused here, before any weight loads.
+
+    Raises:
+        ConfigError: naming ``model.tokenizer``, ``model.model_type``, the class transformers loads and a probe.
+    """
+    import json
+    import tempfile
+
+    from transformers import AutoTokenizer
+
+    from rm.export import write_compat_fields
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_cfg.model_type}))
+        write_compat_fields(Path(tmp))  # as rm.export writes the bundle
+        reloaded = AutoTokenizer.from_pretrained(tmp)
+    probes = (*texts, *TOKENIZER_PROBES)
+    differ = [text for text in probes if reloaded(text)["input_ids"] != tokenizer(text)["input_ids"]]
+    if differ:
+        raise ConfigError(
+            f"model.tokenizer={model_cfg.tokenizer or ('bpe' if model_cfg.pretrained is None else model_cfg.pretrained)} "
+            f"with model.model_type={model_cfg.model_type}: transformers' AutoTokenizer loads the exported model's "
+            f"tokenizer as {type(reloaded).__name__}, which tokenises {len(differ)} of {len(probes)} probe texts "
+            f"differently (e.g. {differ[0][:40]!r}: {len(tokenizer(differ[0])['input_ids'])} tokens in training, "
+            f"{len(reloaded(differ[0])['input_ids'])} reloaded), so every consumer of the model would score other tokens "
+            f"than training did. Use the model's own tokenizer (model.pretrained=<dir> with model.tokenizer=null), "
+            f"or, for a tokenizer of your own, a model_type whose tokenizer class is generic (llama, mistral)"
         )
 
 

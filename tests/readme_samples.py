@@ -122,7 +122,7 @@ def run_demo(run_dir: Path) -> Dict:
         raise SystemExit(f"the demo failed with exit code {proc.returncode}")
     evals = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if m["event"] == "eval"]
     final = evals[-1]
-    return {"args": DEMO_ARGS, "step": final.pop("step"), "eval": {k: v for k, v in final.items() if k != "event"},
+    return {"args": DEMO_ARGS, "step": final.pop("step"), "eval": {k: v for k, v in final.items() if k not in ("event", "time")},
             "wall_s": round(wall, 1), "load_before": before, "load_after": after,
             "date": time.strftime("%Y-%m-%d"), "machine": f"{os.cpu_count()} CPUs visible, torch threads default"}
 

@@ -247,6 +247,7 @@ def test_export_cli_merges_an_adapter_onto_its_base_on_disk(tiny_cfg, tmp_path):
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(1)
     build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")  # a checkpoint carries its tokenizer, which the run then uses
     run = tmp_path / "run"
     rm_train.train(tiny_cfg(*STEPS, "memory_profile=lora", "lora=r8", "train.learning_rate=5e-3",
                             f"model.pretrained={tmp_path / 'base'}"), run)

@@ -168,7 +168,8 @@ def test_two_process_zero3_offload_saves_a_loadable_model(tiny_cfg, tmp_path):
     # The saved weights are the gathered ZeRO-3 shards: the full model, giving the run's own rewards.
     assert reload_eval_loss(tmp_path, tiny_cfg()) == pytest.approx(final_eval["eval_loss"], rel=1e-5)
     # rm.export checked it inside the run: both ranks scored the probe, rank 0 reloaded and compared.
-    assert f"export verified: {tmp_path / 'final'} reloads" in proc.stdout + proc.stderr
+    # (verified in the temporary directory that then became final/: a partial final/ never exists)
+    assert f"export verified: {tmp_path / '.tmp-final'} reloads" in proc.stdout + proc.stderr
     from rm.export import verify_bundle
 
     assert verify_bundle(tmp_path / "final") <= 1e-6

@@ -102,3 +102,16 @@ def test_a_checkpointed_model_builds_without_future_warnings(tiny_cfg, profile):
         model = apply_memory_profile(build_model(cfg.model, 0, "fp32", True), cfg.memory_profile, cfg.lora)
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
     assert model.is_activation_checkpointing
+
+
+def test_each_metrics_record_carries_its_wall_clock_time(tmp_path):
+    """Throughput between any two records from the file alone (an outside benchmark polled its mtime before)."""
+    import time
+
+    from rm.metrics import MetricsLog
+
+    before = time.time()
+    MetricsLog(tmp_path, is_main_process=True).write("train", 3, {"loss": 0.5, "bad": float("nan")})
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    assert before - 0.01 <= record["time"] <= time.time() + 0.01
+    assert record == {"event": "train", "step": 3, "time": record["time"], "loss": 0.5, "bad": None}

@@ -143,3 +143,21 @@ def test_the_old_builtin_name_is_refused_with_the_new_ones(tiny_cfg):
 
     with pytest.raises(ConfigError, match=r"model.tokenizer=builtin is now model.tokenizer=bpe .* or model.tokenizer=words"):
         validate(tiny_cfg("model.tokenizer=builtin"), 1)
+
+
+@pytest.mark.reliability("Configuration", "a tokenizer that the exported model's readers would load differently "
+                         "(a byte-level BPE of one's own with `model.model_type=qwen2`: transformers 5's AutoTokenizer "
+                         "makes it a `Qwen2Tokenizer`, whose pre-tokenizer splits other places)",
+                         "refused before any weight loads, naming `model.tokenizer`, `model.model_type`, the class "
+                         "transformers loads and a text that differs; the same tokenizer with a Llama or Mistral type passes")
+def test_a_tokenizer_its_consumers_would_load_differently_is_refused(tiny_cfg):
+    from rm.validate import ConfigError, check_consumers_tokenize_alike
+
+    # Digit runs and dotted names: byte-level BPE merges across them, Qwen2's pre-tokenizer does not.
+    texts = [f"\n\nHuman: call os.path.join({i * 7919}) in 3.{i % 13}\n\nAssistant: x_{i} = ({i * 31}*2)" for i in range(200)]
+    tokenizer = train_bpe_tokenizer(texts, vocab_size=1024)
+    for model_type in ("llama", "mistral"):
+        check_consumers_tokenize_alike(tiny_cfg(f"model.model_type={model_type}").model, tokenizer, tuple(texts[:8]))
+    with pytest.raises(ConfigError, match=r"model.tokenizer=bpe with model.model_type=qwen2: .* as Qwen2Tokenizer, "
+                                          r"which tokenises [1-9]\d* of 11 probe texts differently"):
+        check_consumers_tokenize_alike(tiny_cfg("model.model_type=qwen2").model, tokenizer, tuple(texts[:8]))

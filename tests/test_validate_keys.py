@@ -50,6 +50,33 @@ def test_each_bad_value_is_rejected_naming_its_key(tiny_cfg, tmp_path, overrides
     assert needle in str(err.value), str(err.value)
 
 
+@pytest.mark.reliability("Configuration", "a local `model.pretrained` whose config.json has another shape than the "
+                         "`model` group; a new tokenizer (`model.tokenizer=bpe|words`) for pretrained weights",
+                         "names each differing key with both values and the overrides to add; names the tokenizer key "
+                         "and the fix (the model's own tokenizer)")
+def test_a_pretrained_directory_must_match_the_model_group(tiny_cfg, tmp_path):
+    model_dir = tmp_path / "qwen_small"
+    model_dir.mkdir()
+    (model_dir / "model.safetensors").write_bytes(b"")  # only its presence is checked here
+    shape = {"model_type": "qwen2", "vocab_size": 4096, "hidden_size": 384, "intermediate_size": 256,
+             "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "tie_word_embeddings": False}
+    (model_dir / "config.json").write_text(json.dumps(shape))
+    with pytest.raises(ConfigError) as err:
+        validate(tiny_cfg(f"model.pretrained={model_dir}"), 1)
+    text = str(err.value)
+    assert f"model.pretrained={model_dir} has another shape than model=tiny" in text
+    assert "hidden_size 384 there, 128 here" in text and "head_dim 64 there, 32 here" in text
+    assert ("Add: model.model_type=qwen2 model.vocab_size=4096 model.hidden_size=384 model.num_attention_heads=6 "
+            "model.head_dim=64") in text
+    assert "num_hidden_layers" not in text and "intermediate_size" not in text  # equal keys are not named
+    fixed = tiny_cfg(f"model.pretrained={model_dir}", "model.model_type=qwen2", "model.vocab_size=4096",
+                     "model.hidden_size=384", "model.num_attention_heads=6", "model.head_dim=64")
+    validate(fixed, 1)
+    with pytest.raises(ConfigError, match=r"model.tokenizer=bpe makes a new tokenizer, whose ids model.pretrained=.* never learnt"):
+        validate(tiny_cfg(f"model.pretrained={model_dir}", "model.model_type=qwen2", "model.vocab_size=4096",
+                          "model.hidden_size=384", "model.num_attention_heads=6", "model.head_dim=64", "model.tokenizer=bpe"), 1)
+
+
 @pytest.mark.reliability("Configuration", "`model.vocab_size` smaller than the tokenizer", "`model.vocab_size=16 is smaller than the tokenizer's N tokens`, before the model is built")
 def test_a_vocabulary_smaller_than_the_tokenizer_is_rejected(tiny_cfg):
     from rm.data.build import run_tokenizer
