@@ -5,8 +5,8 @@ place only after every file is on disk, so a crash mid-write leaves the previous
 checkpoint as the newest complete one (DeepSpeed's ``latest`` tag file and HF
 Trainer's ``checkpoint-N`` directories give the same guarantee). ``trainer_state.json``
 is written last and marks a checkpoint as complete; it lists every file with its
-size and sha256, the step, and the fingerprint of the settings that shape the
-trajectory (:mod:`rm.resume`). A checkpoint whose files were cut short or changed
+size and sha256, the step, the fingerprint of the settings that shape the
+trajectory (:mod:`rm.resume`) and the training loop's state (:mod:`rm.train_state`). A checkpoint whose files were cut short or changed
 afterwards (a full disk on a network file system, a copy that stopped, flipped
 bytes) is recognised before anything of it is loaded and passed over for the
 previous one, with a warning. Weights that are not finite are never saved as a
@@ -207,8 +207,11 @@ def raise_save_failure(err: Optional[BaseException], failed: List[int], what: st
     raise kind(f"could not write {what}: {why}. {after}") from err
 
 
-def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Optional[Dict] = None) -> Path:
+def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Optional[Dict] = None,
+                    train_state: Optional[Dict] = None) -> Path:
     """Save model, optimizer, scheduler and RNG states for ``step``; keep the newest ``keep``.
+
+    ``fingerprint`` and ``train_state`` (``TrainState.record``) go into ``trainer_state.json``.
 
     Every process takes part (each writes its own shards under ZeRO); the main
     process alone checksums, renames and prunes. The processes agree on the outcome
@@ -237,7 +240,8 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
         error = err
     if not failed_ranks(engine, error is not None) and engine.is_main_process:  # every state file is written
         try:
-            state = {"step": step, "finite": True, "files": _manifest(tmp), "fingerprint": fingerprint}
+            state = {"step": step, "finite": True, "files": _manifest(tmp), "fingerprint": fingerprint,
+                     "train_state": train_state}
             with open(tmp / STATE_FILE, "w") as f:
                 json.dump(state, f)
                 f.flush()
@@ -279,7 +283,7 @@ def load_checkpoint(engine, path: Path) -> int:
 
 
 def checkpoint_state(path: Path) -> Dict:
-    """``trainer_state.json`` of a checkpoint: step, files, fingerprint."""
+    """``trainer_state.json`` of a checkpoint: step, files, fingerprint, train_state."""
     return _read_state(path) or {}
 
 

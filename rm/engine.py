@@ -1,7 +1,7 @@
 """One training-step interface over accelerate (one process, DDP) and DeepSpeed's own engine (ZeRO 1-3, offload).
 
-``rm.train`` talks to an engine only through the names below, which are the
-subset of ``accelerate.Accelerator`` it needs (``device``, ``process_index``,
+``rm.train`` talks to an engine only through :class:`Engine`: the subset of
+``accelerate.Accelerator`` it needs (``device``, ``process_index``,
 ``num_processes``, ``is_main_process``, ``autocast``, ``reduce``,
 ``wait_for_everyone``) plus ``backward``, ``clip_gradients``, ``step``,
 ``grad_norm``, ``gradients_of`` (the health checks of ``rm.health``), ``save_state``,
@@ -25,13 +25,14 @@ import random
 import socket
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-MIXED_PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp32": "no"}
+from rm.precision import Precision
+
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket, in elements
 DEEPSPEED_MAX_LIVE = 1_000_000_000  # ZeRO-3 gathered parameters kept at once (stage3_max_live_parameters), in elements
 
@@ -118,8 +119,7 @@ def deepspeed_config(
         "gradient_accumulation_steps": gradient_accumulation_steps,
         "train_batch_size": micro_batch_size * gradient_accumulation_steps * world_size,
         "gradient_clipping": max_grad_norm,
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {"enabled": precision == "fp16"},
+        **Precision.of(precision).deepspeed_sections(),
         "zero_optimization": zero,
         # A torch AdamW is a well-tested client optimizer; DeepSpeed only asks for this flag.
         "zero_allow_untested_optimizer": True,
@@ -184,6 +184,83 @@ def _set_rng_state(state: Dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class Engine(Protocol):
+    """What the training loop, checkpoints and export ask of an engine; :class:`AccelerateEngine` and
+    :class:`DeepSpeedEngine` implement it with the same signatures (``tests/test_engine.py`` compares them).
+
+    Attributes:
+        device: where batches go.
+        process_index, num_processes, is_main_process: this process among torchrun's.
+        optimizer, scheduler: the prepared optimizer and schedule (``rm.resume`` changes their settings).
+    """
+
+    device: torch.device
+    process_index: int
+    num_processes: int
+    is_main_process: bool
+    optimizer: Any
+    scheduler: Any
+
+    def prepare(self, model: torch.nn.Module, optimizer_factory: Callable, scheduler_factory: Callable) -> torch.nn.Module:
+        """Wrap ``model`` for training; build the optimizer and schedule from the factories."""
+
+    def autocast(self) -> ContextManager:
+        """The context the forward runs in."""
+
+    def backward(self, loss: torch.Tensor, share: float, last: bool) -> None:
+        """Accumulate the gradient of one micro-batch's mean loss.
+
+        Args:
+            loss: the micro-batch's mean loss.
+            share: the micro-batch's fraction of this rank's pairs in the step. Packed steps
+                (``train.packing``) cut them into micro-batches of unequal sizes; weighting each mean by
+                its share keeps the gradient that of the mean over the step.
+            last: whether this is the step's last micro-batch, after which gradients are synchronised.
+        """
+
+    def clip_gradients(self) -> Optional[float]:
+        """Before :meth:`step`: clip, and return the norm before clipping (``None``: known only after the step)."""
+
+    def step(self, skip: bool = False) -> bool:
+        """Step optimizer and schedule and clear gradients; return whether the weights changed."""
+
+    def grad_norm(self) -> Optional[float]:
+        """The last step's gradient norm before clipping."""
+
+    def gradients_of(self, module_name: str) -> List[Optional[torch.Tensor]]:
+        """Full gradients of the trainable parameters under ``module_name``; every rank calls it."""
+
+    def lr(self) -> float:
+        """The learning rate of the last step."""
+
+    def optimizer_name(self) -> str:
+        """The optimizer, in words, for the run summary."""
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Weights, buffers and optimizer states: what a memory count starts from."""
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """``tensor`` summed (or averaged, ``mean``) over processes."""
+
+    def wait_for_everyone(self) -> None:
+        """A barrier."""
+
+    def save_state(self, directory: Path) -> None:
+        """Write weights, optimizer, schedule and RNG states into ``directory``; every rank calls it."""
+
+    def load_state(self, directory: Path) -> None:
+        """Restore what :meth:`save_state` wrote."""
+
+    def unwrapped_model(self) -> torch.nn.Module:
+        """The model without the engine's wrapper."""
+
+    def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The state dict to save, where the model's own is incomplete (ZeRO-3 shards); every rank calls it."""
+
+    def end(self) -> None:
+        """After the run's last collective."""
+
+
 class AccelerateEngine:
     """One process, or DDP over torchrun's processes (NCCL on GPUs, gloo on CPUs), through accelerate."""
 
@@ -194,17 +271,16 @@ class AccelerateEngine:
         # DDP's reducer keeps flat gradient buckets; by default param.grad is a second, separate copy.
         # As views into the buckets, the gradients cost one copy instead of two (the estimate counts one).
         ddp = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
-        self.accelerator = Accelerator(cpu=cpu, mixed_precision=MIXED_PRECISION[precision], kwargs_handlers=[ddp])
+        self.accelerator = Accelerator(cpu=cpu, mixed_precision=Precision.of(precision).accelerate, kwargs_handlers=[ddp])
         self.accumulation = gradient_accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.device = self.accelerator.device
         self.process_index = self.accelerator.process_index
         self.num_processes = self.accelerator.num_processes
         self.is_main_process = self.accelerator.is_main_process
-        self._micro = 0
         self._norm: Optional[float] = None
 
-    def prepare(self, model, optimizer_factory: Callable, scheduler_factory: Callable):
+    def prepare(self, model: torch.nn.Module, optimizer_factory: Callable, scheduler_factory: Callable) -> torch.nn.Module:
         optimizer = optimizer_factory(model)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
         # The schedule stays outside accelerate: its prepared scheduler steps once per process on each
@@ -214,28 +290,19 @@ class AccelerateEngine:
         self.accelerator.register_for_checkpointing(self.scheduler)
         return self.model
 
-    def autocast(self):
+    def autocast(self) -> ContextManager:
         return self.accelerator.autocast()
 
-    def backward(self, loss: torch.Tensor, share: Optional[float] = None, last: Optional[bool] = None) -> None:
-        """Accumulate the gradient of one micro-batch's mean loss.
-
-        Args:
-            loss: the micro-batch's mean loss.
-            share: the micro-batch's fraction of this rank's pairs in the step; packed steps
-                (``train.packing``) cut them into micro-batches of unequal sizes, and weighting each
-                mean by its share keeps the gradient that of the mean over the step. ``None``:
-                ``1 / gradient_accumulation_steps`` (equal micro-batches).
-            last: whether this is the step's last micro-batch; ``None``: the
-                ``gradient_accumulation_steps``-th since the last step.
-        """
-        self._micro += 1
+    def backward(self, loss: torch.Tensor, share: float, last: bool) -> None:
+        """See :meth:`Engine.backward`."""
+        # An equal micro-batch (share 1/accumulation, exactly so in floating point) divides by the count,
+        # which is exact where multiplying by its rounded inverse may be off by one unit in the last place.
+        scaled = loss / self.accumulation if share == 1 / self.accumulation else loss * share
         # Gradients are all-reduced once per optimizer step, not once per micro-batch.
-        sync = self._micro == self.accumulation if last is None else last
-        with nullcontext() if sync else self.accelerator.no_sync(self.model):
-            self.accelerator.backward(loss / self.accumulation if share is None else loss * share)
+        with nullcontext() if last else self.accelerator.no_sync(self.model):
+            self.accelerator.backward(scaled)
 
-    def clip_gradients(self) -> float:
+    def clip_gradients(self) -> Optional[float]:
         """Unscale (fp16), clip to ``max_grad_norm`` when it is > 0, and return the norm before clipping.
 
         Called before :meth:`step`, so that a non-finite norm can keep the update from the weights.
@@ -250,7 +317,6 @@ class AccelerateEngine:
         ``skip`` drops the update: the gradients are cleared, weights and optimizer states
         stay, and the schedule still advances (its step follows the data, not the updates).
         """
-        self._micro = 0
         if skip:
             scaler = self.accelerator.scaler
             if scaler is not None:  # fp16: clip_gradients unscaled; update() resets that and lowers the scale
@@ -275,7 +341,7 @@ class AccelerateEngine:
     def optimizer_name(self) -> str:
         return type(self.optimizer.optimizer).__name__
 
-    def state_tensors(self):
+    def state_tensors(self) -> Iterator[torch.Tensor]:
         """Weights, buffers and optimizer states: what a memory count starts from."""
         yield from self.model.parameters()
         yield from self.model.buffers()
@@ -293,7 +359,7 @@ class AccelerateEngine:
     def load_state(self, directory: Path) -> None:
         self.accelerator.load_state(str(directory))
 
-    def unwrapped_model(self):
+    def unwrapped_model(self) -> torch.nn.Module:
         return self.accelerator.unwrap_model(self.model)
 
     def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
@@ -317,6 +383,7 @@ class DeepSpeedEngine:
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
         self.config = config
+        self.accumulation = config["gradient_accumulation_steps"]
         self.process_index = dist.get_rank()
         self.num_processes = dist.get_world_size()
         self.is_main_process = self.process_index == 0
@@ -327,7 +394,7 @@ class DeepSpeedEngine:
             torch.cuda.set_device(local_rank)
             self.device = torch.device("cuda", local_rank)
 
-    def prepare(self, model, optimizer_factory: Callable, scheduler_factory: Callable):
+    def prepare(self, model: torch.nn.Module, optimizer_factory: Callable, scheduler_factory: Callable) -> torch.nn.Module:
         import deepspeed
 
         # With offload DeepSpeed builds its CPU Adam from the config; otherwise it wraps our torch AdamW.
@@ -341,17 +408,29 @@ class DeepSpeedEngine:
         )
         return self.engine
 
-    def autocast(self):
+    def autocast(self) -> ContextManager:
         # DeepSpeed casts the module to bf16/fp16 itself; autocast on top would only add casts.
         return nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss)  # scales by 1/gradient_accumulation_steps itself
+    def backward(self, loss: torch.Tensor, share: float, last: bool) -> None:
+        """See :meth:`Engine.backward`. DeepSpeed counts micro-batches itself: ``gradient_accumulation_steps``
+        equal ones per step, each loss divided by that count. ``rm.validate`` refuses ``train.packing`` with
+        DeepSpeed, so ``share`` and ``last`` can only confirm its count; were they to differ, its weighting
+        would be silently wrong, hence the error.
+
+        Raises:
+            ValueError: ``share`` is not ``1 / gradient_accumulation_steps``, or ``last`` is not DeepSpeed's boundary.
+        """
+        boundary = self.engine.is_gradient_accumulation_boundary()
+        if not math.isclose(share * self.accumulation, 1.0) or last != boundary:
+            raise ValueError(f"DeepSpeed accumulates {self.accumulation} equal micro-batches per step; got a share of "
+                             f"{share:g} and last={last} where its boundary is {boundary}")
+        self.engine.backward(loss)  # divides by gradient_accumulation_steps itself
         gc.collect()  # see step(): the same reference cycles form within an accumulation window
         if not self.engine.is_gradient_accumulation_boundary():
             self.engine.step()  # only advances DeepSpeed's micro-step counter
 
-    def clip_gradients(self) -> None:
+    def clip_gradients(self) -> Optional[float]:
         """DeepSpeed clips inside ``engine.step``, after its own overflow check: no norm before the update."""
         return None
 
@@ -392,7 +471,7 @@ class DeepSpeedEngine:
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
         return f"{type(inner).__name__} under DeepSpeed ZeRO-{self.config['zero_optimization']['stage']}"
 
-    def state_tensors(self):
+    def state_tensors(self) -> Iterator[torch.Tensor]:
         """Weights, buffers, and the flat partitions and states DeepSpeed's optimizer holds."""
         yield from self.engine.module.parameters()
         yield from self.engine.module.buffers()
@@ -444,7 +523,7 @@ class DeepSpeedEngine:
 
         _set_rng_state(safe_load(Path(directory) / f"rng_state_{self.process_index}.pth"))
 
-    def unwrapped_model(self):
+    def unwrapped_model(self) -> torch.nn.Module:
         return self.engine.module
 
     def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:

@@ -17,13 +17,13 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
+from rm.precision import Precision
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
     from rm.validate import Plan
 
 GIB = 1024**3
 MIB = 1024**2
-BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # Device-level terms that only a GPU shows. None is measured yet (no GPU has been at hand); each is an
 # assumption, printed as such next to its value, until `benchmarks/memory_calibration.py --device cuda`
 # measures it.
@@ -165,13 +165,13 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     """The estimate for a validated config (``cfg.hardware`` already resolved)."""
     from rm.activations import estimate_activations, inference_peak_bytes, shape_from_model_config
     from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
-    from rm.model import DTYPES, weight_dtype
 
     m, t, profile = cfg.model, cfg.train, cfg.memory_profile
     lora = cfg.lora if profile.use_lora else None
     counts = parameter_counts(m, lora)
     n, stage = plan.world_size, plan.zero_stage
-    wbytes = 2 if weight_dtype(plan.precision) != DTYPES["fp32"] else 4
+    precision = Precision.of(plan.precision)
+    wbytes = precision.weight_bytes
     uncalibrated: List[str] = []
 
     # Weights: the base in the weight dtype (4-bit NF4 for linear layers under QLoRA), adapters in fp32.
@@ -281,7 +281,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         m.num_hidden_layers,
         batch=batch,
         seq_len=seq_len,
-        dtype=weight_dtype(plan.precision),
+        dtype=precision.weight_dtype,
         gradient_checkpointing=t.gradient_checkpointing,
         # Neither can be traced on the CPU; SDPA's footprint bounds flex-attention's (a BlockMask, not T x T).
         attn_implementation=m.attn_implementation if m.attn_implementation not in ("flash_attention_2", "flex_attention") else "sdpa",
@@ -298,7 +298,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
     temporaries += shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
     evaluation = inference_peak_bytes(
-        shape_from_model_config(m), 2 * t.eval_batch_size, cfg.data.max_length, weight_dtype(plan.precision),
+        shape_from_model_config(m), 2 * t.eval_batch_size, cfg.data.max_length, precision.weight_dtype,
         lora_r=lora.r if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
         lora_alpha=lora.alpha if lora else 32, lora_dropout=lora.dropout if lora else 0.05,
     ) + 2 * (2 * t.eval_batch_size) * cfg.data.max_length * 8

@@ -18,7 +18,7 @@ A bundle holds what a user needs to score text the way training did:
   the rewards the in-memory model gave them and the compute dtype.
 
 After writing, :func:`verify_bundle` loads the directory into a fresh model and scores the
-probe; a difference beyond :data:`TOLERANCE` raises :class:`ExportMismatch`, which fails the
+probe; a difference beyond the precision's ``export_tolerance`` (``rm.precision``) raises :class:`ExportMismatch`, which fails the
 run. The same check runs for full, LoRA adapter, merged and ZeRO-3 outputs.
 
     python -m rm.export outputs/<date>/<time>            # verify final/ again
@@ -42,6 +42,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rm.errors import ConfigError, StorageError, boundary
 from rm.model import last_token_index, sequence_rewards
+from rm.precision import Precision
 
 log = logging.getLogger(__name__)
 
@@ -50,17 +51,6 @@ STATS_FILE = "reward_stats.json"
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_DIR = "base"  # a LoRA bundle's random-init base, saved so that the adapter loads offline
 PROBE_PAIRS = 4  # pairs of the probe batch: 8 sequences of different lengths, so padding is exercised
-
-# Allowed |reloaded - in-memory| per unit of (1 + |reward|), by compute dtype. The same weights
-# reloaded in the same dtype give the same rewards to the last bit on a CPU; the slack is for
-# what legitimately differs: a merged LoRA (W + BA rounded once, measured 2e-7 on the tiny model
-# in fp32), autocast on the reload where DeepSpeed computed in bf16 without it, other kernels on
-# another device. Half-precision tolerances are a few units of their rounding (bf16 eps 7.8e-3,
-# fp16 9.8e-4) accumulated over the layers. A wrong tensor, head or pad position moves rewards
-# by O(1).
-TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
 
 class ExportMismatch(StorageError):
     """The saved bundle does not give back what the in-memory model gave (exit 5: it is not the trained model)."""
@@ -158,7 +148,7 @@ def save_bundle(
     state_dict: Optional[Dict[str, torch.Tensor]] = None,
     reward_stats: Optional[Mapping[str, float]] = None,
     probe: Optional[Mapping[str, torch.Tensor]] = None,
-    compute_dtype: torch.dtype = torch.float32,
+    precision: str = "fp32",
 ) -> Path:
     """Write a model directory (one process).
 
@@ -171,7 +161,7 @@ def save_bundle(
         reward_stats: written as ``reward_stats.json`` when given (see :func:`reward_stats_from_eval`).
         probe: ``input_ids``, ``attention_mask`` and ``rewards`` (the in-memory model's), written as
             ``reward_probe.json`` for :func:`verify_bundle`.
-        compute_dtype: the dtype the rewards were computed in; picks the tolerance.
+        precision: ``train.precision`` the rewards were computed in; picks the tolerance.
 
     Returns:
         ``directory``.
@@ -201,7 +191,7 @@ def save_bundle(
         (directory / STATS_FILE).write_text(json.dumps(dict(reward_stats), indent=2) + "\n")
     if probe is not None:
         record = {k: probe[k].tolist() for k in ("input_ids", "attention_mask", "rewards")}
-        record["compute_dtype"] = DTYPE_NAMES[compute_dtype]
+        record["compute_dtype"] = Precision.of(precision).dtype_name
         (directory / PROBE_FILE).write_text(json.dumps(record) + "\n")
     return directory
 
@@ -291,12 +281,13 @@ def verify_bundle(directory: Path, *, base_model: Union[torch.nn.Module, str, No
         The largest absolute reward difference.
 
     Raises:
-        ExportMismatch: a reward differs by more than ``TOLERANCE[dtype] * (1 + |reward|)``, or the
+        ExportMismatch: a reward differs by more than ``export_tolerance * (1 + |reward|)`` of the recorded precision, or the
             saved config's pad id is not the tokenizer's.
     """
     directory = Path(directory)
     probe = json.loads((directory / PROBE_FILE).read_text())
-    dtype = {name: d for d, name in DTYPE_NAMES.items()}[probe["compute_dtype"]]
+    precision = Precision.of_dtype_name(probe["compute_dtype"])
+    dtype = precision.dtype
     input_ids, attention_mask = torch.tensor(probe["input_ids"]), torch.tensor(probe["attention_mask"])
     expected = torch.tensor(probe["rewards"], dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(directory)
@@ -307,7 +298,7 @@ def verify_bundle(directory: Path, *, base_model: Union[torch.nn.Module, str, No
     autocast = lambda: torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
     got = probe_rewards(model, input_ids.to(device), attention_mask.to(device), autocast)
     diff = (got - expected).abs()
-    tol = TOLERANCE[dtype]
+    tol = precision.export_tolerance
     worst = float(diff.max())
     if not torch.isfinite(got).all() or (diff > tol * (1 + expected.abs())).any():
         raise ExportMismatch(
@@ -352,7 +343,7 @@ def export_final(
     *,
     probe: Mapping[str, torch.Tensor],
     reward_stats: Optional[Mapping[str, float]],
-    compute_dtype: torch.dtype,
+    precision: str,
     merge: bool = False,
     base_factory: Optional[Callable[[], torch.nn.Module]] = None,
     base_is_random: bool = False,
@@ -374,7 +365,7 @@ def export_final(
         directory: the bundle's directory (the run's ``final/``).
         probe: a collated batch (``input_ids``, ``attention_mask``), the same on every process.
         reward_stats: for ``reward_stats.json``; None writes none.
-        compute_dtype: the dtype the run computes in.
+        precision: ``train.precision`` (resolved): the dtype the run computes in.
         merge: also write ``directory/merged``, the adapter folded into the base.
         base_factory: builds a fresh base for an adapter (needed when the base was a random init
             or is quantised); None loads the one named in ``adapter_config.json``.
@@ -396,7 +387,7 @@ def export_final(
             save_bundle(
                 engine.unwrapped_model(), tokenizer, directory, state_dict=state_dict, reward_stats=reward_stats,
                 probe={"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"], "rewards": expected},
-                compute_dtype=compute_dtype,
+                precision=precision,
             )
             del state_dict
             adapter = (directory / ADAPTER_CONFIG).is_file()

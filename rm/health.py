@@ -273,6 +273,21 @@ class HealthMonitor:
                    chance_tolerance=h.chance_tolerance, max_abs_reward=h.max_abs_reward, on_nonfinite=h.on_nonfinite,
                    max_consecutive_skips=h.max_consecutive_skips, **kwargs)
 
+    def state_dict(self) -> Dict:
+        """The counters a resumed run continues from (saved by ``rm.train_state``)."""
+        return {"alarms": [dict(a) for a in self.alarms], "skipped_steps": self.skipped_steps,
+                "consecutive_skips": self.consecutive_skips, "ln2_losses": list(self._losses)}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Continue from :meth:`state_dict`; an alarm raised before the checkpoint is not raised again."""
+        restored = [dict(a) for a in state.get("alarms", [])]
+        names = {a["name"] for a in restored}
+        # Alarms of this process's data checks, raised before the checkpoint was known, stay.
+        self.alarms = restored + [a for a in self.alarms if a["name"] not in names]
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
+        self._losses = [float(x) for x in state.get("ln2_losses", [])]
+
     @property
     def fired(self) -> List[str]:
         return [a["name"] for a in self.alarms]
@@ -320,7 +335,8 @@ class HealthMonitor:
             torch.where(finite, loss, torch.zeros_like(loss)),  # sum of the finite losses
             finite.float(),  # how many
             rewards.abs().sum(),
-            torch.tensor(float(rewards.numel()), device=loss.device),
+            # Filled on the device: a tensor made from a host number is copied there, and that copy waits for the device.
+            rewards.new_full((), rewards.numel()),
         ])
         self._sums = sums if self._sums is None else self._sums + sums
 

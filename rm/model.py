@@ -10,17 +10,9 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
+from rm.precision import Precision
 
 log = logging.getLogger(__name__)
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def weight_dtype(precision: str) -> torch.dtype:
-    """The dtype weights are stored in: bf16 runs train bf16 weights directly (what TRL users do
-    with bf16 models); fp16 needs fp32 master weights under autocast, or the gradient scaler
-    cannot unscale fp16 gradients."""
-    return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
 def tokenizer_kind(model_cfg: ModelConfig) -> str:
@@ -113,14 +105,14 @@ def build_model(
         model_cfg: the ``model`` group.
         pad_token_id: the tokenizer's pad id, stored in the model config so plain
             transformers finds the reward token the same way after saving.
-        precision: ``bf16`` | ``fp16`` | ``fp32``; weights are stored in :func:`weight_dtype`.
+        precision: ``bf16`` | ``fp16`` | ``fp32``; weights are stored in its ``Precision.weight_dtype``.
         gradient_checkpointing: recompute activations during backward.
         quantize_base: ``nf4`` loads the weights in 4-bit NF4 through bitsandbytes (QLoRA).
 
     Returns:
         The model, in training mode.
     """
-    dtype = weight_dtype(precision)
+    dtype = Precision.of(precision).weight_dtype
     if model_cfg.pretrained:
         quantization = None
         if quantize_base == "nf4":
@@ -128,7 +120,7 @@ def build_model(
 
             quantization = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=DTYPES[precision],
+                bnb_4bit_compute_dtype=Precision.of(precision).dtype,
             )
         model = AutoModelForSequenceClassification.from_pretrained(
             model_cfg.pretrained,

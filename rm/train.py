@@ -17,7 +17,7 @@ import sys
 import time
 from contextlib import ExitStack, nullcontext
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import datasets
 import hydra
@@ -38,7 +38,7 @@ from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, 
 from rm.data.audit import format_audit, write_audit
 from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
-from rm.engine import AccelerateEngine, DeepSpeedEngine, deepspeed_config, join_submitit_tasks
+from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config, join_submitit_tasks
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.estimate import best_micro_batch, estimate_label, estimate_run, format_suggestions, format_table, parameter_counts, suggestions
 from rm.hardware import resolve_hardware
@@ -46,9 +46,10 @@ from rm.health import HEAD, SKIP, STOP, HealthMonitor, fp32_head_enabled, keep_h
 from rm.loss import bradley_terry_loss
 from rm.memory_monitor import MemoryMonitor, gather_snapshots
 from rm.sweep import job_record, write_job_record
+from rm.train_state import TrainState
 from rm.metrics import LineProgressFile, MetricsLog, evaluate_sets, format_eval
 from rm.plots import write_eval_plots, write_train_plot
-from rm.model import DTYPES, apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
+from rm.model import apply_memory_profile, build_model, build_optimizer, count_parameters, pair_rewards, tokenizer_kind
 from rm.validate import ConfigError, Plan, check_consumers_tokenize_alike, check_tokenizer_fits, resolve_world_size, validate
 from rm.errors import NonFiniteError, Refused, StorageError, boundary, report, run_hydra_app, task_started
 from rm.run_record import claim as claim_run_dir, hold_log
@@ -96,7 +97,7 @@ def total_training_steps(cfg: RunConfig, num_pairs: int) -> int:
     return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
 
 
-def summary(cfg: RunConfig, plan: Plan, engine, total_steps: int, num_pairs: int) -> str:
+def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int) -> str:
     trainable, total = count_parameters(engine.unwrapped_model())
     t = cfg.train
     states = "CPU (ZeRO-Offload)" if cfg.memory_profile.offload_optimizer else plan.device
@@ -154,7 +155,7 @@ def log_prefix_sharing(train_set) -> list:
     return [len(c) + len(r) - n for c, r, n in zip(chosen, rejected, prefix)]
 
 
-def build_engine(cfg: RunConfig, plan: Plan):
+def build_engine(cfg: RunConfig, plan: Plan) -> Engine:
     """The engine the plan asks for: DeepSpeed's for ZeRO, accelerate's for one process or DDP."""
     t = cfg.train
     if plan.strategy == "deepspeed":
@@ -308,10 +309,10 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     )
     log.info(summary(cfg, plan, engine, total_steps, len(train_set)))
 
-    start_step = 0
     fingerprint = fingerprint_of(cfg, plan.world_size, data_digest(train_set))  # saved with each checkpoint, compared on resume
-    if t.resume:
-        start_step = resume(engine, run_dir, cfg, fingerprint, total_steps)
+    start_step, record = resume(engine, run_dir, cfg, fingerprint, total_steps) if t.resume else (0, None)
+    state = TrainState.start(engine.device, record, start_step, engine.is_main_process)
+    health.load_state_dict(state.health)
 
     # ---- loop
     lengths = None
@@ -328,20 +329,23 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     device = engine.device
     eval_metrics: Dict[str, float] = {}
     eval_scores = {}  # per eval set, every pair's rewards and lengths at the last evaluation: the end-of-run plot
-    window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
     # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
     progress = tqdm(
         total=total_steps, initial=start_step, desc="train", disable=not engine.is_main_process,
         mininterval=0.1 if sys.stderr.isatty() else 30, file=None if sys.stderr.isatty() else LineProgressFile(sys.stderr),
     )
-    step = start_step
     # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
-    run_tokens, paused_s, loop_start = 0, 0.0, time.perf_counter()
+    paused_s, loop_start = 0.0, time.perf_counter()
+
+    def checkpoint() -> Path:  # during a pause, begun at pause_start: the training time ends there
+        record = state.record(engine.reduce, pause_start - loop_start - paused_s, health.state_dict())
+        return save_checkpoint(engine, run_dir, state.step, t.save_total_limit, fingerprint, record)
+
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
     stopping = False  # agreed by every rank before each step, unlike the signal itself
     with StopRequest() as stop:
-        while step < total_steps:
+        while state.step < total_steps:
             # A signal must stop every rank at the same step, or the next collective would hang: the ranks agree
             # before each step whether any of them received one (during the last step, its logging or evaluation).
             if engine.reduce(torch.tensor(float(stop.signum > 0), device=device)).item():
@@ -349,14 +353,14 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 stop.signum = stop.signum or signal.SIGTERM
                 break
             micro_batches = micro_batches_for_step(
-                step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
+                state.step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
                 plan.world_size, engine.process_index, t.seed, lengths,
             )
             if pair_tokens:
                 micro_batches = split_by_tokens(micro_batches[0], pair_tokens, t.max_tokens_per_micro_batch)
                 if plan.world_size > 1:  # DDP needs as many forwards on every rank; all ranks' pairs are known here
                     most = max(len(split_by_tokens(micro_batches_for_step(
-                        step, len(train_set), t.global_batch_size, per_rank, plan.world_size, r, t.seed, lengths)[0],
+                        state.step, len(train_set), t.global_batch_size, per_rank, plan.world_size, r, t.seed, lengths)[0],
                         pair_tokens, t.max_tokens_per_micro_batch)) for r in range(plan.world_size))
                     micro_batches = even_out(micro_batches, most)
             for n, indices in enumerate(micro_batches):
@@ -366,43 +370,41 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 with engine.autocast():
                     chosen, rejected = pair_rewards(model, **inputs)
                     loss = bradley_terry_loss(chosen, rejected, batch["margin"].to(device), t.center_rewards_coefficient)
-                if t.packing:  # micro-batches of unequal pair counts: weight each mean by its share of the step's pairs
-                    engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
-                else:
-                    engine.backward(loss)
+                engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
                 health.observe(loss, chosen, rejected)
-                window_loss += loss.item() * len(indices) / per_rank
+                state.window_loss += loss.detach().double() * len(indices) / per_rank
                 # Real tokens are chosen + rejected tokens, as an unshared trainer (TRL) counts them, whatever the layout.
                 real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
                 real = int(batch["num_pair_tokens"]) if "num_pair_tokens" in batch else real
-                window_tokens += real
-                run_tokens += real
+                state.window_tokens += real
+                state.tokens += real
             # Checked before the optimizer applies the update, so that a NaN never reaches the weights.
-            action = health.before_update(step + 1, engine.clip_gradients(), engine.gradients_of(HEAD), engine.reduce)
+            action = health.before_update(state.step + 1, engine.clip_gradients(), engine.gradients_of(HEAD), engine.reduce)
             if action == STOP:
                 break
             applied = engine.step(skip=action == SKIP)
-            if health.after_update(step + 1, applied) == STOP:  # e.g. DeepSpeed dropped a non-finite update itself
+            if health.after_update(state.step + 1, applied) == STOP:  # e.g. DeepSpeed dropped a non-finite update itself
                 break
             grad_norm = engine.grad_norm()
-            step += 1
-            window_steps += 1
+            state.step += 1
+            state.window_steps += 1
+            step = state.step
             progress.update(1)
 
             if t.logging_steps and (step % t.logging_steps == 0 or step == total_steps):
-                elapsed = time.perf_counter() - window_start
-                tokens = int(engine.reduce(torch.tensor(window_tokens, device=device), reduction="sum"))
+                elapsed = time.perf_counter() - state.window_start
+                tokens = int(engine.reduce(torch.tensor(state.window_tokens, device=device), reduction="sum"))
                 values = {
-                    "loss": float(engine.reduce(torch.tensor(window_loss / window_steps, device=device), reduction="mean")),
+                    "loss": float(engine.reduce((state.window_loss / state.window_steps).float(), reduction="mean")),
                     "lr": engine.lr(),
                     "grad_norm": grad_norm,
                     "epoch": step * t.global_batch_size / len(train_set),
                     "tokens_per_s": tokens / elapsed,
-                    "step_time_s": elapsed / window_steps,
+                    "step_time_s": elapsed / state.window_steps,
                 }
                 metrics.write("train", step, values)
                 progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
-                window_loss, window_tokens, window_steps, window_start = 0.0, 0, 0, time.perf_counter()
+                state.reset_window()
             pause_start = time.perf_counter()
             if (eval_set is not None or extra_eval_sets) and ((t.eval_steps and step % t.eval_steps == 0) or step == total_steps):
                 eval_metrics, eval_scores = evaluate_sets(model, eval_set, extra_eval_sets, collator, t.eval_batch_size, engine)
@@ -410,15 +412,17 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 health.check_eval(step, eval_metrics.get("eval_accuracy"))
                 log.info("step %d: %s", step, format_eval(eval_metrics))
             if t.save_steps and step % t.save_steps == 0 and step < total_steps:
-                save_checkpoint(engine, run_dir, step, t.save_total_limit, fingerprint)
+                checkpoint()
             paused_s += time.perf_counter() - pause_start
         progress.close()
-        train_s = time.perf_counter() - loop_start - paused_s
+        step = state.step
+        pause_start = time.perf_counter()  # for the checkpoint of a stopped run
+        train_s = state.train_s + (time.perf_counter() - loop_start - paused_s)
         if engine.is_main_process and eval_scores:  # after train_s: drawing is not training time
             log.info("eval plots: %s", write_eval_plots(eval_scores, run_dir / "eval_plots.png"))
         if engine.is_main_process and metrics.path.is_file():
             log.info("training-loss plot: %s", write_train_plot(metrics.path, run_dir / "train_plot.png"))
-        run_tokens = int(engine.reduce(torch.tensor(run_tokens, device=device), reduction="sum"))
+        run_tokens = int(engine.reduce(torch.tensor(state.tokens, device=device), reduction="sum"))
         monitor.stop()
         measured_per_rank = gather_snapshots(monitor.snapshot())
         measured = measured_per_rank[engine.process_index]
@@ -435,7 +439,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
             log.warning("received %s during the last step: writing the final model instead of a checkpoint",
                         signal.Signals(stop.signum).name)
         elif stopping:
-            path = save_checkpoint(engine, run_dir, step, t.save_total_limit, fingerprint)
+            path = checkpoint()
             log.warning(
                 "stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
                 step, total_steps, path, run_dir,
@@ -478,7 +482,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
         export_final(
             engine, model, tokenizer, tmp_final,
             probe=collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
-            reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), compute_dtype=DTYPES[plan.precision],
+            reward_stats=reward_stats_from_eval(eval_metrics, step, cfg.data.max_length), precision=plan.precision,
             merge=cfg.memory_profile.use_lora and cfg.lora.merge_on_save,
             base_factory=fresh_base if cfg.memory_profile.use_lora else None, base_is_random=cfg.model.pretrained is None,
             final_dir=final_dir,
@@ -502,8 +506,9 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     return {**eval_metrics, **run_stats, "status": "ok", "step": step}
 
 
-def resume(engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps: int) -> int:
-    """Restore the newest intact checkpoint whose settings match; return its step (0: none yet).
+def resume(engine: Engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
+    """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
+    loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).
 
     Checkpoints that fail their checksums, or whose states do not load, are passed over for the
     previous one with a warning, as DeepSpeed falls back from a bad ``latest`` tag by hand.
@@ -516,7 +521,7 @@ def resume(engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps
     candidates, passed_over = resume_candidates(run_dir)
     if not candidates and not passed_over:
         log.warning("train.resume=true but %s holds no complete checkpoint: starting from step 0", run_dir)
-        return 0
+        return 0, None
     for checkpoint in candidates:
         state = checkpoint_state(checkpoint)
         if state["step"] >= total_steps:
@@ -534,7 +539,7 @@ def resume(engine, run_dir: Path, cfg: RunConfig, fingerprint: Dict, total_steps
             continue
         apply_changes(engine.optimizer, engine.scheduler, cfg, changes)
         log.info("resumed from %s at step %d", checkpoint, step)
-        return step
+        return step, state.get("train_state")
     raise CheckpointError(
         f"train.resume=true but no checkpoint in {run_dir / 'checkpoints'} is intact: {'; '.join(passed_over)}. "
         "Restore one from a copy, or start afresh with train.overwrite=true"
