@@ -33,3 +33,16 @@ def without_run_dir(argv: Optional[List[str]] = None) -> List[str]:
     elif not _sets(argv, "hydra.output_subdir"):
         argv += RECORD
     return argv
+
+
+def without_bitsandbytes() -> None:
+    """Keep bitsandbytes out of a process that only estimates (``rm.estimate``, ``rm.gpu_report``).
+
+    PEFT imports bitsandbytes whenever it is installed, to register its quantised LoRA layers, and
+    bitsandbytes compiles its CPU ops with ``torch.compile`` as it is imported: 1.3 s or more of an
+    estimate's 8 s on 2 idle cores. The estimate traces plain layers under fake tensors and runs no
+    bitsandbytes code (its 8-bit states and NF4 weights are arithmetic), so the module is marked as not
+    importable here; ``rm.validate`` still finds it installed on the path.
+    """
+    sys.modules.setdefault("bitsandbytes", None)
+

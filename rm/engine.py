@@ -103,6 +103,12 @@ def deepspeed_config(
     zero.update(reduce_bucket_size=buckets["reduce"], allgather_bucket_size=buckets["reduce"])
     if zero_stage >= 2:
         zero.update(contiguous_gradients=True, overlap_comm=True)
+    if zero_stage in (1, 2):
+        # DeepSpeed's reduce-scatter path all-reduces a flattened copy of the whole bucket anyway
+        # (use_multi_rank_bucket_allreduce), so it moves the same bytes as the plain all-reduce, which
+        # runs in place on the contiguous bucket: one bucket-sized transient less at the end of every
+        # backward, and no race on when the communication thread frees that copy (measured on gloo).
+        zero["reduce_scatter"] = False
     if zero_stage == 3:
         # Without this, saving a ZeRO-3 model writes empty placeholder tensors.
         zero["stage3_gather_16bit_weights_on_model_save"] = True

@@ -161,111 +161,188 @@ class Estimate:
         return asdict(self)
 
 
-def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
-    """The estimate for a validated config (``cfg.hardware`` already resolved)."""
-    from rm.activations import estimate_activations, inference_peak_bytes, shape_from_model_config
+@dataclass
+class TraceFreeTerms:
+    """Per-device bytes that are arithmetic on parameter counts: no trace needed.
+
+    ``reduction``: DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own;
+    ``step_extra``: buffers only the optimizer step allocates; ``overhead``: engine buffers that live as long
+    as the engine; ``host``: host RAM per node.
+    """
+
+    counts: ParameterCounts
+    weights: int
+    gradients: int
+    states: int
+    temporaries: int = 0
+    overhead: int = 0
+    reduction: int = 0
+    step_extra: int = 0
+    host: int = 0
+    uncalibrated: List[str] = field(default_factory=list)
+
+
+def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int) -> Tuple[int, int, List[str]]:
+    """Device bytes of the weights, bytes per trained element, and what is not calibrated.
+
+    The base sits in the weight dtype (4-bit NF4 for linear layers under QLoRA); LoRA adapters and the head
+    copy PEFT trains (``modules_to_save``) in fp32, the original head in the weight dtype.
+    """
+    if not profile.use_lora:
+        return counts.base * wbytes, wbytes, []
+    base_bytes, uncalibrated = counts.base * wbytes, []
+    if profile.quantize_base == "nf4":
+        linear = m.num_hidden_layers * sum(i * o for i, o, _ in _linear_shapes(m).values())
+        # 4 bits per weight plus double-quantised block scales (about 0.127 bits per weight).
+        base_bytes = (counts.base - linear) * wbytes + math.ceil(linear * 4.127 / 8)
+        uncalibrated.append("4-bit NF4 weights")
+    return base_bytes + (counts.trainable - m.hidden_size) * 4 + m.hidden_size * wbytes, 4, uncalibrated
+
+
+def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persistence: int, n: int) -> int:
+    """ZeRO-3 shards every parameter but those under ``stage3_param_persistence_threshold``, kept whole."""
+    if n == 1:
+        return weights
+    persistent = sum(x for x in counts.tensors if x < persistence) * wbytes
+    return (weights - persistent) // n + persistent
+
+
+def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights: int, trained_bytes: int,
+                    wbytes: int, uncalibrated: List[str]) -> TraceFreeTerms:
+    """What DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) allocates beside the weights."""
     from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
 
-    m, t, profile = cfg.model, cfg.train, cfg.memory_profile
-    lora = cfg.lora if profile.use_lora else None
-    counts = parameter_counts(m, lora)
-    n, stage = plan.world_size, plan.zero_stage
-    precision = Precision.of(plan.precision)
-    wbytes = precision.weight_bytes
-    uncalibrated: List[str] = []
-
-    # Weights: the base in the weight dtype (4-bit NF4 for linear layers under QLoRA), adapters in fp32.
-    if lora is None:
-        weights = counts.base * wbytes
-        trained_bytes = wbytes
-    else:
-        base_bytes = counts.base * wbytes
-        if profile.quantize_base == "nf4":
-            linear = m.num_hidden_layers * sum(i * o for i, o, _ in _linear_shapes(m).values())
-            # 4 bits per weight plus double-quantised block scales (about 0.127 bits per weight).
-            base_bytes = (counts.base - linear) * wbytes + math.ceil(linear * 4.127 / 8)
-            uncalibrated.append("4-bit NF4 weights")
-        weights = base_bytes + (counts.trainable - m.hidden_size) * 4 + m.hidden_size * wbytes
-        trained_bytes = 4
-    buckets = deepspeed_buckets(stage, m.hidden_size, counts.trainable)  # as rm.engine.deepspeed_config sets them
+    n, stage, profile = plan.world_size, plan.zero_stage, cfg.memory_profile
+    buckets = deepspeed_buckets(stage, cfg.model.hidden_size, counts.trainable)  # as rm.engine configures them
+    bucket = buckets["reduce"]
+    if stage == 3:
+        uncalibrated.append("DeepSpeed ZeRO-3 buffers")
+    shard = math.ceil(counts.trainable / n)
+    t = TraceFreeTerms(counts, weights, gradients=counts.trainable * trained_bytes,
+                       states=shard * (4 + 8),  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
+                       uncalibrated=uncalibrated)
+    if stage >= 2:
+        t.gradients = shard * trained_bytes
+        if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
+            t.gradients = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+        # Two contiguous gradient buckets (overlap_comm), each allocated at full size during backward.
+        t.temporaries = 2 * bucket * trained_bytes
+    else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
+        t.temporaries = bucket * trained_bytes
     if stage == 3 and n > 1:
-        # ZeRO-3 shards every parameter but those under stage3_param_persistence_threshold, kept whole on each rank.
-        persistent = sum(x for x in counts.tensors if x < buckets["persistence"]) * wbytes
-        weights = (weights - persistent) // n + persistent
-    elif stage == 3:
-        weights = weights // n
-    gradients = counts.trainable * trained_bytes
-    temporaries = 0
-    overhead_buffers = 0  # communication and staging buffers that live as long as the engine
-    reduction = 0  # DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own
-    step_extra = 0  # buffers only the optimizer step allocates
+        # DeepSpeed's coordinator (partitioned_param_coordinator.py) releases a parameter after its module
+        # runs unless it is used again within stage3_max_reuse_distance elements of the trace: every
+        # parameter gathered in the forward is used again in the backward, so up to that distance (and the
+        # live limit) all of them are alive when the backward starts. Measured on 2 CPU processes: every
+        # non-persistent parameter gathered once, one gradient bucket, and the reduce-scatter input of the
+        # largest gradient (a parameter bigger than the bucket is reduced on its own).
+        persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
+        gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
+        t.temporaries = bucket * trained_bytes + gathered + max(counts.trainable_tensors) * trained_bytes
+    # One process: each partition is its whole parameter and nothing is gathered (measured).
+    if stage == 3:
+        # The step flattens each sub-group's gradient partition (stage3.py, _prepare_fp32_grad_for_sub_group)
+        # and casts the copy to fp32, the optimizer's gradient (sub-groups of DeepSpeed's default 1e9 elements).
+        flat = min(shard, 1_000_000_000)
+        t.step_extra = flat * trained_bytes + (flat * 4 if trained_bytes != 4 else 0)
+    if profile.offload_optimizer:
+        # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
+        # master weights and moments, the fp32 gradient partition, a weight-dtype copy of the
+        # partition for the upload, per-parameter accumulation buffers when accumulating, and a
+        # staging buffer the size of the largest parameter; the device keeps its twin.
+        largest = max(counts.trainable_tensors) * trained_bytes
+        t.gradients = 0
+        t.states += shard * (4 + trained_bytes) + largest
+        if plan.gradient_accumulation_steps > 1 and stage < 3:  # ZeRO-3 accumulates into its partition (measured)
+            t.states += shard * trained_bytes
+        t.overhead = largest
+        if plan.device == "cuda":
+            t.host, t.states = plan_procs_per_node(cfg, plan) * t.states, 0
+    if stage < 3 and n > 1:
+        # reduce_ipg_grads all-reduces the bucket in place (rm sets reduce_scatter=false: DeepSpeed's
+        # reduce-scatter path would all-reduce a flattened copy), then copy_grads_in_partition allocates the
+        # partition of whole parameters that touch this rank's slice; offloaded, the partition is among the
+        # host states.
+        partition = 0 if profile.offload_optimizer else max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+        t.reduction = weights + t.states + partition + t.temporaries
+    elif stage < 3 and not profile.offload_optimizer and plan.gradient_accumulation_steps > 1:
+        # One process while accumulating: a fresh gradient partition is filled while the previous
+        # micro-batch's is still held (measured on CPU).
+        t.reduction = weights + t.states + 2 * t.gradients + t.temporaries
+    return t
 
-    # Optimizer states, where they live, and what the host keeps.
-    host = 0
+
+def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
+    """Weights, gradients, optimizer states, engine buffers and host RAM: everything but activations."""
+    from rm.engine import deepspeed_buckets
+
+    m, profile = cfg.model, cfg.memory_profile
+    counts = parameter_counts(m, cfg.lora if profile.use_lora else None)
+    wbytes = Precision.of(plan.precision).weight_bytes
+    weights, trained_bytes, uncalibrated = weight_bytes(m, profile, counts, wbytes)
+    if plan.zero_stage == 3:
+        persistence = deepspeed_buckets(3, m.hidden_size, counts.trainable)["persistence"]
+        weights = zero3_weight_bytes(weights, counts, wbytes, persistence, plan.world_size)
     if plan.strategy == "deepspeed":
-        from rm.engine import DEEPSPEED_BUCKET, DEEPSPEED_MAX_LIVE  # here: rm.engine loads torch, which --help does not need
-
-        if stage == 3:
-            uncalibrated.append("DeepSpeed ZeRO-3 buffers")
-        shard = math.ceil(counts.trainable / n)
-        states = shard * (4 + 8)  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
-        bucket = buckets["reduce"]
-        if stage >= 2:
-            gradients = shard * trained_bytes
-            if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
-                gradients = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
-            # Two contiguous gradient buckets (overlap_comm), each allocated at full size during backward.
-            temporaries += 2 * bucket * trained_bytes
-        else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
-            temporaries += bucket * trained_bytes
-        if stage == 3 and n > 1:
-            # DeepSpeed's coordinator (partitioned_param_coordinator.py) releases a parameter after its module
-            # runs unless it is used again within stage3_max_reuse_distance elements of the trace: every
-            # parameter gathered in the forward is used again in the backward, so up to that distance (and the
-            # live limit) all of them are alive when the backward starts. Measured on 2 CPU processes: every
-            # non-persistent parameter gathered once, one gradient bucket, and the reduce-scatter input of the
-            # largest gradient (a parameter bigger than the bucket is reduced on its own).
-            persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
-            gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
-            temporaries = bucket * trained_bytes + gathered + max(counts.trainable_tensors) * trained_bytes
-        # One process: each partition is its whole parameter and nothing is gathered (measured).
-        if stage == 3:
-            # The step flattens each sub-group's gradient partition (stage3.py, _prepare_fp32_grad_for_sub_group)
-            # and casts the copy to fp32, the optimizer's gradient (sub-groups of DeepSpeed's default 1e9 elements).
-            flat = min(shard, 1_000_000_000)
-            step_extra = flat * trained_bytes + (flat * 4 if trained_bytes != 4 else 0)
-        if profile.offload_optimizer:
-            # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
-            # master weights and moments, the fp32 gradient partition, a weight-dtype copy of the
-            # partition for the upload, per-parameter accumulation buffers when accumulating, and a
-            # staging buffer the size of the largest parameter; the device keeps its twin.
-            largest = max(counts.trainable_tensors) * trained_bytes
-            gradients = 0
-            states += shard * (4 + trained_bytes) + largest
-            if plan.gradient_accumulation_steps > 1 and stage < 3:  # ZeRO-3 accumulates into its partition (measured)
-                states += shard * trained_bytes
-            overhead_buffers = largest
-            if plan.device == "cuda":
-                host = plan_procs_per_node(cfg, plan) * states
-                states = 0
-        if stage < 3 and profile.offload_optimizer and n > 1:
-            # The same flattened copy in allreduce_bucket; the gradient partition is already among the host states.
-            reduction = weights + states + temporaries + bucket * trained_bytes
-        elif stage < 3 and not profile.offload_optimizer:
-            if n > 1:
-                # reduce_ipg_grads: allreduce_bucket flattens the bucket's gradients into a new tensor; gloo (and
-                # NCCL's stream) may hold it past the call while copy_grads_in_partition allocates the partition
-                # of whole parameters that touch this rank's slice. Which comes first varies from run to run
-                # (measured on 2 CPU processes): the estimate counts both alive.
-                partition = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
-                reduction = weights + states + partition + temporaries + bucket * trained_bytes
-            elif plan.gradient_accumulation_steps > 1:
-                # One process while accumulating: a fresh gradient partition is filled while the previous
-                # micro-batch's is still held (measured on CPU).
-                reduction = weights + states + 2 * gradients + temporaries
+        t = deepspeed_terms(cfg, plan, counts, weights, trained_bytes, wbytes, uncalibrated)
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
+        t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
+    t.host += host_bytes(cfg, plan, counts, t.states, wbytes)
+    return t
 
+
+def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int, wbytes: int) -> int:
+    """Host RAM per node beyond what the engine keeps there: loading, resuming and the export check."""
+    host = 0
+    if cfg.model.pretrained:
+        # from_pretrained reads the checkpoint into host memory in every process before moving it.
+        host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
+    if cfg.train.resume and plan.device == "cuda":
+        # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
+        # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
+        # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.
+        saved = math.ceil(counts.trainable / plan.world_size) * (4 + 8) if plan.strategy == "deepspeed" else states
+        host += plan_procs_per_node(cfg, plan) * saved
+    # The export check reloads the saved model on the CPU of the main process (rm.export), beside
+    # whatever the host already holds for this node's processes.
+    return host + counts.total * wbytes
+
+
+def device_terms(plan: Plan, activations: int, temporaries: int) -> Tuple[int, int, int, List[str]]:
+    """What a CUDA device holds beyond live tensors: allocator reserve, context, NCCL buffers (all assumed)."""
+    if plan.device != "cuda":
+        return 0, 0, 0, []
+    reserve = int(ALLOCATOR_FRAGMENTATION * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
+    communication = NCCL_BUFFER_BYTES if plan.world_size > 1 else 0
+    return reserve, CUDA_CONTEXT_BYTES, communication, ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
+
+
+def usable_bytes(cfg: RunConfig) -> Tuple[int, int]:
+    """Device capacity less headroom, and the headroom (``hardware.headroom_gib``, or a share of the capacity)."""
+    capacity = int(cfg.hardware.device_memory_gib * GIB)
+    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if cfg.hardware.headroom_gib is None else cfg.hardware.headroom_gib * GIB)
+    return capacity - headroom, headroom
+
+
+def cannot_fit(cfg: RunConfig, plan: Plan) -> bool:
+    """True when the optimizer step alone (weights, gradients, states, engine buffers, device terms) exceeds
+    the usable memory: the run is refused whatever its activations, so no trace is needed to say so."""
+    t = trace_free_terms(cfg, plan)
+    _, context, communication, _ = device_terms(plan, 0, 0)
+    step = t.weights + t.gradients + t.states + t.temporaries + t.step_extra + t.overhead
+    return step + context + communication > usable_bytes(cfg)[0]
+
+
+def activation_terms(cfg: RunConfig, plan: Plan, lora: Optional[LoraConfig]) -> Tuple[Dict, int, int, bool]:
+    """The traced activations of one training micro-batch, its input tensors, the evaluation forward's peak,
+    and whether gradients are already allocated when the micro-batch runs (accumulating)."""
+    from rm.activations import estimate_activations, inference_peak_bytes, shape_from_model_config
+
+    m, t = cfg.model, cfg.train
+    dtype = Precision.of(plan.precision).weight_dtype
+    adapters = dict(lora_r=lora.r if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
+                    lora_alpha=lora.alpha if lora else 32, lora_dropout=lora.dropout if lora else 0.05)
     # Activations of one micro-batch (2 sequences per pair), padded to max_length as the worst case.
     # Packed (train.packing): one row of at most the token budget, or of micro-batch x 2 x max_length.
     batch, seq_len = 2 * t.micro_batch_size, cfg.data.max_length
@@ -273,49 +350,28 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     if t.packing:
         batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * t.micro_batch_size * cfg.data.max_length
         # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
-        accumulating = accumulating or seq_len < 2 * (t.global_batch_size // n) * cfg.data.max_length
+        accumulating = accumulating or seq_len < 2 * (t.global_batch_size // plan.world_size) * cfg.data.max_length
     if t.share_prefix:
         batch, seq_len = shared_prefix_rows(t.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
     act = estimate_activations(
-        shape_from_model_config(m),
-        m.num_hidden_layers,
-        batch=batch,
-        seq_len=seq_len,
-        dtype=precision.weight_dtype,
+        shape_from_model_config(m), m.num_hidden_layers, batch=batch, seq_len=seq_len, dtype=dtype,
         gradient_checkpointing=t.gradient_checkpointing,
         # Neither can be traced on the CPU; SDPA's footprint bounds flex-attention's (a BlockMask, not T x T).
         attn_implementation=m.attn_implementation if m.attn_implementation not in ("flash_attention_2", "flex_attention") else "sdpa",
-        lora_r=lora.r if lora else 0,
-        lora_targets=tuple(lora.target_modules) if lora else (),
-        lora_alpha=lora.alpha if lora else 32,
-        lora_dropout=lora.dropout if lora else 0.05,
-        padded=True,
-        accumulating=accumulating,
-        packed=t.packing,
-        shared_prefix=t.share_prefix,
+        padded=True, accumulating=accumulating, packed=t.packing, shared_prefix=t.share_prefix, **adapters,
     )
-    activations = act["peak_bytes"]
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
-    temporaries += shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
-    evaluation = inference_peak_bytes(
-        shape_from_model_config(m), 2 * t.eval_batch_size, cfg.data.max_length, precision.weight_dtype,
-        lora_r=lora.r if lora else 0, lora_targets=tuple(lora.target_modules) if lora else (),
-        lora_alpha=lora.alpha if lora else 32, lora_dropout=lora.dropout if lora else 0.05,
-    ) + 2 * (2 * t.eval_batch_size) * cfg.data.max_length * 8
+    inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
+    evaluation = inference_peak_bytes(shape_from_model_config(m), 2 * t.eval_batch_size, cfg.data.max_length, dtype,
+                                      **adapters) + 2 * (2 * t.eval_batch_size) * cfg.data.max_length * 8
+    return act, inputs, evaluation, accumulating
 
-    if m.pretrained:
-        # from_pretrained reads the checkpoint into host memory in every process before moving it.
-        host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
-    if t.resume and plan.device == "cuda":
-        # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
-        # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
-        # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.
-        saved = math.ceil(counts.trainable / n) * (4 + 8) if plan.strategy == "deepspeed" else states
-        host += plan_procs_per_node(cfg, plan) * saved
-    # The export check reloads the saved model on the CPU of the main process (rm.export), beside
-    # whatever the host already holds for this node's processes.
-    host += counts.total * wbytes
-    overhead = overhead_buffers
+
+def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
+    """The estimate for a validated config (``cfg.hardware`` already resolved)."""
+    t = trace_free_terms(cfg, plan)
+    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, cfg.lora if cfg.memory_profile.use_lora else None)
+    activations, temporaries = act["peak_bytes"], t.temporaries + inputs
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
@@ -324,39 +380,32 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     # which exist from the wrap on: they are always alive.
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
     # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
-    zero3_partition = plan.strategy == "deepspeed" and stage == 3 and n > 1
+    zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1
     if accumulating or ddp_buckets or zero3_partition:
-        backward = weights + states + gradients + activations
+        backward = t.weights + t.states + t.gradients + activations
     else:
-        backward = weights + states + max(activations, gradients)
-    step = weights + gradients + states
+        backward = t.weights + t.states + max(activations, t.gradients)
     # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions, DDP its buckets).
-    kept_gradients = gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
+    kept_gradients = t.gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
     phases = {
         "forward/backward": backward + temporaries,
-        "optimizer step": step + temporaries + step_extra,
-        "gradient reduction": reduction,
-        "evaluation": weights + states + kept_gradients + evaluation,
-        "load": weights,
+        "optimizer step": t.weights + t.gradients + t.states + temporaries + t.step_extra,
+        "gradient reduction": t.reduction,
+        "evaluation": t.weights + t.states + kept_gradients + evaluation,
+        "load": t.weights,
     }
     phase = max(phases, key=phases.get)
-    allocated = phases[phase] + overhead
-    reserve = context = communication = 0
-    if plan.device == "cuda":
-        reserve = int(ALLOCATOR_FRAGMENTATION * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
-        context = CUDA_CONTEXT_BYTES
-        communication = NCCL_BUFFER_BYTES if plan.world_size > 1 else 0
-        uncalibrated += ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
-    capacity = int(cfg.hardware.device_memory_gib * GIB)
-    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if cfg.hardware.headroom_gib is None else cfg.hardware.headroom_gib * GIB)
+    allocated = phases[phase] + t.overhead
+    reserve, context, communication, device_assumed = device_terms(plan, activations, temporaries)
+    usable, headroom = usable_bytes(cfg)
     peak = allocated + reserve + context + communication
     return Estimate(
-        weights=weights, gradients=gradients, optimizer_states=states, activations=activations,
-        evaluation=evaluation, temporaries=temporaries, overhead=overhead, allocated_bytes=allocated,
+        weights=t.weights, gradients=t.gradients, optimizer_states=t.states, activations=activations,
+        evaluation=evaluation, temporaries=temporaries, overhead=t.overhead, allocated_bytes=allocated,
         allocator_reserve=reserve, cuda_context=context, communication=communication, peak_bytes=peak, peak_phase=phase,
-        usable_bytes=capacity - headroom, headroom_bytes=headroom, fits=peak <= capacity - headroom,
-        host_ram_bytes_per_node=host, params_total=counts.total, params_trainable=counts.trainable,
-        uncalibrated=uncalibrated, world_size=plan.world_size, world_size_source=plan.world_size_source,
+        usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
+        host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
+        uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
     )
 
 
@@ -464,9 +513,20 @@ def candidate_overrides(cfg: RunConfig, plan: Plan) -> List[List[str]]:
     for profile in ("8bit", "lora", "offload", "qlora"):
         if profile != cfg.memory_profile.name:
             out.append([f"memory_profile={profile}"])
-    if not t.gradient_checkpointing:  # combined with the cheapest memory-saving profile
+    if not t.gradient_checkpointing and cfg.memory_profile.name != "lora":  # with the cheapest memory-saving profile
         out.append(["memory_profile=lora", "train.gradient_checkpointing=true"])
     return out
+
+
+def with_overrides(cfg: RunConfig, base_overrides: List[str], extra: List[str]) -> RunConfig:
+    """``cfg`` changed by ``extra``: merged into the typed config when every override sets a key (a
+    fraction of a millisecond), composed again from ``conf/`` when one picks a group's option (Hydra's
+    defaults list, about 0.2 s)."""
+    if all("." in override.split("=", 1)[0] for override in extra):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(extra))))
+    return compose([*base_overrides, *extra])
 
 
 def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: int = 5):
@@ -477,9 +537,12 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
     found = []
     for extra in candidate_overrides(cfg, plan):
         try:
-            candidate = compose([*base_overrides, *extra])
+            candidate = with_overrides(cfg, base_overrides, extra)
             candidate.hardware = cfg.hardware if candidate.hardware.name == cfg.hardware.name else resolve_hardware(candidate.hardware)
-            est = estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source))
+            candidate_plan = validate(candidate, plan.world_size, plan.world_size_source)
+            if cannot_fit(candidate, candidate_plan):
+                continue  # refused whatever its activations: no trace needed
+            est = estimate_run(candidate, candidate_plan)
         except (ConfigError, ValueError):
             continue
         if est.fits:
@@ -495,7 +558,7 @@ def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> O
 
     per_process = cfg.train.global_batch_size // plan.world_size
     for micro in sorted((d for d in range(1, per_process + 1) if per_process % d == 0), reverse=True):
-        candidate = compose([*base_overrides, f"train.micro_batch_size={micro}"])
+        candidate = with_overrides(cfg, base_overrides, [f"train.micro_batch_size={micro}"])
         candidate.train.eval_batch_size = cfg.train.eval_batch_size
         candidate.hardware = cfg.hardware
         if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source)).fits:
@@ -512,11 +575,12 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rm.cli import without_run_dir
+    from rm.cli import without_bitsandbytes, without_run_dir
     from rm.config import to_run_config
     from rm.errors import boundary, run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
+    without_bitsandbytes()
 
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:

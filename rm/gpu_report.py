@@ -69,7 +69,8 @@ def print_report(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from rm.cli import without_run_dir
+    from rm.cli import without_bitsandbytes, without_run_dir
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
+    without_bitsandbytes()
     run_hydra_app(main)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import os
 import re
 from dataclasses import dataclass
@@ -434,7 +434,8 @@ def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:
 
 
 def _installed(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    # On the path, not through sys.modules: an estimate keeps bitsandbytes out of its process (rm.cli).
+    return importlib.machinery.PathFinder.find_spec(module) is not None
 
 
 def _check_profile_and_distribution(cfg: RunConfig, device: str, errors: List[str]):
