@@ -8,7 +8,7 @@ import time
 import pytest
 
 import rm.train as rm_train
-from rm.estimate import GIB, compose, estimate_run, parameter_counts, suggestions
+from rm.estimate import GIB, cannot_fit, compose, estimate_run, parameter_counts, suggestions, with_overrides
 from rm.hardware import resolve_hardware
 from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY
@@ -111,6 +111,47 @@ def test_suggestions_really_fit_when_estimated_again():
         again_cfg, again_plan = planned(overrides + extra, world=8)
         again = estimate_run(again_cfg, again_plan)
         assert again.fits, extra
+
+
+@pytest.mark.parametrize("overrides,refused", [
+    (["model=mistral_7b", "memory_profile=8bit", "hardware=rtx4090_24g"], True),  # weights + gradients: 26.5 GiB
+    (["model=mistral_7b", "memory_profile=full", "hardware=a100_40g"], True),
+    (["model=mistral_7b", "memory_profile=lora", "hardware=rtx4090_24g", "train.micro_batch_size=8"], False),
+    (["model=mistral_7b", "memory_profile=offload", "hardware=h100_80g"], False),
+])
+def test_a_run_refused_without_a_trace_is_refused_by_the_full_estimate(overrides, refused):
+    """``cannot_fit`` is a lower bound (the optimizer step without activations): it may only refuse what
+    the traced estimate refuses too, and then no trace runs."""
+    from rm.activations import _trace
+
+    cfg, plan = planned(overrides)
+    before = _trace.cache_info()
+    assert cannot_fit(cfg, plan) is refused
+    assert _trace.cache_info() == before  # nothing traced
+    if refused:
+        assert not estimate_run(cfg, plan).fits
+
+
+def test_key_overrides_merge_into_the_config_as_a_fresh_compose_gives():
+    base = ["model=mistral_7b", "memory_profile=lora"]
+    cfg = compose(base)
+    for extra in (["train.micro_batch_size=2", "train.eval_batch_size=2"], ["train.gradient_checkpointing=true"],
+                  ["memory_profile=qlora"]):
+        assert with_overrides(cfg, base, extra) == compose([*base, *extra]), extra
+
+
+def test_estimate_cli_never_imports_bitsandbytes_and_still_accepts_its_profiles():
+    """PEFT imports bitsandbytes whenever it is installed (over a second on 2 cores); the estimate runs
+    none of it. Python's own import log is the witness."""
+    pytest.importorskip("bitsandbytes")
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "rm.estimate", "memory_profile=qlora", "hardware=h100_80g"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "verdict: fits" in proc.stdout
+    imported = [line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")]
+    assert "peft" in imported  # the LoRA-capable trace path was loaded ...
+    # ... without bitsandbytes: PEFT's `import bitsandbytes` fails at once (logged, 0 ms), none of its modules loads
+    assert not any(name.startswith("bitsandbytes.") for name in imported)
 
 
 @pytest.mark.reliability("Configuration", "a run that will not fit in memory", "refused with the breakdown and the overrides that fit; exit 3")
