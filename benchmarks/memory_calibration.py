@@ -419,11 +419,11 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
 
 # Printed by --recompute, which keeps measurements from several runs: where they came from (as of 2026-11-23).
 PROVENANCE = [
-    "Where the measurements come from (2026-11-23): the one-process grid from a full run on an idle 2-core machine",
-    "(927 s); the one-process ZeRO rows, the 2-process ZeRO-3 rows and the repeated ZeRO-1/2 accumulation-1 rows",
-    "were measured again after DeepSpeed's ZeRO-3 sizing changed, on the same kind of machine at load 8-9; the other",
-    "2-process rows in the session before, at load 7-11. Load changes timings, not live-tensor counts (but see the",
-    "ZeRO-1/2 race below). Every estimate is recomputed with the estimator as committed (`--recompute`).",
+    "Where the measurements come from: the one-process grid from a full run on an idle 2-core machine (927 s,",
+    "2026-11-23); the one-process ZeRO rows and every 2-process ZeRO-1/2 row (with and without optimizer offload)",
+    "after rm set `reduce_scatter: false` (2026-11-24, load 5-9); the 2-process ZeRO-3 rows after DeepSpeed's ZeRO-3",
+    "sizing changed (2026-11-23, load 8-9); the DDP rows in the session before (load 7-11). Load changes timings, not",
+    "live-tensor counts. Every estimate is recomputed with the estimator as committed (`--recompute`).",
     "",
 ]
 
@@ -431,16 +431,14 @@ PROVENANCE = [
 MULTI_NOTES = [
     "What the rows show:",
     "",
-    "- **ZeRO-1/2, the end of a backward.** `allreduce_bucket` flattens the bucket's gradients into a new tensor, and",
+    "- **ZeRO-1/2, the end of a backward.** DeepSpeed's default reduce-scatter path (`average_tensor` with",
+    "  `use_multi_rank_bucket_allreduce`) all-reduces a flattened copy of the whole bucket (`allreduce_bucket`), and",
     "  `copy_grads_in_partition` then allocates the rank's gradient partition (every parameter touching its slice,",
-    "  whole). Whether the flattened copy is freed before the partition is allocated depends on when gloo's worker",
-    "  thread drops its reference, so at accumulation 1 the same point peaks one way in some runs and the other way",
-    "  in others (the bracketed lowest run). The estimate counts both alive, the peak that can happen; these points",
-    "  ran 3 times and compare each rank's highest. On the 13M model both outcomes showed (ZeRO-1 reached the",
-    "  estimate on both ranks; ZeRO-2 on rank 1, while rank 0 stayed low in all 3 runs). On the 134M model every",
-    "  run freed the copy first, so the estimate is 9-11% over there: **these are the points still outside the",
-    "  target**. On a GPU the timing is NCCL's and the caching allocator's, not gloo's: the estimate keeps the case",
-    "  that can happen until the GPU calibration shows which one does. rm calls",
+    "  whole). Whether that copy was freed before the partition was allocated depended on when gloo's worker thread",
+    "  dropped its reference: the same point peaked 9-11% apart from run to run. rm now sets `reduce_scatter: false`",
+    "  for ZeRO-1/2, which all-reduces the contiguous bucket in place: the same bytes on the wire, one bucket-sized",
+    "  transient less, and no race. Every ZeRO-1/2 point was measured again after that change (2026-11-24, load",
+    "  5-9), accumulation-1 points 3 times and the others twice: each rank peaked the same in every run. rm calls",
     "  `gc.collect()` after each DeepSpeed backward and step: DeepSpeed's old partitions sat in reference cycles,",
     "  which made the peak swing by a partition between runs.",
     "- **ZeRO-3** is configured as transformers' Trainer configures `\"auto\"` (`rm.engine.deepspeed_buckets`: bucket",

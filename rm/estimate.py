@@ -489,11 +489,12 @@ def compose(overrides: List[str]) -> RunConfig:
         return to_run_config(hydra_compose(config_name="config", overrides=list(overrides)))
 
 
-def candidate_overrides(cfg: RunConfig, plan: Plan) -> List[List[str]]:
+def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str) -> List[List[str]]:
     """Changes that may fit, cheapest first (least slowdown, model unchanged, before other trade-offs)."""
     t, world = cfg.train, plan.world_size
     out: List[List[str]] = []
-    evals = t.eval_batch_size // 2
+    # A smaller evaluation batch changes the evaluation phase alone: it helps only a run that peaks there.
+    evals = t.eval_batch_size // 2 if peak_phase == "evaluation" else 0
     while evals >= 1:  # costs nothing but a little evaluation speed
         out.append([f"train.eval_batch_size={evals}"])
         evals //= 4
@@ -535,7 +536,8 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
     from rm.validate import ConfigError, validate
 
     found = []
-    for extra in candidate_overrides(cfg, plan):
+    peak_phase = estimate_run(cfg, plan).peak_phase  # its traces are cached: arithmetic only
+    for extra in candidate_overrides(cfg, plan, peak_phase):
         try:
             candidate = with_overrides(cfg, base_overrides, extra)
             candidate.hardware = cfg.hardware if candidate.hardware.name == cfg.hardware.name else resolve_hardware(candidate.hardware)
