@@ -53,6 +53,8 @@ def test_deepspeed_config_follows_the_run_settings():
                              max_grad_norm=0.0, zero_stage=2, offload_optimizer=False, offload_params=False,
                              hidden_size=256, trainable_params=1_000_000)
     assert "optimizer" not in plain and "offload_optimizer" not in plain["zero_optimization"]
+    # ZeRO-1/2 all-reduce the bucket in place: DeepSpeed's reduce-scatter path would all-reduce a flattened copy
+    assert plain["zero_optimization"]["reduce_scatter"] is False and "reduce_scatter" not in zero
 
 
 def launcher(*args, env=None):
