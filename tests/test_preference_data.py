@@ -40,7 +40,7 @@ def without_reasons(counts):
     return {
         "rows": counts.rows, "malformed": counts.dropped[Drop.MALFORMED], "empty": counts.dropped[Drop.EMPTY],
         "identical": counts.dropped[Drop.IDENTICAL], "kept": counts.pairs_out,
-        "empty_chosen": counts.empty_chosen, "empty_rejected": counts.empty_rejected,
+        "empty_chosen": counts.empty_sides["chosen"], "empty_rejected": counts.empty_sides["rejected"],
     }
 
 

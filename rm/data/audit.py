@@ -119,7 +119,7 @@ def audit_split(counts: PairCounts, chosen_lengths: Iterable[int], rejected_leng
         "duplicates": counts.duplicates,
         # Unknown tokens among all tokenised sides: a tokenizer that does not know the text (rm.health alarm).
         "unk_rate": counts.unk_tokens / counts.tokens if counts.tokens else 0.0,
-        "empty_sides": {"chosen": counts.empty_chosen, "rejected": counts.empty_rejected},
+        "empty_sides": {side: counts.empty_sides[side] for side in SIDES},
         "drop_reasons": dict(counts.drop_reasons),  # malformed/empty rows: {reason: {count, first_row}}
         "lengths": {
             side: {"kept": length_stats(Counter(kept)), "before_truncation": counts.lengths_before_truncation[side]}

@@ -52,9 +52,8 @@ class PairCounts:
         identical_after_truncation: Pairs whose two sides are equal as the ids trained on, dropped or kept
             (pairs dropped before the identity check, too long or with a pad id, are not among them).
         duplicates: Pairs repeating an earlier pair's ids, dropped or kept.
-        empty_chosen: Rows whose chosen side is empty (a row with both sides empty counts here and in
-            ``empty_rejected``, and once in ``dropped[Drop.EMPTY]``).
-        empty_rejected: The same for the rejected side.
+        empty_sides: Rows whose side is empty, by side (a row with both sides empty counts under both,
+            and once in ``dropped[Drop.EMPTY]``).
         tokens: Tokens of every side tokenised, before truncation.
         unk_tokens: How many of ``tokens`` are the unknown token.
         drop_reasons: Each distinct reason a malformed or empty row was dropped for
@@ -70,8 +69,7 @@ class PairCounts:
     identical_before_truncation: int = 0
     identical_after_truncation: int = 0
     duplicates: int = 0
-    empty_chosen: int = 0
-    empty_rejected: int = 0
+    empty_sides: Counter = field(default_factory=Counter)
     tokens: int = 0
     unk_tokens: int = 0
     drop_reasons: dict[str, dict[str, int]] = field(default_factory=dict)

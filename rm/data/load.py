@@ -13,7 +13,7 @@ import glob
 import json
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import datasets
@@ -33,12 +33,32 @@ FORMAT_HELP = (
 
 # map() batch size of the later stages: large enough to amortise Python overhead, small enough that
 # one batch of long transcripts stays a few MB.
-MAP_BATCH_SIZE = 1000
+_MAP_BATCH_SIZE = 1000
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> None:
     if value not in choices:
         raise ConfigError(f"{name} must be one of {list(choices)}, got {value!r}")
+
+
+def map_counting(
+    ds: datasets.Dataset, function: Callable[[dict, list[int]], dict], features: datasets.Features, desc: str
+) -> datasets.Dataset:
+    """``function(batch, indices)``'s rows in place of ``ds``'s, as the later stages (normalise, tokenise) map them.
+
+    Never read from the ``datasets`` cache: those stages count drops while the function runs, and a
+    cache hit would skip it and report zeros.
+    """
+    return ds.map(
+        function,
+        with_indices=True,
+        batched=True,
+        batch_size=_MAP_BATCH_SIZE,
+        remove_columns=ds.column_names,
+        features=features,
+        load_from_cache_file=False,
+        desc=desc,
+    )
 
 
 def expand_files(files: Iterable[str], key: str) -> list[str]:

@@ -13,7 +13,7 @@ import datasets
 
 from rm.config import FORMATS, IDENTICAL_PAIRS, ON_MALFORMED
 from rm.data.counts import SIDES, Drop, PairCounts
-from rm.data.load import FORMAT_HELP, MAP_BATCH_SIZE, check_choice, detect_format
+from rm.data.load import FORMAT_HELP, check_choice, detect_format, map_counting
 from rm.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -168,8 +168,8 @@ def normalise_pairs(
         ``row``, int64, with ``row_index``). ``counts`` is the split's
         :class:`~rm.data.counts.PairCounts` so far: ``rows``, the drops
         ``malformed``, ``empty`` and ``identical`` (equal texts; a pair dropped
-        for them counts as identical as text and as ids), ``empty_chosen`` /
-        ``empty_rejected`` and ``drop_reasons``.
+        for them counts as identical as text and as ids), ``empty_sides`` and
+        ``drop_reasons``.
 
     Raises:
         ValueError: Unknown ``fmt``/``on_malformed``; undetectable layout; a
@@ -211,18 +211,7 @@ def normalise_pairs(
             del out["row"]
         return out
 
-    result = ds.map(
-        convert,
-        with_indices=True,
-        batched=True,
-        batch_size=MAP_BATCH_SIZE,
-        remove_columns=ds.column_names,
-        features=_ROW_FEATURES if row_index else _NORMALISED_FEATURES,
-        # The counts are gathered while map runs; a cache hit would skip the
-        # function and report zeros.
-        load_from_cache_file=False,
-        desc="normalising preference pairs",
-    )
+    result = map_counting(ds, convert, _ROW_FEATURES if row_index else _NORMALISED_FEATURES, "normalising preference pairs")
     # Other columns (including ones read above) are gone; make the order fixed.
     return result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else [])), counts
 
@@ -258,8 +247,7 @@ def _count_problem(counts: PairCounts, problem: _RowProblem, idx: int, row: dict
     reason = counts.drop_reasons.setdefault(f"{problem.kind.value}: {problem}", {"count": 0, "first_row": idx})
     reason["count"] += 1
     if problem.kind is Drop.EMPTY:
-        for side in _empty_sides(row, fmt):
-            setattr(counts, f"empty_{side}", getattr(counts, f"empty_{side}") + 1)
+        counts.empty_sides.update(_empty_sides(row, fmt))
 
 
 def _count_identical_texts_dropped(counts: PairCounts) -> None:

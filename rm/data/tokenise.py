@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from rm.config import DUPLICATES, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.data.audit import length_stats
 from rm.data.counts import SIDES, Drop, PairCounts
-from rm.data.load import MAP_BATCH_SIZE, check_choice
+from rm.data.load import check_choice, map_counting
 from rm.errors import DataError
 
 _TOKENIZED_FEATURES = datasets.Features(
@@ -144,10 +144,7 @@ class _PairChecks:
         if pair["chosen"] != pair["rejected"]:
             return False
         self.counts.identical_after_truncation += 1
-        if self.identical != "drop":
-            return False
-        self.counts.drop(Drop.IDENTICAL)
-        return True
+        return self._dropped(Drop.IDENTICAL, self.identical)
 
     def _duplicate(self, pair: dict[str, list[int]]) -> bool:
         key = _pair_key(pair["chosen"], pair["rejected"])
@@ -155,10 +152,13 @@ class _PairChecks:
             self.seen.add(key)
             return False
         self.counts.duplicates += 1
-        if self.duplicates != "drop":
-            return False
-        self.counts.drop(Drop.DUPLICATE)
-        return True
+        return self._dropped(Drop.DUPLICATE, self.duplicates)
+
+    def _dropped(self, reason: Drop, policy: str) -> bool:
+        """Whether ``policy`` (``"drop"`` or ``"keep"``) drops the pair; a drop is counted under ``reason``."""
+        if policy == "drop":
+            self.counts.drop(reason)
+        return policy == "drop"
 
 
 def tokenize_pairs(
@@ -239,18 +239,7 @@ def tokenize_pairs(
                 out["margin"].append(batch["margin"][k])
         return out
 
-    result = ds.map(
-        encode,
-        with_indices=True,
-        batched=True,
-        batch_size=MAP_BATCH_SIZE,
-        remove_columns=ds.column_names,
-        features=_TOKENIZED_FEATURES,
-        # Counts and length statistics are gathered while map runs; a cache hit
-        # would skip the function and report zeros.
-        load_from_cache_file=False,
-        desc="tokenising preference pairs",
-    )
+    result = map_counting(ds, encode, _TOKENIZED_FEATURES, "tokenising preference pairs")
     if len(result) == 0:  # datasets skips the map on empty input and keeps no columns: give the schema back
         result = datasets.Dataset.from_dict({name: [] for name in _TOKENIZED_FEATURES}, features=_TOKENIZED_FEATURES)
     counts.lengths_before_truncation = {side: length_stats(histogram) for side, histogram in histograms.items()}
