@@ -106,7 +106,7 @@ class DistributedConfig:
     num_processes: int = 0
 
 
-# The data policies' values (what each does: rm.data.preference's docstring). Here, beside the schema, so
+# The data policies' values (what each does: rm.data's docstring). Here, beside the schema, so
 # that validating a config does not import the data pipeline (datasets and pyarrow take seconds to import).
 FORMATS = ("auto", "hh", "prompt", "messages")
 TRUNCATION = ("truncate", "drop", "error")

@@ -43,7 +43,7 @@ def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterabl
     token; plain transformers reads the reward at the last token that is not the pad id,
     so the pad id must never occur in text: we take ``unk`` (which byte-fallback
     tokenizers never emit) before falling back to ``eos``. The data pipeline drops a side
-    that contains the pad id (``rm.data.preference``).
+    that contains the pad id (``rm.data``).
 
     Raises:
         ValueError: ``model.tokenizer=bpe`` without ``texts`` (nor a saved tokenizer).

@@ -88,15 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Imported here so that --help answers without loading torch's model stack.
     from transformers import AutoTokenizer
 
-    from rm.data.preference import (
-        encode_texts,
-        format_counts,
-        leading_special_ids,
-        load_preference_split,
-        normalise_pairs,
-        tokenize_pairs,
-        truncate_left,
-    )
+    from rm.data.load import load_preference_split
+    from rm.data.normalise import normalise_pairs
+    from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
     from rm.export import load_bundle, read_reward_stats
 
     model_dir = check_model_dir(args.model)
@@ -122,10 +116,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"scored {len(records)} texts: mean reward {sum(rewards) / len(rewards):.4f}")
     else:
         pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed)
-        tokenised, tok_counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed)
-        print(format_counts({**norm_counts, **tok_counts}))
+        tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed, counts=norm_counts)
+        print(counts.format())
         if len(tokenised) == 0:
-            raise DataError(f"--input: no usable pairs ({format_counts({**norm_counts, **tok_counts})})")
+            raise DataError(f"--input: no usable pairs ({counts.format()})")
         chosen = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["chosen_input_ids"], args.batch_size)]
         rejected = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["rejected_input_ids"], args.batch_size)]
         correct = sum(c > r for c, r in zip(chosen, rejected))

@@ -34,7 +34,7 @@ from rm.checkpoint import (
     raise_save_failure, replace_earlier_run, resume_candidates, save_checkpoint,
 )
 from rm.config import RunConfig, to_run_config
-from rm.data.batching import even_out, micro_batches_for_step, split_by_tokens, steps_per_epoch
+from rm.data.batching import StepBatches, steps_per_epoch
 from rm.data.audit import format_audit, write_audit
 from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
@@ -315,16 +315,13 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
     health.load_state_dict(state.health)
 
     # ---- loop
-    lengths = None
-    if t.group_by_length:
-        lengths = [max(len(c), len(r)) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
-    pair_tokens, per_rank = None, t.global_batch_size // plan.world_size
-    if t.max_tokens_per_micro_batch:  # packed micro-batches cut by a token budget instead of a pair count
-        pair_tokens = [len(c) + len(r) for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
-    if t.share_prefix:  # rows are prefix + both suffixes: the budget and the grouping count those tokens
-        shared_tokens = log_prefix_sharing(train_set)
-        pair_tokens = shared_tokens if t.max_tokens_per_micro_batch else None
-        lengths = shared_tokens if t.group_by_length else None
+    per_rank = t.global_batch_size // plan.world_size
+    batches = StepBatches.of(
+        train_set, global_batch_size=t.global_batch_size, micro_batch_size=t.micro_batch_size, world_size=plan.world_size,
+        rank=engine.process_index, seed=t.seed, group_by_length=t.group_by_length, max_tokens=t.max_tokens_per_micro_batch,
+        # rows are prefix + both suffixes: the budget and the grouping count those tokens
+        shared_tokens=log_prefix_sharing(train_set) if t.share_prefix else None,
+    )
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
     device = engine.device
     eval_metrics: Dict[str, float] = {}
@@ -352,17 +349,7 @@ def _train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exi
                 stopping = True
                 stop.signum = stop.signum or signal.SIGTERM
                 break
-            micro_batches = micro_batches_for_step(
-                state.step, len(train_set), t.global_batch_size, per_rank if pair_tokens else t.micro_batch_size,
-                plan.world_size, engine.process_index, t.seed, lengths,
-            )
-            if pair_tokens:
-                micro_batches = split_by_tokens(micro_batches[0], pair_tokens, t.max_tokens_per_micro_batch)
-                if plan.world_size > 1:  # DDP needs as many forwards on every rank; all ranks' pairs are known here
-                    most = max(len(split_by_tokens(micro_batches_for_step(
-                        state.step, len(train_set), t.global_batch_size, per_rank, plan.world_size, r, t.seed, lengths)[0],
-                        pair_tokens, t.max_tokens_per_micro_batch)) for r in range(plan.world_size))
-                    micro_batches = even_out(micro_batches, most)
+            micro_batches = batches.for_step(state.step)
             for n, indices in enumerate(micro_batches):
                 batch = train_collator(train_set.select(indices))
                 inputs = {k: batch[k].to(device) for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")

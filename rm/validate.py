@@ -20,7 +20,7 @@ CHOICES = {
     "distributed.strategy": ("auto", "ddp", "deepspeed"),
     "hardware.accelerator": ("cuda", "cpu", "auto"),
     "data.source": ("hub", "local", "synthetic"),
-    # The data policies are defined once, in rm.config (documented in rm.data.preference).
+    # The data policies are defined once, in rm.config (documented in rm.data).
     "data.format": FORMATS,
     "data.truncation": TRUNCATION,
     "data.identical_pairs": IDENTICAL_PAIRS,

@@ -29,8 +29,9 @@ import pytest
 from tokenizers import processors
 
 import rm.train as rm_train
-from rm.data.audit import audit_split, format_audit, length_stats, pair_lengths, write_audit
-from rm.data.preference import encode_texts, format_counts, normalise_pairs, tokenize_pairs
+from rm.data.audit import audit_split, format_audit, length_stats, write_audit
+from rm.data.normalise import normalise_pairs
+from rm.data.tokenise import encode_texts, pair_lengths, tokenize_pairs
 from rm.data.synthetic import generate_pairs
 from rm.tokenizer import build_word_level_tokenizer
 from rm.validate import ConfigError
@@ -65,10 +66,9 @@ def tokenizer():
 def run_audit(tokenizer, truncation="truncate", identical="drop", duplicates="keep"):
     raw = datasets.Dataset.from_list([{"chosen": c, "rejected": r} for c, r in ROWS])
     pairs, norm_counts = normalise_pairs(raw, "hh", tokenizer, identical=identical, row_index=True)
-    tokenised, tok_counts = tokenize_pairs(
-        pairs, tokenizer, MAX_LENGTH, truncation=truncation, identical=identical, duplicates=duplicates
+    tokenised, counts = tokenize_pairs(
+        pairs, tokenizer, MAX_LENGTH, truncation=truncation, identical=identical, duplicates=duplicates, counts=norm_counts
     )
-    counts = {**norm_counts, **tok_counts}
     return tokenised, counts, audit_split(counts, *pair_lengths(tokenised))
 
 
@@ -119,7 +119,7 @@ def test_audit_default_policies(tokenizer):
     assert tokenised[2]["chosen_input_ids"] == ids(["<s>", "yellow", "purple", "orange", "cat", "</s>"])
     assert tokenised[5]["rejected_input_ids"] == ids(["<s>", "green", "yellow", "purple", "dog", "</s>"])
     json.dumps(audit)  # JSON-able as it is
-    assert format_counts(counts).startswith(
+    assert counts.format().startswith(
         "pairs 12 -> 6 used: 2 truncated, 3 identical, 1 with pad token in text skipped, 1 malformed skipped, "
         "1 empty skipped, 1 duplicates kept (tokens before truncation: chosen mean 5.0 median 4 p95 9 max 9"
     )
@@ -182,10 +182,10 @@ def test_length_stats_by_hand():
 
 
 def test_audit_refuses_counts_that_lose_pairs(tokenizer):
-    _, counts, _ = run_audit(tokenizer)
-    counts = {**counts, "pairs_out": counts["pairs_out"] + 1}  # one pair unaccounted for
+    tokenised, counts, _ = run_audit(tokenizer)
+    counts.rows += 1  # a row read that was neither kept nor dropped
     with pytest.raises(ValueError, match="do not account for every pair"):
-        audit_split(counts, [3] * counts["pairs_out"], [3] * counts["pairs_out"])
+        audit_split(counts, *pair_lengths(tokenised))
 
 
 def test_format_and_write_audit(tokenizer, tmp_path):

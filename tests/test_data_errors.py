@@ -5,6 +5,7 @@ import json
 import pytest
 
 from rm.data.build import build_split, run_tokenizer
+from rm.data.counts import Drop
 from rm.errors import DataError
 from rm.estimate import compose
 from rm.data.synthetic import generate_pairs
@@ -49,8 +50,8 @@ def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
 def test_one_non_string_cell_names_its_row_and_file(tmp_path):
     path = _jsonl(tmp_path / "b.jsonl", PAIRS[2:5] + [dict(PAIRS[5], chosen=7), PAIRS[6]])
     ds, counts = _split(path)
-    assert len(ds) == 4 and counts["malformed"] == 1
-    assert counts["drop_reasons"] == {"malformed: 'chosen' is int, expected a string": {"count": 1, "first_row": 3}}
+    assert len(ds) == 4 and counts.dropped[Drop.MALFORMED] == 1
+    assert counts.drop_reasons == {"malformed: 'chosen' is int, expected a string": {"count": 1, "first_row": 3}}
     with pytest.raises(DataError, match=rf"in {path}: row 3: 'chosen' is int, expected a string"):
         _split(path, "data.on_malformed=error")
 
@@ -82,7 +83,8 @@ def test_mixed_formats_in_one_file_are_reported_as_such(tmp_path):
 @pytest.mark.reliability("Data", "rows dropped as malformed or empty", "counted by reason, with the first row of each, in "
                          "`data_audit.json` (`drop_reasons`) and the log")
 def test_drop_reasons_reach_the_audit(tmp_path):
-    from rm.data.audit import audit_split, pair_lengths
+    from rm.data.audit import audit_split
+    from rm.data.tokenise import pair_lengths
 
     rows = [PAIRS[0], dict(PAIRS[1], chosen="  "), dict(PAIRS[2], rejected=""), dict(PAIRS[3], chosen=3), PAIRS[4]]
     ds, counts = _split(_jsonl(tmp_path / "p.jsonl", rows))

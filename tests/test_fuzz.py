@@ -15,9 +15,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from rm.data.audit import audit_split, pair_lengths  # noqa: E402
+from rm.data.audit import audit_split  # noqa: E402
 from rm.data.build import build_split  # noqa: E402
-from rm.data.preference import normalise_pairs, tokenize_pairs  # noqa: E402
+from rm.data.normalise import normalise_pairs  # noqa: E402
+from rm.data.tokenise import pair_lengths, tokenize_pairs  # noqa: E402
 from rm.data.synthetic import write_synthetic  # noqa: E402
 from rm.estimate import compose  # noqa: E402
 from rm.hardware import resolve_hardware  # noqa: E402
@@ -46,10 +47,10 @@ def test_any_rows_are_kept_or_skipped_and_counted(rows, max_length, truncation, 
     raw = datasets.Dataset.from_list([{k: json.dumps(v) if not isinstance(v, str) and v is not None else v
                                        for k, v in r.items()} for r in rows])
     pairs, norm = normalise_pairs(raw, "prompt", TOKENIZER, on_malformed="skip")
-    tokenised, tok = tokenize_pairs(pairs, TOKENIZER, max_length, truncation=truncation, on_malformed="skip",
-                                    identical=identical, duplicates=duplicates)
-    # audit_split raises when kept + dropped-by-reason do not add up to the rows read.
-    audit = audit_split({**norm, **tok}, *pair_lengths(tokenised))
+    tokenised, counts = tokenize_pairs(pairs, TOKENIZER, max_length, truncation=truncation, on_malformed="skip",
+                                       identical=identical, duplicates=duplicates, counts=norm)
+    # audit_split raises when the rows read less the drops by reason are not the pairs kept.
+    audit = audit_split(counts, *pair_lengths(tokenised))
     assert audit["pairs_in"] == len(rows) and audit["pairs_out"] == len(tokenised)
     for row in tokenised:
         assert 0 < len(row["chosen_input_ids"]) <= max_length and 0 < len(row["rejected_input_ids"]) <= max_length
@@ -101,4 +102,4 @@ def test_corrupted_jsonl_gives_a_clear_error_or_counted_skips(tmp_path_factory, 
     except ValueError as err:  # ConfigError is a ValueError too
         assert str(path) in str(err) or "data local [train]" in str(err), err
         return
-    assert len(ds) == counts["pairs_out"] > 0
+    assert len(ds) == counts.pairs_out > 0

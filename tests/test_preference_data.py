@@ -1,4 +1,4 @@
-"""Tests for rm.data.preference: loading, normalising, tokenising preference pairs."""
+"""Tests for rm.data.load, rm.data.normalise and rm.data.tokenise: loading, normalising, tokenising preference pairs."""
 
 from __future__ import annotations
 
@@ -10,18 +10,11 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 
-from rm.data.preference import (
-    DUPLICATES,
-    FORMATS,
-    IDENTICAL_PAIRS,
-    ON_MALFORMED,
-    TRUNCATION,
-    detect_format,
-    format_counts,
-    load_preference_split,
-    normalise_pairs,
-    tokenize_pairs,
-)
+from rm.config import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
+from rm.data.counts import Drop, PairCounts
+from rm.data.load import detect_format, load_preference_split
+from rm.data.normalise import normalise_pairs
+from rm.data.tokenise import tokenize_pairs
 
 # --------------------------------------------------------------------------- #
 # A tiny local tokenizer: one token per word or punctuation run.
@@ -43,8 +36,12 @@ CHAT_TEMPLATE = (
 
 
 def without_reasons(counts):
-    """The integer counts of normalise_pairs, without its per-reason detail (tested on its own)."""
-    return {k: v for k, v in counts.items() if k != "drop_reasons"}
+    """What normalise_pairs counts, without its per-reason detail (tested on its own)."""
+    return {
+        "rows": counts.rows, "malformed": counts.dropped[Drop.MALFORMED], "empty": counts.dropped[Drop.EMPTY],
+        "identical": counts.dropped[Drop.IDENTICAL], "kept": counts.pairs_out,
+        "empty_chosen": counts.empty_sides["chosen"], "empty_rejected": counts.empty_sides["rejected"],
+    }
 
 
 def make_tokenizer(pad_token: str = "<pad>") -> PreTrainedTokenizerFast:
@@ -255,7 +252,7 @@ def test_bad_margin_value_is_malformed(tok):
     raw = datasets.Dataset.from_list(rows)
     ds, counts = normalise_pairs(raw, "hh", tok, margin_column="m")
     assert ds["margin"] == [2.0]
-    assert counts["malformed"] == 2
+    assert counts.dropped[Drop.MALFORMED] == 2
     with pytest.raises(ValueError, match=r"row 0: 'm' is None"):
         normalise_pairs(raw, "hh", tok, margin_column="m", on_malformed="error")
 
@@ -290,7 +287,7 @@ def test_hh_malformed_rows_skip_and_error(tok):
         normalise_pairs(raw.select([0, 3]), "hh", tok, on_malformed="error")
     # Identical pairs are dropped even in error mode: they are useless, not broken.
     ds, counts = normalise_pairs(raw.select([0, 4]), "hh", tok, on_malformed="error")
-    assert len(ds) == 1 and counts["identical"] == 1
+    assert len(ds) == 1 and counts.dropped[Drop.IDENTICAL] == 1
 
 
 def test_non_string_field_is_malformed(tok):
@@ -299,7 +296,7 @@ def test_non_string_field_is_malformed(tok):
     with pytest.raises(ValueError, match="prompt"):
         detect_format(raw)
     ds, counts = normalise_pairs(raw, "prompt", tok)
-    assert len(ds) == 0 and counts["malformed"] == 3
+    assert len(ds) == 0 and counts.dropped[Drop.MALFORMED] == 3
     with pytest.raises(ValueError, match=r"^row 0: 'prompt' is int, expected a string"):
         normalise_pairs(raw, "prompt", tok, on_malformed="error")
 
@@ -359,7 +356,7 @@ def test_messages_needs_chat_template():
 def test_synthetic_rows_via_from_list(tok):
     ds, counts = normalise_pairs(datasets.Dataset.from_list(HH_ROWS), "auto", None)
     assert list(zip(ds["chosen"], ds["rejected"])) == EXPECTED_TEXTS
-    assert counts["kept"] == 2
+    assert counts.pairs_out == 2
 
 
 # --------------------------------------------------------------------------- #
@@ -377,8 +374,8 @@ def test_sides_are_tokenised_as_the_tokenizer_does_nothing_appended(tok):
     out, counts = tokenize_pairs(pairs(("Human: hi Assistant: good", "Human: hi Assistant: bad")), tok, 64)
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good")
     assert out[0]["rejected_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "bad")
-    assert counts["truncated"] == 0 and counts["pairs_out"] == 1
-    assert counts["chosen_len_max"] == 7 and counts["chosen_len_mean"] == 7.0
+    assert counts.truncated == 0 and counts.pairs_out == 1
+    assert counts.lengths_before_truncation["chosen"]["max"] == 7 and counts.lengths_before_truncation["chosen"]["mean"] == 7.0
 
 
 def test_an_eos_written_in_the_text_stays(tok):
@@ -394,7 +391,7 @@ def test_eos_not_appended_when_pad_is_eos(tok_pad_is_eos):
     assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
     # With pad == eos, a literal EOS in the text is a pad inside the text.
     out, counts = tokenize_pairs(pairs(("hi good </s>", "hi bad"), ("hi yes", "hi no")), tok_pad_is_eos, 64)
-    assert counts["pad_in_text"] == 1 and counts["pairs_out"] == 1
+    assert counts.dropped[Drop.PAD_IN_TEXT] == 1 and counts.pairs_out == 1
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "yes")
 
 
@@ -412,16 +409,16 @@ def test_truncation_cuts_prompt_from_the_left(tok):
     assert len(chosen) == len(rejected) == 8
     assert chosen[0] == BOS
     assert out[0]["margin"] == 0.5
-    assert counts["truncated"] == 1 and counts["pairs_out"] == 1
+    assert counts.truncated == 1 and counts.pairs_out == 1
     # Statistics describe the lengths before truncation.
-    assert counts["chosen_len_max"] == 13 and counts["rejected_len_max"] == 12
+    assert counts.lengths_before_truncation["chosen"]["max"] == 13 and counts.lengths_before_truncation["rejected"]["max"] == 12
 
 
 def test_truncation_only_cuts_the_long_side(tok):
     out, counts = tokenize_pairs(pairs((LONG_CHOSEN, "hi bad")), tok, max_length=10)
     assert len(out[0]["chosen_input_ids"]) == 10
     assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
-    assert counts["truncated"] == 1
+    assert counts.truncated == 1
 
 
 def test_drop_policy_drops_long_pairs(tok):
@@ -429,10 +426,10 @@ def test_drop_policy_drops_long_pairs(tok):
     out, counts = tokenize_pairs(ds, tok, max_length=8, truncation="drop")
     assert len(out) == 1
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good")
-    assert counts["dropped_too_long"] == 1 and counts["truncated"] == 0 and counts["pairs_out"] == 1
+    assert counts.dropped[Drop.TOO_LONG] == 1 and counts.truncated == 0 and counts.pairs_out == 1
     # A side of exactly max_length is not too long.
     out, counts = tokenize_pairs(pairs(("hi good answer", "hi bad")), tok, max_length=4, truncation="drop")
-    assert len(out) == 1 and counts["dropped_too_long"] == 0
+    assert len(out) == 1 and counts.dropped[Drop.TOO_LONG] == 0
 
 
 def test_identical_after_truncation_dropped(tok):
@@ -442,18 +439,18 @@ def test_identical_after_truncation_dropped(tok):
         ("Human: hi Assistant: good", "Human: hi Assistant: bad"),
     )
     out, counts = tokenize_pairs(ds, tok, max_length=6)
-    assert counts["identical_after_truncation"] == 1
-    assert counts["pairs_in"] == 2 and counts["pairs_out"] == 1
+    assert counts.identical_after_truncation == 1
+    assert counts.rows == 2 and counts.pairs_out == 1
     assert out[0]["rejected_input_ids"][-2:] == ids_of(":", "bad")
     # Without truncation the same pair is kept.
     out, counts = tokenize_pairs(ds, tok, max_length=64)
-    assert counts["identical_after_truncation"] == 0 and len(out) == 2
+    assert counts.identical_after_truncation == 0 and len(out) == 2
 
 
 def test_pad_in_text_skip_and_error(tok):
     ds = pairs(("hi good", "hi bad"), ("hi <pad> good", "hi bad"))
     out, counts = tokenize_pairs(ds, tok, 64)
-    assert len(out) == 1 and counts["pad_in_text"] == 1
+    assert len(out) == 1 and counts.dropped[Drop.PAD_IN_TEXT] == 1
     with pytest.raises(ValueError, match=r"^row 1: 'chosen' contains the pad token id 0"):
         tokenize_pairs(ds, tok, 64, on_malformed="error")
 
@@ -478,19 +475,24 @@ def test_end_to_end_counts_and_summary(tmp_path, tok):
     ]
     raw = load_preference_split("local", files=[write_jsonl(tmp_path / "e.jsonl", rows)])
     ds, norm_counts = normalise_pairs(raw, "auto", tok)
-    out, tok_counts = tokenize_pairs(ds, tok, max_length=10)
+    out, counts = tokenize_pairs(ds, tok, max_length=10, counts=norm_counts)
     assert len(out) == 3
-    line = format_counts({**norm_counts, **tok_counts})
+    line = counts.format()
     assert line.startswith("pairs 5 -> 3 used: 1 truncated, 1 identical, 1 empty skipped (tokens before truncation:")
 
 
-def test_format_counts_example():
-    counts = {
-        "rows": 1000, "malformed": 3, "empty": 0, "identical": 1, "kept": 996,
-        "pairs_in": 996, "truncated": 5, "dropped_too_long": 3, "identical_after_truncation": 1, "dropped_identical": 1,
-        "pad_in_text": 0, "pairs_out": 992,
-    }  # fmt: skip
-    assert format_counts(counts) == (
-        "pairs 1000 -> 992 used: 5 truncated, 3 dropped (too long), 2 identical, 3 malformed skipped"
-    )
-    assert format_counts({"rows": 4, "malformed": 0, "empty": 0, "identical": 0, "kept": 4}) == "pairs 4 -> 4 used"
+def test_counts_format_example():
+    counts = PairCounts(rows=1000, truncated=5, identical_text=1, identical_before_truncation=1, identical_after_truncation=2)
+    counts.dropped.update({Drop.MALFORMED: 3, Drop.IDENTICAL: 2, Drop.TOO_LONG: 3})
+    assert counts.format() == "pairs 1000 -> 992 used: 5 truncated, 3 dropped (too long), 2 identical, 3 malformed skipped"
+    assert PairCounts(rows=4).format() == "pairs 4 -> 4 used"
+
+
+def test_tokenize_pairs_goes_on_with_the_counts_of_normalise_pairs(tok):
+    raw = datasets.Dataset.from_list(HH_ROWS + [{"chosen": "hi", "rejected": "hi"}])
+    ds, norm_counts = normalise_pairs(raw, "hh", tok)
+    _, counts = tokenize_pairs(ds, tok, 64, identical="keep", counts=norm_counts)
+    assert (counts.rows, counts.pairs_out, counts.dropped[Drop.IDENTICAL]) == (3, 2, 1)
+    assert norm_counts.lengths_before_truncation == {}  # the counts given are left as they were
+    with pytest.raises(ValueError, match="the counts end with 2 pairs, the dataset has 3"):
+        tokenize_pairs(datasets.Dataset.from_list([dict(r, margin=0.0) for r in HH_ROWS * 2][:3]), tok, 64, counts=norm_counts)

@@ -13,7 +13,7 @@ from accelerate.utils import set_seed
 import rm.train as rm_train
 from rm.config import to_run_config
 from rm.data.collator import PairCollator, PrefixSharedCollator, common_prefix_length
-from rm.data.preference import truncate_left
+from rm.data.tokenise import truncate_left
 from rm.loss import bradley_terry_loss
 from rm.model import apply_memory_profile, build_model, pair_rewards
 from rm.prefix_sharing import allowed

@@ -1,16 +1,15 @@
 """The pair audit: what each split's pairs look like before the first step.
 
-:func:`rm.data.build.build_datasets` gathers one audit per split from the counts
-of :func:`~rm.data.preference.normalise_pairs` and
-:func:`~rm.data.preference.tokenize_pairs` and from the token lengths of the
+:func:`rm.data.build.build_datasets` gathers one audit per split from the
+:class:`~rm.data.counts.PairCounts` of the split and from the token lengths of the
 pairs kept; ``rm.train`` writes it to ``data_audit.json`` in the run directory
 and logs :func:`format_audit`. The policies it reports (``data.truncation``,
 ``data.identical_pairs``, ``data.duplicates``, ``data.on_malformed``) are
-documented once, in :mod:`rm.data.preference`.
+documented once, in :mod:`rm.data`.
 
 Every input row is accounted for: ``pairs_in`` minus the sum of ``dropped``
-(by reason) is ``pairs_out``, and :func:`audit_split` refuses counts for which
-it is not.
+(by reason) is ``pairs_out``, and :func:`audit_split` refuses counts whose
+``pairs_out`` is not the number of pairs kept.
 
 Lengths are in tokens, any special tokens the tokenizer adds included. ``p95`` is the nearest-rank
 percentile (the smallest length that at least 95% of the pairs do not exceed)
@@ -28,11 +27,9 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import datasets
-import pyarrow.compute as pc
+from rm.data.counts import SIDES, Drop, PairCounts
 
 STATS = ("min", "mean", "median", "p95", "max")
-DROP_REASONS = ("malformed", "empty", "too_long", "pad_in_text", "identical", "duplicate")
 
 
 def length_stats(histogram: Mapping[int, int]) -> dict[str, float]:
@@ -73,29 +70,18 @@ def length_stats(histogram: Mapping[int, int]) -> dict[str, float]:
     }
 
 
-def pair_lengths(ds: datasets.Dataset) -> tuple[list[int], list[int]]:
-    """Token lengths of the chosen and rejected sides of a tokenised split, in order.
-
-    Read from the Arrow list offsets, so no token id is copied into Python.
-    """
-    arrow = ds.with_format("arrow")
-    return tuple(pc.list_value_length(arrow[f"{side}_input_ids"]).to_pylist() for side in ("chosen", "rejected"))
-
-
-def audit_split(counts: Mapping[str, Any], chosen_lengths: Iterable[int], rejected_lengths: Iterable[int]) -> dict:
+def audit_split(counts: PairCounts, chosen_lengths: Iterable[int], rejected_lengths: Iterable[int]) -> dict:
     """The audit of one split, JSON-able.
 
     Args:
-        counts: ``{**normalise_counts, **tokenize_counts}`` of the split (the keys
-            documented on :func:`~rm.data.preference.normalise_pairs` and
-            :func:`~rm.data.preference.tokenize_pairs`).
+        counts: The split's counts, as :func:`~rm.data.tokenise.tokenize_pairs` returns them.
         chosen_lengths: Token length of each kept pair's chosen side, as trained
-            (after truncation); :func:`pair_lengths` reads them.
+            (after truncation); :func:`rm.data.tokenise.pair_lengths` reads them.
         rejected_lengths: The same for the rejected side.
 
     Returns:
         ``pairs_in`` (rows read), ``pairs_out`` (pairs kept), ``dropped`` (one count
-        per reason of :data:`DROP_REASONS`), ``truncated`` (kept pairs that lost
+        per :class:`~rm.data.counts.Drop` reason), ``truncated`` (kept pairs that lost
         tokens), ``identical_text`` / ``identical_before_truncation`` /
         ``identical_after_truncation`` (pairs whose two sides are equal as texts /
         as token ids / as the ids trained on; dropped or kept, see ``dropped``),
@@ -110,49 +96,34 @@ def audit_split(counts: Mapping[str, Any], chosen_lengths: Iterable[int], reject
         None without pairs).
 
     Raises:
-        ValueError: The counts do not account for every row, or the lengths do
-            not match ``pairs_out``.
+        ValueError: The lengths do not match the pairs the counts keep.
     """
     chosen, rejected = list(chosen_lengths), list(rejected_lengths)
-    pairs_in, pairs_out = counts["rows"], counts["pairs_out"]
-    # normalise_pairs drops pairs with equal texts before they are tokenised (identical
-    # pairs dropped); such a pair is also equal as ids, before and after truncation.
-    identical_text_dropped = counts["identical"]
-    dropped = {
-        "malformed": counts["malformed"],
-        "empty": counts["empty"],
-        "too_long": counts["dropped_too_long"],
-        "pad_in_text": counts["pad_in_text"],
-        "identical": identical_text_dropped + counts["dropped_identical"],
-        "duplicate": counts["dropped_duplicate"],
-    }
-    if pairs_in - sum(dropped.values()) != pairs_out or len(chosen) != pairs_out or len(rejected) != pairs_out:
+    dropped = {reason.value: counts.dropped[reason] for reason in Drop}
+    if len(chosen) != counts.pairs_out or len(rejected) != counts.pairs_out:
         raise ValueError(
-            f"the counts do not account for every pair: {pairs_in} in, dropped {dropped}, {pairs_out} out, "
+            f"the counts do not account for every pair: {counts.rows} in, dropped {dropped}, {counts.pairs_out} out, "
             f"{len(chosen)} chosen and {len(rejected)} rejected lengths"
         )
     n = len(chosen)
     chosen_longer = sum(c > r for c, r in zip(chosen, rejected))
     ties = sum(c == r for c, r in zip(chosen, rejected))
     return {
-        "pairs_in": pairs_in,
-        "pairs_out": pairs_out,
+        "pairs_in": counts.rows,
+        "pairs_out": counts.pairs_out,
         "dropped": dropped,
-        "truncated": counts["truncated"],
-        "identical_text": identical_text_dropped + counts["identical_text"],
-        "identical_before_truncation": identical_text_dropped + counts["identical_before_truncation"],
-        "identical_after_truncation": identical_text_dropped + counts["identical_after_truncation"],
-        "duplicates": counts["duplicates"],
+        "truncated": counts.truncated,
+        "identical_text": counts.identical_text,
+        "identical_before_truncation": counts.identical_before_truncation,
+        "identical_after_truncation": counts.identical_after_truncation,
+        "duplicates": counts.duplicates,
         # Unknown tokens among all tokenised sides: a tokenizer that does not know the text (rm.health alarm).
-        "unk_rate": counts["unk_tokens"] / counts["tokens"] if counts["tokens"] else 0.0,
-        "empty_sides": {"chosen": counts["empty_chosen"], "rejected": counts["empty_rejected"]},
-        "drop_reasons": dict(counts.get("drop_reasons", {})),  # malformed/empty rows: {reason: {count, first_row}}
+        "unk_rate": counts.unk_tokens / counts.tokens if counts.tokens else 0.0,
+        "empty_sides": {side: counts.empty_sides[side] for side in SIDES},
+        "drop_reasons": dict(counts.drop_reasons),  # malformed/empty rows: {reason: {count, first_row}}
         "lengths": {
-            side: {
-                "kept": length_stats(Counter(kept)),
-                "before_truncation": {s: counts[f"{side}_len_{s}"] for s in STATS},
-            }
-            for side, kept in (("chosen", chosen), ("rejected", rejected))
+            side: {"kept": length_stats(Counter(kept)), "before_truncation": counts.lengths_before_truncation[side]}
+            for side, kept in zip(SIDES, (chosen, rejected))
         },
         "longer": {
             "chosen": chosen_longer / n if n else None,

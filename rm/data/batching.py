@@ -6,14 +6,23 @@ a generator seeded ``seed + e``, optimizer step ``s`` takes the ``s``-th block o
 the ``r``-th slice of that block. A resumed run therefore sees exactly the
 batches an uninterrupted one would, with no sampler state to checkpoint. The
 last incomplete block of an epoch is dropped so every step has the same size.
+
+:class:`StepBatches` cuts a rank's pairs of a step into micro-batches: a fixed number of pairs each,
+sorted by length first with ``train.group_by_length``, or by a token budget
+(``train.max_tokens_per_micro_batch``). It reads the pairs' token lengths from the Arrow offsets of
+the tokenised dataset, never its token ids.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Optional, Sequence
 
+import datasets
 import torch
+
+from rm.data.tokenise import pair_lengths
 
 
 def steps_per_epoch(num_pairs: int, global_batch_size: int) -> int:
@@ -128,3 +137,112 @@ def even_out(batches: List[List[int]], count: int) -> List[List[int]]:
         half = len(batches[i]) // 2
         batches[i:i + 1] = [batches[i][:half], batches[i][half:]]
     return batches
+
+
+@dataclass(frozen=True)
+class StepBatches:
+    """This rank's micro-batches at each optimizer step; build it with :meth:`of`.
+
+    Attributes:
+        num_pairs: Size of the training set.
+        global_batch_size: Pairs per optimizer step over all ranks.
+        micro_batch_size: Pairs per forward pass on one rank, without a token budget.
+        world_size: Number of processes.
+        rank: This process's index.
+        seed: Training seed.
+        sort_lengths: Per pair, the length micro-batches are grouped by; None keeps the shuffled order.
+        pair_tokens: Per pair, the tokens the budget counts; None: micro-batches of ``micro_batch_size`` pairs.
+        max_tokens: Token budget of one micro-batch, with ``pair_tokens``.
+    """
+
+    num_pairs: int
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+    rank: int
+    seed: int
+    sort_lengths: Optional[Sequence[int]] = None
+    pair_tokens: Optional[Sequence[int]] = None
+    max_tokens: Optional[int] = None
+
+    @classmethod
+    def of(
+        cls,
+        ds: datasets.Dataset,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        world_size: int,
+        rank: int,
+        seed: int,
+        group_by_length: bool,
+        max_tokens: Optional[int] = None,
+        shared_tokens: Optional[Sequence[int]] = None,
+    ) -> StepBatches:
+        """The micro-batches of a tokenised training set (``chosen_input_ids``, ``rejected_input_ids``).
+
+        Args:
+            ds: The training set.
+            global_batch_size: Pairs per optimizer step over all ranks.
+            micro_batch_size: Pairs per forward pass on one rank, when ``max_tokens`` is not set.
+            world_size: Number of processes.
+            rank: This process's index.
+            seed: Training seed.
+            group_by_length: Sort each step's pairs by length before cutting them into micro-batches
+                (the longer side's tokens).
+            max_tokens: Cut each step's pairs by this token budget (chosen + rejected tokens) instead of
+                by ``micro_batch_size``; 0 or None: no budget.
+            shared_tokens: Per pair, the tokens of its row once the prompt is shared (``train.share_prefix``):
+                then both the grouping and the budget count these.
+        """
+        sort_lengths = pair_tokens = None
+        if shared_tokens is not None:
+            sort_lengths, pair_tokens = shared_tokens, shared_tokens
+        elif group_by_length or max_tokens:
+            chosen, rejected = pair_lengths(ds)
+            sort_lengths = [max(c, r) for c, r in zip(chosen, rejected)]
+            pair_tokens = [c + r for c, r in zip(chosen, rejected)]
+        return cls(
+            num_pairs=len(ds),
+            global_batch_size=global_batch_size,
+            micro_batch_size=micro_batch_size,
+            world_size=world_size,
+            rank=rank,
+            seed=seed,
+            sort_lengths=sort_lengths if group_by_length else None,
+            pair_tokens=pair_tokens if max_tokens else None,
+            max_tokens=max_tokens or None,
+        )
+
+    def for_step(self, step: int) -> List[List[int]]:
+        """Dataset indices of this rank's micro-batches at optimizer step ``step`` (0-based).
+
+        A pure function of the step, so that a resumed run sees the batches an uninterrupted one would.
+
+        Example:
+            >>> batches = StepBatches(8, global_batch_size=4, micro_batch_size=1, world_size=2, rank=1, seed=0,
+            ...                       sort_lengths=[9, 9, 9, 5, 9, 9, 9, 7])
+            >>> batches.for_step(0)
+            [[3], [7]]
+            >>> budget = StepBatches(8, global_batch_size=4, micro_batch_size=1, world_size=1, rank=0, seed=0,
+            ...                      pair_tokens=[3] * 8, max_tokens=6)
+            >>> budget.for_step(0)
+            [[4, 0], [7, 3]]
+        """
+        if self.pair_tokens is None:
+            return self._pairs_of(step, self.rank, self.micro_batch_size)
+        batches = self._by_budget(step, self.rank)
+        if self.world_size > 1:  # DDP needs as many forwards on every rank; all ranks' pairs are known here
+            most = max(len(self._by_budget(step, r)) for r in range(self.world_size))
+            batches = even_out(batches, most)
+        return batches
+
+    def _pairs_of(self, step: int, rank: int, micro_batch_size: int) -> List[List[int]]:
+        return micro_batches_for_step(
+            step, self.num_pairs, self.global_batch_size, micro_batch_size, self.world_size, rank, self.seed,
+            self.sort_lengths,
+        )
+
+    def _by_budget(self, step: int, rank: int) -> List[List[int]]:
+        (pairs,) = self._pairs_of(step, rank, self.global_batch_size // self.world_size)
+        return split_by_tokens(pairs, self.pair_tokens, self.max_tokens)

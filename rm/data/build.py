@@ -10,10 +10,12 @@ from typing import Dict, List, Optional, Tuple
 import datasets
 
 from rm.config import DataConfig, ModelConfig
-from rm.data.audit import audit_split, pair_lengths
-from rm.data.preference import format_counts, load_preference_split, locate_row, normalise_pairs, tokenize_pairs
+from rm.data.audit import audit_split
+from rm.data.counts import PairCounts
+from rm.data.load import expand_files, load_preference_split, locate_row
+from rm.data.normalise import normalise_pairs
 from rm.data.synthetic import generate_pairs
-from rm.data.preference import _expand_files
+from rm.data.tokenise import pair_lengths, tokenize_pairs
 from rm.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -53,12 +55,12 @@ def _normalised_split(data_cfg: DataConfig, tokenizer, split: str):
         raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
 
 
-def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.Dataset, Dict]:
+def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.Dataset, PairCounts]:
     """Load, normalise and tokenise one split; log what was dropped and why.
 
     Returns:
         The tokenised dataset (``chosen_input_ids``, ``rejected_input_ids``,
-        ``margin``) and the merged counts of normalisation and tokenisation.
+        ``margin``) and the split's counts.
 
     Raises:
         ValueError: A row the policies refuse (``data.on_malformed=error``,
@@ -67,20 +69,19 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     """
     pairs, norm_counts = _normalised_split(data_cfg, tokenizer, split)
     try:
-        tokenised, tok_counts = tokenize_pairs(
+        tokenised, counts = tokenize_pairs(
             pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
-            identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates,
+            identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates, counts=norm_counts,
         )
     except DataError as err:
         raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
-    counts = {**norm_counts, **tok_counts}
-    log.info("data %s [%s]: %s", data_cfg.name, split, format_counts(counts))
+    log.info("data %s [%s]: %s", data_cfg.name, split, counts.format())
     reasons = "".join(f"; {r['count']} x {why} (first: row {r['first_row']}{_where(data_cfg, split, r['first_row'])})"
-                      for why, r in sorted(counts["drop_reasons"].items(), key=lambda kv: -kv[1]["count"])[:3])
+                      for why, r in sorted(counts.drop_reasons.items(), key=lambda kv: -kv[1]["count"])[:3])
     if reasons:
         log.warning("data %s [%s]: rows dropped%s", data_cfg.name, split, reasons)
     if len(tokenised) == 0:
-        raise DataError(f"data {data_cfg.name} [{split}]: no usable pairs left ({format_counts(counts)}{reasons})")
+        raise DataError(f"data {data_cfg.name} [{split}]: no usable pairs left ({counts.format()}{reasons})")
     return tokenised, counts
 
 
@@ -107,7 +108,7 @@ def _where(data_cfg: DataConfig, split: str, row) -> str:
     for one file or without a row, ``""`` for other sources."""
     if data_cfg.source != "local":
         return ""
-    files = _expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")
+    files = expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")
     if row is None or len(files) == 1:  # one file: the row of the split is its row
         return f" in {', '.join(files)}"
     file, row_in_file = locate_row(files, row)
@@ -154,7 +155,7 @@ def build_extra_eval_sets(data_cfg: DataConfig, tokenizer) -> Dict[str, datasets
     sets = {}
     for name, files in data_cfg.extra_eval_files.items():
         # Resolved here so that a missing file is reported under its own key, not data.eval_files.
-        resolved = _expand_files(files, f"data.extra_eval_files.{name}")
+        resolved = expand_files(files, f"data.extra_eval_files.{name}")
         own = replace(data_cfg, name=f"{data_cfg.name}:extra_eval_files.{name}", source="local", eval_files=resolved)
         sets[name], _ = build_split(own, tokenizer, "eval")
     return sets

@@ -1,0 +1,114 @@
+"""The one record of what became of each row of a split: kept, or dropped for a :class:`Drop` reason.
+
+:func:`rm.data.normalise.normalise_pairs` starts a :class:`PairCounts`, :func:`rm.data.tokenise.tokenize_pairs`
+goes on with it, :func:`rm.data.audit.audit_split` reads it, and :meth:`PairCounts.format` is the line a
+run logs. Every row read is kept or dropped for exactly one reason, so the pairs kept are the rows read
+minus the drops.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+SIDES = ("chosen", "rejected")
+
+
+class Drop(str, Enum):
+    """Why a row was dropped; the value is its key in ``data_audit.json`` (``dropped``)."""
+
+    MALFORMED = "malformed"
+    EMPTY = "empty"
+    TOO_LONG = "too_long"
+    PAD_IN_TEXT = "pad_in_text"
+    IDENTICAL = "identical"
+    DUPLICATE = "duplicate"
+
+
+# The order and words of the log line, which the README quotes.
+_DROP_WORDS = (
+    (Drop.TOO_LONG, "{} dropped (too long)"),
+    (Drop.IDENTICAL, "{} identical"),
+    (Drop.PAD_IN_TEXT, "{} with pad token in text skipped"),
+    (Drop.MALFORMED, "{} malformed skipped"),
+    (Drop.EMPTY, "{} empty skipped"),
+    (Drop.DUPLICATE, "{} duplicates dropped"),
+)
+
+
+@dataclass
+class PairCounts:
+    """What became of the rows of one split.
+
+    Attributes:
+        rows: Rows read.
+        dropped: Rows dropped, by reason.
+        truncated: Pairs kept with either side cut to ``max_length``.
+        identical_text: Pairs whose two texts are equal, dropped or kept.
+        identical_before_truncation: Pairs whose two sides tokenise alike (texts equal or not).
+        identical_after_truncation: Pairs whose two sides are equal as the ids trained on, dropped or kept
+            (pairs dropped before the identity check, too long or with a pad id, are not among them).
+        duplicates: Pairs repeating an earlier pair's ids, dropped or kept.
+        empty_sides: Rows whose side is empty, by side (a row with both sides empty counts under both,
+            and once in ``dropped[Drop.EMPTY]``).
+        tokens: Tokens of every side tokenised, before truncation.
+        unk_tokens: How many of ``tokens`` are the unknown token.
+        drop_reasons: Each distinct reason a malformed or empty row was dropped for
+            (``"malformed: 'chosen' is int, expected a string"``) with its ``count`` and ``first_row``.
+        lengths_before_truncation: ``{side: rm.data.audit.length_stats(...)}`` of every pair tokenised;
+            empty until the pairs are tokenised.
+    """
+
+    rows: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    truncated: int = 0
+    identical_text: int = 0
+    identical_before_truncation: int = 0
+    identical_after_truncation: int = 0
+    duplicates: int = 0
+    empty_sides: Counter = field(default_factory=Counter)
+    tokens: int = 0
+    unk_tokens: int = 0
+    drop_reasons: dict[str, dict[str, int]] = field(default_factory=dict)
+    lengths_before_truncation: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def pairs_out(self) -> int:
+        """Pairs kept: the rows read less every drop."""
+        return self.rows - sum(self.dropped.values())
+
+    def drop(self, reason: Drop) -> None:
+        self.dropped[reason] += 1
+
+    def copy(self) -> PairCounts:
+        return copy.deepcopy(self)
+
+    def format(self) -> str:
+        """The counts in one line, what a run logs per split and ``rm.score`` prints.
+
+        Only non-zero reasons are listed; identical pairs and duplicates that were kept are listed as such.
+
+        >>> counts = PairCounts(rows=1000, truncated=5, identical_after_truncation=2)
+        >>> counts.dropped.update({Drop.MALFORMED: 3, Drop.TOO_LONG: 3, Drop.IDENTICAL: 2})
+        >>> counts.format()
+        'pairs 1000 -> 992 used: 5 truncated, 3 dropped (too long), 2 identical, 3 malformed skipped'
+        """
+        items = [(self.truncated, "{} truncated")]
+        items += [(self.dropped[reason], words) for reason, words in _DROP_WORDS]
+        items += [
+            (self.identical_after_truncation - self.dropped[Drop.IDENTICAL], "{} identical kept"),
+            (self.duplicates - self.dropped[Drop.DUPLICATE], "{} duplicates kept"),
+        ]
+        parts = [words.format(n) for n, words in items if n]
+        line = f"pairs {self.rows} -> {self.pairs_out} used"
+        if parts:
+            line += ": " + ", ".join(parts)
+        if self.lengths_before_truncation:
+            line += " (tokens before truncation: " + ", ".join(
+                f"{side} mean {stats['mean']:.1f} median {stats['median']:g} p95 {stats['p95']} max {stats['max']}"
+                for side, stats in self.lengths_before_truncation.items()
+            ) + ")"
+        return line

@@ -1,0 +1,258 @@
+"""Raw preference rows to ``chosen`` / ``rejected`` texts and a margin, any accepted layout alike.
+
+The layouts and the policies that drop rows are documented once, in :mod:`rm.data`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import datasets
+
+from rm.config import FORMATS, IDENTICAL_PAIRS, ON_MALFORMED
+from rm.data.counts import SIDES, Drop, PairCounts
+from rm.data.load import FORMAT_HELP, check_choice, detect_format, map_counting
+from rm.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+
+def _required_columns(fmt: str) -> tuple[str, ...]:
+    return ("prompt", "chosen", "rejected") if fmt == "prompt" else ("chosen", "rejected")
+
+
+class _RowProblem(Exception):
+    """A row-level problem; ``kind`` is the reason the row is dropped for."""
+
+    def __init__(self, kind: Drop, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
+def _type_name(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
+
+
+def _check_text(column: str, value: Any, allow_empty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise _RowProblem(Drop.MALFORMED, f"'{column}' is {_type_name(value)}, expected a string")
+    if not allow_empty and not value.strip():
+        raise _RowProblem(Drop.EMPTY, f"'{column}' is empty" if not value else f"'{column}' is whitespace only")
+    return value
+
+
+def _check_messages(column: str, value: Any, allow_empty: bool = False) -> list[dict]:
+    if not isinstance(value, (list, tuple)):
+        raise _RowProblem(Drop.MALFORMED, f"'{column}' is {_type_name(value)}, expected a list of messages")
+    messages = []
+    for j, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise _RowProblem(
+                Drop.MALFORMED, f"'{column}' message {j} is {_type_name(msg)}, expected a {{'role', 'content'}} dict"
+            )
+        for field in ("role", "content"):
+            if not isinstance(msg.get(field), str):
+                raise _RowProblem(
+                    Drop.MALFORMED,
+                    f"'{column}' message {j} has {field}={msg.get(field)!r}, expected a string",
+                )
+        # Arrow gives every message every key seen in the column (missing ones as
+        # None); a chat template would render those Nones literally.
+        messages.append({k: v for k, v in msg.items() if v is not None})
+    if not allow_empty:
+        if not messages:
+            raise _RowProblem(Drop.EMPTY, f"'{column}' is an empty list of messages")
+        # The last message is the response being judged, whether or not the prompt
+        # is repeated inside the side.
+        if not messages[-1]["content"].strip():
+            raise _RowProblem(Drop.EMPTY, f"'{column}' ends with an empty message")
+    return messages
+
+
+def _empty_sides(row: dict, fmt: str) -> list[str]:
+    """The sides of a row that are empty (a row with an empty side is dropped whole)."""
+    check = _check_messages if fmt == "messages" else _check_text
+    sides = []
+    for side in SIDES:
+        try:
+            check(side, row[side])
+        except _RowProblem as problem:
+            if problem.kind is Drop.EMPTY:
+                sides.append(side)
+    return sides
+
+
+def _check_margin(column: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _RowProblem(Drop.MALFORMED, f"'{column}' is {_type_name(value)}, expected a number")
+    if not math.isfinite(value):
+        raise _RowProblem(Drop.MALFORMED, f"'{column}' is {value!r}, expected a finite number")
+    return float(value)
+
+
+def _render(tokenizer: Any, messages: list[dict], column: str) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as err:  # template errors are data errors for this row
+        raise _RowProblem(Drop.MALFORMED, f"'{column}' could not be rendered by the chat template: {err}") from err
+    if not isinstance(text, str):
+        raise _RowProblem(Drop.MALFORMED, f"'{column}' chat template returned {_type_name(text)}, expected a string")
+    return text
+
+
+def _pair_texts(row: dict, fmt: str, tokenizer: Any) -> tuple[str, str]:
+    if fmt == "hh":
+        return _check_text("chosen", row["chosen"]), _check_text("rejected", row["rejected"])
+    if fmt == "prompt":
+        # An empty prompt is legal (the responses carry the whole context).
+        prompt = _check_text("prompt", row["prompt"], allow_empty=True)
+        chosen = _check_text("chosen", row["chosen"])
+        rejected = _check_text("rejected", row["rejected"])
+        return prompt + chosen, prompt + rejected
+    prompt_msgs = _check_messages("prompt", row["prompt"], allow_empty=True) if "prompt" in row else []
+    chosen_msgs = _check_messages("chosen", row["chosen"])
+    rejected_msgs = _check_messages("rejected", row["rejected"])
+    return (
+        _render(tokenizer, prompt_msgs + chosen_msgs, "chosen"),
+        _render(tokenizer, prompt_msgs + rejected_msgs, "rejected"),
+    )
+
+
+_NORMALISED_FEATURES = datasets.Features(
+    {"chosen": datasets.Value("string"), "rejected": datasets.Value("string"), "margin": datasets.Value("float32")}
+)
+_ROW_FEATURES = datasets.Features({**_NORMALISED_FEATURES, "row": datasets.Value("int64")})
+
+
+def normalise_pairs(
+    ds: datasets.Dataset,
+    fmt: str,
+    tokenizer: Any = None,
+    margin_column: str | None = None,
+    on_malformed: str = "skip",
+    identical: str = "drop",
+    row_index: bool = False,
+) -> tuple[datasets.Dataset, PairCounts]:
+    """Converts raw preference rows to ``chosen``/``rejected`` texts and a margin.
+
+    Each row is checked: a missing/None/non-string field (or, for ``messages``,
+    anything but a list of ``{"role": str, "content": str}`` dicts) is
+    *malformed*; an empty or whitespace-only ``chosen``/``rejected`` (for
+    ``messages``: an empty list, or a last message with blank content) is
+    *empty*; a pair whose two texts are equal is *identical*. Identical pairs
+    are dropped or kept per ``identical`` (see :mod:`rm.data`); the
+    others are dropped or raise per ``on_malformed``. An empty ``prompt`` is
+    allowed.
+
+    Args:
+        ds: Raw dataset (from :func:`rm.data.load.load_preference_split` or
+            ``datasets.Dataset.from_list``).
+        fmt: One of :data:`rm.config.FORMATS`; ``"auto"`` uses :func:`rm.data.load.detect_format`.
+        tokenizer: Needed only for ``"messages"`` (its chat template renders the
+            conversation); may be None otherwise.
+        margin_column: Column holding a numeric margin per pair, copied to
+            ``margin``. None: every margin is 0.0 (any ``margin`` column in the
+            data is then ignored).
+        on_malformed: ``"skip"`` drops and counts bad rows, ``"error"`` raises on
+            the first one.
+        identical: ``"drop"`` or ``"keep"`` pairs whose two texts are equal (see
+            :data:`rm.config.IDENTICAL_PAIRS`).
+        row_index: Also return a ``row`` column with each pair's index in ``ds``,
+            which :func:`rm.data.tokenise.tokenize_pairs` names in its errors.
+
+    Returns:
+        ``(dataset, counts)``. The dataset has exactly the columns ``chosen``
+        (str), ``rejected`` (str) and ``margin`` (float32), in input order (and
+        ``row``, int64, with ``row_index``). ``counts`` is the split's
+        :class:`~rm.data.counts.PairCounts` so far: ``rows``, the drops
+        ``malformed``, ``empty`` and ``identical`` (equal texts; a pair dropped
+        for them counts as identical as text and as ids), ``empty_sides`` and
+        ``drop_reasons``.
+
+    Raises:
+        ValueError: Unknown ``fmt``/``on_malformed``; undetectable layout; a
+            required column or the requested ``margin_column`` is missing; no
+            tokenizer chat template for ``"messages"``; or, with
+            ``on_malformed="error"``, a bad row (message like
+            ``"row 17: 'rejected' is empty"``, row = index in ``ds``).
+    """
+    check_choice("format", fmt, FORMATS)
+    check_choice("on_malformed", on_malformed, ON_MALFORMED)
+    check_choice("identical", identical, IDENTICAL_PAIRS)
+    if fmt == "auto":
+        fmt = detect_format(ds)
+        logger.info("preference data: detected format %r", fmt)
+    _check_columns(ds.column_names, fmt, tokenizer, margin_column)
+    counts = PairCounts(rows=len(ds))
+    read = _columns_read(ds.column_names, fmt, margin_column)
+
+    def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
+        out: dict[str, list] = {"chosen": [], "rejected": [], "margin": [], "row": []}
+        for k, idx in enumerate(indices):
+            row = {c: batch[c][k] for c in read}
+            try:
+                chosen, rejected = _pair_texts(row, fmt, tokenizer)
+                margin = 0.0 if margin_column is None else _check_margin(margin_column, row[margin_column])
+            except _RowProblem as problem:
+                if on_malformed == "error":
+                    raise DataError(f"row {idx}: {problem} (format {fmt!r})", row=idx) from None
+                _count_problem(counts, problem, idx, row, fmt)
+                continue
+            if chosen == rejected and identical == "drop":
+                _count_identical_texts_dropped(counts)
+                continue
+            out["chosen"].append(chosen)
+            out["rejected"].append(rejected)
+            out["margin"].append(margin)
+            out["row"].append(idx)
+        if not row_index:
+            del out["row"]
+        return out
+
+    result = map_counting(ds, convert, _ROW_FEATURES if row_index else _NORMALISED_FEATURES, "normalising preference pairs")
+    # Other columns (including ones read above) are gone; make the order fixed.
+    return result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else [])), counts
+
+
+def _check_columns(columns: list[str], fmt: str, tokenizer: Any, margin_column: str | None) -> None:
+    """Refuse, before any row is read, data that lacks what ``fmt`` and ``margin_column`` need."""
+    missing = [c for c in _required_columns(fmt) if c not in columns]
+    if missing:
+        raise DataError(
+            f"format {fmt!r} needs column(s) {missing}, but the data has {columns}; accepted formats: {FORMAT_HELP}"
+        )
+    if margin_column is not None and margin_column not in columns:
+        raise DataError(f"margin_column {margin_column!r} is not a column of the data (columns: {columns})")
+    if fmt == "messages" and getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(
+            "format 'messages' renders conversations with tokenizer.apply_chat_template, "
+            "but the tokenizer has no chat_template"
+        )
+    if fmt == "hh" and "prompt" in columns:
+        logger.warning("format 'hh' ignores the 'prompt' column; use format 'prompt' if chosen/rejected lack it")
+
+
+def _columns_read(columns: list[str], fmt: str, margin_column: str | None) -> list[str]:
+    read = [c for c in ("prompt", "chosen", "rejected") if c in columns and (c != "prompt" or fmt != "hh")]
+    if margin_column is not None and margin_column not in read:
+        read.append(margin_column)
+    return read
+
+
+def _count_problem(counts: PairCounts, problem: _RowProblem, idx: int, row: dict, fmt: str) -> None:
+    """Count a malformed or empty row under its reason, so that every drop has its reason in data_audit.json."""
+    counts.drop(problem.kind)
+    reason = counts.drop_reasons.setdefault(f"{problem.kind.value}: {problem}", {"count": 0, "first_row": idx})
+    reason["count"] += 1
+    if problem.kind is Drop.EMPTY:
+        counts.empty_sides.update(_empty_sides(row, fmt))
+
+
+def _count_identical_texts_dropped(counts: PairCounts) -> None:
+    # Equal texts tokenise alike, before and after truncation: the pair counts as identical in all three senses.
+    counts.drop(Drop.IDENTICAL)
+    counts.identical_text += 1
+    counts.identical_before_truncation += 1
+    counts.identical_after_truncation += 1
