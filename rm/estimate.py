@@ -162,7 +162,7 @@ class Estimate:
 
 
 def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
-    """The estimate for a validated config (``cfg.hardware`` already resolved)."""
+    """The estimate for a validated config, on the plan's hardware and micro-batch."""
     from rm.activations import estimate_activations, inference_peak_bytes, shape_from_model_config
     from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
 
@@ -268,14 +268,14 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
 
     # Activations of one micro-batch (2 sequences per pair), padded to max_length as the worst case.
     # Packed (train.packing): one row of at most the token budget, or of micro-batch x 2 x max_length.
-    batch, seq_len = 2 * t.micro_batch_size, cfg.data.max_length
+    batch, seq_len = 2 * plan.micro_batch_size, cfg.data.max_length
     accumulating = plan.gradient_accumulation_steps > 1
     if t.packing:
-        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * t.micro_batch_size * cfg.data.max_length
+        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * plan.micro_batch_size * cfg.data.max_length
         # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
         accumulating = accumulating or seq_len < 2 * (t.global_batch_size // n) * cfg.data.max_length
     if t.share_prefix:
-        batch, seq_len = shared_prefix_rows(t.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
+        batch, seq_len = shared_prefix_rows(plan.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
     act = estimate_activations(
         shape_from_model_config(m),
         m.num_hidden_layers,
@@ -347,8 +347,8 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         context = CUDA_CONTEXT_BYTES
         communication = NCCL_BUFFER_BYTES if plan.world_size > 1 else 0
         uncalibrated += ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
-    capacity = int(cfg.hardware.device_memory_gib * GIB)
-    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if cfg.hardware.headroom_gib is None else cfg.hardware.headroom_gib * GIB)
+    capacity = int(plan.hardware.device_memory_gib * GIB)
+    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if plan.hardware.headroom_gib is None else plan.hardware.headroom_gib * GIB)
     peak = allocated + reserve + context + communication
     return Estimate(
         weights=weights, gradients=gradients, optimizer_states=states, activations=activations,
@@ -384,13 +384,13 @@ def shared_prefix_input_bytes(rows: int, seq_len: int) -> int:
 
 
 def plan_procs_per_node(cfg: RunConfig, plan: Plan) -> int:
-    return min(plan.world_size, cfg.hardware.gpus_per_node)
+    return min(plan.world_size, plan.hardware.gpus_per_node)
 
 
 def estimate_label(cfg: RunConfig, plan: Plan) -> str:
     """What the estimate is of, for its table's first line."""
     return (f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, {plan.world_size} process(es), "
-            f"hardware={cfg.hardware.name}")
+            f"hardware={plan.hardware.name}")
 
 
 def format_table(est: Estimate, label: str) -> str:
@@ -471,14 +471,12 @@ def candidate_overrides(cfg: RunConfig, plan: Plan) -> List[List[str]]:
 
 def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: int = 5):
     """Up to ``limit`` override sets that pass validation and fit, each with its estimate."""
-    from rm.hardware import resolve_hardware
     from rm.validate import ConfigError, validate
 
     found = []
     for extra in candidate_overrides(cfg, plan):
         try:
             candidate = compose([*base_overrides, *extra])
-            candidate.hardware = cfg.hardware if candidate.hardware.name == cfg.hardware.name else resolve_hardware(candidate.hardware)
             est = estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source))
         except (ConfigError, ValueError):
             continue
@@ -497,7 +495,6 @@ def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> O
     for micro in sorted((d for d in range(1, per_process + 1) if per_process % d == 0), reverse=True):
         candidate = compose([*base_overrides, f"train.micro_batch_size={micro}"])
         candidate.train.eval_batch_size = cfg.train.eval_batch_size
-        candidate.hardware = cfg.hardware
         if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source)).fits:
             return micro
     return None
@@ -527,11 +524,9 @@ def main() -> None:
             if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
                 handler.setStream(sys.stderr)
         with boundary(), contextlib.redirect_stdout(sys.stderr):
-            from rm.hardware import resolve_hardware  # here, not above: `--help` needs no torch
-            from rm.validate import resolve_world_size, validate
+            from rm.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
 
             cfg = to_run_config(raw)
-            cfg.hardware = resolve_hardware(cfg.hardware)
             plan = validate(cfg, *resolve_world_size(cfg, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
