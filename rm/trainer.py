@@ -84,7 +84,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = (),
 
 def fit(run: Run, stop: "StopRequest") -> str:
     """The loop, from the state's step on; returns how it ended: DONE, INTERRUPTED (a signal) or STOPPED (health)."""
-    state, engine = run.state, run.engine
+    state, engine, t = run.state, run.engine, run.cfg.train
     progress = _progress_bar(run)
     # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
     state.loop_start = time.perf_counter()
@@ -100,7 +100,6 @@ def fit(run: Run, stop: "StopRequest") -> str:
             if stats.stop:
                 return STOPPED
             progress.update(1)
-            t = run.cfg.train
             if t.logging_steps and (state.step % t.logging_steps == 0 or state.step == run.total_steps):
                 log_window(run, progress)
             evaluate_and_save(run)
