@@ -33,7 +33,7 @@ What is measured, the same way for both:
 - eval loss and accuracy: the same function (padded batches of 8, rm's last-real-token reward)
   on the same 256 held-out pairs, after training.
 
-rm's own data pipeline is bypassed in its child (``rm.train.build_datasets`` returns the
+rm's own data pipeline is bypassed in its child (``rm.run_setup.build_datasets`` returns the
 benchmark's pairs) so that both trainers see identical token ids.
 """
 
@@ -191,6 +191,7 @@ def run_rm(data, variant_overrides, workdir: Path):
     from transformers import AutoModelForSequenceClassification
 
     import rm.config  # noqa: F401  (registers the schemas)
+    import rm.run_setup
     import rm.train as rm_train
     from rm.data.audit import audit_split
     from rm.config import to_run_config
@@ -210,7 +211,7 @@ def run_rm(data, variant_overrides, workdir: Path):
                   for name, rows in (("train", data["train"]), ("eval", data["eval"]))}
         return train_set, eval_set, {"data": "bench_vs_trl", "policies": {}, "splits": splits}
 
-    rm_train.build_datasets = same_pairs
+    rm.run_setup.build_datasets = same_pairs  # where the trainer's setup looks it up
     result = rm_train.train(cfg, workdir / "run")
     windows = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     windows = [w for w in windows if w["event"] == "train"]

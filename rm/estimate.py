@@ -318,10 +318,10 @@ def device_terms(plan: Plan, activations: int, temporaries: int) -> Tuple[int, i
     return reserve, CUDA_CONTEXT_BYTES, communication, ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
 
 
-def usable_bytes(cfg: RunConfig) -> Tuple[int, int]:
+def usable_bytes(plan: Plan) -> Tuple[int, int]:
     """Device capacity less headroom, and the headroom (``hardware.headroom_gib``, or a share of the capacity)."""
-    capacity = int(cfg.hardware.device_memory_gib * GIB)
-    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if cfg.hardware.headroom_gib is None else cfg.hardware.headroom_gib * GIB)
+    capacity = int(plan.hardware.device_memory_gib * GIB)
+    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if plan.hardware.headroom_gib is None else plan.hardware.headroom_gib * GIB)
     return capacity - headroom, headroom
 
 
@@ -331,7 +331,7 @@ def cannot_fit(cfg: RunConfig, plan: Plan) -> bool:
     t = trace_free_terms(cfg, plan)
     _, context, communication, _ = device_terms(plan, 0, 0)
     step = t.weights + t.gradients + t.states + t.temporaries + t.step_extra + t.overhead
-    return step + context + communication > usable_bytes(cfg)[0]
+    return step + context + communication > usable_bytes(plan)[0]
 
 
 def activation_terms(cfg: RunConfig, plan: Plan, lora: Optional[LoraConfig]) -> Tuple[Dict, int, int, bool]:
@@ -345,14 +345,14 @@ def activation_terms(cfg: RunConfig, plan: Plan, lora: Optional[LoraConfig]) -> 
                     lora_alpha=lora.alpha if lora else 32, lora_dropout=lora.dropout if lora else 0.05)
     # Activations of one micro-batch (2 sequences per pair), padded to max_length as the worst case.
     # Packed (train.packing): one row of at most the token budget, or of micro-batch x 2 x max_length.
-    batch, seq_len = 2 * t.micro_batch_size, cfg.data.max_length
+    batch, seq_len = 2 * plan.micro_batch_size, cfg.data.max_length
     accumulating = plan.gradient_accumulation_steps > 1
     if t.packing:
-        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * t.micro_batch_size * cfg.data.max_length
+        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * plan.micro_batch_size * cfg.data.max_length
         # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
         accumulating = accumulating or seq_len < 2 * (t.global_batch_size // plan.world_size) * cfg.data.max_length
     if t.share_prefix:
-        batch, seq_len = shared_prefix_rows(t.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
+        batch, seq_len = shared_prefix_rows(plan.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
     act = estimate_activations(
         shape_from_model_config(m), m.num_hidden_layers, batch=batch, seq_len=seq_len, dtype=dtype,
         gradient_checkpointing=t.gradient_checkpointing,
@@ -368,7 +368,7 @@ def activation_terms(cfg: RunConfig, plan: Plan, lora: Optional[LoraConfig]) -> 
 
 
 def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
-    """The estimate for a validated config (``cfg.hardware`` already resolved)."""
+    """The estimate for a validated config, on the plan's hardware and micro-batch."""
     t = trace_free_terms(cfg, plan)
     act, inputs, evaluation, accumulating = activation_terms(cfg, plan, cfg.lora if cfg.memory_profile.use_lora else None)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
@@ -397,7 +397,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     phase = max(phases, key=phases.get)
     allocated = phases[phase] + t.overhead
     reserve, context, communication, device_assumed = device_terms(plan, activations, temporaries)
-    usable, headroom = usable_bytes(cfg)
+    usable, headroom = usable_bytes(plan)
     peak = allocated + reserve + context + communication
     return Estimate(
         weights=t.weights, gradients=t.gradients, optimizer_states=t.states, activations=activations,
@@ -433,13 +433,13 @@ def shared_prefix_input_bytes(rows: int, seq_len: int) -> int:
 
 
 def plan_procs_per_node(cfg: RunConfig, plan: Plan) -> int:
-    return min(plan.world_size, cfg.hardware.gpus_per_node)
+    return min(plan.world_size, plan.hardware.gpus_per_node)
 
 
 def estimate_label(cfg: RunConfig, plan: Plan) -> str:
     """What the estimate is of, for its table's first line."""
     return (f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, {plan.world_size} process(es), "
-            f"hardware={cfg.hardware.name}")
+            f"hardware={plan.hardware.name}")
 
 
 def format_table(est: Estimate, label: str) -> str:
@@ -500,7 +500,7 @@ def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str) -> List[Lis
         evals //= 4
     if not t.gradient_checkpointing:
         out.append(["train.gradient_checkpointing=true"])
-    micro = t.micro_batch_size // 2
+    micro = plan.micro_batch_size // 2
     while micro >= 1:
         if t.global_batch_size % (micro * world) == 0:
             # Evaluation forwards no larger than the training ones, or they become the peak.
@@ -532,7 +532,6 @@ def with_overrides(cfg: RunConfig, base_overrides: List[str], extra: List[str]) 
 
 def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: int = 5):
     """Up to ``limit`` override sets that pass validation and fit, each with its estimate."""
-    from rm.hardware import resolve_hardware
     from rm.validate import ConfigError, validate
 
     found = []
@@ -540,7 +539,6 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
     for extra in candidate_overrides(cfg, plan, peak_phase):
         try:
             candidate = with_overrides(cfg, base_overrides, extra)
-            candidate.hardware = cfg.hardware if candidate.hardware.name == cfg.hardware.name else resolve_hardware(candidate.hardware)
             candidate_plan = validate(candidate, plan.world_size, plan.world_size_source)
             if cannot_fit(candidate, candidate_plan):
                 continue  # refused whatever its activations: no trace needed
@@ -562,7 +560,6 @@ def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> O
     for micro in sorted((d for d in range(1, per_process + 1) if per_process % d == 0), reverse=True):
         candidate = with_overrides(cfg, base_overrides, [f"train.micro_batch_size={micro}"])
         candidate.train.eval_batch_size = cfg.train.eval_batch_size
-        candidate.hardware = cfg.hardware
         if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source)).fits:
             return micro
     return None
@@ -593,11 +590,9 @@ def main() -> None:
             if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
                 handler.setStream(sys.stderr)
         with boundary(), contextlib.redirect_stdout(sys.stderr):
-            from rm.hardware import resolve_hardware  # here, not above: `--help` needs no torch
-            from rm.validate import resolve_world_size, validate
+            from rm.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
 
             cfg = to_run_config(raw)
-            cfg.hardware = resolve_hardware(cfg.hardware)
             plan = validate(cfg, *resolve_world_size(cfg, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]

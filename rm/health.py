@@ -12,7 +12,7 @@ alarm once per run: a ``WARNING`` log line (rank 0) and one line of ``metrics.js
   detected before the optimizer applies the update. ``health.on_nonfinite=stop``
   (default) ends the run cleanly: no checkpoint is written (the newest one in
   ``checkpoints/`` stays the last good one), ``{"event": "stopped", "step", "reason"}``
-  goes to ``metrics.jsonl``, ``rm.train.train`` returns status ``stopped_nonfinite``
+  goes to ``metrics.jsonl``, ``rm.trainer.train`` returns status ``stopped_nonfinite``
   and ``python -m rm.train`` exits with status 4. ``skip`` drops that step's update:
   its gradients are zeroed, weights and optimizer states stay as they were, the step's
   pairs count as seen and the learning-rate schedule advances; each skip is written as

@@ -24,6 +24,7 @@ from typing import Dict, List, Optional
 
 from rm.config import RunConfig
 from rm.errors import ConfigError
+from rm.validate import Plan
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +49,19 @@ def _flat(prefix: str, obj) -> Dict[str, object]:
     return out
 
 
-def fingerprint(cfg: RunConfig, world_size: int, train_digest: Optional[str] = None) -> Dict[str, object]:
+def fingerprint(cfg: RunConfig, plan: Plan, train_digest: Optional[str] = None) -> Dict[str, object]:
     """The settings that shape the trajectory, as ``{"group.key": value}`` (JSON-able), and the train data's
-    :func:`data_digest` when given."""
+    :func:`data_digest` when given. The micro-batch and the world size are the plan's: what the run uses."""
     fp = _flat("model", cfg.model)
     if train_digest is not None:
         fp["data.train_sha256"] = train_digest
     fp.update({k: v for k, v in _flat("data", cfg.data).items() if k.split(".", 1)[1] not in EVAL_DATA_KEYS})
     fp.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_KEYS})
+    fp["train.micro_batch_size"] = plan.micro_batch_size
     fp.update(_flat("memory_profile", cfg.memory_profile))
     if cfg.memory_profile.use_lora:
         fp.update({k: v for k, v in _flat("lora", cfg.lora).items() if k != "lora.merge_on_save"})
-    fp["world_size"] = world_size  # the per-rank sampling of each step depends on it
+    fp["world_size"] = plan.world_size  # the per-rank sampling of each step depends on it
     return fp
 
 

@@ -37,7 +37,7 @@ def job_record(overrides: Sequence[str], status: str, *, job: Optional[int] = No
         overrides: the job's own Hydra overrides (what distinguishes it in the sweep).
         status: ``ok``, ``refused`` or ``failed``.
         estimate: the pre-flight ``rm.estimate.Estimate``, when one was made.
-        result: what ``rm.train.train`` returned (eval metrics, throughput, measured peak).
+        result: what ``rm.trainer.train`` returned (eval metrics, throughput, measured peak).
         error: why a job failed, or for a refusal the change that would fit (one line; the
             full breakdown is in the job's log).
     """

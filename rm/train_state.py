@@ -35,6 +35,10 @@ class TrainState:
         window_steps: steps in the window.
         window_start: ``time.perf_counter()`` when the window started (earlier for a restored window).
         health: the health monitor's counters (``HealthMonitor.state_dict``) at the last checkpoint.
+        fingerprint: the settings that shape training (:func:`rm.resume.fingerprint`), as this run applies
+            them; saved beside the record in every checkpoint, and compared with a resumed run's.
+        loop_start: ``time.perf_counter()`` when this process's loop started.
+        paused_s: seconds this process's loop has spent evaluating and saving, not training.
     """
 
     step: int = 0
@@ -45,10 +49,13 @@ class TrainState:
     window_steps: int = 0
     window_start: float = field(default_factory=time.perf_counter)
     health: Dict = field(default_factory=dict)
+    fingerprint: Dict = field(default_factory=dict)
+    loop_start: float = field(default_factory=time.perf_counter)
+    paused_s: float = 0.0
 
     @classmethod
     def start(cls, device: torch.device, record: Optional[Mapping] = None, step: int = 0,
-              is_main_process: bool = True) -> "TrainState":
+              is_main_process: bool = True, fingerprint: Optional[Mapping] = None) -> "TrainState":
         """A fresh state at ``step``, or the one a checkpoint's :meth:`record` holds.
 
         Args:
@@ -57,8 +64,10 @@ class TrainState:
                 before the state was saved): counts start at zero.
             step: the step to start from when there is no record.
             is_main_process: the main process takes the record's sums over processes, the others zero.
+            fingerprint: this run's settings; a checkpoint's were already compared with them (``rm.resume``).
         """
-        state = cls(step=step, window_loss=torch.zeros((), dtype=torch.float64, device=device))
+        state = cls(step=step, window_loss=torch.zeros((), dtype=torch.float64, device=device),
+                    fingerprint=dict(fingerprint or {}))
         if record is None:
             return state
         share = 1 if is_main_process else 0
@@ -71,6 +80,20 @@ class TrainState:
         state.window_start = time.perf_counter() - float(record["window_s"])
         state.health = dict(record["health"])
         return state
+
+    def add_step(self, loss: torch.Tensor, tokens: int, taken: bool = True) -> None:
+        """After a step's forwards and backwards: its loss (on the device, each micro-batch's weighted by its
+        share of the step) and its real tokens; ``taken``: the optimizer step counts (not a health stop)."""
+        self.window_loss += loss
+        self.window_tokens += tokens
+        self.tokens += tokens
+        if taken:
+            self.step += 1
+            self.window_steps += 1
+
+    def trained_s(self, until: float) -> float:
+        """Seconds this process's loop has trained from its start until ``until``, pauses excluded."""
+        return until - self.loop_start - self.paused_s
 
     def reset_window(self) -> None:
         """After a logging step."""

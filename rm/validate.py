@@ -9,8 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Tuple
 
-from rm.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, RunConfig
+from typing import Optional
+
+from rm.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, HardwareConfig, RunConfig
 from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
+from rm.hardware import resolve_hardware
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
@@ -36,9 +39,14 @@ CHOICES = {
 
 @dataclass(frozen=True)
 class Plan:
-    """Values derived from the config, computed once and logged at start."""
+    """Values derived from the config, computed once and logged at start.
+
+    The run reads what it resolves from here, never from the config, which stays as composed.
+    """
 
     world_size: int
+    micro_batch_size: int  # train.micro_batch_size, or the one preflight.auto_micro_batch picked
+    hardware: HardwareConfig  # the hardware group, with hardware=auto resolved to the detected machine
     gradient_accumulation_steps: int
     precision: str  # bf16 | fp16 | fp32, after resolving "auto"
     device: str  # cuda | cpu
@@ -88,14 +96,17 @@ def resolve_world_size(cfg: RunConfig, launched: bool) -> Tuple[int, str]:
     return 1, "one process: started without a launcher (torchrun sets WORLD_SIZE; ask about N with distributed.num_processes=N)"
 
 
-def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") -> Plan:
-    """Reject inconsistent settings and derive what the run needs.
+def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
+             micro_batch_size: Optional[int] = None) -> Plan:
+    """Reject inconsistent settings and derive what the run needs; ``cfg`` is read, never changed.
 
-    ``cfg.hardware`` must already be resolved (``rm.hardware.resolve_hardware``).
+    ``hardware=auto`` is resolved here (``rm.hardware.resolve_hardware``) and checked as detected.
 
     Args:
         cfg: the typed run config.
         world_size: number of training processes.
+        world_size_source: where ``world_size`` came from, in words (:func:`resolve_world_size`).
+        micro_batch_size: instead of ``train.micro_batch_size`` (``preflight.auto_micro_batch``).
 
     Returns:
         The derived :class:`Plan`.
@@ -109,9 +120,10 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
         if value not in allowed:
             errors.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
 
-    t, d, hw = cfg.train, cfg.data, cfg.hardware
+    t, d, hw = cfg.train, cfg.data, resolve_hardware(cfg.hardware)
+    micro = t.micro_batch_size if micro_batch_size is None else micro_batch_size
     positive = {
-        "train.micro_batch_size": t.micro_batch_size,
+        "train.micro_batch_size": micro,
         "train.global_batch_size": t.global_batch_size,
         "train.eval_batch_size": t.eval_batch_size,
         "train.learning_rate": t.learning_rate,
@@ -128,15 +140,10 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
     for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers"):
         if getattr(t, key) < 0:
             errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
-    errors += _range_errors(cfg)
+    errors += _range_errors(cfg, hw)
     if t.max_steps <= 0 and not t.num_train_epochs > 0:
         errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
-    h = cfg.health
-    for key in ("ln2_steps", "ln2_tolerance", "chance_after_steps", "chance_tolerance", "max_abs_reward"):
-        if getattr(h, key) < 0:
-            errors.append(f"health.{key}={getattr(h, key)} must be >= 0")
-    if h.max_consecutive_skips < 1:
-        errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
+    errors += _health_errors(cfg.health)
     if not 0 <= t.warmup_ratio < 1:
         errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     if t.max_tokens_per_micro_batch and not t.packing:
@@ -158,12 +165,12 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
         )
 
     accumulation = 0
-    per_step = t.micro_batch_size * world_size
+    per_step = micro * world_size
     if per_step > 0 and t.global_batch_size > 0:
         if t.global_batch_size % per_step:
             errors.append(
                 f"train.global_batch_size={t.global_batch_size} is not divisible by "
-                f"train.micro_batch_size={t.micro_batch_size} x world size {world_size} = {per_step}"
+                f"train.micro_batch_size={micro} x world size {world_size} = {per_step}"
             )
         accumulation = t.global_batch_size // per_step
 
@@ -182,15 +189,8 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
                       "default) or model.tokenizer=words (the word-level tokenizer of the synthetic data)")
 
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
-    precision = t.precision
-    if precision == "auto":
-        precision = "bf16" if (device == "cuda" and hw.bf16) else "fp32"
-    if precision == "bf16" and not hw.bf16:
-        errors.append(f"train.precision=bf16 but hardware={hw.name} has no bf16 (hardware.bf16=false): use fp32 or fp16")
-    if precision == "fp16" and device == "cpu":
-        errors.append(f"train.precision=fp16 needs a GPU; hardware={hw.name} is a CPU: use fp32")
-
-    strategy, zero_stage = _check_profile_and_distribution(cfg, device, errors)
+    precision = _precision(t.precision, hw, device, errors)
+    strategy, zero_stage = _check_profile_and_distribution(cfg, hw, device, errors)
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
@@ -204,6 +204,8 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return Plan(
         world_size=world_size,
+        micro_batch_size=micro,
+        hardware=hw,
         gradient_accumulation_steps=accumulation,
         precision=precision,
         device=device,
@@ -212,6 +214,27 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given") 
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
         world_size_source=world_size_source,
     )
+
+
+def _health_errors(h) -> List[str]:
+    """The health group's counts and tolerances."""
+    errors = [f"health.{key}={getattr(h, key)} must be >= 0"
+              for key in ("ln2_steps", "ln2_tolerance", "chance_after_steps", "chance_tolerance", "max_abs_reward")
+              if getattr(h, key) < 0]
+    if h.max_consecutive_skips < 1:
+        errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
+    return errors
+
+
+def _precision(precision: str, hw: HardwareConfig, device: str, errors: List[str]) -> str:
+    """Resolve ``train.precision=auto`` for the hardware; reject a precision it cannot compute in."""
+    if precision == "auto":
+        precision = "bf16" if (device == "cuda" and hw.bf16) else "fp32"
+    if precision == "bf16" and not hw.bf16:
+        errors.append(f"train.precision=bf16 but hardware={hw.name} has no bf16 (hardware.bf16=false): use fp32 or fp16")
+    if precision == "fp16" and device == "cpu":
+        errors.append(f"train.precision=fp16 needs a GPU; hardware={hw.name} is a CPU: use fp32")
+    return precision
 
 
 def _in_range(errors: List[str], key: str, value, low=None, high=None, low_open=False, high_open=False, hint="") -> None:
@@ -228,10 +251,10 @@ def _in_range(errors: List[str], key: str, value, low=None, high=None, low_open=
         errors.append(f"{key}={value} must be {where}{hint}")
 
 
-def _range_errors(cfg: RunConfig) -> List[str]:
-    """Every numeric key that has a range, checked against it (the enumerated ones are in CHOICES)."""
+def _range_errors(cfg: RunConfig, hw: HardwareConfig) -> List[str]:
+    """Every numeric key that has a range, checked against it (the enumerated ones are in CHOICES); ``hw`` resolved."""
     errors: List[str] = []
-    t, d, m, hw = cfg.train, cfg.data, cfg.model, cfg.hardware
+    t, d, m = cfg.train, cfg.data, cfg.model
     _in_range(errors, "train.seed", t.seed, 0, 2**32 - 1, hint=" (numpy and torch seeds are unsigned 32-bit)")
     _in_range(errors, "train.adam_beta1", t.adam_beta1, 0, 1, high_open=True)
     _in_range(errors, "train.adam_beta2", t.adam_beta2, 0, 1, high_open=True)
@@ -255,7 +278,7 @@ def _range_errors(cfg: RunConfig) -> List[str]:
             errors.append(f"data.{key}={getattr(d, key)} must be >= 1 with data.source=synthetic")
     if d.source == "synthetic":
         _in_range(errors, "data.synthetic_seed", d.synthetic_seed, 0, 2**32 - 1)
-    # Hardware "auto" holds placeholders until resolved; validate runs after resolve_hardware.
+    # Hardware "auto" holds placeholders until resolved: checked as detected.
     _in_range(errors, "hardware.device_memory_gib", hw.device_memory_gib, 0, low_open=True, hint=": the memory of one device in GiB")
     _in_range(errors, "hardware.host_ram_gib", hw.host_ram_gib, 0, low_open=True, hint=": the RAM of one node in GiB")
     _in_range(errors, "hardware.gpus_per_node", hw.gpus_per_node, 1)
@@ -438,9 +461,9 @@ def _installed(module: str) -> bool:
     return importlib.machinery.PathFinder.find_spec(module) is not None
 
 
-def _check_profile_and_distribution(cfg: RunConfig, device: str, errors: List[str]):
+def _check_profile_and_distribution(cfg: RunConfig, hw: HardwareConfig, device: str, errors: List[str]):
     """Resolve ``distributed.strategy=auto`` and reject profile/strategy pairs that cannot work."""
-    profile, dist, hw = cfg.memory_profile, cfg.distributed, cfg.hardware
+    profile, dist = cfg.memory_profile, cfg.distributed
     strategy = dist.strategy
     if strategy == "auto":
         strategy = "deepspeed" if profile.offload_optimizer else "ddp"

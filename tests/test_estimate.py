@@ -1,6 +1,7 @@
 """The pre-flight estimate: exact arithmetic, agreement with measured peaks, refusal before load."""
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -177,7 +178,8 @@ def test_warn_and_off_let_the_run_go_on(tmp_path):
         assert rm_train.train(compose(overrides), tmp_path / mode, overrides)["status"] == "ok"
 
 
-def test_auto_micro_batch_picks_the_largest_that_fits(tmp_path):
+def test_auto_micro_batch_picks_the_largest_that_fits(tmp_path, caplog):
+    """The plan carries the micro-batch picked, and the run uses it; the config stays as composed."""
     overrides = [*FAST_TINY, "train.micro_batch_size=16", "train.global_batch_size=16", "train.eval_batch_size=1",
                  "preflight.auto_micro_batch=true", "train.max_steps=1", "train.eval_steps=0"]
     sizes = {}
@@ -186,8 +188,11 @@ def test_auto_micro_batch_picks_the_largest_that_fits(tmp_path):
         sizes[micro] = estimate_run(cfg, plan).peak_bytes
     limit = (sizes[8] + sizes[16]) / 2 / GIB  # room for 8 pairs per micro-batch, not 16
     cfg = compose([*overrides, f"hardware.device_memory_gib={limit}"])
-    result = rm_train.train(cfg, tmp_path, [*overrides, f"hardware.device_memory_gib={limit}"])
-    assert result["status"] == "ok" and cfg.train.micro_batch_size == 8 and cfg.train.global_batch_size == 16
+    with caplog.at_level(logging.INFO, logger="rm.train"):
+        result = rm_train.train(cfg, tmp_path, [*overrides, f"hardware.device_memory_gib={limit}"])
+    assert result["status"] == "ok"
+    assert "8 pairs/micro-batch x 2 accumulation x 1 processes = 16 pairs/step" in caplog.text  # the run summary
+    assert cfg.train.micro_batch_size == 16 and cfg.train.global_batch_size == 16
 
 
 def test_estimate_cli_json_is_the_only_thing_on_stdout():

@@ -11,6 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 import rm.train as rm_train
+import rm.run_setup as run_setup
+import rm.trainer as trainer
 from rm.health import (
     LN2, SKIP, STOP, CONTINUE, HealthMonitor, chance_accuracy_alarm, fp32_head_enabled, head_gradient_alarm,
     keep_head_in_fp32, ln2_plateau_alarm, nonfinite_alarm, pad_token_alarm, reward_scale_alarm,
@@ -225,16 +227,16 @@ def test_learning_rate_zero_and_zero_head_raise_ln2_and_chance_alarms(tiny_cfg, 
     """A run that cannot learn: a zero-initialised head gives every sequence reward 0, so every step's
     loss is exactly -log sigmoid(0) = ln 2, and with learning rate 0 it stays so; every eval pair ties
     (accuracy 0: a tie counts as wrong). The run still finishes and keeps its data."""
-    real_build_model, real_build_optimizer = rm_train.build_model, rm_train.build_optimizer
+    real_build_model, real_build_optimizer = run_setup.build_model, run_setup.build_optimizer
 
     def zero_head_model(*args, **kwargs):
         model = real_build_model(*args, **kwargs)
         torch.nn.init.zeros_(model.score.weight)
         return model
 
-    monkeypatch.setattr(rm_train, "build_model", zero_head_model)
+    monkeypatch.setattr(run_setup, "build_model", zero_head_model)
     # train.learning_rate=0 is refused by validation; the optimizer gets it directly.
-    monkeypatch.setattr(rm_train, "build_optimizer", lambda m, profile, lr, *rest: real_build_optimizer(m, profile, 0.0, *rest))
+    monkeypatch.setattr(run_setup, "build_optimizer", lambda m, profile, lr, *rest: real_build_optimizer(m, profile, 0.0, *rest))
     result = rm_train.train(tiny_cfg("train.max_steps=4", "health.ln2_steps=4", *SHORT), tmp_path)
     assert result["status"] == "ok" and result["eval_accuracy"] == 0.0
     assert set(result["alarms"]) == {"loss_at_ln2", "eval_at_chance"}
@@ -272,28 +274,28 @@ def test_a_learning_run_raises_no_alarm(tiny_cfg, tmp_path):
 
 
 def test_tokenizer_without_pad_id_is_a_clear_error(tiny_cfg, tmp_path, monkeypatch):
-    real = rm_train.run_tokenizer
+    real = run_setup.run_tokenizer
 
     def no_pad(model_cfg, data_cfg, **kwargs):
         tokenizer = real(model_cfg, data_cfg, **kwargs)
         tokenizer.pad_token = None
         return tokenizer
 
-    monkeypatch.setattr(rm_train, "run_tokenizer", no_pad)
+    monkeypatch.setattr(run_setup, "run_tokenizer", no_pad)
     with pytest.raises(ConfigError, match="pad_token_unset: the tokenizer has no pad token"):
         rm_train.train(tiny_cfg("train.max_steps=2"), tmp_path)
     assert "pad_token_unset" in alarms_in(tmp_path)
 
 
 def test_pad_token_inside_texts_raises_an_alarm_and_trains(tiny_cfg, tmp_path, monkeypatch):
-    real = rm_train.run_tokenizer
+    real = run_setup.run_tokenizer
 
     def word_as_pad(model_cfg, data_cfg, **kwargs):
         tokenizer = real(model_cfg, data_cfg, **kwargs)
         tokenizer.pad_token = "rabbit"  # a word of the synthetic texts, and a token of the word-level tokenizer
         return tokenizer
 
-    monkeypatch.setattr(rm_train, "run_tokenizer", word_as_pad)
+    monkeypatch.setattr(run_setup, "run_tokenizer", word_as_pad)
     result = rm_train.train(tiny_cfg("train.max_steps=2", "model.tokenizer=words", *SHORT), tmp_path)
     assert result["status"] == "ok" and "pad_token_in_text" in result["alarms"]
     audit = json.loads((tmp_path / "data_audit.json").read_text())
@@ -305,7 +307,7 @@ def test_pad_token_inside_texts_raises_an_alarm_and_trains(tiny_cfg, tmp_path, m
 
 @pytest.mark.parametrize("profile", ["full", "lora"])
 def test_head_frozen_by_mistake_raises_an_alarm(tiny_cfg, tmp_path, monkeypatch, profile):
-    real = rm_train.apply_memory_profile
+    real = run_setup.apply_memory_profile
 
     def freeze_head(model, *args):
         model = real(model, *args)
@@ -314,7 +316,7 @@ def test_head_frozen_by_mistake_raises_an_alarm(tiny_cfg, tmp_path, monkeypatch,
                 param.requires_grad_(False)
         return model
 
-    monkeypatch.setattr(rm_train, "apply_memory_profile", freeze_head)
+    monkeypatch.setattr(run_setup, "apply_memory_profile", freeze_head)
     result = rm_train.train(tiny_cfg(f"memory_profile={profile}", "train.max_steps=2", "train.eval_steps=0"), tmp_path)
     assert result["status"] == "ok" and result["alarms"] == ["head_no_gradient"]
     alarm = alarms_in(tmp_path)["head_no_gradient"]
@@ -336,7 +338,7 @@ def test_reward_scale_alarm_with_a_tiny_limit(tiny_cfg, tmp_path):
 
 def inject_nan(monkeypatch, steps, micro_batches_per_step=2):
     """Make the training loss NaN on the first micro-batch of each step in ``steps`` (1-based)."""
-    real, calls = rm_train.bradley_terry_loss, []
+    real, calls = trainer.bradley_terry_loss, []
 
     def loss(*args, **kwargs):
         calls.append(1)
@@ -345,7 +347,7 @@ def inject_nan(monkeypatch, steps, micro_batches_per_step=2):
         first = (len(calls) - 1) % micro_batches_per_step == 0
         return value * float("nan") if step in steps and first else value  # NaN flows into the gradients too
 
-    monkeypatch.setattr(rm_train, "bradley_terry_loss", loss)
+    monkeypatch.setattr(trainer, "bradley_terry_loss", loss)
 
 
 @pytest.mark.reliability("Faults", "NaN/inf loss or gradient (`health.on_nonfinite=stop`, default)", "stops before the update, no checkpoint of it; exit 4")

@@ -13,6 +13,9 @@ import torch
 
 import rm.checkpoint as ckpt
 import rm.train as rm_train
+import rm.run_setup as run_setup
+from rm.engine import AccelerateEngine
+from rm.errors import ConfigError, NonFiniteError, Refused, StorageError
 from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
@@ -21,7 +24,7 @@ STEPS = ["train.max_steps=4", "train.save_steps=2", "train.eval_steps=0", "train
 
 @pytest.mark.reliability("Faults", "disk full (or a crash) while a checkpoint is written", "written to a hidden temporary directory, removed on failure: `CheckpointError: could not write checkpoint-4 ...: No space left on device. The previous checkpoint, .../checkpoint-2, is intact`; exit 5")
 def test_full_disk_while_saving_gives_a_clear_error_and_keeps_the_previous_checkpoint(tiny_cfg, tmp_path, monkeypatch):
-    real_save = rm_train.AccelerateEngine.save_state
+    real_save = AccelerateEngine.save_state
 
     def save_until_the_disk_fills(self, directory):
         real_save(self, directory)
@@ -29,7 +32,7 @@ def test_full_disk_while_saving_gives_a_clear_error_and_keeps_the_previous_check
             (directory / "model.safetensors").write_bytes(b"partial")
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(rm_train.AccelerateEngine, "save_state", save_until_the_disk_fills)
+    monkeypatch.setattr(AccelerateEngine, "save_state", save_until_the_disk_fills)
     with pytest.raises(ckpt.CheckpointError, match=r"checkpoint-4 .*No space left on device.*checkpoint-2.* is intact"):
         rm_train.train(tiny_cfg(*STEPS, "train.max_steps=6"), tmp_path)
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2]
@@ -295,7 +298,7 @@ def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path)
     run_dir = _copy(six_step_run, tmp_path)
     changes = ["train.learning_rate=1e-2", "train.seed=7", "data.synthetic_seed=3", "train.global_batch_size=32",
                "train.lr_scheduler_type=linear", "model.num_hidden_layers=3"]
-    with pytest.raises(rm_train.ConfigError) as err:
+    with pytest.raises(ConfigError) as err:
         rm_train.train(_cfg("train.resume=true", *changes), run_dir)
     for key in ("train.learning_rate: 0.002 -> 0.01", "train.seed: 42 -> 7", "data.synthetic_seed: 0 -> 3",
                 "train.global_batch_size: 16 -> 32", "train.lr_scheduler_type: 'cosine' -> 'linear'",
@@ -310,7 +313,7 @@ def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path)
                          "refused naming `data.train_sha256`, the digest of the train token ids")
 def test_resume_refuses_train_data_that_changed_under_the_same_config(six_step_run, tmp_path, monkeypatch):
     run_dir = _copy(six_step_run, tmp_path)
-    real = rm_train.build_datasets
+    real = run_setup.build_datasets
 
     def one_pair_edited(data_cfg, tokenizer):
         train, eval_set, audit = real(data_cfg, tokenizer)
@@ -318,8 +321,8 @@ def test_resume_refuses_train_data_that_changed_under_the_same_config(six_step_r
         ids[0] = list(reversed(ids[0]))
         return train.remove_columns("rejected_input_ids").add_column("rejected_input_ids", ids), eval_set, audit
 
-    monkeypatch.setattr(rm_train, "build_datasets", one_pair_edited)
-    with pytest.raises(rm_train.ConfigError) as err:
+    monkeypatch.setattr(run_setup, "build_datasets", one_pair_edited)
+    with pytest.raises(ConfigError) as err:
         rm_train.train(_cfg("train.resume=true"), run_dir)
     assert "data.train_sha256" in str(err.value)
 
@@ -368,7 +371,7 @@ def _cosine_lr(base, step, warmup=1, total=6):
                          "`checkpoint-4 is at step 4, but this run ends at step 3`; exit 2")
 def test_a_checkpoint_past_max_steps_is_a_clear_error(six_step_run, tmp_path):
     run_dir = _copy(six_step_run, tmp_path)
-    with pytest.raises(rm_train.ConfigError, match=r"checkpoint-4 is at step 4, but this run ends at step 3"):
+    with pytest.raises(ConfigError, match=r"checkpoint-4 is at step 4, but this run ends at step 3"):
         rm_train.train(_cfg("train.resume=true", "train.resume_allow_changes=true", "train.max_steps=3"), run_dir)
 
 
@@ -379,16 +382,16 @@ def test_a_signal_during_the_last_step_finishes_the_run(tiny_cfg, tmp_path, monk
     import os
     import signal
 
-    real_step = rm_train.AccelerateEngine.step
+    real_step = AccelerateEngine.step
     steps = []
 
     def step_then_signal(self, skip=False):
         steps.append(skip)
         if len(steps) == 4:  # the last step of train.max_steps=4
-            os.kill(os.getpid(), signal.SIGTERM)  # rm.train.StopRequest handles it while the run lasts
+            os.kill(os.getpid(), signal.SIGTERM)  # rm.trainer.StopRequest handles it while the run lasts
         return real_step(self, skip)
 
-    monkeypatch.setattr(rm_train.AccelerateEngine, "step", step_then_signal)
+    monkeypatch.setattr(AccelerateEngine, "step", step_then_signal)
     result = rm_train.train(tiny_cfg(*STEPS), tmp_path)
     assert result["status"] == "ok" and result["step"] == 4
     assert "received SIGTERM during the last step: writing the final model" in caplog.text
@@ -410,7 +413,7 @@ def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monke
         raise SafetensorError("Error while serializing: IoError(No space left on device)")
 
     monkeypatch.setattr(rm.export, "save_bundle", save_until_the_disk_fills)
-    with pytest.raises(rm_train.StorageError, match=r"could not write the final model to .*final: .*No space left") as err:
+    with pytest.raises(StorageError, match=r"could not write the final model to .*final: .*No space left") as err:
         rm_train.train(tiny_cfg(*STEPS), tmp_path)
     assert err.value.exit_code == 5
     assert not (tmp_path / "final").exists() and not (tmp_path / ".tmp-final").exists()
@@ -443,7 +446,7 @@ def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
     ckpt.save_checkpoint(engine, tmp_path, 2, keep=3)
     with torch.no_grad():
         engine.model.weight[0, 0] = float("nan")
-    with pytest.raises(rm_train.NonFiniteError, match=r"weights at step 4 are not finite.*checkpoint-2, stays") as err:
+    with pytest.raises(NonFiniteError, match=r"weights at step 4 are not finite.*checkpoint-2, stays") as err:
         ckpt.save_checkpoint(engine, tmp_path, 4, keep=3)
     assert err.value.exit_code == 4
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
@@ -460,7 +463,7 @@ def test_a_run_directory_is_locked(tiny_cfg, tmp_path, caplog):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (tmp_path / ckpt.LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
-        with pytest.raises(rm_train.Refused, match=rf"is in use by another run \(pid {holder.pid} on ") as err:
+        with pytest.raises(Refused, match=rf"is in use by another run \(pid {holder.pid} on ") as err:
             rm_train.train(tiny_cfg(*STEPS), tmp_path)
         assert err.value.exit_code == 3
         assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LOCK_FILE]  # nothing of the refused run

@@ -9,6 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import rm.train as rm_train
+from rm.run_setup import TOKENIZER_DIR
 from rm.data.build import run_tokenizer
 from rm.data.synthetic import VOCABULARY, generate_pairs
 from rm.model import build_tokenizer
@@ -125,7 +126,7 @@ def test_export_round_trip_gives_identical_ids(exported):
     cfg, run_dir = exported
     trained = run_tokenizer(cfg.model, cfg.data)
     loaded = AutoTokenizer.from_pretrained(run_dir / "final")
-    kept = AutoTokenizer.from_pretrained(run_dir / rm_train.TOKENIZER_DIR)
+    kept = AutoTokenizer.from_pretrained(run_dir / TOKENIZER_DIR)
     rows = generate_pairs(20, seed=5, split="test")
     texts = [r["chosen"] for r in rows] + STRANGE + [r["chosen"] for r in OWN_TEXT[:3]]
     ids = trained(texts)["input_ids"]

@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
+from rm.metrics import MetricsLog
+from rm.run_setup import TOKENIZER_DIR
 from rm.data.build import build_split, run_tokenizer
 from rm.data.collator import PairCollator
 from rm.model import build_model, pair_rewards
@@ -100,14 +102,14 @@ def test_score_cli_reports_the_same_accuracy(learned_run, tmp_path):
 
 def _signal_at(monkeypatch, step_to_stop, signum):
     """Deliver a real signal to this process once the run logs ``step_to_stop``."""
-    original = rm_train.MetricsLog.write
+    original = MetricsLog.write
 
     def write(self, event, step, values):
         original(self, event, step, values)
         if event == "train" and step == step_to_stop:
             os.kill(os.getpid(), signum)
 
-    monkeypatch.setattr(rm_train.MetricsLog, "write", write)
+    monkeypatch.setattr(MetricsLog, "write", write)
 
 
 @pytest.mark.reliability("Faults", "SIGTERM / SIGINT during training", "finishes the step, writes a checkpoint, exits 128+N; `train.resume=true` continues; final weights equal an uninterrupted run's bit for bit")
@@ -124,7 +126,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_cfg, tmp_path, mo
     assert checkpoints == ["checkpoint-4", "checkpoint-6"]
     monkeypatch.undo()
 
-    assert (tmp_path / "resumed" / rm_train.TOKENIZER_DIR / "tokenizer.json").is_file()  # read back on resume
+    assert (tmp_path / "resumed" / TOKENIZER_DIR / "tokenizer.json").is_file()  # read back on resume
     resumed = rm_train.train(tiny_cfg(*overrides, "train.resume=true"), tmp_path / "resumed")
     assert resumed["status"] == "ok"
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")

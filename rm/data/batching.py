@@ -165,6 +165,11 @@ class StepBatches:
     pair_tokens: Optional[Sequence[int]] = None
     max_tokens: Optional[int] = None
 
+    @property
+    def per_rank(self) -> int:
+        """Pairs of a step on one process."""
+        return self.global_batch_size // self.world_size
+
     @classmethod
     def of(
         cls,
