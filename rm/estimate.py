@@ -534,22 +534,56 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
     """Up to ``limit`` override sets that pass validation and fit, each with its estimate."""
     from rm.validate import ConfigError, validate
 
-    found = []
     peak_phase = estimate_run(cfg, plan).peak_phase  # its traces are cached: arithmetic only
+    jobs = []
     for extra in candidate_overrides(cfg, plan, peak_phase):
         try:
             candidate = with_overrides(cfg, base_overrides, extra)
             candidate_plan = validate(candidate, plan.world_size, plan.world_size_source)
-            if cannot_fit(candidate, candidate_plan):
-                continue  # refused whatever its activations: no trace needed
-            est = estimate_run(candidate, candidate_plan)
-        except (ConfigError, ValueError):
+        except ConfigError:
             continue
-        if est.fits:
-            found.append((extra, est))
-        if len(found) == limit:
-            break
-    return found
+        if not cannot_fit(candidate, candidate_plan):  # refused whatever its activations: no trace needed
+            jobs.append((extra, candidate, candidate_plan))
+    estimates = estimate_each([(candidate, candidate_plan) for _, candidate, candidate_plan in jobs])
+    return [(extra, est) for (extra, _, _), est in zip(jobs, estimates) if est is not None and est.fits][:limit]
+
+
+_JOBS: List[Tuple[RunConfig, Plan]] = []  # what forked workers of estimate_each read (inherited, not pickled)
+
+
+def _estimate_job(index: int) -> Optional[Estimate]:
+    try:
+        return estimate_run(*_JOBS[index])
+    except ValueError:  # e.g. an attention implementation the trace cannot run
+        return None
+
+
+def estimate_each(jobs: List[Tuple[RunConfig, Plan]]) -> List[Optional[Estimate]]:
+    """The estimate of each (config, plan), ``None`` where it cannot be traced.
+
+    A trace is single-threaded Python (fake tensors dispatch op by op), so with several candidates and a
+    second core the work is shared by two forked processes, which inherit the imports and the traces
+    already cached. Not where fork is unsafe: without it (macOS, Windows), or once CUDA is initialised.
+    """
+    global _JOBS
+    import multiprocessing
+    import os
+
+    import torch
+
+    forkable = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+    if len(jobs) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
+        _JOBS = jobs
+        try:
+            return [_estimate_job(i) for i in range(len(jobs))]
+        finally:
+            _JOBS = []
+    _JOBS = jobs
+    try:
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            return pool.map(_estimate_job, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS = []
 
 
 def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> Optional[int]:

@@ -9,7 +9,7 @@ import time
 import pytest
 
 import rm.train as rm_train
-from rm.estimate import GIB, cannot_fit, compose, estimate_run, parameter_counts, suggestions, with_overrides
+from rm.estimate import GIB, cannot_fit, compose, estimate_each, estimate_run, parameter_counts, suggestions, with_overrides
 from rm.hardware import resolve_hardware
 from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY
@@ -131,6 +131,16 @@ def test_a_run_refused_without_a_trace_is_refused_by_the_full_estimate(overrides
     assert _trace.cache_info() == before  # nothing traced
     if refused:
         assert not estimate_run(cfg, plan).fits
+
+
+def test_candidates_estimated_in_forked_processes_equal_the_estimates_made_here():
+    from rm.activations import _trace
+
+    jobs = [planned(["memory_profile=lora", f"train.micro_batch_size={m}", "train.global_batch_size=16"]) for m in (1, 2, 4)]
+    jobs.append(planned(["memory_profile=full", "model.attn_implementation=eager"]))
+    forked = estimate_each(jobs)
+    _trace.cache_clear()  # what the workers traced stays in them: trace everything again here
+    assert forked == [estimate_run(cfg, plan) for cfg, plan in jobs]
 
 
 def test_key_overrides_merge_into_the_config_as_a_fresh_compose_gives():
