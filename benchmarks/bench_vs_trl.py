@@ -40,7 +40,6 @@ benchmark's pairs) so that both trainers see identical token ids.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import resource
@@ -186,6 +185,8 @@ def rm_overrides(variant_overrides):
 
 
 def run_rm(data, variant_overrides, workdir: Path):
+    from collections import Counter
+
     import datasets
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForSequenceClassification
@@ -193,7 +194,8 @@ def run_rm(data, variant_overrides, workdir: Path):
     import rm.config  # noqa: F401  (registers the schemas)
     import rm.run_setup
     import rm.train as rm_train
-    from rm.data.audit import audit_split
+    from rm.data.audit import audit_split, length_stats
+    from rm.data.counts import PairCounts
     from rm.config import to_run_config
 
     overrides = rm_overrides(variant_overrides)
@@ -203,12 +205,13 @@ def run_rm(data, variant_overrides, workdir: Path):
     eval_set = datasets.Dataset.from_list(data["eval"])
 
     def same_pairs(data_cfg, tokenizer):
-        def counts(n):  # nothing is dropped or truncated: the pairs are generated within max_length
-            return collections.defaultdict(int, rows=n, pairs_out=n)
+        def audit(rows):  # nothing is dropped or truncated: the pairs are generated within max_length
+            lengths = {side: [len(p[f"{side}_input_ids"]) for p in rows] for side in ("chosen", "rejected")}
+            counts = PairCounts(rows=len(rows), lengths_before_truncation={
+                side: length_stats(Counter(values)) for side, values in lengths.items()})
+            return audit_split(counts, lengths["chosen"], lengths["rejected"])
 
-        splits = {name: audit_split(counts(len(rows)), [len(p["chosen_input_ids"]) for p in rows],
-                                    [len(p["rejected_input_ids"]) for p in rows])
-                  for name, rows in (("train", data["train"]), ("eval", data["eval"]))}
+        splits = {name: audit(rows) for name, rows in (("train", data["train"]), ("eval", data["eval"]))}
         return train_set, eval_set, {"data": "bench_vs_trl", "policies": {}, "splits": splits}
 
     rm.run_setup.build_datasets = same_pairs  # where the trainer's setup looks it up
