@@ -109,7 +109,8 @@ def run_overrides(model, profile, checkpointing, length, distributed, nproc, acc
 def recompute(rows) -> None:
     """Estimate each saved point again with the estimator as it is now (a pure function of the config), in place:
     measurements stand, estimates and errors follow the code. Used after a change to the estimate alone."""
-    from rm.estimate import compose, estimate_run
+    from rm.config import compose
+    from rm.memory.estimate import estimate_run
     from rm.validate import validate
 
     for r in rows:

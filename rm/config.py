@@ -10,6 +10,7 @@ code reads the typed objects returned by :func:`to_run_config` and never calls
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -285,3 +286,18 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
 
 
 register_configs()
+
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+
+
+def compose(overrides: List[str]) -> RunConfig:
+    """Compose ``conf/`` with overrides into typed objects, inside or outside a running Hydra app."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return to_run_config(hydra_compose(config_name="config", overrides=list(overrides)))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(hydra_compose(config_name="config", overrides=list(overrides)))

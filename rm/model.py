@@ -185,6 +185,28 @@ def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, l
     return get_peft_model(model, peft_cfg)
 
 
+def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, precision: str,
+                       gradient_checkpointing: bool, fp32_head: bool, pad_token_id: int) -> torch.nn.Module:
+    """The reward model a run trains: the backbone, the reward head in fp32 where asked, the memory profile.
+
+    The estimate traces this same function (``rm.memory.trace``): on the meta device, with two layers
+    and no pretrained weights, so that what it measures cannot drift from what trains.
+
+    Args:
+        model_cfg, profile, lora_cfg: the ``model``, ``memory_profile`` and ``lora`` groups.
+        precision: the resolved ``train.precision``.
+        gradient_checkpointing: ``train.gradient_checkpointing``.
+        fp32_head: keep the reward head's weights and computation in fp32 (``rm.health.fp32_head_enabled``).
+        pad_token_id: the tokenizer's pad id.
+    """
+    from rm.health import keep_head_in_fp32
+
+    model = build_model(model_cfg, pad_token_id, precision, gradient_checkpointing, profile.quantize_base)
+    if fp32_head:
+        keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
+    return apply_memory_profile(model, profile, lora_cfg)
+
+
 def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
     """(trainable, total) parameter counts; under ZeRO-3 the full sizes, not the local shards."""
 
@@ -301,7 +323,7 @@ def sequence_rewards(
             from rm.prefix_sharing import attn_implementation_of, model_dtype, shared_prefix_mask
 
             kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation_of(model), model_dtype(model))
-    elif not bool(attention_mask[:, 0].all()):  # some row is left-padded
+    elif _left_padded(attention_mask):
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     try:
         model(input_ids=input_ids, **kwargs)
@@ -313,6 +335,14 @@ def sequence_rewards(
         return caught[0].flatten(0, 1)[ends.to(caught[0].device)].squeeze(-1)
     rows = torch.arange(input_ids.shape[0], device=caught[0].device)
     return caught[0][rows, last_token_index(attention_mask).to(caught[0].device)].squeeze(-1)
+
+
+def _left_padded(attention_mask: torch.Tensor) -> bool:
+    """Whether some row starts with padding. A fake tensor (the estimate's trace) holds no values: it takes
+    the right-padded path, the one rm's collators produce."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return not is_fake(attention_mask) and not bool(attention_mask[:, 0].all())
 
 
 def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,

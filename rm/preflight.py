@@ -11,7 +11,8 @@ from typing import Optional, Sequence, Tuple
 
 from rm.config import RunConfig
 from rm.errors import Refused
-from rm.estimate import Estimate, best_micro_batch, estimate_label, estimate_run, format_suggestions, format_table, suggestions
+from rm.estimate import estimate_label, format_suggestions, format_table
+from rm.memory.estimate import Estimate, best_micro_batch, estimate_run, suggestions
 from rm.validate import Plan, resolve_world_size, validate
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log

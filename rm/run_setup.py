@@ -28,11 +28,11 @@ from rm.data.batching import StepBatches, steps_per_epoch
 from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
-from rm.estimate import Estimate, parameter_counts
-from rm.health import HealthMonitor, fp32_head_enabled, keep_head_in_fp32
-from rm.memory_monitor import MemoryMonitor
+from rm.health import HealthMonitor, fp32_head_enabled
+from rm.memory.estimate import Estimate, parameter_counts
+from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
-from rm.model import apply_memory_profile, build_model, build_optimizer, count_parameters, tokenizer_kind
+from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, tokenizer_kind
 from rm.preflight import plan_run
 from rm.resume import apply_changes, check_resume, data_digest, fingerprint
 from rm.train_state import TrainState
@@ -53,7 +53,7 @@ class Run:
         collator: pads pairs for evaluation and the export's probe; ``train_collator`` lays out training
             micro-batches (``train.packing``, ``train.share_prefix``).
         health: the training-health checks (``rm.health``); ``metrics``: ``metrics.jsonl`` and TensorBoard.
-        monitor: measures the memory peak (``rm.memory_monitor``).
+        monitor: measures the memory peak (``rm.memory.monitor``).
         state: the loop's state, saved in every checkpoint (``rm.train_state``).
         eval_metrics, eval_scores: the last evaluation's metrics, and its rewards per pair (for the plots).
     """
@@ -195,13 +195,11 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
                  total_steps: int) -> torch.nn.Module:
     """The reward model with its memory profile, prepared by the engine with optimizer and schedule."""
     t = cfg.train
-    model = build_model(
-        cfg.model, pad_token_id, plan.precision, t.gradient_checkpointing, cfg.memory_profile.quantize_base
+    model = build_reward_model(
+        cfg.model, cfg.memory_profile, cfg.lora, precision=plan.precision, gradient_checkpointing=t.gradient_checkpointing,
+        fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), pad_token_id=pad_token_id,
     )
     monitor.register(model.parameters())
-    if fp32_head_enabled(cfg.health.fp32_head, plan.precision):
-        keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
-    model = apply_memory_profile(model, cfg.memory_profile, cfg.lora)
     return engine.prepare(
         model,
         lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon),

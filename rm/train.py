@@ -7,7 +7,6 @@ bottom in :mod:`rm.trainer` (setup in :mod:`rm.run_setup`, the memory check in :
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -25,13 +24,14 @@ from rm.preflight import PreflightRefusal
 from rm.run_record import claim as claim_run_dir, hold_log
 from rm.sweep import job_record, write_job_record
 from rm.trainer import train
+from rm.validate import launched_as_main
 
 log = logging.getLogger("rm.train")
 
 
 def _quiet_other_ranks() -> None:
     """Only rank 0 speaks: other ranks keep warnings and errors."""
-    if int(os.environ.get("RANK", "0")) != 0:
+    if not launched_as_main():
         logging.getLogger().setLevel(logging.WARNING)
         datasets.disable_progress_bars()
 
@@ -61,7 +61,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
     join_submitit_tasks()
     _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    is_main = launched_as_main()
     claimed = False
 
     def claim():

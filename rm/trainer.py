@@ -31,11 +31,12 @@ from rm.errors import StorageError
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.health import HEAD, SKIP, STOP
 from rm.loss import bradley_terry_loss
-from rm.memory_monitor import gather_snapshots
+from rm.memory.monitor import gather_snapshots
 from rm.metrics import LineProgressFile, evaluate_sets, format_eval
 from rm.model import pair_rewards
 from rm.plots import write_eval_plots, write_train_plot
 from rm.run_setup import Run, rebuild_base, setup
+from rm.validate import launched_as_main
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log
 
@@ -60,7 +61,7 @@ def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = (),
         ``signal``, ``stopped_nonfinite`` with ``reason``) and ``step``.
     """
     run_dir = Path(run_dir)
-    is_main = int(os.environ.get("RANK", "0")) == 0
+    is_main = launched_as_main()
     # The lock and the memory monitor's dispatch mode are undone however the run ends.
     with RunLock(run_dir) if is_main else nullcontext(), ExitStack() as cleanup:
         replaced = []

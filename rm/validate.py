@@ -63,6 +63,12 @@ def _lookup(cfg: RunConfig, dotted: str):
     return obj
 
 
+def launched_as_main() -> bool:
+    """Whether this process is the launch's rank 0 (or was started alone). The one reader of ``RANK``
+    before the engine exists; afterwards ask ``engine.is_main_process``."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def resolve_world_size(cfg: RunConfig, launched: bool) -> Tuple[int, str]:
     """How many processes the run has, and where that number came from. The one reader of ``WORLD_SIZE``.
 

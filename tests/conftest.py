@@ -70,3 +70,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(
             f"{deselected} slow test(s) not run (minutes each); run them with: python -m pytest -m slow"
         )
+
+
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one mixed-precision setting per process; let a test pick another, then restore."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)

@@ -1,11 +1,12 @@
 """The fake-tensor activation estimate against one real forward+backward on the CPU.
 
-The real step runs the reward model as the trainer does (``AutoModelForSequenceClassification``,
-one output, pad id set, no KV cache, Bradley-Terry loss on ``[chosen..., rejected...]``) and
-records every live tensor storage; weights and inputs exist before the step and are not
-counted, parameter gradients are removed from the count. ``estimate_activations`` traces a
-two-layer fake copy and extrapolates to the four real layers, so these tests check both the
-fake tracing and the extrapolation.
+Both sides are the model a run trains: :func:`rm.model.build_reward_model` (one output, pad id set,
+no KV cache, fp32 reward head in half precision, the memory profile's LoRA wrap), scored by
+:func:`rm.model.pair_rewards` with the Bradley-Terry loss, as ``rm.trainer`` does. The real step records
+every live tensor storage; weights and inputs exist before the step and are not counted, parameter
+gradients are removed from the count. ``estimate_activations`` traces a two-layer fake copy built by the
+same factory and extrapolates to the four real layers, so these tests check both the fake tracing and
+the extrapolation.
 """
 
 from __future__ import annotations
@@ -13,54 +14,67 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rm.activations import LayerShape, StorageTimeline, estimate_activations, measure_layer, pairwise_loss
-from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
-from rm.model import apply_memory_profile, build_model
+from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig, compose
+from rm.health import fp32_head_enabled
+from rm.loss import bradley_terry_loss
+from rm.memory.estimate import traced_model
+from rm.memory.storage import StorageTracker
+from rm.memory.trace import TracedModel, estimate_activations, measure_layer
+from rm.model import build_reward_model, pair_rewards
 
 # Small enough for a 2-core CPU (one real step is about a second); the shapes keep GQA
 # (4 query heads on 2 KV heads) and an MLP twice the width, as in Mistral.
-SHAPE = LayerShape("mistral", hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=None, vocab_size=512)
 LAYERS, BATCH, SEQ = 4, 4, 64
+MODEL = ModelConfig(name="tiny-mistral", model_type="mistral", vocab_size=512, hidden_size=128, intermediate_size=256,
+                    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                    attn_implementation="sdpa")
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The estimate is meant to be exact for tensor-level accounting (it matched to the byte when
 # this was written); 5% is the accuracy the pre-flight check promises, so it is the bound.
 TOLERANCE = 0.05
 
 
-def _real_step(dtype, checkpointing, lora_r, padded=False, accumulating=False):
-    """One real training step; returns (peak activation bytes, peak bytes with grads, the model)."""
-    torch.manual_seed(0)
-    # Built by the trainer's own code, so the estimate is checked against the model that trains.
-    model_cfg = ModelConfig(
-        name="tiny-mistral", model_type=SHAPE.model_type, vocab_size=SHAPE.vocab_size, hidden_size=SHAPE.hidden_size,
-        intermediate_size=SHAPE.intermediate_size, num_hidden_layers=LAYERS,
-        num_attention_heads=SHAPE.num_attention_heads, num_key_value_heads=SHAPE.num_key_value_heads,
-        max_position_embeddings=SEQ, attn_implementation="sdpa",
-    )
+def factory_args(dtype, checkpointing, lora_r, model=MODEL):
+    """The factory's arguments for a run of this precision, checkpointing and LoRA rank (0: full)."""
     precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    model = build_model(model_cfg, pad_token_id=0, precision=precision, gradient_checkpointing=checkpointing)
-    model = apply_memory_profile(
-        model, MemoryProfileConfig(name="test", use_lora=lora_r > 0),
-        LoraConfig(r=lora_r or 8, alpha=32, dropout=0.05, target_modules=list(ALL_LINEAR)),
-    )
-    ids = torch.randint(1, SHAPE.vocab_size, (BATCH, SEQ))  # pad id 0 never drawn
+    groups = (model, MemoryProfileConfig(name="test", use_lora=lora_r > 0),
+              LoraConfig(r=lora_r or 8, alpha=32, dropout=0.05, target_modules=list(ALL_LINEAR)))
+    return groups, dict(precision=precision, gradient_checkpointing=checkpointing,
+                        fp32_head=fp32_head_enabled(None, precision))
+
+
+def traced(dtype, checkpointing, lora_r=0, model=MODEL) -> TracedModel:
+    groups, kwargs = factory_args(dtype, checkpointing, lora_r, model)
+    return TracedModel.of(*groups, **kwargs)
+
+
+def _loss(model, ids, mask):
+    chosen, rejected = pair_rewards(model, ids, mask)
+    return bradley_terry_loss(chosen, rejected)
+
+
+def _real_step(dtype, checkpointing, lora_r, accumulating=False):
+    """One real training step of a right-padded batch; returns (peak activation bytes, peak bytes with
+    gradients, the model, ids, mask)."""
+    torch.manual_seed(0)
+    groups, kwargs = factory_args(dtype, checkpointing, lora_r)
+    model = build_reward_model(*groups, **kwargs, pad_token_id=0)
+    ids = torch.randint(1, MODEL.vocab_size, (BATCH, SEQ))  # pad id 0 never drawn
     mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-    if padded:  # right padding on one sequence, as the collator produces it
-        ids[1, -SEQ // 4 :] = 0
-        mask[1, -SEQ // 4 :] = 0
+    ids[1, -SEQ // 4 :] = 0  # right padding on one sequence, as the collator produces it
+    mask[1, -SEQ // 4 :] = 0
     if accumulating:  # an earlier micro-batch of the same optimizer step
-        pairwise_loss(model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)).backward()
+        _loss(model, ids, mask).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    timeline = StorageTimeline()
-    timeline.ignore(list(model.parameters()) + list(model.buffers()) + grads + [ids, mask])
-    with timeline:
-        loss = pairwise_loss(model(input_ids=ids, attention_mask=mask).logits.squeeze(-1))
+    tracker = StorageTracker(timeline=True)
+    tracker.ignore(list(model.parameters()) + list(model.buffers()) + grads + [ids, mask])
+    with tracker:
+        loss = _loss(model, ids, mask)
         loss.backward()
         del loss
-    with_grads = max(timeline.live())
-    timeline.exclude([p.grad for p in model.parameters() if p.grad is not None])
-    return max(timeline.live()), with_grads, model, ids, mask
+    with_grads = tracker.peak
+    tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
+    return max(tracker.live_after_each_event()), with_grads, model, ids, mask
 
 
 @pytest.mark.parametrize("lora_r", [0, 8], ids=["full", "lora8"])
@@ -68,28 +82,18 @@ def _real_step(dtype, checkpointing, lora_r, padded=False, accumulating=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_estimate_matches_real_step(dtype, checkpointing, lora_r):
     measured, _, _, _, _ = _real_step(dtype, checkpointing, lora_r)
-    est = estimate_activations(SHAPE, LAYERS, BATCH, SEQ, dtype, checkpointing, "sdpa", lora_r,
-                               ALL_LINEAR if lora_r else ())
+    est = estimate_activations(traced(dtype, checkpointing, lora_r), LAYERS, BATCH, SEQ)
     error = (est["peak_bytes"] - measured) / measured
     print(f"\n{dtype} ckpt={checkpointing} lora_r={lora_r}: measured {measured} estimated {est['peak_bytes']} "
           f"({error:+.4%}, peak in {est['peak_phase']})")
     assert abs(error) <= TOLERANCE
 
 
-def test_padding_takes_the_masked_path():
-    """A padded batch builds a (B,1,T,T) mask and repeats K/V for SDPA: more memory, still predicted."""
-    measured, _, _, _, _ = _real_step(torch.bfloat16, False, 0, padded=True)
-    est = estimate_activations(SHAPE, LAYERS, BATCH, SEQ, torch.bfloat16, False, padded=True)
-    unpadded = estimate_activations(SHAPE, LAYERS, BATCH, SEQ, torch.bfloat16, False, padded=False)
-    assert abs(est["peak_bytes"] - measured) / measured <= TOLERANCE
-    assert est["peak_bytes"] > unpadded["peak_bytes"]
-
-
 def test_gradient_accumulation_transient():
     """In a later micro-batch each new gradient is added into .grad and freed: a transient, still predicted."""
     measured, _, _, _, _ = _real_step(torch.bfloat16, True, 0, accumulating=True)
-    est = estimate_activations(SHAPE, LAYERS, BATCH, SEQ, torch.bfloat16, True, accumulating=True)
-    first = estimate_activations(SHAPE, LAYERS, BATCH, SEQ, torch.bfloat16, True)
+    est = estimate_activations(traced(torch.bfloat16, True), LAYERS, BATCH, SEQ, accumulating=True)
+    first = estimate_activations(traced(torch.bfloat16, True), LAYERS, BATCH, SEQ)
     assert abs(est["peak_bytes"] - measured) / measured <= TOLERANCE
     assert est["peak_bytes"] >= first["peak_bytes"]  # equal here: the added transient is not at the peak
 
@@ -107,7 +111,7 @@ def test_tensor_accounting_agrees_with_the_allocator():
     for p in model.parameters():
         p.grad = None
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
-        loss = pairwise_loss(model(input_ids=ids, attention_mask=mask).logits.squeeze(-1))
+        loss = _loss(model, ids, mask)
         loss.backward()
         del loss
     current = peak = 0
@@ -119,9 +123,57 @@ def test_tensor_accounting_agrees_with_the_allocator():
 
 def test_layer_numbers_are_consistent():
     """Checkpointing keeps (about) the layer input per layer; full activations keep far more."""
-    h, tokens = SHAPE.hidden_size, BATCH * SEQ
-    full = measure_layer(SHAPE, BATCH, SEQ, torch.bfloat16, False)
-    ckpt = measure_layer(SHAPE, BATCH, SEQ, torch.bfloat16, True)
+    h, tokens = MODEL.hidden_size, BATCH * SEQ
+    full = measure_layer(traced(torch.bfloat16, False), BATCH, SEQ)
+    ckpt = measure_layer(traced(torch.bfloat16, True), BATCH, SEQ)
     assert ckpt.saved_bytes == tokens * h * 2  # the bf16 layer output, the next layer's checkpointed input
     assert full.saved_bytes > 30 * tokens * h  # bytes; 38*s*b*h for this narrow MLP (Mistral-7B: 49)
     assert ckpt.recompute_peak_bytes >= full.saved_bytes  # the recompute rebuilds what full training saves
+
+
+def _layout(model: torch.nn.Module):
+    """Every module's name and class, every parameter's name, shape, dtype and whether it trains."""
+    modules = [(name, type(module).__name__) for name, module in model.named_modules()]
+    params = [(name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in model.named_parameters()]
+    return modules, params
+
+
+@pytest.mark.parametrize("overrides", [
+    ["memory_profile=full", "train.precision=fp32"],
+    ["memory_profile=lora", "train.precision=bf16", "hardware.bf16=true", "train.gradient_checkpointing=true"],  # fp32 head, fp32 adapters
+    ["memory_profile=lora", "train.precision=bf16", "hardware.bf16=true", "health.fp32_head=false", "lora.target_modules=[q_proj,v_proj]"],
+], ids=["full-fp32", "lora-bf16-fp32-head", "lora-qv-bf16"])
+def test_the_traced_model_is_the_trained_model(overrides, fresh_accelerator_state):
+    """The estimate's model (built on the meta device for the trace) has the modules, parameter shapes,
+    dtypes and trainable flags of the model a run trains, as ``rm.run_setup`` builds and prepares it."""
+    from rm.engine import AccelerateEngine
+    from rm.memory.monitor import MemoryMonitor
+    from rm.run_setup import _build_model
+    from rm.validate import validate
+
+    cfg = compose(["experiment=tiny", *overrides])
+    plan = validate(cfg, 1, "test")
+    engine = AccelerateEngine(cpu=True, precision=plan.precision, gradient_accumulation_steps=1, max_grad_norm=1.0)
+    _build_model(cfg, plan, engine, 0, MemoryMonitor("cpu"), 10)
+    trained = engine.unwrapped_model()
+    traced_model_of_run = traced_model(cfg, plan).build(cfg.model.num_hidden_layers)
+    assert {p.device.type for p in traced_model_of_run.parameters()} == {"meta"}
+    assert _layout(traced_model_of_run) == _layout(trained)
+
+
+def test_one_tracker_counts_a_run_and_a_timeline_alike():
+    """The monitor's running count (no event list) and the trace's timeline agree on a real step."""
+    torch.manual_seed(0)
+    groups, kwargs = factory_args(torch.float32, False, 8)
+    model = build_reward_model(*groups, **kwargs, pad_token_id=0)
+    ids = torch.randint(1, MODEL.vocab_size, (BATCH, SEQ))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    counted, timeline = StorageTracker(), StorageTracker(timeline=True)
+    for tracker in (counted, timeline):
+        tracker.register(list(model.parameters()))
+        with tracker:
+            _loss(model, ids, mask).backward()
+        model.zero_grad(set_to_none=True)
+    assert counted.peak == timeline.peak == max(timeline.live_after_each_event()) > 0
+    with pytest.raises(RuntimeError, match="keeps no events"):
+        counted.mark("x")

@@ -7,7 +7,7 @@ import pytest
 from rm.data.build import build_split, run_tokenizer
 from rm.data.counts import Drop
 from rm.errors import DataError
-from rm.estimate import compose
+from rm.config import compose
 from rm.data.synthetic import generate_pairs
 
 

@@ -164,7 +164,7 @@ def test_export_cli_without_a_bundle_exits_2(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
-    from rm.estimate import compose
+    from rm.config import compose
     from rm.data.build import run_tokenizer
     from rm.model import build_model
 

@@ -9,7 +9,8 @@ import time
 import pytest
 
 import rm.train as rm_train
-from rm.estimate import GIB, cannot_fit, compose, estimate_each, estimate_run, parameter_counts, suggestions, with_overrides
+from rm.config import compose
+from rm.memory.estimate import GIB, cannot_fit, estimate_each, estimate_run, parameter_counts, suggestions, with_overrides
 from rm.hardware import resolve_hardware
 from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY
@@ -123,7 +124,7 @@ def test_suggestions_really_fit_when_estimated_again():
 def test_a_run_refused_without_a_trace_is_refused_by_the_full_estimate(overrides, refused):
     """``cannot_fit`` is a lower bound (the optimizer step without activations): it may only refuse what
     the traced estimate refuses too, and then no trace runs."""
-    from rm.activations import _trace
+    from rm.memory.trace import _trace
 
     cfg, plan = planned(overrides)
     before = _trace.cache_info()
@@ -134,7 +135,7 @@ def test_a_run_refused_without_a_trace_is_refused_by_the_full_estimate(overrides
 
 
 def test_candidates_estimated_in_forked_processes_equal_the_estimates_made_here():
-    from rm.activations import _trace
+    from rm.memory.trace import _trace
 
     jobs = [planned(["memory_profile=lora", f"train.micro_batch_size={m}", "train.global_batch_size=16"]) for m in (1, 2, 4)]
     jobs.append(planned(["memory_profile=full", "model.attn_implementation=eager"]))
@@ -252,7 +253,7 @@ def test_ddp_keeps_gradients_in_buckets_for_the_whole_step():
 def test_zero2_partition_holds_whole_parameters_on_each_side_of_a_boundary():
     """16 + 8 + 8 elements over 2 ranks: slices [0, 16) and [16, 32): no tensor straddles. Over 4 ranks
     (slices of 8): the 16-element tensor touches ranks 0 and 1, whole on both."""
-    from rm.estimate import zero_partition_numels
+    from rm.memory.estimate import zero_partition_numels
 
     assert zero_partition_numels([16, 8, 8], 2) == [16, 16]
     assert zero_partition_numels([16, 8, 8], 4) == [16, 16, 8, 8]

@@ -20,7 +20,7 @@ from rm.data.build import build_split  # noqa: E402
 from rm.data.normalise import normalise_pairs  # noqa: E402
 from rm.data.tokenise import pair_lengths, tokenize_pairs  # noqa: E402
 from rm.data.synthetic import write_synthetic  # noqa: E402
-from rm.estimate import compose  # noqa: E402
+from rm.config import compose  # noqa: E402
 from rm.hardware import resolve_hardware  # noqa: E402
 from rm.data.build import run_tokenizer  # noqa: E402
 from rm.validate import ConfigError, validate  # noqa: E402

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import rm.train as rm_train
+import rm.model as rm_model
 import rm.run_setup as run_setup
 import rm.trainer as trainer
 from rm.health import (
@@ -227,14 +228,14 @@ def test_learning_rate_zero_and_zero_head_raise_ln2_and_chance_alarms(tiny_cfg, 
     """A run that cannot learn: a zero-initialised head gives every sequence reward 0, so every step's
     loss is exactly -log sigmoid(0) = ln 2, and with learning rate 0 it stays so; every eval pair ties
     (accuracy 0: a tie counts as wrong). The run still finishes and keeps its data."""
-    real_build_model, real_build_optimizer = run_setup.build_model, run_setup.build_optimizer
+    real_build_model, real_build_optimizer = rm_model.build_model, run_setup.build_optimizer
 
     def zero_head_model(*args, **kwargs):
         model = real_build_model(*args, **kwargs)
         torch.nn.init.zeros_(model.score.weight)
         return model
 
-    monkeypatch.setattr(run_setup, "build_model", zero_head_model)
+    monkeypatch.setattr(rm_model, "build_model", zero_head_model)  # what the factory, build_reward_model, calls
     # train.learning_rate=0 is refused by validation; the optimizer gets it directly.
     monkeypatch.setattr(run_setup, "build_optimizer", lambda m, profile, lr, *rest: real_build_optimizer(m, profile, 0.0, *rest))
     result = rm_train.train(tiny_cfg("train.max_steps=4", "health.ln2_steps=4", *SHORT), tmp_path)
@@ -307,7 +308,7 @@ def test_pad_token_inside_texts_raises_an_alarm_and_trains(tiny_cfg, tmp_path, m
 
 @pytest.mark.parametrize("profile", ["full", "lora"])
 def test_head_frozen_by_mistake_raises_an_alarm(tiny_cfg, tmp_path, monkeypatch, profile):
-    real = run_setup.apply_memory_profile
+    real = rm_model.apply_memory_profile
 
     def freeze_head(model, *args):
         model = real(model, *args)
@@ -316,7 +317,7 @@ def test_head_frozen_by_mistake_raises_an_alarm(tiny_cfg, tmp_path, monkeypatch,
                 param.requires_grad_(False)
         return model
 
-    monkeypatch.setattr(run_setup, "apply_memory_profile", freeze_head)
+    monkeypatch.setattr(rm_model, "apply_memory_profile", freeze_head)  # what the factory calls
     result = rm_train.train(tiny_cfg(f"memory_profile={profile}", "train.max_steps=2", "train.eval_steps=0"), tmp_path)
     assert result["status"] == "ok" and result["alarms"] == ["head_no_gradient"]
     alarm = alarms_in(tmp_path)["head_no_gradient"]
@@ -392,16 +393,6 @@ def test_consecutive_skips_stop_the_run(tiny_cfg, tmp_path, monkeypatch):
     result = rm_train.train(cfg, tmp_path)
     assert (result["status"], result["step"], result["skipped_steps"]) == ("stopped_nonfinite", 2, 2)
     assert "2 non-finite steps in a row up to step 3" in result["reason"]
-
-
-@pytest.fixture
-def fresh_accelerator_state():
-    """accelerate keeps one mixed-precision setting per process; let a test pick another, then restore."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-    AcceleratorState._reset_state(reset_partial_state=True)
 
 
 def test_bf16_run_trains_an_fp32_head(tiny_cfg, tmp_path, fresh_accelerator_state):

@@ -120,7 +120,7 @@ def test_packed_estimate_matches_measured_peak(tmp_path, budget):
     each micro-batch fills its row exactly: 128 tokens = 4 pairs for the budget; 8 x 2 x 16 = 256
     tokens without one. The live-tensor count (train.track_memory) is then exactly what is estimated.
     """
-    from rm.estimate import compose
+    from rm.config import compose
 
     overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
                  "train.track_memory=true", "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"]

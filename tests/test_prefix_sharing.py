@@ -5,6 +5,7 @@ Speed is not tested here: ``benchmarks/bench_vs_trl.py`` measures it (docs/throu
 """
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from rm.config import to_run_config
 from rm.data.collator import PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.data.tokenise import truncate_left
 from rm.loss import bradley_terry_loss
-from rm.model import apply_memory_profile, build_model, pair_rewards
+from rm.model import apply_memory_profile, build_model, build_reward_model, pair_rewards
 from rm.prefix_sharing import allowed
 from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
@@ -225,34 +226,31 @@ def test_activation_estimate_matches_a_real_shared_step(attn, checkpointing):
     """``estimate_activations(shared_prefix=True)`` against one real step of a 64-token prefix-shared row
     (two pairs of a 20-token prefix and 6-token suffixes), its 4D mask built inside the step as the
     trainer builds it: within the 5% the pre-flight check promises (it matched to the byte when written)."""
-    from rm.activations import StorageTimeline, estimate_activations
-    from tests.test_activations import LAYERS, SHAPE, TOLERANCE
-
-    from rm.config import ModelConfig
+    from rm.memory.storage import StorageTracker
+    from rm.memory.trace import estimate_activations
+    from tests.test_activations import LAYERS, MODEL, TOLERANCE, factory_args, traced
 
     torch.manual_seed(0)
-    model_cfg = ModelConfig(name="t", model_type="mistral", vocab_size=SHAPE.vocab_size, hidden_size=SHAPE.hidden_size,
-                            intermediate_size=SHAPE.intermediate_size, num_hidden_layers=LAYERS,
-                            num_attention_heads=SHAPE.num_attention_heads, num_key_value_heads=SHAPE.num_key_value_heads,
-                            max_position_embeddings=64, attn_implementation=attn)
-    model = build_model(model_cfg, pad_token_id=0, precision="fp32", gradient_checkpointing=checkpointing)
+    model_cfg = replace(MODEL, attn_implementation=attn)
+    groups, kwargs = factory_args(torch.float32, checkpointing, 0, model_cfg)
+    model = build_reward_model(*groups, **kwargs, pad_token_id=0)
     prefix = torch.randint(1, 512, (2, 20)).tolist()
     features = [{"chosen_input_ids": p + [10] * 6, "rejected_input_ids": p + [11] * 6} for p in prefix]
     b = PrefixSharedCollator()(features)
     assert b["input_ids"].shape == (1, 64)
-    timeline = StorageTimeline()
-    timeline.ignore(list(model.parameters()) + list(model.buffers()) + [v for v in b.values()])
-    with timeline:
+    tracker = StorageTracker(timeline=True)
+    tracker.ignore(list(model.parameters()) + list(model.buffers()) + [v for v in b.values()])
+    with tracker:
         chosen, rejected = pair_rewards(model, b["input_ids"], position_ids=b["position_ids"], ends=b["ends"],
                                         pair_ids=b["pair_ids"], roles=b["roles"])
         loss = bradley_terry_loss(chosen, rejected)
         del chosen, rejected
         loss.backward()
         del loss
-    timeline.exclude([p.grad for p in model.parameters() if p.grad is not None])
-    measured = max(timeline.live())
-    est = estimate_activations(SHAPE, LAYERS, 1, 64, torch.float32, checkpointing, attn, shared_prefix=True)
-    plain = estimate_activations(SHAPE, LAYERS, 1, 64, torch.float32, checkpointing, attn, packed=True)
+    tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
+    measured = max(tracker.live_after_each_event())
+    est = estimate_activations(traced(torch.float32, checkpointing, 0, model_cfg), LAYERS, 1, 64, shared_prefix=True)
+    plain = estimate_activations(traced(torch.float32, checkpointing, 0, model_cfg), LAYERS, 1, 64, packed=True)
     print(f"\n{attn} ckpt={checkpointing}: measured {measured}, estimated {est['peak_bytes']}, packed row {plain['peak_bytes']}")
     assert abs(est["peak_bytes"] - measured) / measured <= TOLERANCE, (est["peak_bytes"], measured)
     # A shared row costs what a packed row of as many tokens costs: both build one (1, 1, T, T) mask.
@@ -264,7 +262,7 @@ def test_run_estimate_bounds_the_measured_peak(tmp_path, packing):
     """A whole run (train.track_memory counts live tensors): the pre-flight estimate sizes rows for the worst
     case, a pair with no common prefix (2 x max_length tokens); the synthetic pairs share their prompt, so
     the measured peak is lower, but by little at this length (data.max_length=16 cuts most prompts)."""
-    from rm.estimate import compose
+    from rm.config import compose
 
     overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
                  "train.track_memory=true", "train.share_prefix=true", f"train.packing={packing}",

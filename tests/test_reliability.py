@@ -206,7 +206,7 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
 @pytest.mark.reliability("Data", "zero usable pairs after filtering", "`data local [train]: no usable pairs left (pairs 4 -> 0 used: ...)`")
 def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
     from rm.data.build import build_split, run_tokenizer
-    from rm.estimate import compose
+    from rm.config import compose
 
     rows = [{"prompt": "Human: hi", "chosen": " same", "rejected": " same"}] * 3 + [{"prompt": "x", "chosen": "", "rejected": "y"}]
     path = tmp_path / "pairs.jsonl"

@@ -13,77 +13,11 @@ from __future__ import annotations
 
 import os
 import resource
-import weakref
 from typing import Dict, Iterable, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Count the bytes of live tensor storages and their peak.
-
-    Example:
-        >>> with LiveTensorBytes() as tracker:
-        ...     a = torch.zeros(1024)          # 4096 bytes
-        ...     b = torch.zeros(2048)          # 8192 bytes
-        ...     del a
-        ...     c = torch.zeros(256)           # 1024 bytes
-        >>> tracker.peak, tracker.live
-        (12288, 9216)
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._storages: Dict[int, int] = {}  # id of the storage's PyObject -> nbytes
-        self.active = False
-
-    def __enter__(self):
-        self.active = True
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.active = False
-        return super().__exit__(*exc)
-
-    def register(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Count tensors that already exist (weights, a loaded optimizer state)."""
-        for tensor in tensors:
-            if isinstance(tensor, torch.Tensor):
-                self._add(tensor)
-
-    def _add(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta":
-            return
-        try:
-            storage = tensor.untyped_storage()
-        except (NotImplementedError, RuntimeError):  # e.g. sparse or functional wrappers
-            return
-        key = id(storage)
-        if key in self._storages:
-            return
-        nbytes = storage.nbytes()
-        self._storages[key] = nbytes
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        # torch keeps one PyObject per live storage, so this fires when the storage itself is freed.
-        weakref.finalize(storage, self._free, key)
-
-    def _free(self, key: int) -> None:
-        self.live -= self._storages.pop(key, 0)
-
-    def reset_peak(self) -> None:
-        self.peak = self.live
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self._add(tensor)
-        return out
+from rm.memory.storage import StorageTracker
 
 
 def current_rss_bytes() -> int:
@@ -114,7 +48,7 @@ class MemoryMonitor:
 
     def __init__(self, device: torch.device, track_cpu_tensors: bool = False):
         self.device = torch.device(device)
-        self.tracker: Optional[LiveTensorBytes] = None
+        self.tracker: Optional[StorageTracker] = None
         self.rss_start = current_rss_bytes()
         self.cuda_used_start: Optional[int] = None
         if self.device.type == "cuda":
@@ -122,7 +56,7 @@ class MemoryMonitor:
             self.cuda_used_start = total - free  # the context and other processes, before this run allocates
             torch.cuda.reset_peak_memory_stats(self.device)
         elif track_cpu_tensors:
-            self.tracker = LiveTensorBytes()
+            self.tracker = StorageTracker()
 
     def start(self) -> "MemoryMonitor":
         if self.tracker is not None:
@@ -166,7 +100,7 @@ class MemoryMonitor:
                 **rss,
             }
         if self.tracker is not None:
-            return {"method": "live CPU tensor storages (rm.memory_monitor.LiveTensorBytes)",
+            return {"method": "live CPU tensor storages (rm.memory.storage.StorageTracker)",
                     "peak_allocated_bytes": self.tracker.peak, **rss}
         return {"method": "not tracked (train.track_memory=false on a CPU)", **rss}
 

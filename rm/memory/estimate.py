@@ -1,0 +1,556 @@
+"""The pre-flight memory estimate: what one device will hold at the peak of a training step.
+
+Weights, gradients and optimizer states are arithmetic on exact parameter counts
+(from the model's shape numbers; no weights are read), one small function per term
+(:func:`weight_bytes`, :func:`deepspeed_terms`, :func:`host_bytes`, :func:`device_terms`, ...),
+each naming the library code it models. Activations come from tracing the run's own
+model with fake tensors (:mod:`rm.memory.trace`). Terms not yet calibrated on a GPU
+(the CUDA context) or at all (DeepSpeed ZeRO-3 buffers) are reported as such.
+The command line (``python -m rm.estimate``) is :mod:`rm.estimate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+
+from rm.config import LoraConfig, ModelConfig, RunConfig
+from rm.precision import Precision
+
+if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
+    from rm.memory.trace import TracedModel
+    from rm.validate import Plan
+
+GIB = 1024**3
+MIB = 1024**2
+# Device-level terms that only a GPU shows. None is measured yet (no GPU has been at hand); each is an
+# assumption, printed as such next to its value, until `benchmarks/memory_calibration.py --device cuda`
+# measures it.
+CUDA_CONTEXT_BYTES = 1 * GIB  # CUDA context, kernels loaded lazily, cuBLAS/cuDNN workspaces
+NCCL_BUFFER_BYTES = 512 * MIB  # NCCL's channel buffers and its own streams, per process, with >1 process
+# PyTorch's caching allocator rounds blocks up (512 B; large segments to 2 MiB) and keeps freed
+# blocks reserved. max_memory_reserved exceeds max_memory_allocated by the fragmentation of the
+# step's short-lived tensors; assumed 10% of them, plus one 20 MiB segment of small blocks.
+ALLOCATOR_FRAGMENTATION = 0.10
+ALLOCATOR_SMALL_SEGMENTS = 20 * MIB
+# A share of the device kept free by default (hardware.headroom_gib=null): the bound the calibration
+# holds every point to on the low side (no estimate more than 2% under a measured peak).
+DEFAULT_HEADROOM_FRACTION = 0.02
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int  # every parameter the training process holds (LoRA: base + adapters + head copy)
+    trainable: int
+    base: int  # the plain model
+    trainable_tensors: List[int] = field(default_factory=list)  # numel of each trainable tensor
+    tensors: List[int] = field(default_factory=list)  # numel of every parameter tensor (ZeRO-3 partitions each)
+
+
+def _linear_shapes(m: ModelConfig) -> Dict[str, tuple]:
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    q, kv = m.num_attention_heads * head_dim, m.num_key_value_heads * head_dim
+    bias = m.model_type == "qwen2"  # Qwen2 has biases on q/k/v
+    h, i = m.hidden_size, m.intermediate_size
+    return {
+        "q_proj": (h, q, bias), "k_proj": (h, kv, bias), "v_proj": (h, kv, bias), "o_proj": (q, h, False),
+        "gate_proj": (h, i, False), "up_proj": (h, i, False), "down_proj": (i, h, False),
+    }
+
+
+def parameter_counts(m: ModelConfig, lora: Optional[LoraConfig]) -> ParameterCounts:
+    """Exact parameter counts of ``AutoModelForSequenceClassification`` (one label) for Mistral/Llama/Qwen2.
+
+    Example (the tiny model: embedding 512x128, two layers of 147,712, final norm, score head):
+        >>> from rm.config import ModelConfig
+        >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+        >>> parameter_counts(m, None).total
+        361216
+    """
+    shapes = _linear_shapes(m)
+    h = m.hidden_size
+    layer_tensors = [i * o for i, o, _ in shapes.values()] + [o for _, o, b in shapes.values() if b] + [h, h]
+    layer = sum(layer_tensors)
+    base = m.vocab_size * h + m.num_hidden_layers * layer + h + h  # embedding, layers, final norm, score (h x 1)
+    base_tensors = [m.vocab_size * h] + layer_tensors * m.num_hidden_layers + [h, h]
+    if lora is None:
+        return ParameterCounts(base, base, base, base_tensors, base_tensors)
+    adapter = [lora.r * n for name in lora.target_modules if name in shapes for n in shapes[name][:2]]
+    adapters = m.num_hidden_layers * sum(adapter)
+    # PEFT's modules_to_save keeps the original head and trains a copy of it.
+    tensors = adapter * m.num_hidden_layers + [h]
+    return ParameterCounts(base + adapters + h, adapters + h, base, tensors, base_tensors + tensors)
+
+
+def adamw_state_bytes(tensor_numels: List[int], state_bytes: int, eight_bit: bool) -> int:
+    """Bytes of AdamW's two moment buffers for these tensors.
+
+    bitsandbytes' 8-bit AdamW keeps uint8 moments with one fp32 scale per 256-element block
+    for each, plus two 256-entry fp32 code maps per tensor; tensors under 4096 elements keep
+    fp32 moments.
+
+    >>> adamw_state_bytes([1024 * 1024], state_bytes=4, eight_bit=False)
+    8388608
+    >>> adamw_state_bytes([1024 * 1024, 128], state_bytes=4, eight_bit=True)   # 2 MiB + scales + maps; 128 fp32
+    2132992
+    """
+    if not eight_bit:
+        return 2 * state_bytes * sum(tensor_numels)
+    total = 0
+    for n in tensor_numels:
+        total += 2 * n + 2 * 4 * math.ceil(n / 256) + 2 * 256 * 4 if n >= 4096 else 8 * n
+    return total
+
+
+def zero_partition_numels(tensor_numels: List[int], world_size: int) -> List[int]:
+    """Per rank, the elements of the whole parameters that touch its ZeRO-1/2 partition.
+
+    DeepSpeed flattens the trainable parameters in order, pads the flat buffer to a multiple of
+    2 x world size, and gives rank ``r`` the ``r``-th equal slice. Its gradient partition buffer
+    (``grads_in_partition``) holds every parameter that overlaps the slice whole, so a parameter
+    that straddles a boundary is counted on both sides.
+
+    Example: 10 and 6 elements over 2 ranks: slices [0, 8) and [8, 16); the first tensor straddles.
+        >>> zero_partition_numels([10, 6], 2)
+        [10, 16]
+    """
+    align = 2 * world_size
+    total = sum(tensor_numels)
+    size = math.ceil(total / align) * align // world_size
+    out = []
+    for rank in range(world_size):
+        lo, hi, start, touching = rank * size, (rank + 1) * size, 0, 0
+        for numel in tensor_numels:
+            if start < hi and start + numel > lo:
+                touching += numel
+            start += numel
+        out.append(touching)
+    return out
+
+
+@dataclass
+class Estimate:
+    """Per-device bytes at the peak, and the verdict."""
+
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int
+    evaluation: int  # the peak of one scoring forward at train.eval_batch_size, above the weights
+    temporaries: int
+    overhead: int  # engine buffers that live as long as the engine (offload staging)
+    allocated_bytes: int  # the peak of live tensors: what max_memory_allocated measures on a GPU
+    allocator_reserve: int  # CUDA: the caching allocator's rounding and cached free blocks
+    cuda_context: int
+    communication: int  # CUDA with several processes: NCCL buffers
+    peak_bytes: int  # what the device holds at the peak: allocated + reserve + context + communication
+    peak_phase: str
+    usable_bytes: int  # device capacity less headroom
+    headroom_bytes: int
+    fits: bool
+    host_ram_bytes_per_node: int
+    params_total: int
+    params_trainable: int
+    uncalibrated: List[str]
+    world_size: int = 1
+    world_size_source: str = "given"
+
+    def to_dict(self) -> Dict:
+        return asdict(self)
+
+
+@dataclass
+class TraceFreeTerms:
+    """Per-device bytes that are arithmetic on parameter counts: no trace needed.
+
+    ``reduction``: DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own;
+    ``step_extra``: buffers only the optimizer step allocates; ``overhead``: engine buffers that live as long
+    as the engine; ``host``: host RAM per node.
+    """
+
+    counts: ParameterCounts
+    weights: int
+    gradients: int
+    states: int
+    temporaries: int = 0
+    overhead: int = 0
+    reduction: int = 0
+    step_extra: int = 0
+    host: int = 0
+    uncalibrated: List[str] = field(default_factory=list)
+
+
+def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int) -> Tuple[int, int, List[str]]:
+    """Device bytes of the weights, bytes per trained element, and what is not calibrated.
+
+    The base sits in the weight dtype (under QLoRA: 4-bit NF4 linear layers, the rest in fp32); LoRA adapters and the head
+    copy PEFT trains (``modules_to_save``) in fp32, the original head in the weight dtype.
+    """
+    if not profile.use_lora:
+        return counts.base * wbytes, wbytes, []
+    base_bytes, uncalibrated = counts.base * wbytes, []
+    if profile.quantize_base == "nf4":
+        linear = m.num_hidden_layers * sum(i * o for i, o, _ in _linear_shapes(m).values())
+        # 4 bits per weight plus double-quantised block scales (about 0.127 bits per weight).
+        # prepare_model_for_kbit_training casts every weight that is not 4-bit (embedding, norms, head) to fp32.
+        base_bytes = (counts.base - linear) * 4 + math.ceil(linear * 4.127 / 8)
+        uncalibrated.append("4-bit NF4 weights")
+    return base_bytes + (counts.trainable - m.hidden_size) * 4 + m.hidden_size * wbytes, 4, uncalibrated
+
+
+def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persistence: int, n: int) -> int:
+    """ZeRO-3 shards every parameter but those under ``stage3_param_persistence_threshold``, kept whole."""
+    if n == 1:
+        return weights
+    persistent = sum(x for x in counts.tensors if x < persistence) * wbytes
+    return (weights - persistent) // n + persistent
+
+
+def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights: int, trained_bytes: int,
+                    wbytes: int, uncalibrated: List[str]) -> TraceFreeTerms:
+    """What DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) allocates beside the weights."""
+    from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
+
+    n, stage, profile = plan.world_size, plan.zero_stage, cfg.memory_profile
+    buckets = deepspeed_buckets(stage, cfg.model.hidden_size, counts.trainable)  # as rm.engine configures them
+    bucket = buckets["reduce"]
+    if stage == 3:
+        uncalibrated.append("DeepSpeed ZeRO-3 buffers")
+    shard = math.ceil(counts.trainable / n)
+    t = TraceFreeTerms(counts, weights, gradients=counts.trainable * trained_bytes,
+                       states=shard * (4 + 8),  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
+                       uncalibrated=uncalibrated)
+    if stage >= 2:
+        t.gradients = shard * trained_bytes
+        if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
+            t.gradients = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+        # Two contiguous gradient buckets (overlap_comm), each allocated at full size during backward.
+        t.temporaries = 2 * bucket * trained_bytes
+    else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
+        t.temporaries = bucket * trained_bytes
+    if stage == 3 and n > 1:
+        # DeepSpeed's coordinator (partitioned_param_coordinator.py) releases a parameter after its module
+        # runs unless it is used again within stage3_max_reuse_distance elements of the trace: every
+        # parameter gathered in the forward is used again in the backward, so up to that distance (and the
+        # live limit) all of them are alive when the backward starts. Measured on 2 CPU processes: every
+        # non-persistent parameter gathered once, one gradient bucket, and the reduce-scatter input of the
+        # largest gradient (a parameter bigger than the bucket is reduced on its own).
+        persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
+        gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
+        t.temporaries = bucket * trained_bytes + gathered + max(counts.trainable_tensors) * trained_bytes
+    # One process: each partition is its whole parameter and nothing is gathered (measured).
+    if stage == 3:
+        # The step flattens each sub-group's gradient partition (stage3.py, _prepare_fp32_grad_for_sub_group)
+        # and casts the copy to fp32, the optimizer's gradient (sub-groups of DeepSpeed's default 1e9 elements).
+        flat = min(shard, 1_000_000_000)
+        t.step_extra = flat * trained_bytes + (flat * 4 if trained_bytes != 4 else 0)
+    if profile.offload_optimizer:
+        # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
+        # master weights and moments, the fp32 gradient partition, a weight-dtype copy of the
+        # partition for the upload, per-parameter accumulation buffers when accumulating, and a
+        # staging buffer the size of the largest parameter; the device keeps its twin.
+        largest = max(counts.trainable_tensors) * trained_bytes
+        t.gradients = 0
+        t.states += shard * (4 + trained_bytes) + largest
+        if plan.gradient_accumulation_steps > 1 and stage < 3:  # ZeRO-3 accumulates into its partition (measured)
+            t.states += shard * trained_bytes
+        t.overhead = largest
+        if plan.device == "cuda":
+            t.host, t.states = plan_procs_per_node(cfg, plan) * t.states, 0
+    if stage < 3 and n > 1:
+        # reduce_ipg_grads all-reduces the bucket in place (rm sets reduce_scatter=false: DeepSpeed's
+        # reduce-scatter path would all-reduce a flattened copy), then copy_grads_in_partition allocates the
+        # partition of whole parameters that touch this rank's slice; offloaded, the partition is among the
+        # host states.
+        partition = 0 if profile.offload_optimizer else max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+        t.reduction = weights + t.states + partition + t.temporaries
+    elif stage < 3 and not profile.offload_optimizer and plan.gradient_accumulation_steps > 1:
+        # One process while accumulating: a fresh gradient partition is filled while the previous
+        # micro-batch's is still held (measured on CPU).
+        t.reduction = weights + t.states + 2 * t.gradients + t.temporaries
+    return t
+
+
+def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
+    """Weights, gradients, optimizer states, engine buffers and host RAM: everything but activations."""
+    from rm.engine import deepspeed_buckets
+
+    m, profile = cfg.model, cfg.memory_profile
+    counts = parameter_counts(m, cfg.lora if profile.use_lora else None)
+    wbytes = Precision.of(plan.precision).weight_bytes
+    weights, trained_bytes, uncalibrated = weight_bytes(m, profile, counts, wbytes)
+    if plan.zero_stage == 3:
+        persistence = deepspeed_buckets(3, m.hidden_size, counts.trainable)["persistence"]
+        weights = zero3_weight_bytes(weights, counts, wbytes, persistence, plan.world_size)
+    if plan.strategy == "deepspeed":
+        t = deepspeed_terms(cfg, plan, counts, weights, trained_bytes, wbytes, uncalibrated)
+    else:
+        states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
+        t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
+    t.host += host_bytes(cfg, plan, counts, t.states, wbytes)
+    return t
+
+
+def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int, wbytes: int) -> int:
+    """Host RAM per node beyond what the engine keeps there: loading, resuming and the export check."""
+    host = 0
+    if cfg.model.pretrained:
+        # from_pretrained reads the checkpoint into host memory in every process before moving it.
+        host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
+    if cfg.train.resume and plan.device == "cuda":
+        # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
+        # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
+        # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.
+        saved = math.ceil(counts.trainable / plan.world_size) * (4 + 8) if plan.strategy == "deepspeed" else states
+        host += plan_procs_per_node(cfg, plan) * saved
+    # The export check reloads the saved model on the CPU of the main process (rm.export), beside
+    # whatever the host already holds for this node's processes.
+    return host + counts.total * wbytes
+
+
+def device_terms(plan: Plan, activations: int, temporaries: int) -> Tuple[int, int, int, List[str]]:
+    """What a CUDA device holds beyond live tensors: allocator reserve, context, NCCL buffers (all assumed)."""
+    if plan.device != "cuda":
+        return 0, 0, 0, []
+    reserve = int(ALLOCATOR_FRAGMENTATION * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
+    communication = NCCL_BUFFER_BYTES if plan.world_size > 1 else 0
+    return reserve, CUDA_CONTEXT_BYTES, communication, ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
+
+
+def usable_bytes(plan: Plan) -> Tuple[int, int]:
+    """Device capacity less headroom, and the headroom (``hardware.headroom_gib``, or a share of the capacity)."""
+    capacity = int(plan.hardware.device_memory_gib * GIB)
+    headroom = int(capacity * DEFAULT_HEADROOM_FRACTION if plan.hardware.headroom_gib is None else plan.hardware.headroom_gib * GIB)
+    return capacity - headroom, headroom
+
+
+def cannot_fit(cfg: RunConfig, plan: Plan) -> bool:
+    """True when the optimizer step alone (weights, gradients, states, engine buffers, device terms) exceeds
+    the usable memory: the run is refused whatever its activations, so no trace is needed to say so."""
+    t = trace_free_terms(cfg, plan)
+    _, context, communication, _ = device_terms(plan, 0, 0)
+    step = t.weights + t.gradients + t.states + t.temporaries + t.step_extra + t.overhead
+    return step + context + communication > usable_bytes(plan)[0]
+
+
+def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
+    """The model the run trains, as the trace builds it. flash_attention_2 and flex_attention cannot be
+    traced on the CPU; SDPA's footprint stands in (it bounds flex-attention's, a BlockMask, not T x T)."""
+    from rm.health import fp32_head_enabled
+    from rm.memory.trace import TracedModel
+
+    m = cfg.model
+    if m.attn_implementation in ("flash_attention_2", "flex_attention"):
+        m = replace(m, attn_implementation="sdpa")
+    return TracedModel.of(m, cfg.memory_profile, cfg.lora, precision=plan.precision,
+                          gradient_checkpointing=cfg.train.gradient_checkpointing,
+                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision))
+
+
+def activation_terms(cfg: RunConfig, plan: Plan) -> Tuple[Dict, int, int, bool]:
+    """The traced activations of one training micro-batch, its input tensors, the evaluation forward's peak,
+    and whether gradients are already allocated when the micro-batch runs (accumulating)."""
+    from rm.memory.trace import estimate_activations, inference_peak_bytes
+
+    t = cfg.train
+    traced = traced_model(cfg, plan)
+    # Activations of one micro-batch (2 sequences per pair), padded to max_length as the worst case.
+    # Packed (train.packing): one row of at most the token budget, or of micro-batch x 2 x max_length.
+    batch, seq_len = 2 * plan.micro_batch_size, cfg.data.max_length
+    accumulating = plan.gradient_accumulation_steps > 1
+    if t.packing:
+        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * plan.micro_batch_size * cfg.data.max_length
+        # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
+        accumulating = accumulating or seq_len < 2 * (t.global_batch_size // plan.world_size) * cfg.data.max_length
+    if t.share_prefix:
+        batch, seq_len = shared_prefix_rows(plan.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
+    act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating,
+                               packed=t.packing, shared_prefix=t.share_prefix)
+    # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
+    inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
+    evaluation = inference_peak_bytes(traced, 2 * t.eval_batch_size, cfg.data.max_length) \
+        + 2 * (2 * t.eval_batch_size) * cfg.data.max_length * 8
+    return act, inputs, evaluation, accumulating
+
+
+def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
+    """The estimate for a validated config, on the plan's hardware and micro-batch."""
+    t = trace_free_terms(cfg, plan)
+    act, inputs, evaluation, accumulating = activation_terms(cfg, plan)
+    activations, temporaries = act["peak_bytes"], t.temporaries + inputs
+
+    # The step's peak: during backward (states exist from the first step; gradients are fully
+    # allocated while accumulating, and are being created while activations are freed otherwise),
+    # or at the optimizer step (weights + gradients + states, activations gone).
+    # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
+    # which exist from the wrap on: they are always alive.
+    ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
+    # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
+    zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1
+    if accumulating or ddp_buckets or zero3_partition:
+        backward = t.weights + t.states + t.gradients + activations
+    else:
+        backward = t.weights + t.states + max(activations, t.gradients)
+    # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions, DDP its buckets).
+    kept_gradients = t.gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
+    phases = {
+        "forward/backward": backward + temporaries,
+        "optimizer step": t.weights + t.gradients + t.states + temporaries + t.step_extra,
+        "gradient reduction": t.reduction,
+        "evaluation": t.weights + t.states + kept_gradients + evaluation,
+        "load": t.weights,
+    }
+    phase = max(phases, key=phases.get)
+    allocated = phases[phase] + t.overhead
+    reserve, context, communication, device_assumed = device_terms(plan, activations, temporaries)
+    usable, headroom = usable_bytes(plan)
+    peak = allocated + reserve + context + communication
+    return Estimate(
+        weights=t.weights, gradients=t.gradients, optimizer_states=t.states, activations=activations,
+        evaluation=evaluation, temporaries=temporaries, overhead=t.overhead, allocated_bytes=allocated,
+        allocator_reserve=reserve, cuda_context=context, communication=communication, peak_bytes=peak, peak_phase=phase,
+        usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
+        host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
+        uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
+    )
+
+
+def shared_prefix_rows(micro_batch_size: int, max_length: int, max_tokens: int, packing: bool) -> Tuple[int, int]:
+    """Rows x length of the largest prefix-shared micro-batch (``train.share_prefix``), which activations follow.
+
+    A pair takes prefix + two suffixes, at most chosen + rejected = ``2 x max_length`` tokens (no common
+    prefix), the worst case the estimate must hold. Packed: one row of the token budget, or of every pair
+    of the micro-batch; otherwise one row per pair.
+
+    >>> shared_prefix_rows(4, 512, 0, packing=False), shared_prefix_rows(4, 512, 2048, packing=True)
+    ((4, 1024), (1, 2048))
+    """
+    if packing:
+        return 1, max_tokens or 2 * micro_batch_size * max_length
+    return micro_batch_size, 2 * max_length
+
+
+def shared_prefix_input_bytes(rows: int, seq_len: int) -> int:
+    """The int64 token ids, position ids, pair ids and roles of a prefix-shared micro-batch, alive through the step.
+
+    The 4D mask built from them is in the activations: the trace builds it as ``rm.model`` does.
+    """
+    return 4 * rows * seq_len * 8
+
+
+def plan_procs_per_node(cfg: RunConfig, plan: Plan) -> int:
+    return min(plan.world_size, plan.hardware.gpus_per_node)
+
+
+def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str) -> List[List[str]]:
+    """Changes that may fit, cheapest first (least slowdown, model unchanged, before other trade-offs)."""
+    t, world = cfg.train, plan.world_size
+    out: List[List[str]] = []
+    # A smaller evaluation batch changes the evaluation phase alone: it helps only a run that peaks there.
+    evals = t.eval_batch_size // 2 if peak_phase == "evaluation" else 0
+    while evals >= 1:  # costs nothing but a little evaluation speed
+        out.append([f"train.eval_batch_size={evals}"])
+        evals //= 4
+    if not t.gradient_checkpointing:
+        out.append(["train.gradient_checkpointing=true"])
+    micro = plan.micro_batch_size // 2
+    while micro >= 1:
+        if t.global_batch_size % (micro * world) == 0:
+            # Evaluation forwards no larger than the training ones, or they become the peak.
+            cap = [f"train.eval_batch_size={micro}"] if t.eval_batch_size > micro else []
+            out.append([f"train.micro_batch_size={micro}", *cap])
+        micro //= 2
+    if world > 1 and plan.strategy != "deepspeed" and cfg.memory_profile.optimizer != "adamw_8bit":
+        out += [["distributed=zero2"], ["distributed=zero3"]]
+    elif plan.strategy == "deepspeed" and plan.zero_stage < 3:
+        out.append(["distributed=zero3"])
+    for profile in ("8bit", "lora", "offload", "qlora"):
+        if profile != cfg.memory_profile.name:
+            out.append([f"memory_profile={profile}"])
+    if not t.gradient_checkpointing and cfg.memory_profile.name != "lora":  # with the cheapest memory-saving profile
+        out.append(["memory_profile=lora", "train.gradient_checkpointing=true"])
+    return out
+
+
+def with_overrides(cfg: RunConfig, base_overrides: List[str], extra: List[str]) -> RunConfig:
+    """``cfg`` changed by ``extra``: merged into the typed config when every override sets a key (a
+    fraction of a millisecond), composed again from ``conf/`` when one picks a group's option (Hydra's
+    defaults list, about 0.2 s)."""
+    if all("." in override.split("=", 1)[0] for override in extra):
+        from omegaconf import OmegaConf
+
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(extra))))
+    from rm.config import compose
+
+    return compose([*base_overrides, *extra])
+
+
+def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: int = 5):
+    """Up to ``limit`` override sets that pass validation and fit, each with its estimate."""
+    from rm.validate import ConfigError, validate
+
+    peak_phase = estimate_run(cfg, plan).peak_phase  # its traces are cached: arithmetic only
+    jobs = []
+    for extra in candidate_overrides(cfg, plan, peak_phase):
+        try:
+            candidate = with_overrides(cfg, base_overrides, extra)
+            candidate_plan = validate(candidate, plan.world_size, plan.world_size_source)
+        except ConfigError:
+            continue
+        if not cannot_fit(candidate, candidate_plan):  # refused whatever its activations: no trace needed
+            jobs.append((extra, candidate, candidate_plan))
+    estimates = estimate_each([(candidate, candidate_plan) for _, candidate, candidate_plan in jobs])
+    return [(extra, est) for (extra, _, _), est in zip(jobs, estimates) if est is not None and est.fits][:limit]
+
+
+_JOBS: List[Tuple[RunConfig, Plan]] = []  # what forked workers of estimate_each read (inherited, not pickled)
+
+
+def _estimate_job(index: int) -> Optional[Estimate]:
+    try:
+        return estimate_run(*_JOBS[index])
+    except ValueError:  # e.g. an attention implementation the trace cannot run
+        return None
+
+
+def estimate_each(jobs: List[Tuple[RunConfig, Plan]]) -> List[Optional[Estimate]]:
+    """The estimate of each (config, plan), ``None`` where it cannot be traced.
+
+    A trace is single-threaded Python (fake tensors dispatch op by op), so with several candidates and a
+    second core the work is shared by two forked processes, which inherit the imports and the traces
+    already cached. Not where fork is unsafe: without it (macOS, Windows), or once CUDA is initialised.
+    """
+    global _JOBS
+    import multiprocessing
+    import os
+
+    import torch
+
+    forkable = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+    if len(jobs) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
+        _JOBS = jobs
+        try:
+            return [_estimate_job(i) for i in range(len(jobs))]
+        finally:
+            _JOBS = []
+    _JOBS = jobs
+    try:
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            return pool.map(_estimate_job, range(len(jobs)), chunksize=1)
+    finally:
+        _JOBS = []
+
+
+def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> Optional[int]:
+    """The largest micro-batch (dividing the global batch per process) whose estimate fits."""
+    from rm.validate import validate
+
+    per_process = cfg.train.global_batch_size // plan.world_size
+    for micro in sorted((d for d in range(1, per_process + 1) if per_process % d == 0), reverse=True):
+        candidate = with_overrides(cfg, base_overrides, [f"train.micro_batch_size={micro}"])
+        candidate.train.eval_batch_size = cfg.train.eval_batch_size
+        if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source)).fits:
+            return micro
+    return None

@@ -1,0 +1,486 @@
+"""Activation memory of a training step, measured by tracing the real model with fake tensors.
+
+Weights, gradients and optimizer states are plain arithmetic; activations are not.
+What autograd keeps for backward depends on the exact transformers code path
+(the fp32 upcast inside RMSNorm, SDPA's choice between ``enable_gqa`` and
+``repeat_kv``, the reward head scoring every position, peft's dropout and dtype
+casts, non-reentrant checkpointing), so a closed formula such as the paper's
+``34*s*b*h`` bytes per layer is wrong by a wide margin for Hugging Face models:
+bf16 Mistral-7B keeps ``49.03*s*b*h`` per layer without padding (SDPA ``is_causal``
+with ``enable_gqa``), ``52.28*s*b*h`` with padding (a 4D mask, K/V repeated to all
+heads) and ``54.03*s*b*h`` once ``seq_len`` reaches the default 4096 sliding
+window. Instead we *run* one training step of a two-layer copy of the model under
+:class:`~torch._subclasses.fake_tensor.FakeTensorMode` (tensors carry shapes and dtypes
+but no memory and no data), record every storage allocated and freed
+(:class:`rm.memory.storage.StorageTracker`), and extrapolate to ``num_layers``.
+
+The copy is built by the function that builds the model a run trains
+(:func:`rm.model.build_reward_model`: LoRA wrap, fp32 reward head, QLoRA's preparation)
+on the meta device, and scored by the trainer's own reward read
+(:func:`rm.model.pair_rewards`) and loss. Under QLoRA the copy has no 4-bit weights to
+quantise, so its linears are the fp32 linears ``prepare_model_for_kbit_training`` leaves
+behind; bitsandbytes' ``Linear4bit`` also returns its input's dtype (fp32 there), so the
+saved tensors agree, and the weight dequantised inside each 4-bit matmul (a transient) is
+not seen.
+
+Why two layers and not one: layer 0 is special. ``MistralModel.forward`` keeps the
+embedding output alive in its ``inputs_embeds`` local for the whole forward, and
+under LoRA the embedding output does not require grad so layer 0's first norm
+saves nothing. Layer 1 of the traced model is a steady-state layer: its input is
+the previous layer's output and is released by the caller's reassignment, exactly
+like layers ``1..L-1`` of the real model. Every quantity that happens "while
+layer j is live" is then a steady-layer quantity plus ``(j-1)`` times the
+per-layer increment, which makes the extrapolation exact (the tests compare it
+with a real step).
+
+Accounting: the number returned is the peak over the step of the bytes of live
+tensor storages allocated during the step, excluding parameter gradients (the
+caller adds weights and gradients itself). Pre-existing tensors (weights,
+buffers, the token ids) are not counted. The transient peak inside one kernel
+(cuBLAS / SDPA workspaces, a contiguous copy made inside a CPU matmul) is
+invisible to tensor-level tracking and is not included; on the CPU the allocator
+saw at most 1% more than the tensors (bf16 LoRA), and none in fp32.
+
+Limits: the trace runs the CPU kernels (fake CUDA tensors abort on CPU-only torch
+builds). Only SDPA's kernel choice differs by device in what it saves: the CPU
+flash kernel and CUDA's flash / memory-efficient kernels all keep the output and
+an fp32 log-sum-exp of ``B*H*T`` (CUDA's efficient kernel pads ``T`` to 32), so
+the difference is a few bytes per token. ``flash_attention_2`` cannot be traced.
+
+Public API: :class:`TracedModel`, :class:`LayerMemory`, :func:`measure_layer`,
+:func:`estimate_activations`, :func:`inference_peak_bytes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import warnings
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Dict, Tuple
+
+import torch
+
+from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
+from rm.memory.storage import StorageTracker
+
+_SUPPORTED_ATTN = ("sdpa", "eager")
+
+Items = Tuple[Tuple[str, Any], ...]
+
+
+def _items(group) -> Items:
+    return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in asdict(group).items())
+
+
+def _group(cls, items: Items):
+    return cls(**{k: list(v) if isinstance(v, tuple) else v for k, v in items})
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    """The arguments of :func:`rm.model.build_reward_model` for one run, hashable so traces can be cached.
+
+    ``model.pretrained`` is dropped: the trace builds from the shape numbers, which are the
+    pretrained model's own (``rm.config.ModelConfig``).
+    """
+
+    model: Items
+    profile: Items
+    lora: Items
+    precision: str
+    gradient_checkpointing: bool
+    fp32_head: bool
+
+    @classmethod
+    def of(cls, model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, precision: str,
+           gradient_checkpointing: bool, fp32_head: bool) -> "TracedModel":
+        """The model a run with these groups trains (the same keyword arguments as the factory)."""
+        shape_only = replace(model_cfg, pretrained=None, tokenizer=None, trust_remote_code=False)
+        return cls(_items(shape_only), _items(profile), _items(lora_cfg), precision, gradient_checkpointing, fp32_head)
+
+    @property
+    def model_cfg(self) -> ModelConfig:
+        return _group(ModelConfig, self.model)
+
+    def build(self, num_layers: int) -> torch.nn.Module:
+        """The run's reward model with ``num_layers`` layers on the meta device (no memory, no weights)."""
+        from rm.model import build_reward_model
+
+        if self.model_cfg.attn_implementation not in _SUPPORTED_ATTN:
+            raise ValueError(f"model.attn_implementation={self.model_cfg.attn_implementation!r} cannot be traced on "
+                             f"the CPU; supported: {_SUPPORTED_ATTN}")
+        with torch.device("meta"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' deprecated checkpointing flag
+            return build_reward_model(
+                replace(self.model_cfg, num_hidden_layers=num_layers), _group(MemoryProfileConfig, self.profile),
+                _group(LoraConfig, self.lora), precision=self.precision,
+                gradient_checkpointing=self.gradient_checkpointing, fp32_head=self.fp32_head, pad_token_id=0,
+            )
+
+
+@dataclass(frozen=True)
+class LayerMemory:
+    """One decoder layer's activation memory, and the parts of the step outside the layers, in bytes.
+
+    Attributes:
+        saved_bytes: what one steady-state layer adds to live memory between its
+            forward and its backward (what accumulates per layer in a stack). With
+            gradient checkpointing this is (about) the layer's input only.
+        first_layer_saved_bytes: the same for layer 0, which differs (see module doc).
+        forward_transient_bytes: peak inside one layer's forward above what was live
+            before it.
+        backward_transient_bytes: peak inside one layer's backward (with checkpointing:
+            its recompute plus backward) above what was live when all of this layer's
+            saved tensors still were.
+        pre_layers_bytes: live before layer 0 runs: embedding output, RoPE cos/sin,
+            position ids, the 4D mask when one is built; alive for the whole forward.
+        head_saved_bytes: what the final norm, the score head (all positions), the
+            reward gather and the loss keep from the end of forward to their backward.
+        head_transient_bytes: the peak from the final norm to the start of the last
+            layer's backward above ``head_saved_bytes`` (forward of the head and loss,
+            and their backward).
+        last_backward_bytes: peak from layer 0's backward to the end of the step (it
+            never sets the peak of a deep model; kept for completeness).
+        traced_layers: layers in the model that was traced (2, or 1 for a one-layer model).
+    """
+
+    saved_bytes: int
+    first_layer_saved_bytes: int
+    forward_transient_bytes: int
+    backward_transient_bytes: int
+    pre_layers_bytes: int
+    head_saved_bytes: int
+    head_transient_bytes: int
+    last_backward_bytes: int
+    traced_layers: int
+
+    @property
+    def recompute_peak_bytes(self) -> int:
+        """With checkpointing, ``backward_transient_bytes`` is the recompute + backward peak of one layer."""
+        return self.backward_transient_bytes
+
+
+def _no_packed_sequences(position_ids):
+    """Stand-in for ``transformers.masking_utils.find_packed_sequence_indices`` when the step has no packing.
+
+    transformers treats fake tensors as tracing and then cannot read the position ids,
+    so it assumes they may be packed and builds a packed-sequence mask (about 17% more
+    memory than the real step). Row-per-pair batches are padded, never packed.
+    """
+    return None
+
+
+def _materialize_fake(model: torch.nn.Module) -> None:
+    """Replace every meta parameter and buffer by a fake CPU tensor (call inside FakeTensorMode).
+
+    Shared tensors stay shared; ``requires_grad`` is kept, so frozen LoRA bases stay frozen.
+    """
+    memo: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in memo:
+                    memo[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="cpu"),
+                                                     requires_grad=p.requires_grad)
+                module._parameters[name] = memo[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                if id(b) not in memo:
+                    memo[id(b)] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+                module._buffers[name] = memo[id(b)]
+
+
+def _base(model) -> torch.nn.Module:
+    return (model.get_base_model() if hasattr(model, "get_base_model") else model).model
+
+
+def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool) -> Dict[str, torch.Tensor]:
+    """The inputs of :func:`rm.model.pair_rewards` for a micro-batch of this layout (inside FakeTensorMode).
+
+    Row per pair: every row padded, so transformers builds the (B,1,T,T) mask and SDPA repeats K/V to all
+    heads, the costlier path (under fake tensors it cannot read the mask, so passing one takes that path).
+    Packed: one row, position ids restarting per sequence, no mask. Prefix-shared: rows of pairs with the
+    per-token pair ids and roles from which the trainer builds the 4D mask inside the step. Two rewards
+    per row are read: where they are read does not change what the step keeps.
+    """
+    if not (packed or shared_prefix):
+        # pad id 0 never appears in the ids: the reward is read at the last position.
+        return {"input_ids": torch.ones(batch, seq_len, dtype=torch.long),
+                "attention_mask": torch.ones(batch, seq_len, dtype=torch.long)}
+    rows = 1 if packed and not shared_prefix else batch
+    ends = torch.arange(rows).repeat_interleave(2) * seq_len + torch.tensor([seq_len - 2, seq_len - 1]).repeat(rows)
+    inputs = {"input_ids": torch.ones(rows, seq_len, dtype=torch.long),
+              "position_ids": torch.arange(seq_len).expand(rows, -1), "ends": ends}
+    if shared_prefix:
+        inputs["pair_ids"] = torch.zeros(rows, seq_len, dtype=torch.long)
+        inputs["roles"] = torch.zeros(rows, seq_len, dtype=torch.long)
+    return inputs
+
+
+def _loss(model, inputs) -> torch.Tensor:
+    """The training step's loss, computed as ``rm.trainer`` computes it."""
+    from rm.loss import bradley_terry_loss
+    from rm.model import pair_rewards
+
+    chosen, rejected = pair_rewards(model, **inputs)
+    return bradley_terry_loss(chosen, rejected)
+
+
+@dataclass(frozen=True)
+class _Trace:
+    """Live activation bytes at the phase boundaries of one traced step, and the peak of each phase."""
+
+    num_layers: int
+    at: Dict[str, int]  # live bytes at each mark
+    peak: Dict[str, int]  # peak live bytes within each phase (from its mark to the next)
+
+
+_PHASES_2 = ("start", "layer0", "layer1", "norm", "backward", "layer1_bwd", "layer0_bwd", "end")
+_PHASES_1 = ("start", "layer0", "norm", "backward", "layer0_bwd", "end")
+
+
+def _fake_mode(packed: bool):
+    """Fake tensors, with transformers told the truth about packing (which it cannot read from fake ids)."""
+    from unittest import mock
+
+    import transformers.masking_utils as masking_utils
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(FakeTensorMode())
+    if not packed:
+        stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packed_sequences))
+    return stack
+
+
+def _mark_phases(model, tracker: StorageTracker) -> list:
+    """Hooks that mark each layer's forward and backward and the final norm; returns their handles."""
+    handles = []
+
+    def on_layer_start(index):
+        return lambda module, args: tracker.mark(f"layer{index}")
+
+    def on_layer_end(index):
+        # The gradient of layer i's output arrives when layer i's backward starts.
+        def hook(module, args, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if out.requires_grad:
+                out.register_hook(lambda grad: tracker.mark(f"layer{index}_bwd"))
+
+        return hook
+
+    for index, layer in enumerate(_base(model).layers):
+        handles.append(layer.register_forward_pre_hook(on_layer_start(index)))
+        handles.append(layer.register_forward_hook(on_layer_end(index)))
+    handles.append(_base(model).norm.register_forward_pre_hook(lambda module, args: tracker.mark("norm")))
+    return handles
+
+
+@functools.lru_cache(maxsize=256)
+def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accumulating: bool = False,
+           packed: bool = False, shared_prefix: bool = False) -> _Trace:
+    """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases.
+
+    ``packed``: one row of ``seq_len`` tokens holding several sequences (``train.packing``): no
+    mask, position ids restarting per sequence, from which transformers builds a block-diagonal
+    (1,1,T,T) mask. Under fake tensors it cannot read the position ids and takes that packed
+    path anyway, which here is the real one.
+
+    ``shared_prefix``: ``batch`` rows of prefix-shared pairs (``train.share_prefix``): the 4D mask is
+    built from per-token pair ids and roles inside the step, as ``rm.model.sequence_rewards`` does,
+    so it and its intermediates are counted; transformers passes it to attention as it is.
+    """
+    tracker = StorageTracker(timeline=True)
+    # Built on the meta device, then given fake CPU tensors: peft moves its fresh adapters with
+    # ``.to()``, which cannot swap fake parameters, but works on meta ones.
+    model = traced.build(num_layers)
+    with _fake_mode(packed):
+        _materialize_fake(model)
+        inputs = _batch(batch, seq_len, packed, shared_prefix)
+        if accumulating:
+            # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
+            # gradient into it and frees the new one, a transient we want on the timeline.
+            _loss(model, inputs).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        tracker.ignore(list(model.parameters()) + list(model.buffers()) + grads + list(inputs.values()))
+        del grads
+        handles = _mark_phases(model, tracker)
+        # No cyclic collection in the middle of the step: a tensor caught in a reference cycle then
+        # stays alive until the step ends, the worst case of what a real run may see.
+        gc_was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with tracker:
+                tracker.mark("start")
+                loss = _loss(model, inputs)
+                tracker.mark("backward")
+                loss.backward()
+                del loss
+                tracker.mark("end")
+        finally:
+            for handle in handles:
+                handle.remove()
+            if gc_was_enabled:
+                gc.enable()
+        tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
+        live = tracker.live_after_each_event()
+        del model
+    phases = _PHASES_2 if num_layers == 2 else _PHASES_1
+    missing = [name for name in phases if name not in tracker.marks]
+    if missing:
+        raise RuntimeError(f"trace lacks phase marks {missing}: the model's code path is not the one expected")
+    bounds = [tracker.marks[name] for name in phases] + [len(live) - 1]
+    at = {name: live[tracker.marks[name]] for name in phases}
+    peak = {name: max(live[lo : hi + 1]) for name, lo, hi in zip(phases, bounds[:-1], bounds[1:])}
+    at["final"] = live[-1]
+    return _Trace(num_layers=num_layers, at=at, peak=peak)
+
+
+def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating: bool = False, packed: bool = False,
+                  shared_prefix: bool = False) -> LayerMemory:
+    """Measure one decoder layer (and the parts outside the layers) by tracing a fake two-layer model.
+
+    Args:
+        traced: the run's model (:meth:`TracedModel.of`).
+        batch: sequences per micro-batch (a pairwise micro-batch of P pairs is 2P), even; rows when
+            ``shared_prefix``.
+        seq_len: padded sequence length (packed: the row's length).
+        accumulating: gradients are already allocated by an earlier micro-batch of the
+            same optimizer step (gradient accumulation). Autograd then materialises each
+            new parameter gradient, adds it in place and frees it: a transient of up to a
+            few parameter-sized tensors that the first micro-batch does not have (there the
+            new gradient becomes ``.grad`` itself and is excluded as a gradient).
+        packed: one row of ``seq_len`` tokens holding several sequences (``train.packing``):
+            position ids restart per sequence and transformers builds a block-diagonal mask.
+        shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
+
+    Returns:
+        A :class:`LayerMemory`; cached per distinct arguments.
+    """
+    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix)
+    at, peak = trace.at, trace.peak
+    return LayerMemory(
+        saved_bytes=at["norm"] - at["layer1"],
+        first_layer_saved_bytes=at["layer1"] - at["layer0"],
+        forward_transient_bytes=peak["layer1"] - at["layer1"],
+        backward_transient_bytes=peak["layer1_bwd"] - at["norm"],
+        pre_layers_bytes=at["layer0"],
+        head_saved_bytes=at["backward"] - at["norm"],
+        head_transient_bytes=max(peak["norm"], peak["backward"]) - at["backward"],
+        last_backward_bytes=max(peak["layer0_bwd"], peak["end"]),
+        traced_layers=2,
+    )
+
+
+def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_len: int, *, accumulating: bool = False,
+                         packed: bool = False, shared_prefix: bool = False) -> Dict[str, Any]:
+    """Peak activation bytes of one forward+backward of the whole reward model.
+
+    The step's live activations, phase by phase, for ``L = num_layers``:
+
+    * up to the end of layer 0's forward: as traced (nothing depends on ``L``);
+    * layer ``j >= 1`` forward, the head and loss, layer ``j`` backward: as traced for
+      layer 1 plus ``(j-1) * saved_bytes``; the maximum is at ``j = L-1``;
+    * layer 0's backward and the embedding's: as traced.
+
+    Args:
+        traced, batch, seq_len, accumulating, packed, shared_prefix: as for :func:`measure_layer`.
+        num_layers: decoder layers of the real model.
+
+    Returns:
+        ``peak_bytes`` (the number to add to weights + gradients + optimizer states),
+        ``peak_phase`` (where it happens), ``end_of_forward_bytes`` (live activations when
+        the loss is computed), ``per_layer_saved_bytes``, ``first_layer_saved_bytes``,
+        ``layers_saved_bytes`` (all layers), ``pre_layers_bytes``, ``head_saved_bytes``,
+        ``transient_bytes`` (peak minus the live bytes the peak phase started from),
+        and ``layer`` (the :class:`LayerMemory` as a dict; ``None`` for a one-layer model).
+    """
+    if num_layers < 1:
+        raise ValueError("num_layers must be at least 1")
+    if num_layers == 1:
+        trace = _trace(traced, 1, batch, seq_len, accumulating, packed, shared_prefix)
+        at, peak = trace.at, trace.peak
+        phases = {
+            "forward": max(peak["start"], peak["layer0"]),
+            "head": max(peak["norm"], peak["backward"]),
+            "layer_backward": max(peak["layer0_bwd"], peak["end"]),
+        }
+        phase = max(phases, key=phases.get)
+        return {
+            "peak_bytes": phases[phase],
+            "peak_phase": phase,
+            "end_of_forward_bytes": at["backward"],
+            "per_layer_saved_bytes": at["norm"] - at["layer0"],
+            "first_layer_saved_bytes": at["norm"] - at["layer0"],
+            "layers_saved_bytes": at["norm"] - at["layer0"],
+            "pre_layers_bytes": at["layer0"],
+            "head_saved_bytes": at["backward"] - at["norm"],
+            "transient_bytes": phases[phase] - (at["backward"] if phase != "forward" else at["layer0"]),
+            "phase_peaks": phases,
+            "layer": None,
+        }
+
+    layer = measure_layer(traced, batch, seq_len, accumulating=accumulating, packed=packed, shared_prefix=shared_prefix)
+    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix)
+    at, peak = trace.at, trace.peak
+    shift = (num_layers - 2) * layer.saved_bytes  # the layers the traced model lacks, all steady-state
+    layers_saved = layer.first_layer_saved_bytes + (num_layers - 1) * layer.saved_bytes
+    phases = {
+        "first_layer_forward": max(peak["start"], peak["layer0"]),
+        "layer_forward": peak["layer1"] + shift,
+        "head_and_loss": max(peak["norm"], peak["backward"]) + shift,
+        "layer_backward": peak["layer1_bwd"] + shift,
+        "first_layer_backward": layer.last_backward_bytes,
+    }
+    phase = max(phases, key=phases.get)
+    end_of_forward = at["backward"] + shift
+    reference = {  # what was live when the phase began, to report the transient part of the peak
+        "first_layer_forward": at["layer0"],
+        "layer_forward": at["layer1"] + shift,
+        "head_and_loss": end_of_forward,
+        "layer_backward": at["norm"] + shift,
+        "first_layer_backward": at["layer1"],
+    }[phase]
+    return {
+        "peak_bytes": phases[phase],
+        "peak_phase": phase,
+        "end_of_forward_bytes": end_of_forward,
+        "per_layer_saved_bytes": layer.saved_bytes,
+        "first_layer_saved_bytes": layer.first_layer_saved_bytes,
+        "layers_saved_bytes": layers_saved,
+        "pre_layers_bytes": layer.pre_layers_bytes,
+        "head_saved_bytes": layer.head_saved_bytes,
+        "transient_bytes": phases[phase] - reference,
+        "phase_peaks": phases,
+        "layer": asdict(layer),
+    }
+
+
+def clear_cache() -> None:
+    """Forget cached traces (they hold only a few integers each)."""
+    _trace.cache_clear()
+    inference_peak_bytes.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
+def inference_peak_bytes(traced: TracedModel, batch: int, seq_len: int) -> int:
+    """Peak bytes above the weights of one scoring forward under ``torch.no_grad`` (evaluation), padded rows.
+
+    Nothing is kept for backward, so each layer's output replaces the last and the peak does not
+    grow with depth: a 2-layer trace gives it for any number of layers.
+    """
+    from rm.model import pair_rewards
+
+    tracker = StorageTracker()
+    model = traced.build(2)
+    with _fake_mode(packed=False):
+        _materialize_fake(model)
+        model.eval()
+        inputs = _batch(batch, seq_len, packed=False, shared_prefix=False)
+        tracker.ignore(list(model.parameters()) + list(model.buffers()) + list(inputs.values()))
+        with torch.no_grad(), tracker:
+            pair_rewards(model, **inputs)
+        del model
+    return tracker.peak
