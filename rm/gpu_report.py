@@ -48,15 +48,13 @@ def main(raw: DictConfig) -> None:
 def print_report(raw: DictConfig) -> None:
     print("\n".join(device_lines()))
     base = to_run_config(raw)
-    hardware = resolve_hardware(base.hardware)
+    hardware = resolve_hardware(base.hardware)  # for the heading; validate resolves it again for each profile
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("memory_profile=")]
-    base.hardware = hardware
     world, source = resolve_world_size(base, launched=False)  # counted as rm.estimate and rm.train count them
     print(f"\nmodel={base.model.name}, {world} process(es) ({source}), {hardware.device_memory_gib} GiB per device ({hardware.name})")
     errors = []
     for profile in PROFILES:
         cfg = compose([*overrides, f"memory_profile={profile}"])
-        cfg.hardware = hardware
         try:
             est = estimate_run(cfg, validate(cfg, world, source))
         except ConfigError as err:
