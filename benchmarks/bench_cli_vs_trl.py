@@ -320,7 +320,7 @@ def rm_command(data: dict, steps: int, run_dir: Path, layout: list[str]) -> list
         "model=llama3_8b", "model.name=bench_llama_3x384", f"model.pretrained={data['model_dir']}",
         f"model.tokenizer={data['tokenizer_dir']}",
         f"model.vocab_size={data['vocab']}", *shape,
-        "hardware=cpu", "memory_profile=full", "train.precision=fp32", "train.gradient_checkpointing=false",
+        "hardware=cpu", "memory_profile=full", "train.precision=32-true", "train.gradient_checkpointing=false",
         f"train.max_steps={steps}", f"train.global_batch_size={PAIRS_PER_STEP}", f"train.eval_batch_size={EVAL_BATCH}",
         f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
         # rm takes a ratio and rounds warm-up steps up: half a step under WARMUP_STEPS rounds to exactly WARMUP_STEPS.

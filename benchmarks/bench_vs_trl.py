@@ -178,7 +178,7 @@ def rm_overrides(variant_overrides):
     return ["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE, f"data.max_length={MAX_LENGTH}",
             f"train.max_steps={STEPS}", f"train.global_batch_size={PAIRS_PER_STEP}", "train.eval_batch_size=8",
             f"train.learning_rate={LR}", "train.lr_scheduler_type=linear", f"train.warmup_ratio={WARMUP / STEPS}",
-            "train.max_grad_norm=1.0", "train.precision=fp32", "train.gradient_checkpointing=false",
+            "train.max_grad_norm=1.0", "train.precision=32-true", "train.gradient_checkpointing=false",
             "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={min(10, STEPS)}", "preflight.mode=off",
             # experiment=tiny shares prefixes (the CPU demo's default): off unless the variant turns it on.
             "train.share_prefix=false", *variant_overrides]
@@ -243,7 +243,7 @@ def run_trl(data, workdir: Path):
         cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE]))
     tokenizer = build_tokenizer(cfg.model)
     set_seed(42)
-    model = build_model(cfg.model, tokenizer.pad_token_id, "fp32", gradient_checkpointing=False)
+    model = build_model(cfg.model, tokenizer.pad_token_id, "float32", gradient_checkpointing=False)
 
     class Clock(TrainerCallback):
         begin = end = None

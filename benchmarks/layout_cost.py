@@ -132,7 +132,7 @@ def demo(steps: int) -> None:
     tokenizer = build_tokenizer(cfg.model)
     train_set, _, _ = build_datasets(cfg.data, tokenizer)
     set_seed(cfg.train.seed)
-    model = build_model(cfg.model, tokenizer.pad_token_id, "fp32", gradient_checkpointing=False)
+    model = build_model(cfg.model, tokenizer.pad_token_id, "float32", gradient_checkpointing=False)
     pairs = [{"chosen_input_ids": c, "rejected_input_ids": r}
              for c, r in zip(train_set["chosen_input_ids"], train_set["rejected_input_ids"])]
     rng = random.Random(0)

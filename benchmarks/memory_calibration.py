@@ -213,7 +213,7 @@ def gpu_point(spec, workdir: Path, data: Path, dry_run: bool) -> dict:
     base = [] if shape[0].startswith("model=") else ["model=tiny"]
     run_dir = workdir / f"gpu{len(list(workdir.glob('gpu*')))}"
     overrides = ["experiment=tiny", *base, *shape, *extra, "train.share_prefix=false", f"memory_profile={profile}", "hardware=auto",
-                 "train.precision=bf16" if not dry_run else "train.precision=fp32",
+                 "train.precision=bf16-mixed" if not dry_run else "train.precision=32-true",
                  f"train.gradient_checkpointing={checkpointing}", f"data.max_length={length}", "data=local",
                  f"data.train_files=[{data}]", f"data.eval_files=[{data}]", f"train.micro_batch_size={micro}",
                  f"train.global_batch_size={2 * micro}", "train.eval_batch_size=1", "train.max_steps=2",

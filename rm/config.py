@@ -170,7 +170,9 @@ class TrainConfig:
     lr_scheduler_type: str = "cosine"  # linear | cosine | constant_with_warmup
     warmup_ratio: float = 0.03
     max_grad_norm: float = 1.0  # 0 disables clipping
-    precision: str = "auto"  # auto (bf16 where the hardware has it, else fp32) | bf16 | fp16 | fp32
+    precision: str = "auto"  # auto (bf16-mixed where the hardware has bf16, else 32-true) | 32-true | bf16-mixed | bf16-true | 16-mixed (rm.precision: memory and numerics of each)
+    kahan_summation: bool = False  # bf16-true only: optimi's AdamW keeps a bf16 compensation buffer (+2 bytes per
+    # trained weight) so that updates below a bf16 step accumulate instead of rounding away (pip install torch-optimi)
     gradient_checkpointing: bool = True  # true: recompute activations in backward, far less memory, ~30% slower
     center_rewards_coefficient: float = 0.0  # >0 adds coef * mean(r^2) so rewards stay centred (TRL's name)
     logging_steps: int = 10

@@ -78,7 +78,7 @@ def deepspeed_config(
         micro_batch_size: pairs per process per forward.
         gradient_accumulation_steps: micro-batches per optimizer step.
         world_size: number of processes.
-        precision: ``bf16`` | ``fp16`` | ``fp32``.
+        precision: ``train.precision`` (resolved, ``rm.precision``).
         max_grad_norm: clipping threshold; 0 disables.
         zero_stage: 0-3.
         offload_optimizer: keep optimizer states on the CPU and step there (ZeRO-Offload).
@@ -93,7 +93,7 @@ def deepspeed_config(
 
     Example:
         >>> cfg = deepspeed_config(micro_batch_size=2, gradient_accumulation_steps=4, world_size=8,
-        ...     precision="bf16", max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False,
+        ...     precision="bf16-mixed", max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False,
         ...     hidden_size=4096, trainable_params=7_110_664_192)
         >>> cfg["train_batch_size"], cfg["bf16"], cfg["zero_optimization"]["stage"]
         (64, {'enabled': True}, 2)

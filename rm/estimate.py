@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # imported where used: `--help` and config errors need no tor
 
 def estimate_label(cfg: RunConfig, plan: Plan) -> str:
     """What the estimate is of, for its table's first line."""
-    return (f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, {plan.world_size} process(es), "
-            f"hardware={plan.hardware.name}")
+    return (f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, train.precision={plan.precision}, "
+            f"{plan.world_size} process(es), hardware={plan.hardware.name}")
 
 
 def format_table(est: Estimate, label: str) -> str:
@@ -37,6 +37,7 @@ def format_table(est: Estimate, label: str) -> str:
     unit, scale = ("GiB", GIB) if max(est.usable_bytes, est.peak_bytes) >= 4 * GIB else ("MiB", 1024**2)
     lines = [f"memory estimate per device: {label}",
              f"  processes: {est.world_size} ({est.world_size_source})",
+             *([f"  precision: {format_numerics(est.precision, est.numerics)}"] if est.numerics else []),
              f"  {'component':<36}{unit:>10}"]
     lines += [f"  {name:<36}{value / scale:>10.2f}" for name, value in rows]
     lines.append(f"  {'tensors at peak (' + est.peak_phase + ')':<36}{est.allocated_bytes / scale:>10.2f}")
@@ -51,7 +52,17 @@ def format_table(est: Estimate, label: str) -> str:
     lines.append(f"  verdict: {'fits' if est.fits else 'DOES NOT FIT'}")
     if est.uncalibrated:
         lines.append(f"  not yet calibrated: {', '.join(est.uncalibrated)}")
+    lines += [f"  warning: {warning}" for warning in est.warnings]
     return "\n".join(lines)
+
+
+def format_numerics(precision: str, numerics: dict) -> str:
+    """``bf16-mixed: trained weights fp32, AdamW states fp32, compute bf16 (autocast)``, from ``Plan.numerics``."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    master = f" + {short[numerics['master']]} master copy" if numerics["master"] else ""
+    compute = short[numerics["compute"]] + (" (autocast)" if numerics["autocast"] else "")
+    return (f"{precision}: trained weights {short[numerics['weights']]}{master}, optimizer states "
+            f"{short[numerics['states']]}, frozen weights {short[numerics['frozen']]}, compute {compute}")
 
 
 

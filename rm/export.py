@@ -148,7 +148,7 @@ def save_bundle(
     state_dict: Optional[Dict[str, torch.Tensor]] = None,
     reward_stats: Optional[Mapping[str, float]] = None,
     probe: Optional[Mapping[str, torch.Tensor]] = None,
-    precision: str = "fp32",
+    precision: str = "32-true",
 ) -> Path:
     """Write a model directory (one process).
 

@@ -419,12 +419,14 @@ class HealthMonitor:
 
 
 def fp32_head_enabled(setting: Optional[bool], precision: str) -> bool:
-    """``health.fp32_head``: null (auto) means on with fp16/bf16, where it matters.
+    """``health.fp32_head``: null (auto) means on where the run computes in fp16/bf16, where it matters.
 
-    >>> fp32_head_enabled(None, "bf16"), fp32_head_enabled(None, "fp32"), fp32_head_enabled(False, "bf16")
+    >>> fp32_head_enabled(None, "bf16-mixed"), fp32_head_enabled(None, "32-true"), fp32_head_enabled(False, "bf16-true")
     (True, False, False)
     """
-    return precision in ("bf16", "fp16") if setting is None else setting
+    from rm.precision import Precision
+
+    return Precision.of(precision).half if setting is None else setting
 
 
 def _fp32_linear(self, hidden: torch.Tensor) -> torch.Tensor:

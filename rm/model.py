@@ -10,7 +10,7 @@ import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
-from rm.precision import Precision
+from rm.precision import Numerics
 
 log = logging.getLogger(__name__)
 
@@ -97,22 +97,23 @@ def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):
 
 
 def build_model(
-    model_cfg: ModelConfig, pad_token_id: int, precision: str, gradient_checkpointing: bool, quantize_base: str = "none"
+    model_cfg: ModelConfig, pad_token_id: int, dtype: str, gradient_checkpointing: bool, quantize_base: str = "none"
 ) -> PreTrainedModel:
-    """A one-output ``AutoModelForSequenceClassification`` in the compute dtype.
+    """A one-output ``AutoModelForSequenceClassification`` with its weights in ``dtype``.
 
     Args:
         model_cfg: the ``model`` group.
         pad_token_id: the tokenizer's pad id, stored in the model config so plain
             transformers finds the reward token the same way after saving.
-        precision: ``bf16`` | ``fp16`` | ``fp32``; weights are stored in its ``Precision.weight_dtype``.
+        dtype: torch's name of the dtype the weights are stored in (``float32``, ``bfloat16``, ``float16``);
+            under 4-bit quantisation, the dtype of the other weights and of each 4-bit matmul.
         gradient_checkpointing: recompute activations during backward.
         quantize_base: ``nf4`` loads the weights in 4-bit NF4 through bitsandbytes (QLoRA).
 
     Returns:
         The model, in training mode.
     """
-    dtype = Precision.of(precision).weight_dtype
+    dtype = getattr(torch, dtype)
     if model_cfg.pretrained:
         quantization = None
         if quantize_base == "nf4":
@@ -120,7 +121,7 @@ def build_model(
 
             quantization = BitsAndBytesConfig(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=Precision.of(precision).dtype,
+                bnb_4bit_compute_dtype=dtype,
             )
         model = AutoModelForSequenceClassification.from_pretrained(
             model_cfg.pretrained,
@@ -185,7 +186,7 @@ def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, l
     return get_peft_model(model, peft_cfg)
 
 
-def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, precision: str,
+def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, numerics: Numerics,
                        gradient_checkpointing: bool, fp32_head: bool, pad_token_id: int) -> torch.nn.Module:
     """The reward model a run trains: the backbone, the reward head in fp32 where asked, the memory profile.
 
@@ -194,14 +195,16 @@ def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lor
 
     Args:
         model_cfg, profile, lora_cfg: the ``model``, ``memory_profile`` and ``lora`` groups.
-        precision: the resolved ``train.precision``.
+        numerics: the dtypes of the run's precision under its engine (``Plan.numerics``): a trained model is
+            stored in ``numerics.weights``, a LoRA base (frozen) in ``numerics.frozen``.
         gradient_checkpointing: ``train.gradient_checkpointing``.
         fp32_head: keep the reward head's weights and computation in fp32 (``rm.health.fp32_head_enabled``).
         pad_token_id: the tokenizer's pad id.
     """
     from rm.health import keep_head_in_fp32
 
-    model = build_model(model_cfg, pad_token_id, precision, gradient_checkpointing, profile.quantize_base)
+    dtype = numerics.frozen if profile.use_lora else numerics.weights
+    model = build_model(model_cfg, pad_token_id, dtype, gradient_checkpointing, profile.quantize_base)
     if fp32_head:
         keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
     return apply_memory_profile(model, profile, lora_cfg)
@@ -219,7 +222,7 @@ def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
 
 
 def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: float, weight_decay: float,
-                    betas: Tuple[float, float], eps: float) -> torch.optim.Optimizer:
+                    betas: Tuple[float, float], eps: float, kahan_summation: bool = False) -> torch.optim.Optimizer:
     """The profile's optimizer over the trainable parameters.
 
     Biases and norm weights get no weight decay, as in every transformers recipe.
@@ -227,7 +230,10 @@ def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: fl
     ``foreach``, no parameter-sized scratch buffer at the step (the peak of a
     full fine-tune). The 8-bit profile uses bitsandbytes' AdamW8bit (block-wise
     quantised states), paged on CUDA so that state pages can spill to host RAM
-    under pressure instead of failing.
+    under pressure instead of failing. ``kahan_summation`` (``bf16-true``) takes optimi's AdamW, which adds each
+    update to a bf16 weight with Kahan compensation: what rounding drops is kept in a bf16 buffer and added back
+    at the next step, so small updates accumulate. Its loop over tensors (``foreach=False``) keeps its scratch to
+    one tensor's worth.
     """
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -239,6 +245,10 @@ def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: fl
 
         cls = bnb.optim.PagedAdamW8bit if torch.cuda.is_available() else bnb.optim.AdamW8bit
         return cls(groups, lr=lr, betas=betas, eps=eps)
+    if kahan_summation:
+        from optimi import AdamW
+
+        return AdamW(groups, lr=lr, betas=betas, eps=eps, kahan_sum=True, foreach=False)
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
 

@@ -48,6 +48,8 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
         ``(plan, estimate)``; the plan is re-derived with the micro-batch ``preflight.auto_micro_batch``
         picked. ``estimate`` is ``None`` with ``preflight=off``.
     """
+    for warning in plan.warnings:
+        log.warning("%s", warning)
     if cfg.preflight.mode == "off":
         return plan, None
     if cfg.preflight.auto_micro_batch:

@@ -118,7 +118,7 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
 
     health = HealthMonitor.from_config(  # training-health alarms (rm.health), written to metrics.jsonl
         cfg.health, metrics=MetricsLog(run_dir, engine.is_main_process), is_main_process=engine.is_main_process,
-        loss_scaling=plan.precision == "fp16",
+        loss_scaling=plan.numerics.compute == "float16",
     )
     health.check_data(tokenizer.pad_token_id, tokenizer.pad_token, data_audit)  # no pad id at all: ConfigError
     collator = PairCollator(tokenizer.pad_token_id)
@@ -196,13 +196,14 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
     """The reward model with its memory profile, prepared by the engine with optimizer and schedule."""
     t = cfg.train
     model = build_reward_model(
-        cfg.model, cfg.memory_profile, cfg.lora, precision=plan.precision, gradient_checkpointing=t.gradient_checkpointing,
+        cfg.model, cfg.memory_profile, cfg.lora, numerics=plan.numerics, gradient_checkpointing=t.gradient_checkpointing,
         fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), pad_token_id=pad_token_id,
     )
     monitor.register(model.parameters())
     return engine.prepare(
         model,
-        lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon),
+        lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon,
+                                  t.kahan_summation),
         lambda opt: get_scheduler(
             t.lr_scheduler_type, opt, num_warmup_steps=math.ceil(t.warmup_ratio * total_steps), num_training_steps=total_steps
         ),
@@ -212,7 +213,7 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
 def rebuild_base(run: Run) -> torch.nn.Module:
     """What an adapter is reloaded onto when the export checks it: a random-init base is rebuilt from its seed."""
     set_seed(run.cfg.train.seed)
-    return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.precision, False,
+    return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.numerics.frozen, False,
                        run.cfg.memory_profile.quantize_base)
 
 
@@ -294,23 +295,25 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
 
 
 def dtypes(cfg: RunConfig, plan: Plan) -> str:
-    """Where precision lives, in words, as the profile and engine set it up."""
-    profile = cfg.memory_profile
-    base = "4-bit NF4" if profile.quantize_base != "none" else plan.precision
-    # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the head's dtype.
-    head = "fp32" if fp32_head_enabled(cfg.health.fp32_head, plan.precision) and plan.strategy != "deepspeed" else plan.precision
-    trained = f"adapters fp32 + head {head}" if profile.use_lora else plan.precision
-    if not profile.use_lora and head != plan.precision:
+    """Where precision lives, in words, as the profile and engine set it up (``rm.precision``)."""
+    profile, n = cfg.memory_profile, plan.numerics
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the head's dtype. DeepSpeed casts
+    # every module weight to its compute dtype (the head still computes in fp32).
+    head = "fp32" if fp32_head_enabled(cfg.health.fp32_head, plan.precision) and plan.strategy != "deepspeed" else short[n.weights]
+    trained = f"adapters fp32 + head {head}" if profile.use_lora else short[n.weights]
+    if not profile.use_lora and head != short[n.weights]:
         trained += " (reward head fp32)"
+    master = f"{short[n.master]} master weights + " if n.master else ""
     if plan.strategy == "deepspeed":
-        master = "fp32 master weights + " if plan.precision != "fp32" else ""
-        states = f"{master}fp32 AdamW states (DeepSpeed)"
+        states = f"{master}{short[n.states]} AdamW states (DeepSpeed)"
     elif profile.optimizer == "adamw_8bit":
         states = "8-bit AdamW states (fp32 for tensors under 4096 elements)"
     else:
-        states = "AdamW states like the weights they update"
-    frozen = f"frozen base {base}, " if profile.use_lora else ""
-    return f"{frozen}trained weights {trained}, gradients alike, {states}; compute {plan.precision}"
+        states = f"AdamW states {short[n.states] if not profile.use_lora else 'fp32'}"
+    frozen = f"frozen base {'4-bit NF4' if profile.quantize_base != 'none' else short[n.frozen]}, " if profile.use_lora else ""
+    compute = f"{short[n.compute]} under autocast" if n.autocast else short[n.compute]
+    return f"{plan.precision}: {frozen}trained weights {trained}, gradients alike, {states}; compute {compute}"
 
 
 def log_prefix_sharing(train_set) -> list:

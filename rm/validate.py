@@ -14,6 +14,9 @@ from typing import Optional
 from rm.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, HardwareConfig, RunConfig
 from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from rm.hardware import resolve_hardware
+from rm.precision import ALIASES as PRECISION_ALIASES
+from rm.precision import NAMES as PRECISION_NAMES
+from rm.precision import Precision, bf16_lost_update_fraction
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
@@ -29,7 +32,7 @@ CHOICES = {
     "data.identical_pairs": IDENTICAL_PAIRS,
     "data.duplicates": DUPLICATES,
     "data.on_malformed": ON_MALFORMED,
-    "train.precision": ("auto", "bf16", "fp16", "fp32"),
+    "train.precision": ("auto", *PRECISION_NAMES, *PRECISION_ALIASES),
     "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
     "preflight.mode": ("error", "warn", "off"),
     "sweep.on_failure": ("raise", "continue"),
@@ -48,12 +51,18 @@ class Plan:
     micro_batch_size: int  # train.micro_batch_size, or the one preflight.auto_micro_batch picked
     hardware: HardwareConfig  # the hardware group, with hardware=auto resolved to the detected machine
     gradient_accumulation_steps: int
-    precision: str  # bf16 | fp16 | fp32, after resolving "auto"
+    precision: str  # 32-true | bf16-mixed | bf16-true | 16-mixed, after resolving "auto" and legacy aliases
     device: str  # cuda | cpu
     strategy: str  # ddp | deepspeed, after resolving "auto" (ddp also covers a single process)
     zero_stage: int  # 0 unless strategy is deepspeed
     max_tokens_per_step: int  # global batch x 2 sequences x max_length
     world_size_source: str = "given"  # where world_size came from, in words (rm.validate.resolve_world_size)
+    warnings: Tuple[str, ...] = ()  # settings that run but that a user should hear about, logged at start
+
+    @property
+    def numerics(self):
+        """The dtypes of weights, compute and optimizer states for this precision under this engine."""
+        return Precision.of(self.precision).numerics(deepspeed=self.strategy == "deepspeed")
 
 
 def _lookup(cfg: RunConfig, dotted: str):
@@ -197,6 +206,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = _precision(t.precision, hw, device, errors)
     strategy, zero_stage = _check_profile_and_distribution(cfg, hw, device, errors)
+    warnings = _precision_for_layout(cfg, precision, strategy, errors)
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
@@ -219,6 +229,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
         zero_stage=zero_stage,
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
         world_size_source=world_size_source,
+        warnings=tuple(warnings),
     )
 
 
@@ -233,14 +244,59 @@ def _health_errors(h) -> List[str]:
 
 
 def _precision(precision: str, hw: HardwareConfig, device: str, errors: List[str]) -> str:
-    """Resolve ``train.precision=auto`` for the hardware; reject a precision it cannot compute in."""
+    """Resolve ``train.precision=auto`` for the hardware (a mode that loses no update) and the legacy
+    aliases; reject a precision the hardware cannot compute in."""
+    given = f"train.precision={precision}"
     if precision == "auto":
-        precision = "bf16" if (device == "cuda" and hw.bf16) else "fp32"
-    if precision == "bf16" and not hw.bf16:
-        errors.append(f"train.precision=bf16 but hardware={hw.name} has no bf16 (hardware.bf16=false): use fp32 or fp16")
-    if precision == "fp16" and device == "cpu":
-        errors.append(f"train.precision=fp16 needs a GPU; hardware={hw.name} is a CPU: use fp32")
+        precision = "bf16-mixed" if (device == "cuda" and hw.bf16) else "32-true"
+    precision = Precision.canonical(precision)
+    if precision.startswith("bf16") and not hw.bf16:
+        errors.append(f"{given} but hardware={hw.name} has no bf16 (hardware.bf16=false): use 32-true or 16-mixed")
+    if precision == "16-mixed" and device == "cpu":
+        errors.append(f"{given} needs a GPU; hardware={hw.name} is a CPU: use 32-true")
     return precision
+
+
+def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors: List[str]) -> List[str]:
+    """Refuse a precision the engine cannot train as named; warn where ``bf16-true`` will lose updates."""
+    mode = Precision.of(precision)
+    if strategy == "deepspeed" and mode.deepspeed_refusal:
+        errors.append(f"train.precision={precision} with distributed={cfg.distributed.name}: {mode.deepspeed_refusal}. "
+                      f"Use train.precision=bf16-mixed, or distributed=ddp for pure bf16")
+    if cfg.train.kahan_summation:
+        if precision != "bf16-true":
+            errors.append(f"train.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
+                          f"{'keeps fp32 weights for the optimizer already' if mode.mixed or not mode.half else 'is not bf16-true'}: "
+                          f"drop the key, or use train.precision=bf16-true")
+        if strategy == "deepspeed" or cfg.memory_profile.optimizer != "adamw":
+            errors.append(f"train.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
+                          f"with distributed={cfg.distributed.name} uses another optimizer: use distributed=ddp with "
+                          f"memory_profile=full or lora")
+        if not _installed("optimi"):
+            errors.append("train.kahan_summation=true needs optimi: pip install torch-optimi")
+    warnings = []
+    if cfg.train.precision in PRECISION_ALIASES:
+        warnings.append(f"train.precision={cfg.train.precision} reads as {precision} (Lightning's names: bf16-mixed keeps "
+                        f"fp32 weights and optimizer states, bf16-true trains bf16 weights)")
+    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.kahan_summation:
+        # The weights' scale is unknown before they load; transformers initialises (and most checkpoints keep)
+        # linear weights near N(0, 0.02).
+        lost = bf16_lost_update_fraction(cfg.train.learning_rate, 0.02)
+        if lost > 0.05:
+            warnings.append(
+                f"train.precision=bf16-true at train.learning_rate={cfg.train.learning_rate:g}: AdamW updates smaller than "
+                f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
+                f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
+                f"{_lr_losing_at_most(0.05):.0e}, or train.kahan_summation=true; the lost_updates alarm measures it while training")
+    return warnings
+
+
+def _lr_losing_at_most(share: float, weight_std: float = 0.02) -> float:
+    """The smallest power-of-two learning rate at which bf16-true loses at most ``share`` of N(0, std) updates."""
+    lr = 2.0**-30
+    while bf16_lost_update_fraction(lr, weight_std) > share:
+        lr *= 2
+    return lr
 
 
 def _in_range(errors: List[str], key: str, value, low=None, high=None, low_open=False, high_open=False, hint="") -> None:

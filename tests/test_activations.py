@@ -19,6 +19,7 @@ from rm.health import fp32_head_enabled
 from rm.loss import bradley_terry_loss
 from rm.memory.estimate import traced_model
 from rm.memory.storage import StorageTracker
+from rm.precision import Precision
 from rm.memory.trace import TracedModel, estimate_activations, measure_layer
 from rm.model import build_reward_model, pair_rewards
 
@@ -35,11 +36,12 @@ TOLERANCE = 0.05
 
 
 def factory_args(dtype, checkpointing, lora_r, model=MODEL):
-    """The factory's arguments for a run of this precision, checkpointing and LoRA rank (0: full)."""
-    precision = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    """The factory's arguments for a run of this precision (a ``train.precision`` name, or the dtype of a
+    run without autocast), checkpointing and LoRA rank (0: full)."""
+    precision = dtype if isinstance(dtype, str) else {torch.float32: "32-true", torch.bfloat16: "bf16-true"}[dtype]
     groups = (model, MemoryProfileConfig(name="test", use_lora=lora_r > 0),
               LoraConfig(r=lora_r or 8, alpha=32, dropout=0.05, target_modules=list(ALL_LINEAR)))
-    return groups, dict(precision=precision, gradient_checkpointing=checkpointing,
+    return groups, dict(numerics=Precision.of(precision).numerics(deepspeed=False), gradient_checkpointing=checkpointing,
                         fp32_head=fp32_head_enabled(None, precision))
 
 
@@ -68,8 +70,11 @@ def _real_step(dtype, checkpointing, lora_r, accumulating=False):
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     tracker = StorageTracker(timeline=True)
     tracker.ignore(list(model.parameters()) + list(model.buffers()) + grads + [ids, mask])
+    autocast = kwargs["numerics"].autocast
     with tracker:
-        loss = _loss(model, ids, mask)
+        # as accelerate's engine runs the mixed modes: the forward under autocast, the backward outside it
+        with torch.autocast("cpu", dtype=getattr(torch, autocast or "bfloat16"), enabled=autocast is not None):
+            loss = _loss(model, ids, mask)
         loss.backward()
         del loss
     with_grads = tracker.peak
@@ -86,6 +91,21 @@ def test_estimate_matches_real_step(dtype, checkpointing, lora_r):
     error = (est["peak_bytes"] - measured) / measured
     print(f"\n{dtype} ckpt={checkpointing} lora_r={lora_r}: measured {measured} estimated {est['peak_bytes']} "
           f"({error:+.4%}, peak in {est['peak_phase']})")
+    assert abs(error) <= TOLERANCE
+
+
+@pytest.mark.parametrize("lora_r", [0, 8], ids=["full", "lora8"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["nockpt", "ckpt"])
+def test_estimate_matches_real_step_under_autocast(checkpointing, lora_r):
+    """bf16-mixed: fp32 trained weights, the forward under bf16 autocast, whose casts of the weights are kept for
+    the backward (and, with checkpointing, in autocast's cache until the forward ends): the trace runs the same
+    autocast, so it sees them."""
+    measured, _, _, _, _ = _real_step("bf16-mixed", checkpointing, lora_r)
+    plain, _, _, _, _ = _real_step(torch.float32, checkpointing, lora_r)
+    est = estimate_activations(traced("bf16-mixed", checkpointing, lora_r), LAYERS, BATCH, SEQ)
+    error = (est["peak_bytes"] - measured) / measured
+    print(f"\nbf16-mixed ckpt={checkpointing} lora_r={lora_r}: measured {measured} (fp32 without autocast {plain}) "
+          f"estimated {est['peak_bytes']} ({error:+.4%}, peak in {est['peak_phase']})")
     assert abs(error) <= TOLERANCE
 
 
@@ -139,10 +159,12 @@ def _layout(model: torch.nn.Module):
 
 
 @pytest.mark.parametrize("overrides", [
-    ["memory_profile=full", "train.precision=fp32"],
-    ["memory_profile=lora", "train.precision=bf16", "hardware.bf16=true", "train.gradient_checkpointing=true"],  # fp32 head, fp32 adapters
-    ["memory_profile=lora", "train.precision=bf16", "hardware.bf16=true", "health.fp32_head=false", "lora.target_modules=[q_proj,v_proj]"],
-], ids=["full-fp32", "lora-bf16-fp32-head", "lora-qv-bf16"])
+    ["memory_profile=full", "train.precision=32-true"],
+    ["memory_profile=full", "train.precision=bf16-mixed", "hardware.bf16=true"],  # fp32 weights, bf16 autocast
+    ["memory_profile=full", "train.precision=bf16-true", "hardware.bf16=true"],  # bf16 weights, fp32 head
+    ["memory_profile=lora", "train.precision=bf16-mixed", "hardware.bf16=true", "train.gradient_checkpointing=true"],  # fp32 head, fp32 adapters
+    ["memory_profile=lora", "train.precision=bf16-true", "hardware.bf16=true", "health.fp32_head=false", "lora.target_modules=[q_proj,v_proj]"],
+], ids=["full-32-true", "full-bf16-mixed", "full-bf16-true", "lora-bf16-mixed-fp32-head", "lora-qv-bf16-true"])
 def test_the_traced_model_is_the_trained_model(overrides, fresh_accelerator_state):
     """The estimate's model (built on the meta device for the trace) has the modules, parameter shapes,
     dtypes and trainable flags of the model a run trains, as ``rm.run_setup`` builds and prepares it."""

@@ -88,7 +88,7 @@ def test_wrong_type_fails_at_composition():
 def test_validate_derives_accumulation(tiny_cfg):
     plan = validate(tiny_cfg("train.micro_batch_size=2", "train.global_batch_size=16"), world_size=4)
     assert plan.gradient_accumulation_steps == 2
-    assert plan.precision == "fp32" and plan.device == "cpu"
+    assert plan.precision == "32-true" and plan.device == "cpu"
     assert plan.max_tokens_per_step == 16 * 2 * 64
 
 
@@ -110,6 +110,40 @@ def test_validate_names_the_keys(tiny_cfg, overrides, world, needle):
     with pytest.raises(ConfigError, match=None) as info:
         validate(tiny_cfg(*overrides), world_size=world)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("given,mode", [("bf16", "bf16-mixed"), ("fp32", "32-true"), ("32", "32-true"),
+                                        ("bf16-true", "bf16-true"), ("bf16-mixed", "bf16-mixed")])
+def test_precision_names_resolve_as_lightning_reads_them(tiny_cfg, given, mode):
+    """Lightning's legacy names read as its mixed modes (bf16: fp32 master weights), and the plan says which."""
+    plan = validate(tiny_cfg(f"train.precision={given}", "hardware.bf16=true"), world_size=1)
+    assert plan.precision == mode
+    assert any(f"reads as {mode}" in w for w in plan.warnings) == (given != mode)
+
+
+def test_auto_precision_on_a_bf16_gpu_loses_no_updates(tiny_cfg):
+    plan = validate(tiny_cfg("hardware=h100_80g", "train.precision=auto"), world_size=1)
+    assert plan.precision == "bf16-mixed"
+    assert (plan.numerics.weights, plan.numerics.states, plan.numerics.autocast) == ("float32", "float32", "bfloat16")
+
+
+def test_bf16_true_is_refused_under_zero_naming_the_reason(tiny_cfg):
+    with pytest.raises(ConfigError) as info:
+        validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", "distributed=zero2"), world_size=1)
+    assert "train.precision=bf16-true with distributed=zero2" in str(info.value)
+    assert "fp32 master weights" in str(info.value) and "train.precision=bf16-mixed" in str(info.value)
+
+
+@pytest.mark.parametrize("lr,warned", [(1e-5, True), (1e-3, False)])
+def test_bf16_true_warns_where_updates_will_round_away(tiny_cfg, lr, warned):
+    plan = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", f"train.learning_rate={lr}"), world_size=1)
+    found = [w for w in plan.warnings if "round to nothing" in w]
+    assert bool(found) == warned
+    if warned:  # 85% of N(0, 0.02) weights at 1e-5 (rm.precision.bf16_lost_update_fraction)
+        assert "about 85%" in found[0] and "train.precision=bf16-mixed" in found[0]
+    lora = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", "memory_profile=lora",
+                             f"train.learning_rate={lr}"), world_size=1)
+    assert not [w for w in lora.warnings if "round to nothing" in w]  # fp32 adapters lose nothing
 
 
 def test_validate_reports_every_problem_at_once(tiny_cfg):

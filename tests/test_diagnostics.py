@@ -198,7 +198,7 @@ def test_evaluate_gathers_every_pairs_rewards_and_lengths(diag_run):
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final").eval()
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     eval_set, _ = build_split(cfg.data, tokenizer, "eval")
-    engine = AccelerateEngine(cpu=True, precision="fp32", gradient_accumulation_steps=1, max_grad_norm=1.0)
+    engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
     metrics, scores = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 48, engine)
 
     assert len(scores) == metrics["eval_pairs"] == len(eval_set)
@@ -264,7 +264,7 @@ from rm.engine import AccelerateEngine
 from rm.metrics import evaluate
 
 model_dir, data_dir, pad, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-engine = AccelerateEngine(cpu=True, precision="fp32", gradient_accumulation_steps=1, max_grad_norm=1.0)
+engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
 model = AutoModelForSequenceClassification.from_pretrained(model_dir)
 metrics, s = evaluate(model, datasets.load_from_disk(data_dir), PairCollator(pad), 8, engine)
 vectors = [v.tolist() for v in (s.chosen, s.rejected, s.chosen_lengths, s.rejected_lengths)]
@@ -291,7 +291,7 @@ def test_two_processes_gather_the_same_vectors_as_one(diag_run, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
-    engine = AccelerateEngine(cpu=True, precision="fp32", gradient_accumulation_steps=1, max_grad_norm=1.0)
+    engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
     one, s = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 8, engine)
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())

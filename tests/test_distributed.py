@@ -38,7 +38,7 @@ def test_conflicting_combinations_are_rejected_naming_the_keys(tiny_cfg, overrid
 
 def test_deepspeed_config_follows_the_run_settings():
     cfg = deepspeed_config(
-        micro_batch_size=4, gradient_accumulation_steps=2, world_size=8, precision="bf16", max_grad_norm=1.0,
+        micro_batch_size=4, gradient_accumulation_steps=2, world_size=8, precision="bf16-mixed", max_grad_norm=1.0,
         zero_stage=3, offload_optimizer=True, offload_params=True, hidden_size=256, trainable_params=1_000_000,
         optimizer_params={"lr": 1e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1},
     )
@@ -49,7 +49,7 @@ def test_deepspeed_config_follows_the_run_settings():
     assert zero["stage"] == 3 and zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
     assert zero["stage3_gather_16bit_weights_on_model_save"] is True
     assert cfg["optimizer"] == {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
-    plain = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="fp32",
+    plain = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="32-true",
                              max_grad_norm=0.0, zero_stage=2, offload_optimizer=False, offload_params=False,
                              hidden_size=256, trainable_params=1_000_000)
     assert "optimizer" not in plain and "offload_optimizer" not in plain["zero_optimization"]
@@ -107,16 +107,16 @@ def test_deepspeed_buckets_follow_the_hidden_size_and_cap_at_the_trainable_param
     """DeepSpeed allocates each gradient bucket at its full size (measured with the tensor counter), so
     it is capped at the trainable parameters. ZeRO-1/2 keep DeepSpeed's 5e8; ZeRO-3 takes transformers'
     "auto" sizes: hidden_size squared (Mistral-7B: 4096 x 4096), prefetch 0.9 of it, persistence 10 x hidden."""
-    small = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="fp32",
+    small = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="32-true",
                              max_grad_norm=1.0, zero_stage=2, offload_optimizer=True, offload_params=False,
                              hidden_size=1024, trainable_params=361_216)
     assert small["zero_optimization"]["reduce_bucket_size"] == 361_216
     assert small["zero_optimization"]["allgather_bucket_size"] == 361_216
-    zero2 = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="bf16",
+    zero2 = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="bf16-mixed",
                              max_grad_norm=1.0, zero_stage=2, offload_optimizer=False, offload_params=False,
                              hidden_size=4096, trainable_params=7_110_664_192)
     assert zero2["zero_optimization"]["reduce_bucket_size"] == 500_000_000
-    big = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="bf16",
+    big = deepspeed_config(micro_batch_size=1, gradient_accumulation_steps=1, world_size=1, precision="bf16-mixed",
                            max_grad_norm=1.0, zero_stage=3, offload_optimizer=False, offload_params=False,
                            hidden_size=4096, trainable_params=7_110_664_192)
     zero = big["zero_optimization"]

@@ -171,7 +171,7 @@ def tiny_model_dir(tmp_path_factory):
     cfg = compose(["experiment=tiny"])
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     directory = tmp_path_factory.mktemp("model")
-    build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).save_pretrained(directory)
+    build_model(cfg.model, tokenizer.pad_token_id, "float32", False).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
 

@@ -42,21 +42,45 @@ def test_estimate_matches_measured_peak_within_1_percent(tmp_path, profile, phas
     assert estimate == pytest.approx(measured, rel=0.01), (estimate, measured)
 
 
-def test_mistral_7b_model_states_by_hand():
+@pytest.mark.parametrize("precision,per_param", [("bf16-mixed", (4, 4, 8)), ("bf16-true", (2, 2, 4)), ("32-true", (4, 4, 8))])
+def test_mistral_7b_model_states_by_hand(precision, per_param):
     """Mistral-7B as a reward model: 7,241,732,096 (causal LM) - 131,072,000 (lm_head) + 4,096 (score)
-    = 7,110,664,192 parameters. Full fine-tune in bf16 with AdamW: weights 2 bytes, gradients 2,
-    AdamW states 2 x 2 = 8 bytes per parameter in all (the states are bf16 like the weights, not fp32).
+    = 7,110,664,192 parameters. Full fine-tune under DDP with AdamW, bytes per parameter of weights, gradients
+    and the two moments: bf16-mixed keeps fp32 weights (the master copy autocast computes from), fp32 gradients
+    and fp32 moments, 4 + 4 + 8, as 32-true does; bf16-true keeps all of them in bf16, 2 + 2 + 4.
     LoRA r16 on all 7 linear layers: 32 layers x 16 x (4096+4096 + 4096+1024 + 4096+1024 + 4096+4096
     + 3 x (4096+14336)) = 41,943,040 adapter parameters, plus the trained copy of the 4,096-weight head."""
-    cfg, plan = planned(["memory_profile=full", "hardware=gpu_64g", "train.micro_batch_size=1",
-                         "train.global_batch_size=8", "data.max_length=384"], world=8)
+    cfg, plan = planned(["memory_profile=full", "hardware=gpu_64g", "train.micro_batch_size=1", f"train.precision={precision}",
+                         "train.global_batch_size=8", "data.max_length=384", "distributed=ddp"], world=8)
     est = estimate_run(cfg, plan)
     p = 7_110_664_192
     assert est.params_total == p
-    assert (est.weights, est.gradients, est.optimizer_states) == (2 * p, 2 * p, 4 * p)
+    assert (est.weights, est.gradients, est.optimizer_states) == tuple(n * p for n in per_param)
     lora = parameter_counts(cfg.model, compose(["lora=r16"]).lora)
     assert lora.trainable == 41_943_040 + 4_096
     assert lora.total == p + 41_943_040 + 4_096
+
+
+def test_seed_000_fits_only_in_the_mode_that_barely_trains():
+    """Seed 000: Mistral-7B full fine-tune, 8 x 64 GB, DDP, 1 pair x 384, which ran out of memory with fp32 AdamW
+    states. In bf16-mixed (fp32 weights, gradients and states: 16 bytes a parameter, 106 GiB) it does not fit, and
+    the changes offered (ZeRO across the 8 GPUs, LoRA) each fit when estimated again. In bf16-true (8 bytes a
+    parameter) it fits, with the warning that lr 1e-5 rounds most updates away."""
+    base = ["memory_profile=full", "hardware=gpu_64g", "distributed=ddp", "train.micro_batch_size=1",
+            "train.global_batch_size=8", "data.max_length=384", "train.learning_rate=1e-5"]
+    mixed_overrides = base + ["train.precision=bf16-mixed"]
+    cfg, plan = planned(mixed_overrides, world=8)
+    mixed = estimate_run(cfg, plan)
+    assert not mixed.fits and mixed.weights + mixed.gradients + mixed.optimizer_states == 16 * 7_110_664_192
+    found = {" ".join(extra): est for extra, est in suggestions(mixed_overrides, cfg, plan)}
+    assert {"distributed=zero2", "distributed=zero3"} & set(found) and "memory_profile=lora" in found
+    for extra in ("distributed=zero2", "distributed=zero3", "memory_profile=lora"):
+        if extra in found:
+            again = estimate_run(*planned(mixed_overrides + [extra], world=8))
+            assert again.fits and again.peak_bytes == found[extra].peak_bytes, extra
+    true = estimate_run(*planned(base + ["train.precision=bf16-true"], world=8))
+    assert true.fits
+    assert any("round to nothing" in w and "about 85%" in w for w in true.warnings)
 
 
 def test_mistral_7b_offload_keeps_states_on_the_host_by_hand():

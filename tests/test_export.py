@@ -41,7 +41,7 @@ def tiny(tiny_cfg, pad_token_id, kind="mistral"):
         config = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, num_labels=1,
                             pad_token_id=pad_token_id, bos_token_id=2, eos_token_id=3)
         return GPT2ForSequenceClassification(config).eval()
-    return build_model(tiny_cfg().model, pad_token_id, "fp32", False).eval()
+    return build_model(tiny_cfg().model, pad_token_id, "float32", False).eval()
 
 
 def last_position_alone(model, row):
@@ -207,7 +207,7 @@ def test_lora_adapter_and_merged_model_reload_with_the_in_memory_rewards(lora_ru
     assert all((d / name).is_file() for d in (final, merged) for name in ("reward_probe.json", "reward_stats.json"))
     ids, mask, recorded = probe_of(final)
     set_seed(cfg.train.seed)  # the random-init base the adapter was trained on
-    base = build_model(cfg.model, AutoTokenizer.from_pretrained(final).pad_token_id, "fp32", False)
+    base = build_model(cfg.model, AutoTokenizer.from_pretrained(final).pad_token_id, "float32", False)
     assert verify_bundle(final, base_model=base) == 0.0
     plain = AutoModelForSequenceClassification.from_pretrained(merged).eval()  # plain transformers, no PEFT
     assert plain.config.pad_token_id == AutoTokenizer.from_pretrained(merged).pad_token_id
@@ -246,7 +246,7 @@ def test_export_cli_merges_an_adapter_onto_its_base_on_disk(tiny_cfg, tmp_path):
     cfg = tiny_cfg()
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(1)
-    build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).save_pretrained(tmp_path / "base")
+    build_model(cfg.model, tokenizer.pad_token_id, "float32", False).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")  # a checkpoint carries its tokenizer, which the run then uses
     run = tmp_path / "run"
     rm_train.train(tiny_cfg(*STEPS, "memory_profile=lora", "lora=r8", "train.learning_rate=5e-3",

@@ -198,7 +198,7 @@ def test_monitor_engine_side_outcomes():
 
 def test_fp32_head_keeps_weights_and_compute_in_fp32_under_bf16_autocast(tiny_cfg):
     cfg = tiny_cfg()
-    model = build_model(cfg.model, 0, "bf16", False)
+    model = build_model(cfg.model, 0, "bfloat16", False)
     keys = set(model.state_dict())
     keep_head_in_fp32(model)
     assert model.score.weight.dtype == torch.float32 and model.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
@@ -395,15 +395,17 @@ def test_consecutive_skips_stop_the_run(tiny_cfg, tmp_path, monkeypatch):
     assert "2 non-finite steps in a row up to step 3" in result["reason"]
 
 
-def test_bf16_run_trains_an_fp32_head(tiny_cfg, tmp_path, fresh_accelerator_state):
-    """bf16 on a CPU (autocast), health.fp32_head left at auto: the head trains and is saved in fp32."""
-    cfg = tiny_cfg("hardware.bf16=true", "train.precision=bf16", "train.max_steps=2", "train.save_steps=1",
+@pytest.mark.parametrize("precision,weights", [("bf16-true", torch.bfloat16), ("bf16-mixed", torch.float32)])
+def test_bf16_run_trains_an_fp32_head(tiny_cfg, tmp_path, fresh_accelerator_state, precision, weights):
+    """bf16 on a CPU, health.fp32_head left at auto: the head trains and is saved in fp32; the other weights
+    are stored as the mode keeps them (bf16-true: bf16; bf16-mixed: the fp32 weights autocast computes from)."""
+    cfg = tiny_cfg("hardware.bf16=true", f"train.precision={precision}", "train.max_steps=2", "train.save_steps=1",
                    "train.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok" and result["alarms"] == []
     saved = load_file(tmp_path / "checkpoints" / "checkpoint-1" / "model.safetensors")
     assert saved["score.weight"].dtype == torch.float32
-    assert saved["model.layers.0.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert saved["model.layers.0.mlp.up_proj.weight"].dtype == weights
     assert math.isfinite(float(saved["score.weight"].abs().sum()))
 
 

@@ -29,7 +29,7 @@ PAIRS = [
 def tiny_model(tiny_cfg, attn):
     cfg = tiny_cfg(f"model.attn_implementation={attn}")
     set_seed(0)
-    return build_model(cfg.model, pad_token_id=0, precision="fp32", gradient_checkpointing=False)
+    return build_model(cfg.model, pad_token_id=0, dtype="float32", gradient_checkpointing=False)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

@@ -55,7 +55,7 @@ def test_the_cases_cover_what_they_say():
 def tiny_model(tiny_cfg, attn, *overrides, checkpointing=False):
     cfg = tiny_cfg(f"model.attn_implementation={attn}", *overrides)
     set_seed(0)
-    return build_model(cfg.model, pad_token_id=0, precision="fp32", gradient_checkpointing=checkpointing), cfg
+    return build_model(cfg.model, pad_token_id=0, dtype="float32", gradient_checkpointing=checkpointing), cfg
 
 
 def unshared(model, features):

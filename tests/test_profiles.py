@@ -36,7 +36,7 @@ def losses(run_dir):
 def initial_weights(cfg):
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(cfg.train.seed)  # train() seeds the same way before building: the same initial weights
-    return build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).state_dict()
+    return build_model(cfg.model, tokenizer.pad_token_id, "float32", False).state_dict()
 
 
 @pytest.mark.parametrize("profile", ["full", "8bit"])
@@ -75,7 +75,7 @@ def test_lora_trains_adapters_and_head_and_reloads_as_adapter_and_merged(tiny_cf
 
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final")
     set_seed(cfg.train.seed)
-    fresh = build_model(cfg.model, tokenizer.pad_token_id, "fp32", False)
+    fresh = build_model(cfg.model, tokenizer.pad_token_id, "float32", False)
     adapter = PeftModel.from_pretrained(fresh, tmp_path / "final")
     assert eval_loss_of(adapter, tokenizer, cfg.data) == pytest.approx(result["eval_loss"], rel=1e-5)
     merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final" / "merged")

@@ -99,7 +99,7 @@ def test_a_checkpointed_model_builds_without_future_warnings(tiny_cfg, profile):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # every warning, once per call, as a fresh process would show it
         install()  # rm's own filters, which every entry point has (simplefilter cleared them)
-        model = apply_memory_profile(build_model(cfg.model, 0, "fp32", True), cfg.memory_profile, cfg.lora)
+        model = apply_memory_profile(build_model(cfg.model, 0, "float32", True), cfg.memory_profile, cfg.lora)
     assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
     assert model.is_activation_checkpointing
 

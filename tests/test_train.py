@@ -60,7 +60,7 @@ def test_trainable_weights_changed(learned_run):
     cfg, run_dir, _ = learned_run
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(cfg.train.seed)  # the same seed train() sets before building: the same initial weights
-    initial = build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).state_dict()
+    initial = build_model(cfg.model, tokenizer.pad_token_id, "float32", False).state_dict()
     final = load_file(run_dir / "final" / "model.safetensors")
     changed = [k for k, v in final.items() if not torch.equal(v, initial[k])]
     assert "score.weight" in changed
@@ -144,7 +144,7 @@ def test_lora_profile_trains_adapters_and_head_only(tiny_cfg, tmp_path):
     assert result["status"] == "ok"
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     set_seed(cfg.train.seed)
-    base = build_model(cfg.model, tokenizer.pad_token_id, "fp32", False).state_dict()
+    base = build_model(cfg.model, tokenizer.pad_token_id, "float32", False).state_dict()
     saved = load_file(tmp_path / "checkpoints" / "checkpoint-2" / "model.safetensors")
     base_keys = {k: k.replace("base_model.model.", "").replace(".base_layer", "") for k in saved if "lora_" not in k}
     frozen = [k for k, plain in base_keys.items() if plain in base and "score" not in k]

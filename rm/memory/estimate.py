@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.precision import Precision
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
     from rm.memory.trace import TracedModel
@@ -156,6 +155,9 @@ class Estimate:
     uncalibrated: List[str]
     world_size: int = 1
     world_size_source: str = "given"
+    precision: str = ""  # the resolved train.precision, and the dtypes it keeps (rm.precision)
+    numerics: Dict = field(default_factory=dict)
+    warnings: List[str] = field(default_factory=list)  # the plan's: settings that fit but a user should hear about
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -277,9 +279,12 @@ def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
     """Weights, gradients, optimizer states, engine buffers and host RAM: everything but activations."""
     from rm.engine import deepspeed_buckets
 
-    m, profile = cfg.model, cfg.memory_profile
+    m, profile, numerics = cfg.model, cfg.memory_profile, plan.numerics
     counts = parameter_counts(m, cfg.lora if profile.use_lora else None)
-    wbytes = Precision.of(plan.precision).weight_bytes
+    # The dtype the model is built and loaded in: a frozen LoRA base in the compute dtype, trained weights in
+    # the dtype the engine updates them in (fp32 under accelerate's mixed modes, the compute dtype under DeepSpeed,
+    # whose fp32 master partitions are among its states).
+    wbytes = numerics.frozen_bytes if profile.use_lora else numerics.weight_bytes
     weights, trained_bytes, uncalibrated = weight_bytes(m, profile, counts, wbytes)
     if plan.zero_stage == 3:
         persistence = deepspeed_buckets(3, m.hidden_size, counts.trainable)["persistence"]
@@ -289,6 +294,11 @@ def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
         t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
+        if cfg.train.kahan_summation:
+            # optimi's compensation buffer, one per trained tensor in its dtype; its per-tensor step divides by
+            # sqrt(exp_avg_sq) into one tensor-sized scratch (optimi.adam, _single_adam).
+            t.states += counts.trainable * trained_bytes
+            t.step_extra = max(counts.trainable_tensors) * trained_bytes
     t.host += host_bytes(cfg, plan, counts, t.states, wbytes)
     return t
 
@@ -344,7 +354,7 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
     m = cfg.model
     if m.attn_implementation in ("flash_attention_2", "flex_attention"):
         m = replace(m, attn_implementation="sdpa")
-    return TracedModel.of(m, cfg.memory_profile, cfg.lora, precision=plan.precision,
+    return TracedModel.of(m, cfg.memory_profile, cfg.lora, numerics=plan.numerics,
                           gradient_checkpointing=cfg.train.gradient_checkpointing,
                           fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision))
 
@@ -414,6 +424,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
         host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
+        precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
     )
 
 

@@ -64,6 +64,7 @@ import torch
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.memory.storage import StorageTracker
+from rm.precision import Numerics
 
 _SUPPORTED_ATTN = ("sdpa", "eager")
 
@@ -89,16 +90,23 @@ class TracedModel:
     model: Items
     profile: Items
     lora: Items
-    precision: str
+    numerics: Numerics
     gradient_checkpointing: bool
     fp32_head: bool
 
     @classmethod
-    def of(cls, model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, precision: str,
+    def of(cls, model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, numerics: Numerics,
            gradient_checkpointing: bool, fp32_head: bool) -> "TracedModel":
         """The model a run with these groups trains (the same keyword arguments as the factory)."""
         shape_only = replace(model_cfg, pretrained=None, tokenizer=None, trust_remote_code=False)
-        return cls(_items(shape_only), _items(profile), _items(lora_cfg), precision, gradient_checkpointing, fp32_head)
+        return cls(_items(shape_only), _items(profile), _items(lora_cfg), numerics, gradient_checkpointing, fp32_head)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast, as the engine enters it (``bf16-mixed``, ``16-mixed`` under accelerate): its casts
+        of the fp32 weights are kept for the backward (and in autocast's cache until the forward ends)."""
+        if self.numerics.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=self.numerics.dtype("autocast"))
 
     @property
     def model_cfg(self) -> ModelConfig:
@@ -115,7 +123,7 @@ class TracedModel:
             warnings.simplefilter("ignore", FutureWarning)  # peft reads transformers' deprecated checkpointing flag
             return build_reward_model(
                 replace(self.model_cfg, num_hidden_layers=num_layers), _group(MemoryProfileConfig, self.profile),
-                _group(LoraConfig, self.lora), precision=self.precision,
+                _group(LoraConfig, self.lora), numerics=self.numerics,
                 gradient_checkpointing=self.gradient_checkpointing, fp32_head=self.fp32_head, pad_token_id=0,
             )
 
@@ -128,6 +136,8 @@ class LayerMemory:
         saved_bytes: what one steady-state layer adds to live memory between its
             forward and its backward (what accumulates per layer in a stack). With
             gradient checkpointing this is (about) the layer's input only.
+        backward_saved_bytes: what one steady-state layer still holds when the backward starts: ``saved_bytes``
+            less what autocast's cache of weight casts held only until the forward ended.
         first_layer_saved_bytes: the same for layer 0, which differs (see module doc).
         forward_transient_bytes: peak inside one layer's forward above what was live
             before it.
@@ -147,6 +157,7 @@ class LayerMemory:
     """
 
     saved_bytes: int
+    backward_saved_bytes: int
     first_layer_saved_bytes: int
     forward_transient_bytes: int
     backward_transient_bytes: int
@@ -302,7 +313,10 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
         if accumulating:
             # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
             # gradient into it and frees the new one, a transient we want on the timeline.
-            _loss(model, inputs).backward()
+            with traced.autocast():
+                first = _loss(model, inputs)
+            first.backward()
+            del first
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         tracker.ignore(list(model.parameters()) + list(model.buffers()) + grads + list(inputs.values()))
         del grads
@@ -314,7 +328,8 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
         try:
             with tracker:
                 tracker.mark("start")
-                loss = _loss(model, inputs)
+                with traced.autocast():
+                    loss = _loss(model, inputs)
                 tracker.mark("backward")
                 loss.backward()
                 del loss
@@ -360,9 +375,12 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
         A :class:`LayerMemory`; cached per distinct arguments.
     """
     trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix)
+    one_layer = _trace(traced, 1, batch, seq_len, accumulating, packed, shared_prefix)
     at, peak = trace.at, trace.peak
     return LayerMemory(
         saved_bytes=at["norm"] - at["layer1"],
+        # The two models differ by one steady layer; when their backward starts, that layer's saved tensors.
+        backward_saved_bytes=at["layer1_bwd"] - one_layer.at["layer0_bwd"],
         first_layer_saved_bytes=at["layer1"] - at["layer0"],
         forward_transient_bytes=peak["layer1"] - at["layer1"],
         backward_transient_bytes=peak["layer1_bwd"] - at["norm"],
@@ -426,21 +444,24 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix)
     at, peak = trace.at, trace.peak
     shift = (num_layers - 2) * layer.saved_bytes  # the layers the traced model lacks, all steady-state
+    # Under autocast, its cache keeps each weight's cast until the forward ends: a layer holds more during the
+    # forward than it still holds when the backward starts (with checkpointing, only its input).
+    backward_shift = (num_layers - 2) * layer.backward_saved_bytes
     layers_saved = layer.first_layer_saved_bytes + (num_layers - 1) * layer.saved_bytes
     phases = {
         "first_layer_forward": max(peak["start"], peak["layer0"]),
         "layer_forward": peak["layer1"] + shift,
-        "head_and_loss": max(peak["norm"], peak["backward"]) + shift,
-        "layer_backward": peak["layer1_bwd"] + shift,
+        "head_and_loss": max(peak["norm"] + shift, peak["backward"] + backward_shift),
+        "layer_backward": peak["layer1_bwd"] + backward_shift,
         "first_layer_backward": layer.last_backward_bytes,
     }
     phase = max(phases, key=phases.get)
-    end_of_forward = at["backward"] + shift
+    end_of_forward = at["backward"] + backward_shift  # marked after the forward's autocast has ended
     reference = {  # what was live when the phase began, to report the transient part of the peak
         "first_layer_forward": at["layer0"],
         "layer_forward": at["layer1"] + shift,
         "head_and_loss": end_of_forward,
-        "layer_backward": at["norm"] + shift,
+        "layer_backward": at["norm"] + backward_shift,
         "first_layer_backward": at["layer1"],
     }[phase]
     return {
@@ -480,7 +501,7 @@ def inference_peak_bytes(traced: TracedModel, batch: int, seq_len: int) -> int:
         model.eval()
         inputs = _batch(batch, seq_len, packed=False, shared_prefix=False)
         tracker.ignore(list(model.parameters()) + list(model.buffers()) + list(inputs.values()))
-        with torch.no_grad(), tracker:
+        with torch.no_grad(), tracker, traced.autocast():
             pair_rewards(model, **inputs)
         del model
     return tracker.peak
