@@ -175,6 +175,9 @@ def log_window(run: Run, progress: tqdm) -> None:
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed / state.window_steps,
     }
+    lost = run.health.lost_update_fraction(state.step, engine.reduce)  # also raises the lost_updates alarm
+    if lost is not None:
+        values["lost_update_fraction"] = lost
     run.metrics.write("train", state.step, values)
     progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
     state.reset_window()
