@@ -282,8 +282,7 @@ class HealthMonitor:
 
     def __init__(self, *, ln2_steps: int, ln2_tolerance: float, chance_after_steps: int, chance_tolerance: float,
                  max_abs_reward: float, lost_updates_threshold: float, on_nonfinite: str, max_consecutive_skips: int,
-                 metrics=None,
-                 is_main_process: bool = True, loss_scaling: bool = False):
+                 metrics=None, is_main_process: bool = True, loss_scaling: bool = False):
         self.ln2_steps, self.ln2_tolerance = ln2_steps, ln2_tolerance
         self.chance_after_steps, self.chance_tolerance = chance_after_steps, chance_tolerance
         self.max_abs_reward = max_abs_reward
