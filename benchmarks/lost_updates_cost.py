@@ -106,7 +106,7 @@ def main() -> None:
     print(f"model: {cfg.model.num_hidden_layers} layers x hidden {cfg.model.hidden_size}, {params:,} trainable "
           f"parameters, {cfg.train.precision} weights, torch AdamW; {probe.size} elements watched in "
           f"{len(probe.watched)} tensors; {args.steps} steps of each kind, {args.threads} thread(s)")
-    print(f"lost_update_fraction over the run: {fraction:.3f}")
+    print(f"lost_update_fraction of the last logging window: {fraction:.3f}")
     for k, clock in ((0, "wall"), (1, "cpu")):
         with_, without = median(True, k), median(False, k)
         # Each step against the other of its pair: the steps differ in their pairs' lengths, which pairing cancels.

@@ -163,7 +163,7 @@ def to_device(batch: Dict[str, torch.Tensor], keys: Sequence[str], device: torch
 
 
 def log_window(run: Run, progress: tqdm) -> None:
-    """A logging step: the window's loss and throughput, summed or averaged over processes, to metrics.jsonl."""
+    """A logging step: the window's loss, throughput and lost-update fraction, over processes, to metrics.jsonl."""
     state, engine, t = run.state, run.engine, run.cfg.train
     elapsed = time.perf_counter() - state.window_start
     tokens = int(engine.reduce(torch.tensor(state.window_tokens, device=engine.device), reduction="sum"))
