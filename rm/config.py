@@ -225,6 +225,9 @@ class HealthConfig:
     chance_after_steps: int = 100  # alarm when an eval from this step on has accuracy <= 0.5 + chance_tolerance
     chance_tolerance: float = 0.02
     max_abs_reward: float = 100.0  # alarm when the mean |reward| over a step exceeds it; 0: off
+    # Alarm when more than this fraction of sampled weight updates (nonzero gradient) rounds to nothing, over the
+    # steps after warmup (pure bf16 at a small learning rate); 0: off, and nothing is measured
+    lost_updates_threshold: float = 0.5
     on_nonfinite: str = "stop"  # NaN/inf loss or gradient norm: stop (keep the last good checkpoint) | skip the step
     max_consecutive_skips: int = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
     fp32_head: Optional[bool] = None  # reward head weights and compute in fp32; null: on with fp16/bf16, off in fp32

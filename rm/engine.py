@@ -4,7 +4,7 @@
 ``accelerate.Accelerator`` it needs (``device``, ``process_index``,
 ``num_processes``, ``is_main_process``, ``autocast``, ``reduce``,
 ``wait_for_everyone``) plus ``backward``, ``clip_gradients``, ``step``,
-``grad_norm``, ``gradients_of`` (the health checks of ``rm.health``), ``save_state``,
+``grad_norm``, ``gradients_of``, ``stepped_parameters`` (the health checks of ``rm.health``), ``save_state``,
 ``load_state`` and ``model_state_dict`` (what ``rm.export`` saves). So the same
 loop runs on one CPU, on 8 GPUs with DDP, and under ZeRO-3 with offload.
 
@@ -236,6 +236,10 @@ class Engine(Protocol):
     def gradients_of(self, module_name: str) -> List[Optional[torch.Tensor]]:
         """Full gradients of the trainable parameters under ``module_name``; every rank calls it."""
 
+    def stepped_parameters(self) -> Optional[List[torch.Tensor]]:
+        """The module's trainable parameters when they are what the optimizer writes its updates into, in a
+        fixed order; ``None`` where it updates other copies of them (``rm.lost_updates`` watches these)."""
+
     def lr(self) -> float:
         """The learning rate of the last step."""
 
@@ -340,6 +344,11 @@ class AccelerateEngine:
     def gradients_of(self, module_name: str) -> List[Optional[torch.Tensor]]:
         """Gradients of the trainable parameters under ``module_name`` (any wrapper: DDP, PEFT's copy)."""
         return [p.grad for name, p in self.model.named_parameters() if module_name in name.split(".") and p.requires_grad]
+
+    def stepped_parameters(self) -> Optional[List[torch.Tensor]]:
+        """The optimizer's own parameters: the module's (DDP and accelerate's wrapper share them), in
+        whatever dtype they are stored (bf16 with ``train.precision=bf16``, fp32 under fp16's autocast)."""
+        return [p for group in self.optimizer.optimizer.param_groups for p in group["params"]]
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]
@@ -469,6 +478,13 @@ class DeepSpeedEngine:
 
         return [safe_get_full_grad(p) for name, p in self.engine.module.named_parameters()
                 if module_name in name.split(".") and p.requires_grad]
+
+    def stepped_parameters(self) -> Optional[List[torch.Tensor]]:
+        """``None``: ZeRO (stages 1-3, with or without offload) steps flat fp32 partitions of the weights, its
+        master copy in every precision (DeepSpeed's default; rm sets no bf16 master weights), and copies them
+        into the module afterwards. Under bf16 an unchanged bf16 module weight is then no lost update: the
+        master moved, and fp32 (24 significant bits) keeps updates down to about 1e-7 of the weight."""
+        return None
 
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0]

@@ -41,6 +41,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from rm.lost_updates import LostUpdateProbe, lost_fraction
+
 log = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
@@ -207,6 +209,32 @@ def chance_accuracy_alarm(accuracy: float, tolerance: float) -> Optional[Alarm]:
     )
 
 
+def lost_updates_alarm(fraction: Optional[float], threshold: float, steps: int) -> Optional[Alarm]:
+    """More than ``threshold`` of the sampled updates rounded to nothing (0 disables).
+
+    Args:
+        fraction: the running lost-update fraction (``rm.lost_updates``) over the steps after warmup.
+        threshold: ``health.lost_updates_threshold``.
+        steps: the steps it was measured over, for the message.
+
+    Example:
+        >>> lost_updates_alarm(0.85, 0.5, 8).name
+        'lost_updates'
+        >>> lost_updates_alarm(0.5, 0.5, 8), lost_updates_alarm(0.9, 0.0, 8), lost_updates_alarm(None, 0.5, 0)
+        (None, None, None)
+    """
+    if not threshold or fraction is None or not fraction > threshold:
+        return None
+    return Alarm(
+        "lost_updates",
+        f"{fraction:.0%} of the sampled weight updates over {steps} step(s) after warmup rounded to nothing (above "
+        f"health.lost_updates_threshold={threshold:g}): those weights did not move although their gradient was "
+        "nonzero. Likely cause: pure bf16 training (train.precision=bf16, to be named bf16-true), whose 8 significant "
+        "bits drop updates much smaller than the weight; train with fp32 master weights and optimizer states "
+        "(train.precision=bf16-mixed) or a larger learning rate (train.learning_rate).",
+    )
+
+
 def nonfinite_alarm(bad_losses: int, grad_norm: Optional[float]) -> Optional[Alarm]:
     """A non-finite loss (on ``bad_losses`` micro-batches) or gradient norm, before the update.
 
@@ -233,8 +261,9 @@ class HealthMonitor:
     Hook points, in loop order: :meth:`check_data` (after the data is built),
     :meth:`observe` (each micro-batch, after backward), :meth:`before_update` (after the
     last backward, before the optimizer step), :meth:`after_update` (after it),
-    :meth:`check_eval` (after each evaluation). Every process calls every hook, so
-    collective calls and decisions stay in step across ranks.
+    :meth:`lost_update_fraction` (each logging step), :meth:`check_eval` (after each
+    evaluation). Every process calls every hook, so collective calls and decisions stay in
+    step across ranks.
 
     Args:
         ln2_steps: N of the ln 2 check; 0 disables it.
@@ -242,6 +271,8 @@ class HealthMonitor:
         chance_after_steps: evaluations from this step on are checked against chance; 0 checks every one.
         chance_tolerance: distance to 0.5 that still counts as chance.
         max_abs_reward: alarm above this mean |reward| over a step; 0 disables.
+        lost_updates_threshold: alarm when the running lost-update fraction passes it; 0 disables
+            (no probe is attached then: see :meth:`watch_updates`).
         on_nonfinite: ``stop`` or ``skip``.
         max_consecutive_skips: with ``skip``, this many non-finite steps in a row stop the run.
         metrics: where alarms go (an ``rm.metrics.MetricsLog``, or anything with its ``write``).
@@ -250,11 +281,12 @@ class HealthMonitor:
     """
 
     def __init__(self, *, ln2_steps: int, ln2_tolerance: float, chance_after_steps: int, chance_tolerance: float,
-                 max_abs_reward: float, on_nonfinite: str, max_consecutive_skips: int, metrics=None,
-                 is_main_process: bool = True, loss_scaling: bool = False):
+                 max_abs_reward: float, lost_updates_threshold: float, on_nonfinite: str, max_consecutive_skips: int,
+                 metrics=None, is_main_process: bool = True, loss_scaling: bool = False):
         self.ln2_steps, self.ln2_tolerance = ln2_steps, ln2_tolerance
         self.chance_after_steps, self.chance_tolerance = chance_after_steps, chance_tolerance
         self.max_abs_reward = max_abs_reward
+        self.lost_updates_threshold = lost_updates_threshold
         self.on_nonfinite, self.max_consecutive_skips = on_nonfinite, max_consecutive_skips
         self.metrics, self.is_main_process, self.loss_scaling = metrics, is_main_process, loss_scaling
         self.alarms: List[Dict] = []  # every alarm raised: {"name", "step", "message"}
@@ -264,19 +296,29 @@ class HealthMonitor:
         self._losses: List[float] = []  # step losses of the first ln2_steps steps
         self._sums: Optional[torch.Tensor] = None
         self._action = CONTINUE
+        self._probe: Optional[LostUpdateProbe] = None  # set by watch_updates
+        self._warmup_steps = 0
+        # Lost-update counts on the device, [lost, counted] of the logging window and of its steps after warmup
+        # (summed in after_update without a host sync; read at logging steps).
+        self._window_lost: Optional[torch.Tensor] = None
+        self._window_steps_after_warmup = 0
+        self._lost_after_warmup = [0, 0]  # [lost, counted] over every step after warmup so far, on the host
+        self._lost_steps = 0  # steps after warmup those counts cover
 
     @classmethod
     def from_config(cls, health_cfg, **kwargs) -> "HealthMonitor":
         """From the ``health`` group (``rm.config.HealthConfig``); ``kwargs`` as for the constructor."""
         h = health_cfg
         return cls(ln2_steps=h.ln2_steps, ln2_tolerance=h.ln2_tolerance, chance_after_steps=h.chance_after_steps,
-                   chance_tolerance=h.chance_tolerance, max_abs_reward=h.max_abs_reward, on_nonfinite=h.on_nonfinite,
+                   chance_tolerance=h.chance_tolerance, max_abs_reward=h.max_abs_reward,
+                   lost_updates_threshold=h.lost_updates_threshold, on_nonfinite=h.on_nonfinite,
                    max_consecutive_skips=h.max_consecutive_skips, **kwargs)
 
     def state_dict(self) -> Dict:
         """The counters a resumed run continues from (saved by ``rm.train_state``)."""
         return {"alarms": [dict(a) for a in self.alarms], "skipped_steps": self.skipped_steps,
-                "consecutive_skips": self.consecutive_skips, "ln2_losses": list(self._losses)}
+                "consecutive_skips": self.consecutive_skips, "ln2_losses": list(self._losses),
+                "lost_updates": [*self._lost_after_warmup, self._lost_steps]}
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from :meth:`state_dict`; an alarm raised before the checkpoint is not raised again."""
@@ -287,6 +329,8 @@ class HealthMonitor:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self.consecutive_skips = int(state.get("consecutive_skips", 0))
         self._losses = [float(x) for x in state.get("ln2_losses", [])]
+        lost, counted, steps = state.get("lost_updates", (0, 0, 0))  # absent from checkpoints of older runs
+        self._lost_after_warmup, self._lost_steps = [int(lost), int(counted)], int(steps)
 
     @property
     def fired(self) -> List[str]:
@@ -300,6 +344,16 @@ class HealthMonitor:
         if self.is_main_process:
             log.warning("health alarm %s at step %d: %s", alarm.name, step, alarm.message)
         self._write("alarm", step, {"name": alarm.name, "message": alarm.message})
+
+    def watch_updates(self, probe: LostUpdateProbe, warmup_steps: int) -> None:
+        """Measure lost updates with ``probe`` at every applied step.
+
+        Args:
+            probe: watches the tensors the optimizer updates (``rm.lost_updates``).
+            warmup_steps: the schedule's warmup. Its first steps have a learning rate near 0, whose updates
+                are lost by design, so the alarm's running fraction starts after it (the logged one does not).
+        """
+        self._probe, self._warmup_steps = probe, warmup_steps
 
     def _write(self, event: str, step: int, values: Dict) -> None:
         if self.metrics is not None:
@@ -365,6 +419,8 @@ class HealthMonitor:
             if step == self.ln2_steps:
                 self.raise_alarm(ln2_plateau_alarm(self._losses, self.ln2_tolerance), step)
         self._action = CONTINUE
+        if self._probe is not None:
+            self._probe.snapshot()
         return CONTINUE
 
     def after_update(self, step: int, applied: bool) -> str:
@@ -373,6 +429,12 @@ class HealthMonitor:
         Args:
             applied: whether the engine changed the weights.
         """
+        counts = self._probe.compare() if self._probe is not None else None
+        if counts is not None and applied:  # a dropped update was not lost to rounding
+            after_warmup = step > self._warmup_steps
+            both = torch.cat([counts, counts if after_warmup else torch.zeros_like(counts)])
+            self._window_lost = both if self._window_lost is None else self._window_lost + both
+            self._window_steps_after_warmup += after_warmup
         if self._action == SKIP:
             if applied:  # the engine could not drop the update: the weights may no longer be finite
                 return self._stop(step, "the update of a non-finite step could not be skipped")
@@ -383,6 +445,33 @@ class HealthMonitor:
         # The engine dropped the update itself: DeepSpeed's overflow check found non-finite gradients.
         return self._nonfinite(Alarm("nonfinite_grad_norm", "the engine found non-finite gradients and did not "
                                      "apply the update (DeepSpeed overflow check)."), step)
+
+    def lost_update_fraction(self, step: int, reduce: Callable[[torch.Tensor], torch.Tensor]) -> Optional[float]:
+        """At a logging step: the logging window's lost-update fraction, and the ``lost_updates`` alarm.
+
+        The alarm reads the running fraction over every step after warmup so far, so that one window at a
+        low learning rate (the end of a cosine schedule) does not raise it alone.
+
+        Args:
+            step: the last step of the window.
+            reduce: sums a tensor over processes; every rank gets the same answer.
+
+        Returns:
+            The fraction of the window's sampled elements with a nonzero gradient whose update was lost, or
+            ``None`` when nothing is watched or nothing was counted.
+        """
+        if self._probe is None:
+            return None
+        window = self._window_lost if self._window_lost is not None else self._probe.zeros(4)  # every step dropped
+        # Every rank watches the same elements of its replica: the sums over ranks count each several times,
+        # which changes no fraction.
+        lost, counted, lost_after, counted_after = reduce(window).tolist()
+        self._lost_after_warmup = [self._lost_after_warmup[0] + int(lost_after), self._lost_after_warmup[1] + int(counted_after)]
+        self._lost_steps += self._window_steps_after_warmup
+        self._window_lost, self._window_steps_after_warmup = None, 0
+        self.raise_alarm(lost_updates_alarm(lost_fraction(self._lost_after_warmup), self.lost_updates_threshold,
+                                            self._lost_steps), step)
+        return lost_fraction((lost, counted))
 
     def check_eval(self, step: int, accuracy: Optional[float]) -> None:
         """After an evaluation: eval accuracy at (or below) chance once ``chance_after_steps`` are done."""

@@ -29,6 +29,7 @@ from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.health import HealthMonitor, fp32_head_enabled
+from rm.lost_updates import LostUpdateProbe
 from rm.memory.estimate import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
@@ -131,6 +132,7 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     cleanup.callback(monitor.stop)
     model = _build_model(cfg, plan, engine, tokenizer.pad_token_id, monitor, total_steps)
     log.info(summary(cfg, plan, engine, total_steps, len(train_set)))
+    watch_lost_updates(health, engine, cfg, total_steps)
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
     start_step, record = restore(engine, run_dir, cfg, current, total_steps) if t.resume else (0, None)
@@ -205,9 +207,26 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
         lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon,
                                   t.kahan_summation),
         lambda opt: get_scheduler(
-            t.lr_scheduler_type, opt, num_warmup_steps=math.ceil(t.warmup_ratio * total_steps), num_training_steps=total_steps
+            t.lr_scheduler_type, opt, num_warmup_steps=warmup_steps(cfg, total_steps), num_training_steps=total_steps
         ),
     )
+
+
+def warmup_steps(cfg: RunConfig, total_steps: int) -> int:
+    """The schedule's warmup, in optimizer steps."""
+    return math.ceil(cfg.train.warmup_ratio * total_steps)
+
+
+def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, total_steps: int) -> None:
+    """Attach the lost-update probe (``rm.lost_updates``) where the optimizer updates the module's own weights."""
+    if not cfg.health.lost_updates_threshold:
+        return
+    params = engine.stepped_parameters()
+    if params is None:
+        log.info("health: lost updates not measured: DeepSpeed updates fp32 master partitions of the weights, not "
+                 "the module's weights, and an unchanged bf16 copy is no lost update")
+        return
+    health.watch_updates(LostUpdateProbe(params, seed=cfg.train.seed), warmup_steps(cfg, total_steps))
 
 
 def rebuild_base(run: Run) -> torch.nn.Module:

@@ -163,7 +163,7 @@ def to_device(batch: Dict[str, torch.Tensor], keys: Sequence[str], device: torch
 
 
 def log_window(run: Run, progress: tqdm) -> None:
-    """A logging step: the window's loss and throughput, summed or averaged over processes, to metrics.jsonl."""
+    """A logging step: the window's loss, throughput and lost-update fraction, over processes, to metrics.jsonl."""
     state, engine, t = run.state, run.engine, run.cfg.train
     elapsed = time.perf_counter() - state.window_start
     tokens = int(engine.reduce(torch.tensor(state.window_tokens, device=engine.device), reduction="sum"))
@@ -175,6 +175,9 @@ def log_window(run: Run, progress: tqdm) -> None:
         "tokens_per_s": tokens / elapsed,
         "step_time_s": elapsed / state.window_steps,
     }
+    lost = run.health.lost_update_fraction(state.step, engine.reduce)  # also raises the lost_updates alarm
+    if lost is not None:
+        values["lost_update_fraction"] = lost
     run.metrics.write("train", state.step, values)
     progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
     state.reset_window()

@@ -238,6 +238,7 @@ def _health_errors(h) -> List[str]:
     errors = [f"health.{key}={getattr(h, key)} must be >= 0"
               for key in ("ln2_steps", "ln2_tolerance", "chance_after_steps", "chance_tolerance", "max_abs_reward")
               if getattr(h, key) < 0]
+    _in_range(errors, "health.lost_updates_threshold", h.lost_updates_threshold, 0, 1)  # a fraction
     if h.max_consecutive_skips < 1:
         errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
     return errors

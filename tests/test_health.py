@@ -122,7 +122,7 @@ class Recorder:
 
 def monitor(**overrides):
     args = dict(ln2_steps=0, ln2_tolerance=0.02, chance_after_steps=0, chance_tolerance=0.02, max_abs_reward=0.0,
-                on_nonfinite="stop", max_consecutive_skips=2, metrics=Recorder())
+                lost_updates_threshold=0.5, on_nonfinite="stop", max_consecutive_skips=2, metrics=Recorder())
     args.update(overrides)
     return HealthMonitor(**args)
 
