@@ -1,7 +1,6 @@
 """Lost updates: optimizer updates that rounded to nothing in the weights' own dtype.
 
-Pure-bf16 training (torch AdamW stepping bf16 weights, ``train.precision=bf16`` today, Lightning's
-``bf16-true``) rounds every update smaller than half a unit in the last place of the weight to nothing:
+Pure-bf16 training (torch AdamW stepping bf16 weights, ``train.precision=bf16-true``) rounds every update smaller than half a unit in the last place of the weight to nothing:
 bf16 keeps 8 significant bits, so a weight of 0.02 moves only by steps of about 1.2e-4. With AdamW at a
 learning rate of 1e-5 most updates are below that and the weight never changes (on a 1024 x 1024 bf16
 weight from N(0, 0.02), 10 steps at 1e-5 change 15% of the weights at all, at 1e-4 84%). fp32 master

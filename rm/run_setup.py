@@ -221,6 +221,10 @@ def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, to
     """Attach the lost-update probe (``rm.lost_updates``) where the optimizer updates the module's own weights."""
     if not cfg.health.lost_updates_threshold:
         return
+    if cfg.train.kahan_summation:
+        log.info("health: lost updates not measured: with train.kahan_summation the optimizer keeps what rounding drops "
+                 "from a bf16 weight in its compensation buffer, so an unchanged weight is no lost update")
+        return
     params = engine.stepped_parameters()
     if params is None:
         log.info("health: lost updates not measured: DeepSpeed updates fp32 master partitions of the weights, not "

@@ -187,9 +187,9 @@ def lost_metrics(run_dir):
 
 
 def test_pure_bf16_at_lr_1e5_raises_the_alarm(tiny_cfg, tmp_path, fresh_accelerator_state):
-    """Today's train.precision=bf16 trains bf16 weights with torch AdamW (on the CPU too): at 1e-5 most
+    """train.precision=bf16-true trains bf16 weights with torch AdamW (on the CPU too): at 1e-5 most
     sampled updates round to nothing (about 95% on the tiny model)."""
-    cfg = tiny_cfg("hardware.bf16=true", "train.precision=bf16", "train.learning_rate=1e-5", "train.max_steps=2",
+    cfg = tiny_cfg("hardware.bf16=true", "train.precision=bf16-true", "train.learning_rate=1e-5", "train.max_steps=2",
                    "train.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok" and "lost_updates" in result["alarms"]
@@ -198,10 +198,13 @@ def test_pure_bf16_at_lr_1e5_raises_the_alarm(tiny_cfg, tmp_path, fresh_accelera
     assert alarm["step"] == 2 and "bf16-mixed" in alarm["message"]
 
 
-def test_fp32_at_lr_1e5_raises_no_alarm(tiny_cfg, tmp_path):
-    """Same run in fp32. Step 1 is warmup at a learning rate of 0: its updates are all lost (the window logs
-    about 0.5), but the alarm reads only the steps after warmup, where nothing is lost."""
-    cfg = tiny_cfg("train.learning_rate=1e-5", "train.max_steps=2", "train.eval_steps=0")
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_fp32_at_lr_1e5_raises_no_alarm(tiny_cfg, tmp_path, fresh_accelerator_state, precision):
+    """Same run with fp32 weights for the optimizer (32-true, and bf16-mixed's master weights under autocast).
+    Step 1 is warmup at a learning rate of 0: its updates are all lost (the window logs about 0.5), but the
+    alarm reads only the steps after warmup, where nothing is lost."""
+    cfg = tiny_cfg("train.learning_rate=1e-5", "train.max_steps=2", "train.eval_steps=0", f"train.precision={precision}",
+                   "hardware.bf16=true")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok" and result["alarms"] == []
     [window] = lost_metrics(tmp_path)
