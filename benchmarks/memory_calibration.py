@@ -761,8 +761,10 @@ def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: b
     out = {"wall_s": round(time.perf_counter() - start, 1), "load_after": round(os.getloadavg()[0], 2)}
     memory_file = run_dir / "memory.json"
     if rc != 0 or not memory_file.is_file():
+        import re
+
         lines = [line for line in err.strip().splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or "error" in line]
+        errors = [line for line in lines if re.search(r"\w+(Error|Exception): |\] - error: |timed out after", line)]
         out["failed"] = ((errors or lines or [f"exit {rc}"])[-1])[:300]
         return out
     memory = json.loads(memory_file.read_text())
@@ -799,6 +801,9 @@ def random_main(args) -> None:
     if args.memtracker and not any(RANDOM_LAYOUTS[points[i]["layout"]][0] > 1 for i in tracked):
         multi = [i for i, p in enumerate(points) if RANDOM_LAYOUTS[p["layout"]][0] > 1]
         tracked |= set(multi[:1])  # at least one multi-process point
+    deepspeed = lambda p: p["layout"] not in ("1 process", "DDP") or p["profile"] == "offload"  # noqa: E731
+    if args.memtracker and all(deepspeed(points[i]) for i in tracked):
+        tracked |= set([i for i, p in enumerate(points) if not deepspeed(p)][:1])  # and one without DeepSpeed
     start, loads = time.perf_counter(), [os.getloadavg()[0]]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -21,6 +21,45 @@ import torch
 
 from rm.memory import monitor as _monitor
 
+
+
+def loop_memtracker():
+    """MemTracker for a training loop: its module statistics are per iteration (it refuses a second forward of the
+    root module: cleared instead, the global peak it reports is kept), and it hooks gradients only of parameters
+    that train (it registers a hook on every parameter, which fails on LoRA's frozen base)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    class LoopMemTracker(MemTracker):
+        def _pre_fw_hook(self, module, inputs):
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:  # the next iteration's forward (or an evaluation's)
+                self.reset_mod_stats()
+                super()._pre_fw_hook(module, inputs)
+
+        def _track_module_params_and_buffers(self, module, install_grad_hooks=True):
+            frozen = [p for p in module.parameters() if not p.requires_grad]
+            if not frozen:
+                return super()._track_module_params_and_buffers(module, install_grad_hooks)
+            for p in frozen:  # their storages counted, no hook
+                self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
+            trainable = [p for p in module.parameters() if p.requires_grad]
+            param_mem, buffer_mem = 0, 0
+            for p in trainable:
+                self._update_and_maybe_create_winfos(p, _MemRefType.PARAM)
+                if install_grad_hooks and self._param_to_grad_hook_handles.get(p, None) is None:
+                    def hook(grad):
+                        self._update_and_maybe_create_winfos(grad, _MemRefType.GRAD)
+
+                    self._param_to_grad_hook_handles[p] = (
+                        p.register_hook(hook), p.register_post_accumulate_grad_hook(lambda q: hook(q.grad)))
+            for b in module.buffers():
+                self._update_and_maybe_create_winfos(b, _MemRefType.BUFFER)
+            return param_mem, buffer_mem
+
+    return LoopMemTracker()
+
+
 _start, _stop, _register, _snapshot = (_monitor.MemoryMonitor.start, _monitor.MemoryMonitor.stop,
                                        _monitor.MemoryMonitor.register, _monitor.MemoryMonitor.snapshot)
 
@@ -29,10 +68,8 @@ def start(self):
     _start(self)
     self._memtracker, self._memtracker_error = None, None
     if self.tracker is not None:  # CPU with train.track_memory=true: rm's tracker is the outer mode
-        from torch.distributed._tools.mem_tracker import MemTracker
-
         try:
-            self._memtracker = MemTracker()
+            self._memtracker = loop_memtracker()
             self._memtracker.__enter__()
         except Exception as e:  # noqa: BLE001  (recorded, never fatal: rm's own count stands)
             self._memtracker, self._memtracker_error = None, repr(e)[:300]
