@@ -96,10 +96,13 @@ def snapshot(self):
     out = _snapshot(self)
     mt = getattr(self, "_memtracker", None)
     if mt is not None:
+        # MemTracker keeps a peak per device and counts meta tensors (the model is built on the meta device first)
+        # as memory of device "meta": they hold none, so only the real devices' peak is compared.
         peak = mt.get_tracker_snapshot("peak")
-        out["memtracker_peak_bytes"] = sum(int(dev.get("Total", 0)) for dev in peak.values())
-        out["memtracker_peak_breakdown_mib"] = {str(getattr(k, "value", k)): v / 2**20 for dev in peak.values()
-                                                for k, v in dev.items()}
+        out["memtracker_peak_bytes"] = sum(int(snap.get("Total", 0)) for dev, snap in peak.items() if dev.type != "meta")
+        out["memtracker_peak_breakdown_mib"] = {str(getattr(k, "value", k)): v / 2**20 for dev, snap in peak.items()
+                                                if dev.type != "meta" for k, v in snap.items()}
+        out["memtracker_meta_peak_bytes"] = sum(int(snap.get("Total", 0)) for dev, snap in peak.items() if dev.type == "meta")
     if getattr(self, "_memtracker_error", None):
         out["memtracker_error"] = self._memtracker_error
     return out
