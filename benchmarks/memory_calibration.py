@@ -846,6 +846,8 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         f"(an error above +{RANDOM_MISS_OVER:g}% or below {RANDOM_MISS_UNDER:g}% on any rank); largest over {s['over']:+.2f}%, "
         f"largest under {s['under']:+.2f}%.**",
         "",
+        *[note for note in meta.get("notes", [])],
+        *([""] if meta.get("notes") else []),
         "Every point is a whole run configuration drawn with `random.Random(seed)` (`draw_point` in",
         "`benchmarks/memory_calibration.py`): shape (model_type mistral / llama / qwen2, 1-8 layers, hidden 128-1024, heads",
         "and GQA kv heads, explicit head_dim or hidden / heads, intermediate size, vocabulary), memory profile (full, lora,",
@@ -872,6 +874,7 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
             continue
         errs = " / ".join(f"{e:+.2f}%" for e in r["errors_per_rank_pct"]) + (" **MISS**" if is_miss(r) else "")
         lines.append(f"{head} {r['estimate_mib']:.2f} | {fmt(r['measured_per_rank_mib'])} | {errs} | {r['phase']} |")
+    lines += ["", *option_table(rows)]
     tracked = [r for r in rows if "memtracker_run" in r]
     if tracked:
         lines += ["", "## An independent measure: PyTorch's MemTracker", "",
@@ -895,6 +898,28 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
                          f"{' / '.join('-' if a is None else f'{a:.2f}' for a in mt)} | {ratio} | rank 0: {top} |")
     lines += ["", f"![error vs measured]({out.with_suffix('.png').name})", ""]
     out.write_text("\n".join(lines))
+
+
+def option_table(rows: list) -> list:
+    """Misses and errors by each drawn option's value (every rank's error counts): where the misses gather."""
+    ok = [r for r in rows if "errors_per_rank_pct" in r]
+    options = {
+        "profile": lambda p: p["profile"], "layout": lambda p: p["layout"],
+        "precision": lambda p: PRECISIONS_DRAWN[p["precision"]][0], "model_type": lambda p: p["shape"]["model_type"],
+        "share_prefix": lambda p: p["share_prefix"], "packing": lambda p: ("budget" if p["max_tokens"] else "on") if p["packing"] else "off",
+        "checkpointing": lambda p: p["checkpointing"], "micro-batch": lambda p: p["micro"],
+        "max_length": lambda p: "<= 96" if p["max_length"] <= 96 else "> 96",
+        "size": lambda p: "< 10M" if p["params"] < 1e7 else "10M+",
+    }
+    lines = ["## Misses by option", "", "Each drawn option's values: points, misses, and the median and range of every rank's error.",
+             "", "| option | value | points | misses | median error | range |", "| --- | --- | ---: | ---: | ---: | --- |"]
+    for name, key in options.items():
+        for value in sorted({str(key(r["point"])) for r in ok}):
+            group = [r for r in ok if str(key(r["point"])) == value]
+            errs = sorted(e for r in group for e in r["errors_per_rank_pct"])
+            lines.append(f"| {name} | {value} | {len(group)} | {sum(map(is_miss, group))} | {errs[len(errs) // 2]:+.2f}% | "
+                         f"{errs[0]:+.2f}% to {errs[-1]:+.2f}% |")
+    return lines
 
 
 def plot_random(rows: list, path: Path) -> None:
