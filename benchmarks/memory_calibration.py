@@ -330,7 +330,16 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--share-prefix", action="store_true",
                         help="run only the train.share_prefix points and rewrite their section of the doc")
+    parser.add_argument("--random", type=int, default=0, metavar="N",
+                        help="N random run configurations (docs/memory_calibration_random.md); see --seed")
+    parser.add_argument("--seed", type=int, default=1, help="with --random: the seed of random.Random")
+    parser.add_argument("--memtracker", type=int, default=0, metavar="K",
+                        help="with --random: run the first K points (and one multi-process point) again under PyTorch's MemTracker")
+    parser.add_argument("--point-timeout", type=int, default=900, help="with --random: seconds before a point counts as failed")
     args = parser.parse_args()
+    if args.random:
+        random_main(args)
+        return
     if args.device == "cuda":
         gpu_main(Path(args.out or ROOT / "docs" / "memory_calibration_gpu.md"), args.dry_run)
         return
@@ -564,6 +573,378 @@ def plot(rows: list, path: Path) -> None:
     ax.set_ylabel("estimate error (%)")
     ax.set_title("Pre-flight estimate vs measurement, CPU")
     ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# --random N --seed S: whole run configurations drawn at random from the space users have (nobody tunes to them).
+
+# Precision modes drawn, each with the overrides that select it on this CPU machine. Precision names are being
+# renamed (32-true, bf16-mixed, bf16-true, 16-mixed): this list is the one place the random calibration names them.
+PRECISIONS_DRAWN = [("fp32", ["train.precision=fp32"]), ("bf16", ["train.precision=bf16", "hardware.bf16=true"])]
+RANDOM_PROFILES = ["full", "lora", "8bit", "offload"]  # qlora needs CUDA
+RANDOM_LAYOUTS = {  # name -> (processes, overrides)
+    "1 process": (1, ["distributed=auto"]),
+    "DDP": (2, ["distributed=ddp"]),
+    "ZeRO-1": (2, ["distributed=zero2", "distributed.zero_stage=1"]),
+    "ZeRO-2": (2, ["distributed=zero2"]),
+    "ZeRO-3": (2, ["distributed=zero3"]),
+    "ZeRO-3 offload": (2, ["distributed=zero3_offload"]),
+}
+RANDOM_MAX_PARAMS = 150_000_000  # the largest shape drawn
+# Training compute of a point (6 x non-embedding parameters x tokens of its 2 steps, x processes: they share 2
+# cores); points above it are redrawn and counted, so that 60 points take well under an hour on 2 cores.
+RANDOM_MAX_FLOPS = 1.5e12
+RANDOM_MISS_OVER, RANDOM_MISS_UNDER = 5.0, -2.0  # %: the calibration's target (within 5% over, never 2% under)
+RANDOM_RESULTS = ROOT / "docs" / "memory_calibration_random.json"
+RANDOM_DOC = ROOT / "docs" / "memory_calibration_random.md"
+DATA_PLACEHOLDER = "POINT_DATA"  # in the recorded overrides: the point's own JSONL (train) and POINT_DATA_eval
+
+
+def draw_shape(rng) -> dict:
+    """A decoder shape: layers, hidden, heads / kv heads (GQA), head_dim, intermediate, vocabulary, model_type."""
+    hidden = 64 * rng.randint(2, 16)
+    heads = rng.choice([h for h in (1, 2, 4, 8, 16) if hidden // h >= 16])
+    kv = rng.choice([k for k in range(1, heads + 1) if heads % k == 0])
+    head_dim = rng.choice([32, 64, 128]) if rng.random() < 0.35 else None  # explicit, or hidden / heads
+    ratio = rng.choice([2.0, 2.6875, 2.75, 3.5, 4.0, round(rng.uniform(1.5, 4.5), 3)])
+    intermediate = max(64, int(round(hidden * ratio / 8)) * 8)
+    model_type = rng.choice(["mistral", "llama", "qwen2"])
+    return {"model_type": model_type, "num_hidden_layers": rng.randint(1, 8), "hidden_size": hidden,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
+            "intermediate_size": intermediate, "vocab_size": rng.choice([234, 300, 512, 1000, 4096, 8192, 32000, 50304])}
+
+
+def draw_point(rng) -> dict:
+    """One run configuration, every choice independent; validated by the caller."""
+    shape = draw_shape(rng)
+    layout = rng.choice(list(RANDOM_LAYOUTS))
+    precision = rng.randrange(len(PRECISIONS_DRAWN))
+    max_length = rng.choice([32, 48, 64, 96, 128, 160, 192, 256])
+    packing = rng.random() < 0.25
+    budget = 0
+    if packing and rng.random() < 0.6:
+        budget = rng.choice([2, 3, 4, 6]) * max_length
+    return {"shape": shape, "profile": rng.choice(RANDOM_PROFILES), "layout": layout, "precision": precision,
+            "micro": rng.randint(1, 4), "accumulation": rng.randint(1, 4), "max_length": max_length,
+            "checkpointing": rng.random() < 0.5, "packing": packing, "max_tokens": budget,
+            "share_prefix": rng.random() < 0.3,
+            "data": {"seed": rng.randrange(2**31), "pairs": 128, "long_fraction": round(rng.uniform(0.2, 0.5), 3),
+                     "median_fraction": round(rng.uniform(0.15, 0.6), 3), "sigma": round(rng.uniform(0.4, 1.0), 3)}}
+
+
+def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
+    """The point's ``rm.train`` overrides (no run directory)."""
+    s = p["shape"]
+    nproc, layout = RANDOM_LAYOUTS[p["layout"]]
+    # qwen2: rm refuses model.tokenizer=words (AutoTokenizer reloads it as Qwen2Tokenizer, which tokenises
+    # differently), so qwen2 points train the byte-level BPE on their own texts.
+    tokenizer = "bpe" if s["model_type"] == "qwen2" else "words"
+    shape = [f"model.{k}={'null' if v is None else v}" for k, v in s.items()]
+    return [*layout, "experiment=tiny", f"model.tokenizer={tokenizer}", *shape, f"memory_profile={p['profile']}",
+            *PRECISIONS_DRAWN[p["precision"]][1], f"train.gradient_checkpointing={str(p['checkpointing']).lower()}",
+            f"data.max_length={p['max_length']}", "data=local", f"data.train_files=[{data}.jsonl]",
+            f"data.eval_files=[{data}_eval.jsonl]", f"train.micro_batch_size={p['micro']}",
+            f"train.global_batch_size={p['micro'] * nproc * p['accumulation']}", "train.eval_batch_size=1",
+            f"train.packing={str(p['packing']).lower()}", f"train.max_tokens_per_micro_batch={p['max_tokens']}",
+            f"train.share_prefix={str(p['share_prefix']).lower()}",
+            "train.max_steps=2", "train.eval_steps=0", "train.save_steps=0", "train.logging_steps=1",
+            "train.track_memory=true", "preflight=warn"]
+
+
+def point_cost(p: dict, cfg) -> tuple:
+    """(parameters, training FLOPs of the point's 2 steps over all processes)."""
+    from rm.memory.estimate import parameter_counts
+
+    counts = parameter_counts(cfg.model, None)
+    nproc = RANDOM_LAYOUTS[p["layout"]][0]
+    non_embedding = counts.total - cfg.model.vocab_size * cfg.model.hidden_size
+    tokens = 2 * p["micro"] * p["max_length"] * p["accumulation"] * nproc * 2
+    return counts.total, (8 if p["checkpointing"] else 6) * non_embedding * tokens
+
+
+def draw_valid_points(n: int, seed: int):
+    """``n`` points the project's validation accepts; the refused draws counted by reason."""
+    import random
+    import re
+
+    from rm.config import compose
+    from rm.validate import ConfigError, validate
+
+    rng = random.Random(seed)
+    points, redrawn = [], {}
+    while len(points) < n:
+        p = draw_point(rng)
+        nproc = RANDOM_LAYOUTS[p["layout"]][0]
+        cfg = compose(random_overrides(p))
+        try:
+            validate(cfg, nproc, f"WORLD_SIZE={nproc} from the launcher" if nproc > 1 else "given")
+        except ConfigError as e:
+            for line in str(e).splitlines()[1:]:
+                reason = "validate: " + re.sub(r"\d+", "N", line.strip(" -"))[:160]
+                redrawn[reason] = redrawn.get(reason, 0) + 1
+            continue
+        params, flops = point_cost(p, cfg)
+        if params > RANDOM_MAX_PARAMS:
+            redrawn["size: more than 150M parameters"] = redrawn.get("size: more than 150M parameters", 0) + 1
+            continue
+        if flops > RANDOM_MAX_FLOPS:
+            key = f"time: more than {RANDOM_MAX_FLOPS:.1e} training FLOPs (2 cores)"
+            redrawn[key] = redrawn.get(key, 0) + 1
+            continue
+        p["params"], p["flops"] = params, flops
+        points.append(p)
+    return points, redrawn
+
+
+def write_random_pairs(stem: Path, spec: dict, max_length: int) -> None:
+    """Train and eval JSONL for one point: log-normal prompt lengths (in words) with a drawn median and spread, a
+    drawn fraction of prompts longer than max_length (truncation cuts their start: full-length rows), short answers."""
+    import math
+    import random
+
+    from rm.data.synthetic import VOCABULARY
+
+    rng = random.Random(spec["seed"])
+    words = [w for w in VOCABULARY if w.isalpha()]
+    median = max(1.0, spec["median_fraction"] * max_length)
+
+    def pair():
+        if rng.random() < spec["long_fraction"]:
+            n = int(max_length * rng.uniform(1.05, 2.5))
+        else:
+            n = max(1, min(int(rng.lognormvariate(math.log(median), spec["sigma"])), 4 * max_length))
+        cap = max(2, max_length // 4)
+        answer = lambda: " ".join(rng.choice(words) for _ in range(min(cap, max(1, int(rng.lognormvariate(math.log(8), 0.7))))))  # noqa: E731
+        return {"prompt": " ".join(rng.choice(words) for _ in range(n)), "chosen": answer(), "rejected": answer()}
+
+    for path, count in ((Path(f"{stem}.jsonl"), spec["pairs"]), (Path(f"{stem}_eval.jsonl"), 8)):
+        with path.open("w") as f:
+            for _ in range(count):
+                f.write(json.dumps(pair()) + "\n")
+
+
+def short_form(p: dict) -> str:
+    """The point in one line: shape | profile | layout | precision | batch | options."""
+    s = p["shape"]
+    hd = f" d{s['head_dim']}" if s["head_dim"] else ""
+    opts = [f"mb{p['micro']}x{RANDOM_LAYOUTS[p['layout']][0]}x{p['accumulation']}", f"len{p['max_length']}"]
+    opts += ["ckpt"] * p["checkpointing"] + (["pack" + (str(p["max_tokens"]) if p["max_tokens"] else "")] if p["packing"] else [])
+    opts += ["share"] * p["share_prefix"]
+    return (f"{s['model_type']} L{s['num_hidden_layers']} h{s['hidden_size']} a{s['num_attention_heads']}/kv{s['num_key_value_heads']}"
+            f"{hd} i{s['intermediate_size']} V{s['vocab_size']} ({p['params'] / 1e6:.1f}M) | {p['profile']} | {p['layout']} | "
+            f"{PRECISIONS_DRAWN[p['precision']][0]} | {' '.join(opts)}")
+
+
+def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: bool = False) -> dict:
+    """Train the point (2 steps, live-tensor tracking); with ``memtracker`` under PyTorch's MemTracker as well."""
+    stem = workdir / f"p{i}"
+    if not Path(f"{stem}.jsonl").exists():
+        write_random_pairs(stem, p["data"], p["max_length"])
+    run_dir = workdir / (f"run{i}" + ("_memtracker" if memtracker else ""))
+    nproc = RANDOM_LAYOUTS[p["layout"]][0]
+    overrides = [*random_overrides(p, str(stem)), f"hydra.run.dir={run_dir}"]
+    target = [str(ROOT / "benchmarks" / "memtracker_train.py")] if memtracker else ["-m", "rm.train"]
+    launch = [sys.executable, *target]
+    if nproc > 1:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                  "--master_port", str(free_port()), *target]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([*launch, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        rc, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        err += f"\ntimed out after {timeout} s"
+    out = {"wall_s": round(time.perf_counter() - start, 1), "load_after": round(os.getloadavg()[0], 2)}
+    memory_file = run_dir / "memory.json"
+    if rc != 0 or not memory_file.is_file():
+        import re
+
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        errors = [line for line in lines if re.search(r"\w+(Error|Exception): |\] - error: |timed out after", line)]
+        out["failed"] = ((errors or lines or [f"exit {rc}"])[-1])[:300]
+        return out
+    memory = json.loads(memory_file.read_text())
+    ranks = memory.get("measured_per_rank") or [memory["measured"]]
+    est = memory["estimate"]
+    out.update({"estimate_mib": est["peak_bytes"] / 2**20, "phase": est["peak_phase"],
+                "estimate_terms_mib": {k: est[k] / 2**20 for k in ("weights", "gradients", "optimizer_states", "activations",
+                                                                     "evaluation", "temporaries", "overhead", "communication")
+                                       if isinstance(est.get(k), (int, float))},
+                "measured_per_rank_mib": [r["peak_allocated_bytes"] / 2**20 for r in ranks],
+                "rss_growth_per_rank_mib": [r.get("peak_rss_growth_bytes", 0) / 2**20 for r in ranks]})
+    out["errors_per_rank_pct"] = [100 * (out["estimate_mib"] - m) / m for m in out["measured_per_rank_mib"]]
+    if memtracker:
+        out["memtracker_per_rank_mib"] = [r["memtracker_peak_bytes"] / 2**20 if r.get("memtracker_peak_bytes") is not None
+                                          else None for r in ranks]
+        out["memtracker_breakdown_per_rank_mib"] = [r.get("memtracker_peak_breakdown_mib") for r in ranks]
+        out["memtracker_error"] = [r.get("memtracker_error") for r in ranks]
+    return out
+
+
+def is_miss(row: dict) -> bool:
+    e = row.get("errors_per_rank_pct")
+    return bool(e) and (max(e) > RANDOM_MISS_OVER or min(e) < RANDOM_MISS_UNDER)
+
+
+def random_main(args) -> None:
+    """``--random N --seed S``: draw, run, and write docs/memory_calibration_random.{json,md,png} after every point."""
+    out = Path(args.out or RANDOM_DOC)
+    results = out.with_suffix(".json")
+    command = f"python benchmarks/memory_calibration.py --random {args.random} --seed {args.seed}" + (
+        f" --memtracker {args.memtracker}" if args.memtracker else "")
+    points, redrawn = draw_valid_points(args.random, args.seed)
+    tracked = set(range(min(args.memtracker, len(points))))
+    if args.memtracker and not any(RANDOM_LAYOUTS[points[i]["layout"]][0] > 1 for i in tracked):
+        multi = [i for i, p in enumerate(points) if RANDOM_LAYOUTS[p["layout"]][0] > 1]
+        tracked |= set(multi[:1])  # at least one multi-process point
+    deepspeed = lambda p: p["layout"] not in ("1 process", "DDP") or p["profile"] == "offload"  # noqa: E731
+    if args.memtracker and all(deepspeed(points[i]) for i in tracked):
+        tracked |= set([i for i, p in enumerate(points) if not deepspeed(p)][:1])  # and one without DeepSpeed
+    start, loads = time.perf_counter(), [os.getloadavg()[0]]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, p in enumerate(points):
+            row = {"index": i, "point": p, "short": short_form(p), "overrides": random_overrides(p)}
+            row.update(run_random_point(i, p, Path(tmp), args.point_timeout))
+            if i in tracked:
+                row["memtracker_run"] = run_random_point(i, p, Path(tmp), args.point_timeout, memtracker=True)
+            loads.append(row["load_after"])
+            rows.append(row)
+            status = row.get("failed") or " ".join(f"{e:+.2f}%" for e in row["errors_per_rank_pct"]) + (" MISS" if is_miss(row) else "")
+            print(f"[{i + 1}/{len(points)}] {row['wall_s']:.0f} s {row['short']}: {status}", flush=True)
+            meta = {"seed": args.seed, "n": args.random, "command": command, "redrawn": redrawn,
+                    "precisions_drawn": PRECISIONS_DRAWN, "max_params": RANDOM_MAX_PARAMS, "max_flops": RANDOM_MAX_FLOPS,
+                    "elapsed_s": round(time.perf_counter() - start), "load_min_max": [min(loads), max(loads)],
+                    "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "complete": i + 1 == len(points)}
+            results.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+            write_random_doc(out, meta, rows)
+            plot_random(rows, out.with_suffix(".png"))
+    print(f"wrote {out}, {results}, {out.with_suffix('.png')}")
+
+
+def random_summary(meta: dict, rows: list) -> dict:
+    ok = [r for r in rows if "errors_per_rank_pct" in r]
+    errors = [e for r in ok for e in r["errors_per_rank_pct"]]
+    return {"points": len(rows), "measured": len(ok), "failed": len(rows) - len(ok), "misses": sum(map(is_miss, ok)),
+            "over": max(errors, default=0.0), "under": min(errors, default=0.0)}
+
+
+def write_random_doc(out: Path, meta: dict, rows: list) -> None:
+    s = random_summary(meta, rows)
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    lines = [
+        "# Memory estimate vs measurement: random configurations (CPU)",
+        "",
+        f"`{meta['command']}` ({meta['date']}, {meta['elapsed_s']} s on {meta['cpu_count']} CPU cores, load average "
+        f"{meta['load_min_max'][0]:.1f}-{meta['load_min_max'][1]:.1f}{'' if meta['complete'] else '; INCOMPLETE: the run stopped early'}).",
+        "",
+        f"**{s['points']} points (seed {meta['seed']}): {s['measured']} measured, {s['failed']} failed, {s['misses']} MISS "
+        f"(an error above +{RANDOM_MISS_OVER:g}% or below {RANDOM_MISS_UNDER:g}% on any rank); largest over {s['over']:+.2f}%, "
+        f"largest under {s['under']:+.2f}%.**",
+        "",
+        *[note for note in meta.get("notes", [])],
+        *([""] if meta.get("notes") else []),
+        "Every point is a whole run configuration drawn with `random.Random(seed)` (`draw_point` in",
+        "`benchmarks/memory_calibration.py`): shape (model_type mistral / llama / qwen2, 1-8 layers, hidden 128-1024, heads",
+        "and GQA kv heads, explicit head_dim or hidden / heads, intermediate size, vocabulary), memory profile (full, lora,",
+        "8bit, offload), process layout (one process, or 2 processes: DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-3 offload),",
+        f"precision ({', '.join(name for name, _ in meta['precisions_drawn'])}), micro-batch 1-4, accumulation 1-4,",
+        "`data.max_length` 32-256, gradient checkpointing, `train.packing` (with or without a token budget) and",
+        "`train.share_prefix`. Each point writes its own pairs: log-normal prompt lengths (drawn median and spread) and a",
+        "drawn 20-50% of prompts longer than `max_length` (cut to full-length rows). 2 optimizer steps, live-tensor peak",
+        "of every rank (`train.track_memory=true`), `model.tokenizer=words` (qwen2: `bpe`, as rm refuses `words` for",
+        "qwen2). A draw the project's validation (`rm.validate.validate` on the composed config) refuses is redrawn, as",
+        f"is one over {meta['max_params'] / 1e6:.0f}M parameters or {meta['max_flops']:.1e} training FLOPs (time on 2 cores);",
+        "the overrides of every point are in the JSON beside this file (`POINT_DATA` stands for the point's own JSONL).",
+        "",
+        "Redrawn: " + ("; ".join(f"{n} x {reason}" for reason, n in sorted(meta["redrawn"].items(), key=lambda kv: -kv[1]))
+                       or "none") + ".",
+        "",
+        "| # | point | estimate (MiB) | measured per rank (MiB) | error per rank | peak phase |",
+        "| ---: | --- | ---: | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        head = f"| {r['index']} | {r['short']} |"
+        if "errors_per_rank_pct" not in r:
+            lines.append(f"{head} | | failed: `{r['failed'].replace('|', '/')}` | |")
+            continue
+        errs = " / ".join(f"{e:+.2f}%" for e in r["errors_per_rank_pct"]) + (" **MISS**" if is_miss(r) else "")
+        lines.append(f"{head} {r['estimate_mib']:.2f} | {fmt(r['measured_per_rank_mib'])} | {errs} | {r['phase']} |")
+    lines += ["", *option_table(rows)]
+    tracked = [r for r in rows if "memtracker_run" in r]
+    if tracked:
+        lines += ["", "## An independent measure: PyTorch's MemTracker", "",
+                  "For these points the same training ran once more under `benchmarks/memtracker_train.py`, which opens",
+                  "`torch.distributed._tools.mem_tracker.MemTracker` (PyTorch's own dispatch-mode tracker of real tensors, with",
+                  "its module, gradient and optimizer hooks and `UntypedStorage.resize_` patched) beside rm's count in the same",
+                  "process, and hands it the tensors rm registers (weights, engine states). Both peaks are of that run; the",
+                  "main table's peak (a separate run) is repeated for the run-to-run difference.", "",
+                  "| # | point | rm, main run (MiB) | rm, this run (MiB) | MemTracker (MiB) | MemTracker / rm | MemTracker at its peak |",
+                  "| ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+        for r in tracked:
+            m = r["memtracker_run"]
+            if "measured_per_rank_mib" not in m:
+                lines.append(f"| {r['index']} | {r['short']} | | | failed: `{m.get('failed', '').replace('|', '/')}` | | |")
+                continue
+            mt = m.get("memtracker_per_rank_mib") or []
+            ratio = " / ".join(f"{a / b:.4f}" if a else "-" for a, b in zip(mt, m["measured_per_rank_mib"]))
+            brk = m.get("memtracker_breakdown_per_rank_mib") or [None]
+            top = ", ".join(f"{k} {v:.1f}" for k, v in sorted((brk[0] or {}).items(), key=lambda kv: -kv[1]) if v >= 0.05 and k != "Total")
+            lines.append(f"| {r['index']} | {r['short']} | {fmt(r.get('measured_per_rank_mib', []))} | {fmt(m['measured_per_rank_mib'])} | "
+                         f"{' / '.join('-' if a is None else f'{a:.2f}' for a in mt)} | {ratio} | rank 0: {top} |")
+    lines += ["", f"![error vs measured]({out.with_suffix('.png').name})", ""]
+    out.write_text("\n".join(lines))
+
+
+def option_table(rows: list) -> list:
+    """Misses and errors by each drawn option's value (every rank's error counts): where the misses gather."""
+    ok = [r for r in rows if "errors_per_rank_pct" in r]
+    options = {
+        "profile": lambda p: p["profile"], "layout": lambda p: p["layout"],
+        "precision": lambda p: PRECISIONS_DRAWN[p["precision"]][0], "model_type": lambda p: p["shape"]["model_type"],
+        "share_prefix": lambda p: p["share_prefix"], "packing": lambda p: ("budget" if p["max_tokens"] else "on") if p["packing"] else "off",
+        "checkpointing": lambda p: p["checkpointing"], "micro-batch": lambda p: p["micro"],
+        "max_length": lambda p: "<= 96" if p["max_length"] <= 96 else "> 96",
+        "size": lambda p: "< 10M" if p["params"] < 1e7 else "10M+",
+    }
+    lines = ["## Misses by option", "", "Each drawn option's values: points, misses, and the median and range of every rank's error.",
+             "", "| option | value | points | misses | median error | range |", "| --- | --- | ---: | ---: | ---: | --- |"]
+    for name, key in options.items():
+        for value in sorted({str(key(r["point"])) for r in ok}):
+            group = [r for r in ok if str(key(r["point"])) == value]
+            errs = sorted(e for r in group for e in r["errors_per_rank_pct"])
+            lines.append(f"| {name} | {value} | {len(group)} | {sum(map(is_miss, group))} | {errs[len(errs) // 2]:+.2f}% | "
+                         f"{errs[0]:+.2f}% to {errs[-1]:+.2f}% |")
+    return lines
+
+
+def plot_random(rows: list, path: Path) -> None:
+    """Error against measured peak, one marker per rank; colour by profile, shape by layout."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    markers = dict(zip(RANDOM_LAYOUTS, "os^vDP"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for profile in RANDOM_PROFILES:
+        for layout, marker in markers.items():
+            pts = [(m, e) for r in rows if "errors_per_rank_pct" in r and r["point"]["profile"] == profile
+                   and r["point"]["layout"] == layout for m, e in zip(r["measured_per_rank_mib"], r["errors_per_rank_pct"])]
+            if pts:
+                ax.scatter(*zip(*pts), marker=marker, s=22, color=f"C{RANDOM_PROFILES.index(profile)}",
+                           label=f"{profile}, {layout}")
+    ax.axhspan(RANDOM_MISS_UNDER, RANDOM_MISS_OVER, color="green", alpha=0.08, label="target")
+    ax.axhline(0, color="black", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("measured peak of live tensor bytes, each rank (MiB)")
+    ax.set_ylabel("estimate error (%)")
+    ax.set_title("Pre-flight estimate vs measurement, random configurations, CPU")
+    ax.legend(fontsize=6, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
