@@ -114,7 +114,7 @@ def recompute(rows) -> None:
     from rm.validate import validate
 
     for r in rows:
-        extra = LAYOUTS[r["layout"]][1][1:] if "layout" in r else ()
+        extra = LAYOUTS[r["layout"]][1][1:] if "layout" in r else PRECISION_MODES.get(r.get("precision"), ())
         r.setdefault("accumulation", 2)  # one-process rows saved before the key existed: point()'s default
         r.setdefault("measured_per_rank_mib", [r["measured_mib"]])
         cfg = compose(run_overrides(r["model"], r["profile"], r["checkpointing"], r["max_length"], r["distributed"],
@@ -290,6 +290,24 @@ def torch_driver() -> str:
 RESULTS = ROOT / "docs" / "memory_calibration.json"  # every row, so that one part can be rerun alone
 
 
+PRECISION_MODES = {"bf16-mixed": ["train.precision=bf16-mixed", "hardware.bf16=true"],
+                   "bf16-true": ["train.precision=bf16-true", "hardware.bf16=true"]}
+
+
+def precision_rows(tmp: Path) -> list:
+    """The bf16 modes on the small model: every profile, checkpointing off and on, one process (CPU autocast
+    computes bf16 as a GPU does; what it keeps is what the estimate must count)."""
+    rows = []
+    for mode, extra in PRECISION_MODES.items():
+        for profile in PROFILES:
+            if profile == "offload" and mode == "bf16-true":
+                continue  # DeepSpeed has no bf16-true: refused by rm.validate
+            for checkpointing in [False, True]:
+                rows.append({**point("small (13M)", profile, checkpointing, 128, tmp, extra=extra), "precision": mode})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def run_parts(args, models, tmp: Path, rows, zero_rows, multi_rows):
     """Measure the parts ``--part`` asks for; the others stay as saved."""
     if args.part in ("all", "single", "zero"):
@@ -314,9 +332,10 @@ def run_parts(args, models, tmp: Path, rows, zero_rows, multi_rows):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny and small models only")
-    parser.add_argument("--part", choices=["all", "single", "zero", "multi"], default="all",
+    parser.add_argument("--part", choices=["all", "single", "zero", "multi", "precision"], default="all",
                         help="single: one-process grid (with the ZeRO rows); zero: the one-process ZeRO rows; multi: the "
-                             "2-process layouts; the other parts are kept from docs/memory_calibration.json")
+                             "2-process layouts; precision: the bf16-mixed and bf16-true points; the other parts are kept "
+                             "from docs/memory_calibration.json")
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="with --part multi: measure only these layouts")
     parser.add_argument("--accumulation", nargs="*", type=int, help="with --part multi: measure only these accumulations")
     parser.add_argument("--more-runs", action="store_true",
@@ -349,22 +368,25 @@ def main() -> None:
         return write_shared_section(out, shared_points(models))
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     rows, zero_rows, multi_rows = saved.get("single", []), saved.get("zero", []), saved.get("multi", [])
+    bf16_rows = saved.get("precision", [])
     start = time.perf_counter()
     if args.recompute:
-        recompute(rows + zero_rows + multi_rows)
+        recompute(rows + zero_rows + multi_rows + bf16_rows)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             rows, zero_rows, multi_rows = run_parts(args, models, Path(tmp), rows, zero_rows, multi_rows)
+            if args.part in ("all", "precision"):
+                bf16_rows = precision_rows(Path(tmp))
     elapsed = time.perf_counter() - start
-    RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows}, indent=1) + "\n")
-    write_doc(out, rows, zero_rows, multi_rows, args, elapsed)
+    RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows}, indent=1) + "\n")
+    write_doc(out, rows, zero_rows, multi_rows, args, elapsed, bf16_rows)
     if args.part == "all":
         write_shared_section(out, shared_points(models))
     plot(rows + zero_rows + multi_rows, out.with_suffix(".png"))
     print(f"wrote {out}")
 
 
-def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> None:
+def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16_rows=()) -> None:
     worst = max((abs(r["error_pct"]) for r in rows), default=0.0)
     load = os.getloadavg()
     lines = [
@@ -391,6 +413,21 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float) -> N
         *HEADER,
         *(row_line(r, r["distributed"]) for r in zero_rows),
     ]
+    if bf16_rows:
+        lines += [
+            "",
+            "## bf16, one process (CPU autocast)",
+            "",
+            "The small model at `max_length=128` in the two bf16 modes (`rm/precision.py`): `bf16-mixed` keeps fp32 weights,",
+            "gradients and AdamW states and runs the forward under bf16 autocast, whose cache holds the bf16 cast of each",
+            "weight until the forward ends; under DeepSpeed (`offload`) it is DeepSpeed's bf16 (bf16 module, fp32 partitions).",
+            "`bf16-true` keeps everything in bf16 (DeepSpeed has no such mode). Largest error "
+            f"**{max(abs(r['error_pct']) for r in bf16_rows):.2f}%**.",
+            "",
+            *[h.replace("| model | profile |", "| model | precision | profile |").replace("| --- | --- |", "| --- | --- | --- |", 1)
+              for h in HEADER],
+            *(row_line(r).replace(f"| {r['model']} |", f"| {r['model']} | `{r['precision']}` |", 1) for r in bf16_rows),
+        ]
     if multi_rows:
         worst_multi = max(abs(e) for r in multi_rows for e in r["errors_per_rank_pct"])
         lowest = min(e for r in multi_rows for e in r["errors_per_rank_pct"])
@@ -583,7 +620,9 @@ def plot(rows: list, path: Path) -> None:
 
 # Precision modes drawn, each with the overrides that select it on this CPU machine. Precision names are being
 # renamed (32-true, bf16-mixed, bf16-true, 16-mixed): this list is the one place the random calibration names them.
-PRECISIONS_DRAWN = [("fp32", ["train.precision=fp32"]), ("bf16", ["train.precision=bf16", "hardware.bf16=true"])]
+PRECISIONS_DRAWN = [("32-true", ["train.precision=32-true"]),
+                    ("bf16-mixed", ["train.precision=bf16-mixed", "hardware.bf16=true"]),
+                    ("bf16-true", ["train.precision=bf16-true", "hardware.bf16=true"])]
 RANDOM_PROFILES = ["full", "lora", "8bit", "offload"]  # qlora needs CUDA
 RANDOM_LAYOUTS = {  # name -> (processes, overrides)
     "1 process": (1, ["distributed=auto"]),

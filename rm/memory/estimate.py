@@ -184,11 +184,12 @@ class TraceFreeTerms:
     uncalibrated: List[str] = field(default_factory=list)
 
 
-def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int) -> Tuple[int, int, List[str]]:
+def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int, adapter_bytes: int = 4) -> Tuple[int, int, List[str]]:
     """Device bytes of the weights, bytes per trained element, and what is not calibrated.
 
     The base sits in the weight dtype (under QLoRA: 4-bit NF4 linear layers, the rest in fp32); LoRA adapters and the head
-    copy PEFT trains (``modules_to_save``) in fp32, the original head in the weight dtype.
+    copy PEFT trains (``modules_to_save``) in ``adapter_bytes`` (fp32, but DeepSpeed's bf16/fp16 casts them to its
+    compute dtype), the original head in the weight dtype.
     """
     if not profile.use_lora:
         return counts.base * wbytes, wbytes, []
@@ -199,7 +200,7 @@ def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int) 
         # prepare_model_for_kbit_training casts every weight that is not 4-bit (embedding, norms, head) to fp32.
         base_bytes = (counts.base - linear) * 4 + math.ceil(linear * 4.127 / 8)
         uncalibrated.append("4-bit NF4 weights")
-    return base_bytes + (counts.trainable - m.hidden_size) * 4 + m.hidden_size * wbytes, 4, uncalibrated
+    return base_bytes + (counts.trainable - m.hidden_size) * adapter_bytes + m.hidden_size * wbytes, adapter_bytes, uncalibrated
 
 
 def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persistence: int, n: int) -> int:
@@ -249,12 +250,14 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         flat = min(shard, 1_000_000_000)
         t.step_extra = flat * trained_bytes + (flat * 4 if trained_bytes != 4 else 0)
     if profile.offload_optimizer:
-        # ZeRO-Offload: gradients leave the device through the buckets. The host keeps, next to
-        # master weights and moments, the fp32 gradient partition, a weight-dtype copy of the
-        # partition for the upload, per-parameter accumulation buffers when accumulating, and a
-        # staging buffer the size of the largest parameter; the device keeps its twin.
+        # ZeRO-Offload: from ZeRO-2 on, gradients leave the device through the buckets; ZeRO-1 does not
+        # partition gradients (stage_1_and_2.py, partition_gradients), so each parameter's full .grad stays
+        # on the device until the step's reduction (measured: a random calibration point was 12% under
+        # without it). The host keeps, next to master weights and moments, the fp32 gradient partition, a
+        # weight-dtype copy of the partition for the upload, per-parameter accumulation buffers when
+        # accumulating, and a staging buffer the size of the largest parameter; the device keeps its twin.
         largest = max(counts.trainable_tensors) * trained_bytes
-        t.gradients = 0
+        t.gradients = 0 if stage >= 2 else counts.trainable * trained_bytes
         t.states += shard * (4 + trained_bytes) + largest
         if plan.gradient_accumulation_steps > 1 and stage < 3:  # ZeRO-3 accumulates into its partition (measured)
             t.states += shard * trained_bytes
@@ -285,7 +288,8 @@ def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
     # the dtype the engine updates them in (fp32 under accelerate's mixed modes, the compute dtype under DeepSpeed,
     # whose fp32 master partitions are among its states).
     wbytes = numerics.frozen_bytes if profile.use_lora else numerics.weight_bytes
-    weights, trained_bytes, uncalibrated = weight_bytes(m, profile, counts, wbytes)
+    adapter_bytes = numerics.weight_bytes if numerics.master else 4  # DeepSpeed casts every parameter, adapters too
+    weights, trained_bytes, uncalibrated = weight_bytes(m, profile, counts, wbytes, adapter_bytes)
     if plan.zero_stage == 3:
         persistence = deepspeed_buckets(3, m.hidden_size, counts.trainable)["persistence"]
         weights = zero3_weight_bytes(weights, counts, wbytes, persistence, plan.world_size)
