@@ -168,8 +168,9 @@ class TraceFreeTerms:
     """Per-device bytes that are arithmetic on parameter counts: no trace needed.
 
     ``reduction``: DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own;
-    ``step_extra``: buffers only the optimizer step allocates; ``overhead``: engine buffers that live as long
-    as the engine; ``host``: host RAM per node.
+    ``step_extra``: buffers only the optimizer step allocates; ``gathered``: ZeRO-3's whole parameters, held
+    through every forward (training or evaluation) but not the step; ``backward_only``: buffers only a backward
+    holds; ``overhead``: engine buffers that live as long as the engine; ``host``: host RAM per node.
     """
 
     counts: ParameterCounts
@@ -180,6 +181,8 @@ class TraceFreeTerms:
     overhead: int = 0
     reduction: int = 0
     step_extra: int = 0
+    gathered: int = 0
+    backward_only: int = 0
     host: int = 0
     uncalibrated: List[str] = field(default_factory=list)
 
@@ -240,9 +243,16 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         # live limit) all of them are alive when the backward starts. Measured on 2 CPU processes: every
         # non-persistent parameter gathered once, one gradient bucket, and the reduce-scatter input of the
         # largest gradient (a parameter bigger than the bucket is reduced on its own).
+        # The step holds neither the gathered parameters nor the reduce-scatter input: the coordinator frees
+        # each module's parameters once its backward has run (partitioned_param_coordinator.py,
+        # release_sub_module, from the post-backward hook), and the input is dropped once reduced (stage3.py,
+        # __reduce_and_partition_ipg_grads). Only the bucket (stage3.py, _setup_for_real_optimizer) lives as
+        # long as the optimizer. An evaluation forward has no backward to free what it gathers: at the same
+        # reuse distance every parameter stays gathered through it (measured).
         persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
-        gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
-        t.temporaries = bucket * trained_bytes + gathered + max(counts.trainable_tensors) * trained_bytes
+        t.gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
+        t.temporaries = bucket * trained_bytes
+        t.backward_only = max(counts.trainable_tensors) * trained_bytes
     # One process: each partition is its whole parameter and nothing is gathered (measured).
     if stage == 3:
         # The step flattens each sub-group's gradient partition (stage3.py, _prepare_fp32_grad_for_sub_group)
@@ -264,18 +274,38 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         t.overhead = largest
         if plan.device == "cuda":
             t.host, t.states = plan_procs_per_node(cfg, plan) * t.states, 0
-    if stage < 3 and n > 1:
-        # reduce_ipg_grads all-reduces the bucket in place (rm sets reduce_scatter=false: DeepSpeed's
-        # reduce-scatter path would all-reduce a flattened copy), then copy_grads_in_partition allocates the
-        # partition of whole parameters that touch this rank's slice; offloaded, the partition is among the
-        # host states.
-        partition = 0 if profile.offload_optimizer else max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
-        t.reduction = weights + t.states + partition + t.temporaries
-    elif stage < 3 and not profile.offload_optimizer and plan.gradient_accumulation_steps > 1:
-        # One process while accumulating: a fresh gradient partition is filled while the previous
-        # micro-batch's is still held (measured on CPU).
-        t.reduction = weights + t.states + 2 * t.gradients + t.temporaries
+    if stage < 3:
+        t.reduction = zero12_reduction_bytes(plan, counts, profile.offload_optimizer, trained_bytes,
+                                             weights + t.states + t.temporaries)
     return t
+
+
+def zero12_reduction_bytes(plan: Plan, counts: ParameterCounts, offload: bool, trained_bytes: int, resident: int) -> int:
+    """The end of a ZeRO-1/2 backward (``resident``: weights, states and buckets), 0 where it is no peak of its own.
+
+    reduce_ipg_grads all-reduces the bucket in place (rm sets reduce_scatter=false: DeepSpeed's reduce-scatter
+    path would all-reduce a flattened copy), then copy_grads_in_partition allocates ``grads_in_partition``, the
+    whole parameters that touch this rank's slice; offloaded, the partition is among the host states.
+
+    While accumulating, ZeRO-2 reduces every micro-batch, and that partition is allocated afresh each time
+    (``_release_ipg_buffers`` drops ``grads_in_partition`` at the end of every backward), while the previous
+    micro-batches' gradients are still held in the one before it: ``independent_gradient_partition_epilogue``
+    keeps them in ``all_grad_tensors`` (the parameters' gradients, views into that partition) to add the new
+    ones into, until the step. ZeRO-1 reduces at the step's last micro-batch only. One process: measured too.
+
+    Example (ZeRO-2, 2 ranks, 10 and 6 fp32 elements: the worst rank's partition holds both tensors, 64 bytes):
+        >>> from types import SimpleNamespace as NS
+        >>> counts = ParameterCounts(16, 16, 16, [10, 6])
+        >>> [zero12_reduction_bytes(NS(world_size=2, zero_stage=2, gradient_accumulation_steps=a), counts, False, 4, 0)
+        ...  for a in (1, 2)]
+        [64, 128]
+    """
+    n, accumulating = plan.world_size, plan.gradient_accumulation_steps > 1
+    if n == 1 and (offload or not accumulating):
+        return 0  # a single backward's gradients: the forward/backward phase holds them
+    partition = 0 if offload else max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+    held = partition if accumulating and (plan.zero_stage == 2 or n == 1) else 0
+    return resident + partition + held
 
 
 def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
@@ -394,6 +424,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     t = trace_free_terms(cfg, plan)
     act, inputs, evaluation, accumulating = activation_terms(cfg, plan)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
+    backward_temporaries = temporaries + t.gathered + t.backward_only
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
@@ -410,20 +441,20 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
     # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions, DDP its buckets).
     kept_gradients = t.gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
     phases = {
-        "forward/backward": backward + temporaries,
+        "forward/backward": backward + backward_temporaries,
         "optimizer step": t.weights + t.gradients + t.states + temporaries + t.step_extra,
         "gradient reduction": t.reduction,
-        "evaluation": t.weights + t.states + kept_gradients + evaluation,
+        "evaluation": t.weights + t.states + kept_gradients + t.gathered + evaluation,
         "load": t.weights,
     }
     phase = max(phases, key=phases.get)
     allocated = phases[phase] + t.overhead
-    reserve, context, communication, device_assumed = device_terms(plan, activations, temporaries)
+    reserve, context, communication, device_assumed = device_terms(plan, activations, backward_temporaries)
     usable, headroom = usable_bytes(plan)
     peak = allocated + reserve + context + communication
     return Estimate(
         weights=t.weights, gradients=t.gradients, optimizer_states=t.states, activations=activations,
-        evaluation=evaluation, temporaries=temporaries, overhead=t.overhead, allocated_bytes=allocated,
+        evaluation=evaluation, temporaries=backward_temporaries, overhead=t.overhead, allocated_bytes=allocated,
         allocator_reserve=reserve, cuda_context=context, communication=communication, peak_bytes=peak, peak_phase=phase,
         usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
         host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
