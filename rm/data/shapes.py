@@ -23,9 +23,7 @@ from typing import TYPE_CHECKING, Dict, Optional, Sequence
 
 import numpy as np
 
-from rm.data.batching import steps_per_epoch
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and datasets are imported where used: the estimate's command line reads BatchShapes
     from rm.data.batching import StepBatches
 
 LAYOUTS = ("padded", "packed", "shared", "packed+shared")
@@ -84,6 +82,8 @@ def rank_orders(batches: StepBatches, steps: int) -> np.ndarray:
     pairs stably, as Python's ``sorted`` does, so ties keep their order.
     """
     import torch
+
+    from rm.data.batching import steps_per_epoch
 
     per_epoch = steps_per_epoch(batches.num_pairs, batches.global_batch_size)
     out = np.empty((steps, batches.global_batch_size), dtype=np.int64)
