@@ -2,7 +2,8 @@
 
 The order keeps a refused run from touching an earlier run's files: settings and memory first
 (:mod:`rm.preflight`), then the engine, the tokenizer and the data (each checked before anything is
-written), then the model, and last the checkpoint to resume from.
+written), the memory verdict at the data's own micro-batches, then the model, and last the checkpoint
+to resume from.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ class Run:
     Attributes:
         cfg: the config as composed; never changed. What the run resolved is in ``plan``.
         plan: the values derived and resolved once (``rm.validate``, ``rm.preflight``).
-        estimate: the pre-flight memory estimate (``None`` with ``preflight=off``).
+        estimate: the pre-flight memory estimate sized at the largest micro-batch this data forms
+            (:func:`rm.preflight.data_preflight`; ``None`` with ``preflight=off``).
         collator: pads pairs for evaluation and the export's probe; ``train_collator`` lays out training
             micro-batches (``train.packing``, ``train.share_prefix``).
         health: the training-health checks (``rm.health``); ``metrics``: ``metrics.jsonl`` and TensorBoard.
