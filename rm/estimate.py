@@ -38,6 +38,7 @@ def format_table(est: Estimate, label: str) -> str:
     lines = [f"memory estimate per device: {label}",
              f"  processes: {est.world_size} ({est.world_size_source})",
              *([f"  precision: {format_numerics(est.precision, est.numerics)}"] if est.numerics else []),
+             *([format_shapes(est)] if est.shapes else []),
              f"  {'component':<36}{unit:>10}"]
     lines += [f"  {name:<36}{value / scale:>10.2f}" for name, value in rows]
     lines.append(f"  {'tensors at peak (' + est.peak_phase + ')':<36}{est.allocated_bytes / scale:>10.2f}")
@@ -54,6 +55,14 @@ def format_table(est: Estimate, label: str) -> str:
         lines.append(f"  not yet calibrated: {', '.join(est.uncalibrated)}")
     lines += [f"  warning: {warning}" for warning in est.warnings]
     return "\n".join(lines)
+
+
+def format_shapes(est: Estimate) -> str:
+    """What activations were sized at: the worst case the config allows, or the data's largest micro-batch."""
+    train, evaluation = est.shapes["train"], est.shapes["eval"]
+    source = "the data's longest" if est.sized_by == "data" else "the worst case the config allows"
+    scored = f", evaluation {evaluation['rows']} x {evaluation['length']}" if evaluation else ", no evaluation"
+    return f"  sized at: micro-batch {train['rows']} rows x {train['length']} tokens{scored} ({source})"
 
 
 def format_numerics(precision: str, numerics: dict) -> str:

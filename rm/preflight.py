@@ -7,13 +7,16 @@ goes into the :class:`~rm.validate.Plan`; the config stays as composed.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from rm.config import RunConfig
 from rm.errors import Refused
 from rm.estimate import estimate_label, format_suggestions, format_table
-from rm.memory.estimate import Estimate, best_micro_batch, estimate_run, suggestions
+from rm.memory.estimate import Estimate, best_micro_batch, cannot_fit, estimate_run, suggestions, worst_case_shapes
 from rm.validate import Plan, resolve_world_size, validate
+
+if TYPE_CHECKING:
+    from rm.data.shapes import BatchShapes
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log
 
@@ -32,14 +35,16 @@ def plan_run(cfg: RunConfig, overrides: Sequence[str]) -> Tuple[Plan, Optional[E
 
     Raises:
         ConfigError: the settings do not make a run.
-        PreflightRefusal: the estimate does not fit, with ``preflight=error``.
+        PreflightRefusal: the run cannot fit whatever its data, with ``preflight=error``.
     """
     plan = validate(cfg, *resolve_world_size(cfg, launched=True))
     return preflight(cfg, plan, overrides)
 
 
 def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Plan, Optional[Estimate]]:
-    """Estimate the peak before anything loads; refuse, warn, or pick the micro-batch, as configured.
+    """Estimate the peak before anything loads, at the worst case the config allows; pick the micro-batch with
+    ``preflight.auto_micro_batch``; refuse or warn only where no data could fit (:func:`cannot_fit`). The
+    run's verdict is :func:`data_preflight`'s, once the data is built.
 
     ``overrides`` are the Hydra overrides the config came from: candidate changes are composed
     with them to say which would fit.
@@ -64,10 +69,48 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
     if est.fits:
         log.info("%s", table)
         return plan, est
+    if not cannot_fit(cfg, plan):
+        # The worst case the config allows bounds the data's largest micro-batch from above, so refusing (or
+        # warning) here could refuse a run that fits; the verdict waits for the data (data_preflight), unless
+        # the step's weights, gradients and states alone exceed the device, which no data can change.
+        log.info("%s\nthe worst case the config allows does not fit: the data's own micro-batches decide, "
+                 "once the data is built", table)
+        return plan, est
+    return plan, refuse_or_warn(cfg, plan, overrides, est, table)
+
+
+def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes: "BatchShapes") -> Optional[Estimate]:
+    """The run's verdict: the estimate sized at the largest micro-batch and evaluation forward the run's data
+    forms (:func:`rm.data.shapes.data_shapes`); refuses, warns or passes as :func:`preflight` does.
+
+    Returns:
+        The data-aware estimate (``memory.json``'s), or ``None`` with ``preflight=off``.
+
+    Raises:
+        PreflightRefusal: it does not fit, with ``preflight=error``.
+    """
+    if cfg.preflight.mode == "off":
+        return None
+    est = estimate_run(cfg, plan, shapes)
+    worst = worst_case_shapes(cfg, plan).train
+    log.info("memory estimate sized by the data: longest micro-batch %d rows x %d tokens (max_length allows %d x %d): "
+             "peak %.1f MiB of %.1f usable", shapes.train.rows, shapes.train.length, worst.rows, worst.length,
+             est.peak_bytes / 2**20, est.usable_bytes / 2**20)
+    if est.fits:
+        return est
+    table = format_table(est, estimate_label(cfg, plan) + ", sized by the data's longest micro-batch")
+    return refuse_or_warn(cfg, plan, overrides, est, table)
+
+
+def refuse_or_warn(cfg: RunConfig, plan: Plan, overrides: Sequence[str], est: Estimate, table: str) -> Estimate:
+    """An estimate that does not fit: :class:`PreflightRefusal` with ``preflight=error``, else a warning.
+
+    The changes offered are sized at the worst case the config allows: each fits whatever the data.
+    """
     found = suggestions(list(overrides), cfg, plan)
     advice = format_suggestions(found)
     if cfg.preflight.mode == "error":
         raise PreflightRefusal(f"{table}\n{advice}\n(preflight=warn trains anyway; preflight=off skips the check)", est,
                                [" ".join(extra) for extra, _ in found])
     log.warning("%s\n%s\npreflight=warn: training anyway", table, advice)
-    return plan, est
+    return est

@@ -2,7 +2,8 @@
 
 The order keeps a refused run from touching an earlier run's files: settings and memory first
 (:mod:`rm.preflight`), then the engine, the tokenizer and the data (each checked before anything is
-written), then the model, and last the checkpoint to resume from.
+written), the memory verdict at the data's own micro-batches, then the model, and last the checkpoint
+to resume from.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from rm.memory.estimate import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
 from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, tokenizer_kind
-from rm.preflight import plan_run
+from rm.data.shapes import BatchShapes, data_shapes, layout_of
+from rm.data.tokenise import pair_lengths
+from rm.preflight import data_preflight, plan_run
 from rm.resume import apply_changes, check_resume, data_digest, fingerprint
 from rm.train_state import TrainState
 from rm.validate import ConfigError, Plan, check_consumers_tokenize_alike, check_tokenizer_fits
@@ -50,7 +53,8 @@ class Run:
     Attributes:
         cfg: the config as composed; never changed. What the run resolved is in ``plan``.
         plan: the values derived and resolved once (``rm.validate``, ``rm.preflight``).
-        estimate: the pre-flight memory estimate (``None`` with ``preflight=off``).
+        estimate: the pre-flight memory estimate sized at the largest micro-batch this data forms
+            (:func:`rm.preflight.data_preflight`; ``None`` with ``preflight=off``).
         collator: pads pairs for evaluation and the export's probe; ``train_collator`` lays out training
             micro-batches (``train.packing``, ``train.share_prefix``).
         health: the training-health checks (``rm.health``); ``metrics``: ``metrics.jsonl`` and TensorBoard.
@@ -108,6 +112,18 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     # The exported model's readers must see the tokens training saw, on texts like the run's own.
     check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64])))
     total_steps = total_training_steps(cfg, len(train_set))
+    # rows are prefix + both suffixes: the budget, the grouping and the estimate count those tokens
+    shared = log_prefix_sharing(train_set) if t.share_prefix else None
+    batches = StepBatches.of(
+        train_set, global_batch_size=t.global_batch_size, micro_batch_size=plan.micro_batch_size,
+        world_size=plan.world_size, rank=engine.process_index, seed=t.seed, group_by_length=t.group_by_length,
+        max_tokens=t.max_tokens_per_micro_batch, shared_tokens=shared,
+    )
+    # The verdict, before the model is built and before an earlier run's files are replaced: the estimate
+    # sized at the micro-batches this data forms, not at the worst case the config allows.
+    if estimate is not None:
+        evaluated = [eval_set, *extra_eval_sets.values()]
+        estimate = data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, total_steps, train_set, shared, evaluated))
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     replace_earlier_run(run_dir, replaced)
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
@@ -138,13 +154,6 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     start_step, record = restore(engine, run_dir, cfg, current, total_steps) if t.resume else (0, None)
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
-    batches = StepBatches.of(
-        train_set, global_batch_size=t.global_batch_size, micro_batch_size=plan.micro_batch_size,
-        world_size=plan.world_size, rank=engine.process_index, seed=t.seed, group_by_length=t.group_by_length,
-        max_tokens=t.max_tokens_per_micro_batch,
-        # rows are prefix + both suffixes: the budget and the grouping count those tokens
-        shared_tokens=log_prefix_sharing(train_set) if t.share_prefix else None,
-    )
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
@@ -152,6 +161,23 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
                train_set=train_set, eval_set=eval_set, extra_eval_sets=extra_eval_sets, collator=collator,
                train_collator=train_collator, model=model, health=health, metrics=metrics, monitor=monitor,
                batches=batches, total_steps=total_steps, state=state)
+
+
+def run_shapes(cfg: RunConfig, batches: StepBatches, total_steps: int, train_set, shared: Optional[Sequence[int]],
+               eval_sets: Sequence) -> BatchShapes:
+    """The largest training micro-batch and evaluation forward of the run (:func:`rm.data.shapes.data_shapes`).
+
+    Every step from 0 counts, a resumed run's too: its estimate is the uninterrupted run's.
+
+    Args:
+        shared: per training pair, its prefix-shared row's tokens (``train.share_prefix``), else ``None``.
+        eval_sets: the sets evaluation scores (``None`` entries skipped).
+    """
+    t = cfg.train
+    chosen, rejected = pair_lengths(train_set)
+    return data_shapes(batches, total_steps, layout_of(t.packing, t.share_prefix), chosen, rejected,
+                       shared,
+                       [pair_lengths(ds) for ds in eval_sets if ds is not None], t.eval_batch_size)
 
 
 def _start_engine(cfg: RunConfig, plan: Plan, run_dir: Path, on_claim: Optional[Callable[[], None]]) -> Engine:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 from rm.config import LoraConfig, ModelConfig, RunConfig
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
+    from rm.data.shapes import BatchShapes
     from rm.memory.trace import TracedModel
     from rm.validate import Plan
 
@@ -158,6 +159,10 @@ class Estimate:
     precision: str = ""  # the resolved train.precision, and the dtypes it keeps (rm.precision)
     numerics: Dict = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)  # the plan's: settings that fit but a user should hear about
+    # What activations were sized at: "config" (the worst case the config allows) or "data" (the run's longest
+    # micro-batch), and those shapes (rm.data.shapes.BatchShapes.to_dict: train and eval rows x length).
+    sized_by: str = "config"
+    shapes: Dict = field(default_factory=dict)
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -393,36 +398,58 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
                           fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision))
 
 
-def activation_terms(cfg: RunConfig, plan: Plan) -> Tuple[Dict, int, int, bool]:
+def worst_case_shapes(cfg: RunConfig, plan: Plan) -> "BatchShapes":
+    """The largest micro-batch the config allows, whatever the data: every sequence ``data.max_length`` tokens,
+    and under ``train.share_prefix`` pairs with no common prompt. It bounds :func:`rm.data.shapes.data_shapes`:
+    every side is at most ``data.max_length`` tokens (``rm.data.tokenise`` truncates or drops longer ones), a
+    micro-batch holds at most ``train.micro_batch_size`` pairs, and a token budget is at least a pair's worst case."""
+    from rm.data.shapes import BatchShape, BatchShapes
+
+    t, max_length = cfg.train, cfg.data.max_length
+    rows, length = 2 * plan.micro_batch_size, max_length
+    accumulating = False
+    if t.packing:  # one row of at most the token budget, or of micro-batch x 2 x max_length
+        rows, length = 1, t.max_tokens_per_micro_batch or 2 * plan.micro_batch_size * max_length
+        # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
+        accumulating = length < 2 * (t.global_batch_size // plan.world_size) * max_length
+    if t.share_prefix:
+        rows, length = shared_prefix_rows(plan.micro_batch_size, max_length, t.max_tokens_per_micro_batch, t.packing)
+    return BatchShapes(train=BatchShape(rows, length), eval=BatchShape(2 * t.eval_batch_size, max_length),
+                       accumulating=accumulating, sized_by="config")
+
+
+def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes") -> Tuple[Dict, int, int, bool]:
     """The traced activations of one training micro-batch, its input tensors, the evaluation forward's peak,
-    and whether gradients are already allocated when the micro-batch runs (accumulating)."""
+    and whether gradients are already allocated when the micro-batch runs (accumulating), at ``shapes``
+    (:func:`worst_case_shapes`, or the data's, :func:`rm.data.shapes.data_shapes`)."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
 
     t = cfg.train
     traced = traced_model(cfg, plan)
-    # Activations of one micro-batch (2 sequences per pair), padded to max_length as the worst case.
-    # Packed (train.packing): one row of at most the token budget, or of micro-batch x 2 x max_length.
-    batch, seq_len = 2 * plan.micro_batch_size, cfg.data.max_length
-    accumulating = plan.gradient_accumulation_steps > 1
-    if t.packing:
-        batch, seq_len = 1, t.max_tokens_per_micro_batch or 2 * plan.micro_batch_size * cfg.data.max_length
-        # A budget smaller than the step's pairs at max_length may cut the step into several micro-batches.
-        accumulating = accumulating or seq_len < 2 * (t.global_batch_size // plan.world_size) * cfg.data.max_length
-    if t.share_prefix:
-        batch, seq_len = shared_prefix_rows(plan.micro_batch_size, cfg.data.max_length, t.max_tokens_per_micro_batch, t.packing)
+    batch, seq_len = shapes.train.rows, shapes.train.length
+    accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
     act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating,
                                packed=t.packing, shared_prefix=t.share_prefix)
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
     inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
-    evaluation = inference_peak_bytes(traced, 2 * t.eval_batch_size, cfg.data.max_length) \
-        + 2 * (2 * t.eval_batch_size) * cfg.data.max_length * 8
+    evaluation = 0  # no eval set: no evaluation forward
+    if shapes.eval is not None:
+        rows, length = shapes.eval.rows, shapes.eval.length
+        evaluation = inference_peak_bytes(traced, rows, length) + 2 * rows * length * 8
     return act, inputs, evaluation, accumulating
 
 
-def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
-    """The estimate for a validated config, on the plan's hardware and micro-batch."""
+def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None) -> Estimate:
+    """The estimate for a validated config, on the plan's hardware and micro-batch.
+
+    Args:
+        shapes: the largest micro-batch and evaluation forward to size activations at: the data's
+            (:func:`rm.data.shapes.data_shapes`, what ``rm.train`` decides by), or ``None`` for the worst case
+            the config allows (:func:`worst_case_shapes`, what ``python -m rm.estimate`` reports).
+    """
     t = trace_free_terms(cfg, plan)
-    act, inputs, evaluation, accumulating = activation_terms(cfg, plan)
+    shapes = shapes or worst_case_shapes(cfg, plan)
+    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
     backward_temporaries = temporaries + t.gathered + t.backward_only
 
@@ -460,6 +487,7 @@ def estimate_run(cfg: RunConfig, plan: Plan) -> Estimate:
         host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
         precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
+        sized_by=shapes.sized_by, shapes=shapes.to_dict(),
     )
 
 

@@ -1,0 +1,243 @@
+"""The largest micro-batch a run will form, read from the data's lengths before any weight loads.
+
+The pre-flight estimate from the config alone sizes every micro-batch at the worst case the config allows
+(every sequence ``data.max_length`` tokens; under ``train.share_prefix`` a pair with no common prompt). Which
+pairs each rank runs at each step is a pure function of the step (:mod:`rm.data.batching`), so the shapes the
+run will really form can be computed from the token lengths alone, for every step on every rank. Activations
+grow with both the rows and the padded length of a micro-batch, so the largest rows and the largest length,
+even where two different micro-batches reach them, bound every micro-batch's activations.
+
+Layouts (what the training collator pads to, :mod:`rm.data.collator`):
+
+* ``padded`` (``PairCollator``): 2 rows per pair, padded to the longest sequence of the micro-batch;
+* ``packed`` (``PackedPairCollator``): one row of all chosen and rejected tokens;
+* ``shared`` (``PrefixSharedCollator``, one row per pair): rows of prompt + both answers, padded to the longest;
+* ``packed+shared``: one row of every pair's prompt + both answers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Dict, Optional, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:  # torch and datasets are imported where used: the estimate's command line reads BatchShapes
+    from rm.data.batching import StepBatches
+
+LAYOUTS = ("padded", "packed", "shared", "packed+shared")
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """Rows x padded length of one forward's input."""
+
+    rows: int
+    length: int
+
+
+@dataclass(frozen=True)
+class BatchShapes:
+    """The shapes the activation trace is sized at.
+
+    Attributes:
+        train: the most rows and the longest row of any training micro-batch (possibly of two micro-batches).
+        eval: the same for an evaluation forward; ``None``: the run evaluates nothing.
+        accumulating: some rank runs more than one micro-batch in some step (gradients then stay alive
+            through the later micro-batches' backward).
+        sized_by: ``"data"`` (the run's own micro-batches) or ``"config"`` (the worst case the config allows).
+    """
+
+    train: BatchShape
+    eval: Optional[BatchShape]
+    accumulating: bool
+    sized_by: str
+
+    def to_dict(self) -> Dict:
+        return asdict(self)
+
+
+def layout_of(packing: bool, share_prefix: bool) -> str:
+    """The training layout's name (:data:`LAYOUTS`) for ``train.packing`` and ``train.share_prefix``."""
+    return ("packed+shared" if share_prefix else "packed") if packing else ("shared" if share_prefix else "padded")
+
+
+def row_tokens(layout: str, chosen: Sequence[int], rejected: Sequence[int],
+               shared: Optional[Sequence[int]]) -> np.ndarray:
+    """Per pair, what its micro-batch's length is made of: the longer side (padded), chosen + rejected
+    (packed), or prompt + both answers (shared layouts; ``shared`` as :func:`rm.run_setup.log_prefix_sharing`)."""
+    if layout in ("shared", "packed+shared"):
+        return np.asarray(shared, dtype=np.int64)
+    c, r = np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)
+    return c + r if layout == "packed" else np.maximum(c, r)
+
+
+def rank_orders(batches: StepBatches, steps: int) -> np.ndarray:
+    """Dataset indices each rank runs at each of the first ``steps`` steps, in the order it cuts them into
+    micro-batches: shape ``(steps, world_size, per_rank)``.
+
+    The same permutations as :func:`rm.data.batching.micro_batches_for_step` (``torch.randperm`` seeded
+    ``seed + epoch``), drawn once per epoch instead of once per step; ``group_by_length`` sorts each rank's
+    pairs stably, as Python's ``sorted`` does, so ties keep their order.
+    """
+    import torch
+
+    from rm.data.batching import steps_per_epoch
+
+    per_epoch = steps_per_epoch(batches.num_pairs, batches.global_batch_size)
+    out = np.empty((steps, batches.global_batch_size), dtype=np.int64)
+    for epoch in range(math.ceil(steps / per_epoch)):
+        first, last = epoch * per_epoch, min(steps, (epoch + 1) * per_epoch)
+        order = torch.randperm(batches.num_pairs, generator=torch.Generator().manual_seed(batches.seed + epoch)).numpy()
+        out[first:last] = order[: (last - first) * batches.global_batch_size].reshape(last - first, -1)
+    out = out.reshape(steps, batches.world_size, batches.per_rank)
+    if batches.sort_lengths is not None:
+        keys = np.asarray(batches.sort_lengths, dtype=np.int64)[out]
+        out = np.take_along_axis(out, np.argsort(keys, axis=-1, kind="stable"), axis=-1)
+    return out
+
+
+def greedy_cuts(tokens: np.ndarray, max_tokens: int) -> np.ndarray:
+    """Per row of pairs, the micro-batch each pair lands in: :func:`rm.data.batching.split_by_tokens`,
+    vectorised over the rows (a loop over the pairs of one row, not over the run's steps).
+
+    Example:
+        >>> greedy_cuts(np.array([[6, 3, 4, 9], [2, 2, 2, 2]]), max_tokens=10).tolist()
+        [[0, 0, 1, 2], [0, 0, 0, 0]]
+    """
+    cuts = np.empty(tokens.shape, dtype=np.int64)
+    used = np.full(tokens.shape[0], max_tokens, dtype=np.int64)  # forces a first micro-batch, as split_by_tokens
+    current = np.full(tokens.shape[0], -1, dtype=np.int64)
+    for j in range(tokens.shape[1]):
+        opens = used + tokens[:, j] > max_tokens
+        current += opens
+        used = np.where(opens, tokens[:, j], used + tokens[:, j])
+        cuts[:, j] = current
+    return cuts
+
+
+def evened_sums(row_tokens_: np.ndarray, sizes: list, count: int) -> list:
+    """Token sums of one rank's micro-batches once :func:`rm.data.batching.even_out` has halved the largest
+    until there are ``count``; the halving depends only on the pair counts ``sizes``, so it runs on those."""
+    segments, start = [], 0
+    for size in sizes:
+        segments.append((start, size))
+        start += size
+    while len(segments) < count:
+        i = max(range(len(segments)), key=lambda k: segments[k][1])  # the first largest, as even_out picks
+        begin, size = segments[i]
+        segments[i:i + 1] = [(begin, size // 2), (begin + size // 2, size - size // 2)]
+    ends = np.concatenate([[0], np.cumsum(row_tokens_)])
+    return [int(ends[b + n] - ends[b]) for b, n in segments]
+
+
+def budget_lengths(batches: StepBatches, orders: np.ndarray) -> tuple:
+    """The longest packed micro-batch a token budget (``train.max_tokens_per_micro_batch``) cuts on any rank
+    at any step, as :meth:`StepBatches.for_step` cuts them (greedy, then evened out across ranks for DDP), and
+    the most micro-batches a rank runs in a step."""
+    steps, world, per_rank = orders.shape
+    tokens = np.asarray(batches.pair_tokens, dtype=np.int64)[orders].reshape(steps * world, per_rank)
+    cuts = greedy_cuts(tokens, batches.max_tokens)
+    counts = cuts[:, -1] + 1
+    flat = np.arange(steps * world)[:, None] * per_rank + cuts  # one id per (row, micro-batch)
+    sums = np.bincount(flat.ravel(), weights=tokens.ravel(), minlength=steps * world * per_rank).reshape(-1, per_rank)
+    most = np.repeat(counts.reshape(steps, world).max(axis=1), world)  # DDP: every rank runs as many as the most
+    uneven = counts < most
+    longest = int(sums[~uneven].max()) if (~uneven).any() else 0
+    for row in np.flatnonzero(uneven):  # halving only shortens; these rows are the ones it changes
+        sizes = np.bincount(cuts[row], minlength=counts[row]).tolist()
+        longest = max(longest, max(evened_sums(tokens[row], sizes, int(most[row]))))
+    return longest, int(most.max())
+
+
+def largest_train_batch(batches: StepBatches, steps: int, layout: str, tokens: np.ndarray) -> tuple:
+    """The most rows and the longest row of any training micro-batch of the run, and whether any rank
+    runs several micro-batches in a step.
+
+    Args:
+        batches: the run's :class:`StepBatches` (any rank's: all ranks are computed).
+        steps: the optimizer steps the run takes.
+        layout: one of :data:`LAYOUTS`.
+        tokens: per pair, :func:`row_tokens` for this layout.
+
+    Returns:
+        ``(BatchShape, accumulating)``.
+    """
+    orders = rank_orders(batches, steps)
+    packed = layout.startswith("packed")
+    per_pair_rows = 1 if layout == "shared" else 2
+    if batches.pair_tokens is not None:  # a token budget: micro-batches of varying sizes, cut greedily
+        if not packed:  # rm.validate allows a budget only with packing: one row of the tokens the budget counts
+            raise ValueError(f"a token budget needs a packed layout, not {layout!r}")
+        length, most = budget_lengths(batches, orders)
+        return BatchShape(1, length), most > 1
+    values = tokens[orders]  # (steps, world, per_rank)
+    micro = batches.micro_batch_size
+    starts = range(0, batches.per_rank, micro)
+    reduce = np.sum if packed else np.max
+    length = max(int(reduce(values[..., i:i + micro], axis=-1).max()) for i in starts)
+    rows = 1 if packed else per_pair_rows * min(micro, batches.per_rank)
+    return BatchShape(rows, length), len(starts) > 1
+
+
+def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int) -> Optional[BatchShape]:
+    """The largest evaluation forward over the eval sets (:func:`rm.metrics.evaluate`: each rank scores a
+    strided share, ``batch_size`` pairs a forward, both sides padded to the batch's longest sequence).
+
+    Every pair is scored by some rank, so the longest padded length is the set's longest sequence; the most
+    rows are those of a full batch, or of rank 0's whole share when it is smaller.
+
+    Args:
+        lengths: per eval set, ``(chosen, rejected)`` token lengths (:func:`rm.data.tokenise.pair_lengths`).
+        batch_size: ``train.eval_batch_size``.
+        world_size: processes.
+
+    Returns:
+        The shape, or ``None`` without a non-empty eval set.
+
+    Example:
+        >>> largest_eval_batch([([3, 9, 4], [5, 2, 2]), ([7], [8])], batch_size=2, world_size=1)
+        BatchShape(rows=4, length=9)
+    """
+    shapes = [(2 * min(batch_size, -(-len(c) // world_size)), max(max(c), max(r))) for c, r in lengths if len(c)]
+    if not shapes:
+        return None
+    return BatchShape(max(s[0] for s in shapes), int(max(s[1] for s in shapes)))
+
+
+def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[int], rejected: Sequence[int],
+                shared: Optional[Sequence[int]], eval_lengths: Sequence[tuple], eval_batch_size: int) -> BatchShapes:
+    """The largest training micro-batch and evaluation forward the run will form, from token lengths alone.
+
+    Args:
+        batches: the run's :class:`StepBatches`.
+        steps: the optimizer steps the run takes.
+        layout: one of :data:`LAYOUTS` (:func:`layout_of`).
+        chosen, rejected: per training pair, its token lengths (:func:`rm.data.tokenise.pair_lengths`).
+        shared: per training pair, prompt + both answers (the shared layouts; the tokens ``StepBatches.of``
+            receives under ``train.share_prefix``); ``None`` otherwise.
+        eval_lengths: per eval set, ``(chosen, rejected)`` lengths.
+        eval_batch_size: pairs per evaluation forward.
+
+    Example: 8 pairs, one step of 4 pairs per rank over 2 ranks, micro-batches of 2 sorted by the longer side.
+    Seed 0 gives rank 0 pairs 4, 0, 7, 3 (longer sides 9, 3, 4, 4: sorted 0, 7 | 3, 4) and rank 1 pairs 2, 5, 1,
+    6 (sides 2, 3, 5, 6). Padded, the largest is 2 pairs x 2 sides, padded to pair 4's 9 tokens; packed, the
+    longest row is pairs 3 and 4, (3 + 4) + (9 + 3) = 19 tokens (0, 7: 13; 2, 5: 10; 1, 6: 14):
+
+        >>> from rm.data.batching import StepBatches
+        >>> chosen, rejected = [3, 5, 2, 3, 9, 3, 6, 4], [2, 2, 2, 4, 3, 3, 1, 4]
+        >>> longer = [max(c, r) for c, r in zip(chosen, rejected)]
+        >>> batches = StepBatches(8, global_batch_size=8, micro_batch_size=2, world_size=2, rank=0, seed=0,
+        ...                       sort_lengths=longer)
+        >>> batches.for_step(0), StepBatches(8, 8, 2, 2, 1, 0, sort_lengths=longer).for_step(0)
+        ([[0, 7], [3, 4]], [[2, 5], [1, 6]])
+        >>> data_shapes(batches, 1, "padded", chosen, rejected, None, [], 4).train
+        BatchShape(rows=4, length=9)
+        >>> data_shapes(batches, 1, "packed", chosen, rejected, None, [], 4).train
+        BatchShape(rows=1, length=19)
+    """
+    tokens = row_tokens(layout, chosen, rejected, shared)
+    train, accumulating = largest_train_batch(batches, steps, layout, tokens)
+    evaluation = largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size)
+    return BatchShapes(train=train, eval=evaluation, accumulating=accumulating, sized_by="data")

@@ -1,0 +1,160 @@
+"""The estimate sized at the micro-batches the run's data forms (rm.data.shapes), not at the worst case the config allows."""
+
+import json
+import random
+import time
+
+import numpy as np
+import pytest
+
+import rm.train as rm_train
+from rm.config import compose
+from rm.data.batching import StepBatches
+from rm.data.shapes import BatchShape, data_shapes, largest_eval_batch, row_tokens
+from rm.memory.estimate import GIB, estimate_run
+from rm.preflight import PreflightRefusal
+from rm.validate import validate
+from tests.conftest import FAST_TINY
+
+
+def test_largest_micro_batch_by_hand():
+    """6 pairs, one step of all 6 on one process, sorted by length, micro-batches of 3: the shuffle cannot matter.
+
+    Longer sides 6 2 4 8 3 4 sort to 2 3 4 | 4 6 8 (pairs 1 4 2|5, 5|2 0 3): padded, 3 pairs x 2 rows padded to 8.
+    Chosen + rejected 11 4 7 15 5 7: packed rows 4 + 5 + 7 = 16 and 7 + 11 + 15 = 33 (pairs 2 and 5 tie at 7 both
+    ways). Shared rows 10 4 7 12 5 6 sort to 4 5 6 | 7 10 12: one row per pair, 3 x 12; packed, 15 and 29.
+    A 20-token budget cuts 4 5 7 | 7 11 | 15: the longest row 18, three micro-batches (accumulating).
+    """
+    chosen, rejected, shared = [5, 2, 4, 8, 3, 3], [6, 2, 3, 7, 2, 4], [10, 4, 7, 12, 5, 6]
+    longer = [max(c, r) for c, r in zip(chosen, rejected)]
+    plain = StepBatches(6, global_batch_size=6, micro_batch_size=3, world_size=1, rank=0, seed=3, sort_lengths=longer)
+    by_shared = StepBatches(6, 6, 3, 1, 0, seed=3, sort_lengths=shared)
+    budget = StepBatches(6, 6, 3, 1, 0, seed=3, sort_lengths=longer, pair_tokens=[c + r for c, r in zip(chosen, rejected)],
+                         max_tokens=20)
+
+    def largest(batches, layout, shared_tokens=None):
+        shapes = data_shapes(batches, 2, layout, chosen, rejected, shared_tokens, [], 1)
+        return shapes.train.rows, shapes.train.length, shapes.accumulating
+
+    assert largest(plain, "padded") == (6, 8, True)
+    assert largest(plain, "packed") == (1, 33, True)
+    assert largest(by_shared, "shared", shared) == (3, 12, True)
+    assert largest(by_shared, "packed+shared", shared) == (1, 29, True)
+    assert largest(budget, "packed") == (1, 18, True)
+    one_step = StepBatches(6, 6, 6, 1, 0, seed=3, sort_lengths=longer)  # one micro-batch a step: no accumulation
+    assert largest(one_step, "padded") == (12, 8, False)
+    # Eval: 3 pairs, each rank a strided share: 2 ranks of batch 2 give rank 0 pairs 0 and 2, 2 x 2 rows.
+    assert largest_eval_batch([([3, 9, 4], [5, 2, 2])], batch_size=2, world_size=2) == BatchShape(4, 9)
+    assert largest_eval_batch([([3, 9, 4], [5, 2, 2])], batch_size=1, world_size=1) == BatchShape(2, 9)
+    assert largest_eval_batch([([], [])], batch_size=1, world_size=1) is None
+
+
+def brute_force(batches_per_rank, steps, layout, tokens):
+    """The largest micro-batch over what StepBatches.for_step gives each rank at each step."""
+    packed, rows, length, accumulating = layout.startswith("packed"), 0, 0, False
+    for step in range(steps):
+        for batches in batches_per_rank:
+            micro_batches = batches.for_step(step)
+            accumulating |= len(micro_batches) > 1
+            for mb in micro_batches:
+                rows = max(rows, 1 if packed else (1 if layout == "shared" else 2) * len(mb))
+                length = max(length, int(tokens[mb].sum() if packed else tokens[mb].max()))
+    return BatchShape(rows, length), accumulating
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed", "shared", "packed+shared"])
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("budget", [0, 60])
+@pytest.mark.parametrize("group", [True, False])
+def test_shapes_are_those_of_every_micro_batch_of_every_rank(layout, world, budget, group):
+    """Against StepBatches.for_step itself, over 3 epochs, with ties in the lengths (the sort keeps their order)."""
+    if budget and not layout.startswith("packed"):
+        pytest.skip("rm.validate allows a token budget only with packing")
+    rng = np.random.default_rng(world + budget)
+    n = 150
+    chosen, rejected = rng.integers(1, 20, n), rng.integers(1, 20, n)
+    shared = chosen + rejected - rng.integers(0, np.minimum(chosen, rejected) + 1)
+    sharing = "shared" in layout
+    keys = (shared if sharing else np.maximum(chosen, rejected)).tolist()
+    budget_tokens = (shared if sharing else chosen + rejected).tolist()
+
+    def of(rank):
+        return StepBatches(n, 24, 4, world, rank, seed=5, sort_lengths=keys if group else None,
+                           pair_tokens=budget_tokens if budget else None, max_tokens=budget or None)
+
+    steps = 16  # 6 steps an epoch
+    got = data_shapes(of(0), steps, layout, chosen, rejected, shared if sharing else None, [], 1)
+    want = brute_force([of(rank) for rank in range(world)], steps, layout, row_tokens(layout, chosen, rejected, shared))
+    assert (got.train, got.accumulating) == want
+
+
+@pytest.mark.parametrize("budget", [0, 4096])
+def test_a_large_run_is_sized_in_a_second_or_two(budget):
+    """160k HH-sized pairs, 5000 steps of 64 pairs over 8 processes (0.2 s padded, 0.7 s with a budget, at load 14)."""
+    rng = np.random.default_rng(0)
+    n = 160_000
+    chosen, rejected = rng.integers(10, 512, n), rng.integers(10, 512, n)
+    batches = StepBatches(n, 64, 4, 8, 0, seed=1, sort_lengths=np.maximum(chosen, rejected).tolist(),
+                          pair_tokens=(chosen + rejected).tolist() if budget else None, max_tokens=budget or None)
+    start = time.perf_counter()
+    shapes = data_shapes(batches, 5000, "packed" if budget else "padded", chosen, rejected, None,
+                         [(chosen[:8000], rejected[:8000])], 8)
+    assert time.perf_counter() - start < 3.0
+    assert shapes.train == (BatchShape(1, 4096) if budget else BatchShape(8, 511))
+
+
+def short_pairs(path, n, seed):
+    """Prompt-format pairs of about 20 tokens a side: far below data.max_length=256."""
+    words = "the cat sat on a mat and dog ran to park with ball red blue green big small happy sad fast slow".split()
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(n):
+            prompt = " ".join(rng.choices(words, k=rng.randint(5, 10))) + "."
+            chosen, rejected = (" " + " ".join(rng.choices(words, k=rng.randint(2, 8))) for _ in range(2))
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    return path
+
+
+def short_run(tmp_path, *extra):
+    overrides = [*FAST_TINY, "data=local", f"data.train_files=[{short_pairs(tmp_path / 'train.jsonl', 256, 0)}]",
+                 f"data.eval_files=[{short_pairs(tmp_path / 'eval.jsonl', 64, 1)}]", "data.max_length=256",
+                 "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true", *extra]
+    return overrides, compose(overrides)
+
+
+@pytest.mark.parametrize("extra", [
+    ["train.eval_batch_size=64"],  # evaluation peaks
+    ["train.eval_batch_size=1", "train.share_prefix=true"],  # forward/backward of rows of prompt + both answers
+], ids=["padded-eval-peak", "shared-train-peak"])
+def test_run_estimate_is_sized_by_the_data(tmp_path, caplog, extra):
+    """memory.json holds the estimate at the data's longest micro-batch: within 5% above the measured peak
+    (never 2% under), where the config's worst case (every side 256 tokens) is several times above. The
+    device is smaller than that worst case: the config-only estimate does not refuse the run, the data's fits."""
+    overrides, cfg = short_run(tmp_path, *extra)
+    worst = estimate_run(cfg, validate(cfg, 1))
+    device = [f"hardware.device_memory_gib={worst.peak_bytes / 3 / GIB}"]
+    with caplog.at_level("INFO", logger="rm.train"):
+        assert rm_train.train(compose([*overrides, *device]), tmp_path / "run", [*overrides, *device])["status"] == "ok"
+    memory = json.loads((tmp_path / "run" / "memory.json").read_text())
+    estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
+    print(f"\n{extra}: data-aware {estimate} ({(estimate - measured) / measured:+.2%}), "
+          f"config-only {worst.peak_bytes} ({(worst.peak_bytes - measured) / measured:+.2%}), measured {measured}")
+    assert memory["estimate"]["sized_by"] == "data" and worst.sized_by == "config"
+    assert memory["estimate"]["shapes"]["train"]["length"] < 60  # the data's, not max_length's
+    assert 0.98 * measured <= estimate <= 1.05 * measured, (estimate, measured)
+    assert worst.peak_bytes > 3 * measured
+    assert "memory estimate sized by the data: longest micro-batch" in caplog.text
+
+
+def test_refused_when_the_data_does_not_fit(tmp_path):
+    """A device that holds the weights, gradients and states but not the data's micro-batches: refused after the
+    data is built, before the model is, with the table sized by the data."""
+    overrides, cfg = short_run(tmp_path, "hardware.device_memory_gib=0.01")
+    with pytest.raises(PreflightRefusal) as refused:
+        rm_train.train(cfg, tmp_path / "run", overrides)
+    message = str(refused.value)
+    assert "sized by the data's longest micro-batch" in message and "DOES NOT FIT" in message
+    # The changes offered are sized at the worst case (each fits whatever the data): at max_length 256 none does here.
+    assert "no single change found that fits" in message and "preflight=warn trains anyway" in message
+    assert refused.value.estimate.sized_by == "data"
+    assert not (tmp_path / "run" / "final").exists()
