@@ -294,17 +294,23 @@ PRECISION_MODES = {"bf16-mixed": ["train.precision=bf16-mixed", "hardware.bf16=t
                    "bf16-true": ["train.precision=bf16-true", "hardware.bf16=true"]}
 
 
-def precision_rows(tmp: Path) -> list:
+def precision_rows(tmp: Path, saved=()) -> list:
     """The bf16 modes on the small model: every profile, checkpointing off and on, one process (CPU autocast
-    computes bf16 as a GPU does; what it keeps is what the estimate must count)."""
+    computes bf16 as a GPU does; what it keeps is what the estimate must count). Points in ``saved`` are kept
+    (a run stopped part-way goes on where it stopped)."""
+    kept = {(r["precision"], r["profile"], r["checkpointing"]): r for r in saved}
     rows = []
     for mode, extra in PRECISION_MODES.items():
         for profile in PROFILES:
             if profile == "offload" and mode == "bf16-true":
                 continue  # DeepSpeed has no bf16-true: refused by rm.validate
             for checkpointing in [False, True]:
-                rows.append({**point("small (13M)", profile, checkpointing, 128, tmp, extra=extra), "precision": mode})
-                print(json.dumps(rows[-1]), flush=True)
+                row = kept.get((mode, profile, checkpointing))
+                if row is None:
+                    row = {**point("small (13M)", profile, checkpointing, 128, tmp, extra=extra), "precision": mode}
+                    print(json.dumps(row), flush=True)
+                rows.append(row)
+                RESULTS.write_text(json.dumps({**json.loads(RESULTS.read_text()), "precision": rows}, indent=1) + "\n")
     return rows
 
 
@@ -376,7 +382,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             rows, zero_rows, multi_rows = run_parts(args, models, Path(tmp), rows, zero_rows, multi_rows)
             if args.part in ("all", "precision"):
-                bf16_rows = precision_rows(Path(tmp))
+                bf16_rows = precision_rows(Path(tmp), bf16_rows)
     elapsed = time.perf_counter() - start
     RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows}, indent=1) + "\n")
     write_doc(out, rows, zero_rows, multi_rows, args, elapsed, bf16_rows)
@@ -656,9 +662,12 @@ def draw_shape(rng) -> dict:
     ratio = rng.choice([2.0, 2.6875, 2.75, 3.5, 4.0, round(rng.uniform(1.5, 4.5), 3)])
     intermediate = max(64, int(round(hidden * ratio / 8)) * 8)
     model_type = rng.choice(["mistral", "llama", "qwen2"])
+    vocab = rng.choice([234, 300, 512, 1000, 4096, 8192, 32000, 50304])
+    if model_type == "qwen2":  # its points use the byte-level BPE, which needs 4 specials and 256 bytes (rm refuses fewer)
+        vocab = max(vocab, 300)
     return {"model_type": model_type, "num_hidden_layers": rng.randint(1, 8), "hidden_size": hidden,
             "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": head_dim,
-            "intermediate_size": intermediate, "vocab_size": rng.choice([234, 300, 512, 1000, 4096, 8192, 32000, 50304])}
+            "intermediate_size": intermediate, "vocab_size": vocab}
 
 
 def draw_point(rng) -> dict:
