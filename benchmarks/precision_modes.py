@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rm.precision import Precision  # noqa: E402
 
 # Runs rm.train as `python -m rm.train` does, with the factory wrapped to save what it built (rank 0).
 WRAPPER = """
@@ -88,7 +90,15 @@ def run_row(precision: str, extra: list, layout: str, steps: int, lr: float, wor
     lost = [r["lost_update_fraction"] for r in evals if "lost_update_fraction" in r]
     return {**row, "changed": changed / total, "weights": total, "eval_loss": last["eval_loss"],
             "eval_accuracy": last["eval_accuracy"], "lost_update_fraction": lost[-1] if lost else None,
-            "saved_dtype": str(next(iter(final.values())).dtype).replace("torch.", "")}
+            "saved_dtype": _dominant_dtype(final)}
+
+
+def _dominant_dtype(tensors: dict) -> str:
+    """The dtype that holds most of the elements (the reward head may be fp32 beside bf16 weights)."""
+    counts: dict = {}
+    for t in tensors.values():
+        counts[t.dtype] = counts.get(t.dtype, 0) + t.numel()
+    return str(max(counts, key=counts.get)).replace("torch.", "")
 
 
 def _free_port() -> int:
@@ -113,16 +123,22 @@ def write_doc(rows: list, args, elapsed: float, out: Path) -> None:
         "**Lost updates**: the `lost_update_fraction` the run logged at its last step (`rm.health`), where logged.",
         "`16-mixed` needs a GPU (CPU autocast has no gradient scaler path in rm) and is not run here.",
         "",
-        "| train.precision | layout | weights kept as | weights changed | lost updates | eval loss | eval accuracy | wall (s) |",
+        "**Trained weights**: the dtype the optimizer's view of the weights is kept in under that engine (`rm.precision`:",
+        "DeepSpeed keeps fp32 master partitions beside a bf16 module, and its saved weights are the bf16 module's, so",
+        "an fp32 update too small to move the bf16 copy yet shows as unchanged there).",
+        "",
+        "| train.precision | layout | trained weights | weights changed | lost updates | eval loss | eval accuracy | wall (s) |",
         "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        mode = r["precision"] + (" + " + " ".join(f"`{e}`" for e in r["extra"]) if r["extra"] else "")
+        mode = f"`{r['precision']}`" + (" + " + " ".join(f"`{e}`" for e in r["extra"]) if r["extra"] else "")
         if "error" in r:
-            lines.append(f"| `{mode}` | {r['layout']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {mode} | {r['layout']} | failed: {r['error']} | | | | | |")
             continue
+        n = Precision.of(r["precision"]).numerics(deepspeed=r["layout"].startswith("ZeRO"))
+        trained = n.weights.replace("float32", "fp32").replace("bfloat16", "bf16") + (" (fp32 master)" if n.master and n.master != n.weights else "")
         lost = "" if r["lost_update_fraction"] is None else f"{r['lost_update_fraction']:.1%}"
-        lines.append(f"| `{mode}` | {r['layout']} | {r['saved_dtype']} | {r['changed']:.1%} | {lost} | {r['eval_loss']:.5f} | "
+        lines.append(f"| {mode} | {r['layout']} | {trained} | {r['changed']:.1%} | {lost} | {r['eval_loss']:.5f} | "
                      f"{r['eval_accuracy']:.4f} | {r['wall_s']:.0f} |")
     out.write_text("\n".join(lines) + "\n")
 
@@ -133,7 +149,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--rows", nargs="*", type=int, help="only these rows of ROWS (0-based)")
     parser.add_argument("--out", default=str(ROOT / "docs" / "precision_modes.md"))
+    parser.add_argument("--doc-only", type=float, metavar="SECONDS",
+                        help="run nothing: write the doc from the saved JSON, stating SECONDS as the run's wall time")
     args = parser.parse_args()
+    if args.doc_only is not None:
+        write_doc(json.loads(Path(args.out).with_suffix(".json").read_text()), args, args.doc_only, Path(args.out))
+        return
     start, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
         for i, (precision, extra, layout) in enumerate(ROWS):
