@@ -614,15 +614,24 @@ def plot(rows: list, path: Path) -> None:
         pts = [r for r in rows if (r["profile"], r["distributed"]) == key]
         label = key[0] if key[1] == "auto" else f"{key[0]} + {key[1]}"
         ax.scatter([r["measured_mib"] for r in pts], [r["error_pct"] for r in pts], label=label, s=18)
-    ax.axhspan(-5, 5, color="green", alpha=0.08, label="within 5%")
+    finish_error_plot(fig, ax, path, (-5, 5, "within 5%"), "measured peak of live tensor bytes (MiB)",
+                      "Pre-flight estimate vs measurement, CPU", legend=(7, 2))
+
+
+def finish_error_plot(fig, ax, path: Path, band, xlabel: str, title: str, legend) -> None:
+    """The target band, a log x axis of measured MiB, the error in % on y; saved and closed."""
+    low, high, label = band
+    ax.axhspan(low, high, color="green", alpha=0.08, label=label)
     ax.axhline(0, color="black", lw=0.5)
     ax.set_xscale("log")
-    ax.set_xlabel("measured peak of live tensor bytes (MiB)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("estimate error (%)")
-    ax.set_title("Pre-flight estimate vs measurement, CPU")
-    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(title)
+    ax.legend(fontsize=legend[0], ncol=legend[1])
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
     plt.close(fig)
 
 
@@ -991,16 +1000,9 @@ def plot_random(rows: list, path: Path) -> None:
             if pts:
                 ax.scatter(*zip(*pts), marker=marker, s=22, color=f"C{RANDOM_PROFILES.index(profile)}",
                            label=f"{profile}, {layout}")
-    ax.axhspan(RANDOM_MISS_UNDER, RANDOM_MISS_OVER, color="green", alpha=0.08, label="target")
-    ax.axhline(0, color="black", lw=0.5)
-    ax.set_xscale("log")
-    ax.set_xlabel("measured peak of live tensor bytes, each rank (MiB)")
-    ax.set_ylabel("estimate error (%)")
-    ax.set_title("Pre-flight estimate vs measurement, random configurations, CPU")
-    ax.legend(fontsize=6, ncol=3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    finish_error_plot(fig, ax, path, (RANDOM_MISS_UNDER, RANDOM_MISS_OVER, "target"),
+                      "measured peak of live tensor bytes, each rank (MiB)",
+                      "Pre-flight estimate vs measurement, random configurations, CPU", legend=(6, 3))
 
 
 if __name__ == "__main__":

@@ -55,7 +55,6 @@ ROWS = [  # (train.precision, extra overrides, layout)
 
 def run_row(precision: str, extra: list, layout: str, steps: int, lr: float, workdir: Path) -> dict:
     """Train one row; the share of weights changed, the eval loss and accuracy, the lost-update metric if logged."""
-    import torch
     from safetensors.torch import load_file
 
     nproc, dist = LAYOUTS[layout]

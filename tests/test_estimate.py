@@ -4,7 +4,6 @@ import json
 import logging
 import subprocess
 import sys
-import time
 
 import pytest
 
