@@ -339,7 +339,20 @@ def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
             t.states += counts.trainable * trained_bytes
             t.step_extra = max(counts.trainable_tensors) * trained_bytes
     t.host += host_bytes(cfg, plan, counts, t.states, wbytes)
+    probe = lost_update_probe_bytes(cfg, plan, counts)
+    t.overhead += probe
+    t.step_extra += probe
     return t
+
+
+def lost_update_probe_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts) -> int:
+    """The lost-update probe (``rm.lost_updates``) where ``rm.run_setup.watch_lost_updates`` attaches it: its
+    sampled positions (int64) for the whole run, and around each optimizer step a snapshot of as many values and
+    gradients, which ``torch.cat`` widens to fp32 (one more 8 bytes an element)."""
+    from rm.lost_updates import SAMPLE_SIZE
+
+    attached = cfg.health.lost_updates_threshold > 0 and plan.strategy != "deepspeed" and not cfg.train.kahan_summation
+    return 8 * min(SAMPLE_SIZE, counts.trainable) if attached else 0
 
 
 def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int, wbytes: int) -> int:
