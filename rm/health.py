@@ -304,6 +304,7 @@ class HealthMonitor:
         self._window_steps_after_warmup = 0
         self._lost_after_warmup = [0, 0]  # [lost, counted] over every step after warmup so far, on the host
         self._lost_steps = 0  # steps after warmup those counts cover
+        self._pending_window = [0, 0, 0, 0]  # a restored checkpoint's open window, added at the next logging step
 
     @classmethod
     def from_config(cls, health_cfg, **kwargs) -> "HealthMonitor":
@@ -318,7 +319,13 @@ class HealthMonitor:
         """The counters a resumed run continues from (saved by ``rm.train_state``)."""
         return {"alarms": [dict(a) for a in self.alarms], "skipped_steps": self.skipped_steps,
                 "consecutive_skips": self.consecutive_skips, "ln2_losses": list(self._losses),
-                "lost_updates": [*self._lost_after_warmup, self._lost_steps]}
+                "lost_updates": [*self._lost_after_warmup, self._lost_steps],
+                # the window still open at a checkpoint, so that a resumed run logs and alarms as an unbroken one
+                "lost_updates_window": [*self._open_window(), self._window_steps_after_warmup]}
+
+    def _open_window(self) -> List[int]:
+        window = self._window_lost.tolist() if self._window_lost is not None else [0, 0, 0, 0]
+        return [int(a) + b for a, b in zip(window, self._pending_window)]
 
     def load_state_dict(self, state: Mapping) -> None:
         """Continue from :meth:`state_dict`; an alarm raised before the checkpoint is not raised again."""
@@ -331,6 +338,9 @@ class HealthMonitor:
         self._losses = [float(x) for x in state.get("ln2_losses", [])]
         lost, counted, steps = state.get("lost_updates", (0, 0, 0))  # absent from checkpoints of older runs
         self._lost_after_warmup, self._lost_steps = [int(lost), int(counted)], int(steps)
+        *window, window_steps = state.get("lost_updates_window", (0, 0, 0, 0, 0))
+        self._pending_window, self._window_steps_after_warmup = [int(x) for x in window], int(window_steps)
+        self._window_lost = None
 
     @property
     def fired(self) -> List[str]:
@@ -463,6 +473,8 @@ class HealthMonitor:
         if self._probe is None:
             return None
         window = self._window_lost if self._window_lost is not None else self._probe.zeros(4)  # every step dropped
+        window = window + torch.tensor(self._pending_window, dtype=window.dtype, device=window.device)
+        self._pending_window = [0, 0, 0, 0]
         # Every rank watches the same elements of its replica: the sums over ranks count each several times,
         # which changes no fraction.
         lost, counted, lost_after, counted_after = reduce(window).tolist()
