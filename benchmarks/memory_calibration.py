@@ -656,6 +656,10 @@ RANDOM_MAX_PARAMS = 150_000_000  # the largest shape drawn
 # Training compute of a point (6 x non-embedding parameters x tokens of its 2 steps, x processes: they share 2
 # cores); points above it are redrawn and counted, so that 60 points take well under an hour on 2 cores.
 RANDOM_MAX_FLOPS = 1.5e12
+# bf16 matmuls run about 100x slower than fp32 on a CPU without AVX512-BF16/AMX (0.95 against 144 GFLOP/s for a
+# 512x1024 @ 1024x1024 product on the 2-core EPYC this was drawn on): a bf16 point's FLOPs weigh this much more
+# against the cap, so that one bf16 point cannot take 13 minutes.
+RANDOM_BF16_WEIGHT = 50
 RANDOM_MISS_OVER, RANDOM_MISS_UNDER = 5.0, -2.0  # %: the calibration's target (within 5% over, never 2% under)
 RANDOM_RESULTS = ROOT / "docs" / "memory_calibration_random.json"
 RANDOM_DOC = ROOT / "docs" / "memory_calibration_random.md"
@@ -717,14 +721,15 @@ def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
 
 
 def point_cost(p: dict, cfg) -> tuple:
-    """(parameters, training FLOPs of the point's 2 steps over all processes)."""
+    """(parameters, training FLOPs of the point's 2 steps over all processes, bf16 weighted by RANDOM_BF16_WEIGHT)."""
     from rm.memory.estimate import parameter_counts
 
     counts = parameter_counts(cfg.model, None)
     nproc = RANDOM_LAYOUTS[p["layout"]][0]
     non_embedding = counts.total - cfg.model.vocab_size * cfg.model.hidden_size
     tokens = 2 * p["micro"] * p["max_length"] * p["accumulation"] * nproc * 2
-    return counts.total, (8 if p["checkpointing"] else 6) * non_embedding * tokens
+    weight = RANDOM_BF16_WEIGHT if PRECISIONS_DRAWN[p["precision"]][0].startswith("bf16") else 1
+    return counts.total, (8 if p["checkpointing"] else 6) * non_embedding * tokens * weight
 
 
 def draw_valid_points(n: int, seed: int):
@@ -753,7 +758,7 @@ def draw_valid_points(n: int, seed: int):
             redrawn["size: more than 150M parameters"] = redrawn.get("size: more than 150M parameters", 0) + 1
             continue
         if flops > RANDOM_MAX_FLOPS:
-            key = f"time: more than {RANDOM_MAX_FLOPS:.1e} training FLOPs (2 cores)"
+            key = f"time: more than {RANDOM_MAX_FLOPS:.1e} training FLOPs, bf16 x{RANDOM_BF16_WEIGHT} (2 cores)"
             redrawn[key] = redrawn.get(key, 0) + 1
             continue
         p["params"], p["flops"] = params, flops
@@ -880,7 +885,7 @@ def random_main(args) -> None:
             print(f"[{i + 1}/{len(points)}] {row['wall_s']:.0f} s {row['short']}: {status}", flush=True)
             meta = {"seed": args.seed, "n": args.random, "command": command, "redrawn": redrawn,
                     "precisions_drawn": PRECISIONS_DRAWN, "max_params": RANDOM_MAX_PARAMS, "max_flops": RANDOM_MAX_FLOPS,
-                    "elapsed_s": round(time.perf_counter() - start), "load_min_max": [min(loads), max(loads)],
+                    "bf16_weight": RANDOM_BF16_WEIGHT, "elapsed_s": round(time.perf_counter() - start), "load_min_max": [min(loads), max(loads)],
                     "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "complete": i + 1 == len(points)}
             results.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
             write_random_doc(out, meta, rows)
@@ -920,7 +925,8 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         "drawn 20-50% of prompts longer than `max_length` (cut to full-length rows). 2 optimizer steps, live-tensor peak",
         "of every rank (`train.track_memory=true`), `model.tokenizer=words` (qwen2: `bpe`, as rm refuses `words` for",
         "qwen2). A draw the project's validation (`rm.validate.validate` on the composed config) refuses is redrawn, as",
-        f"is one over {meta['max_params'] / 1e6:.0f}M parameters or {meta['max_flops']:.1e} training FLOPs (time on 2 cores);",
+        f"is one over {meta['max_params'] / 1e6:.0f}M parameters or {meta['max_flops']:.1e} training FLOPs (time on 2 cores; a bf16",
+        f"point's FLOPs count {meta.get('bf16_weight', 1)}x, as CPU bf16 matmuls are that much slower);",
         "the overrides of every point are in the JSON beside this file (`POINT_DATA` stands for the point's own JSONL).",
         "",
         "Redrawn: " + ("; ".join(f"{n} x {reason}" for reason, n in sorted(meta["redrawn"].items(), key=lambda kv: -kv[1]))
