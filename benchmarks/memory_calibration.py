@@ -837,13 +837,16 @@ def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: b
     memory = json.loads(memory_file.read_text())
     ranks = memory.get("measured_per_rank") or [memory["measured"]]
     est = memory["estimate"]
-    out.update({"estimate_mib": est["peak_bytes"] / 2**20, "phase": est["peak_phase"],
+    # Each rank against its own estimate (its data and partitions); the verdict's is the largest.
+    per_rank = est.get("rank_peak_bytes") or [est["peak_bytes"]] * len(ranks)
+    out.update({"estimate_mib": est["peak_bytes"] / 2**20, "phase": est["peak_phase"], "shapes": est.get("shapes"),
+                "estimate_per_rank_mib": [b / 2**20 for b in per_rank],
                 "estimate_terms_mib": {k: est[k] / 2**20 for k in ("weights", "gradients", "optimizer_states", "activations",
                                                                      "evaluation", "temporaries", "overhead", "communication")
                                        if isinstance(est.get(k), (int, float))},
                 "measured_per_rank_mib": [r["peak_allocated_bytes"] / 2**20 for r in ranks],
                 "rss_growth_per_rank_mib": [r.get("peak_rss_growth_bytes", 0) / 2**20 for r in ranks]})
-    out["errors_per_rank_pct"] = [100 * (out["estimate_mib"] - m) / m for m in out["measured_per_rank_mib"]]
+    out["errors_per_rank_pct"] = [100 * (e - m) / m for e, m in zip(out["estimate_per_rank_mib"], out["measured_per_rank_mib"])]
     if memtracker:
         out["memtracker_per_rank_mib"] = [r["memtracker_peak_bytes"] / 2**20 if r.get("memtracker_peak_bytes") is not None
                                           else None for r in ranks]
@@ -923,7 +926,9 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         "`data.max_length` 32-256, gradient checkpointing, `train.packing` (with or without a token budget) and",
         "`train.share_prefix`. Each point writes its own pairs: log-normal prompt lengths (drawn median and spread) and a",
         "drawn 20-50% of prompts longer than `max_length` (cut to full-length rows). 2 optimizer steps, live-tensor peak",
-        "of every rank (`train.track_memory=true`), `model.tokenizer=words` (qwen2: `bpe`, as rm refuses `words` for",
+        "of every rank (`train.track_memory=true`) against that rank's own estimate in `memory.json` (`rank_peak_bytes`:",
+        "sized at the micro-batches its data forms and its ZeRO partition; the verdict is the largest),",
+        "`model.tokenizer=words` (qwen2: `bpe`, as rm refuses `words` for",
         "qwen2). A draw the project's validation (`rm.validate.validate` on the composed config) refuses is redrawn, as",
         f"is one over {meta['max_params'] / 1e6:.0f}M parameters or {meta['max_flops']:.1e} training FLOPs (time on 2 cores; a bf16",
         f"point's FLOPs count {meta.get('bf16_weight', 1)}x, as CPU bf16 matmuls are that much slower);",
@@ -932,7 +937,7 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         "Redrawn: " + ("; ".join(f"{n} x {reason}" for reason, n in sorted(meta["redrawn"].items(), key=lambda kv: -kv[1]))
                        or "none") + ".",
         "",
-        "| # | point | estimate (MiB) | measured per rank (MiB) | error per rank | peak phase |",
+        "| # | point | estimate per rank (MiB) | measured per rank (MiB) | error per rank | peak phase |",
         "| ---: | --- | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
@@ -941,7 +946,7 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
             lines.append(f"{head} | | failed: `{r['failed'].replace('|', '/')}` | |")
             continue
         errs = " / ".join(f"{e:+.2f}%" for e in r["errors_per_rank_pct"]) + (" **MISS**" if is_miss(r) else "")
-        lines.append(f"{head} {r['estimate_mib']:.2f} | {fmt(r['measured_per_rank_mib'])} | {errs} | {r['phase']} |")
+        lines.append(f"{head} {fmt(r.get('estimate_per_rank_mib', [r['estimate_mib']]))} | {fmt(r['measured_per_rank_mib'])} | {errs} | {r['phase']} |")
     lines += ["", *option_table(rows)]
     tracked = [r for r in rows if "memtracker_run" in r]
     if tracked:

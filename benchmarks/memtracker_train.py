@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import runpy
 import sys
+from pathlib import Path
 
 import torch
 
-from rm.memory import monitor as _monitor
+# The rm of this checkout, as `python -m rm.train` run from its root imports, not an installed one elsewhere.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rm.memory import monitor as _monitor  # noqa: E402
 
 
 

@@ -6,6 +6,7 @@ goes into the :class:`~rm.validate.Plan`; the config stays as composed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
@@ -79,23 +80,31 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
     return plan, refuse_or_warn(cfg, plan, overrides, est, table)
 
 
-def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes: "BatchShapes") -> Optional[Estimate]:
-    """The run's verdict: the estimate sized at the largest micro-batch and evaluation forward the run's data
-    forms (:func:`rm.data.shapes.data_shapes`); refuses, warns or passes as :func:`preflight` does.
+def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes: Sequence["BatchShapes"]) -> Optional[Estimate]:
+    """The run's verdict: each rank's estimate sized at the largest micro-batch and evaluation forward its data
+    forms (:func:`rm.data.shapes.data_shapes`), and the largest of them; refuses, warns or passes as
+    :func:`preflight` does. Every rank computes every rank's estimate, so all reach the same verdict.
+
+    Args:
+        shapes: per rank, in rank order.
 
     Returns:
-        The data-aware estimate (``memory.json``'s), or ``None`` with ``preflight=off``.
+        The largest rank's data-aware estimate, with every rank's peak in ``rank_peak_bytes`` (``memory.json``'s),
+        or ``None`` with ``preflight=off``.
 
     Raises:
         PreflightRefusal: it does not fit, with ``preflight=error``.
     """
     if cfg.preflight.mode == "off":
         return None
-    est = estimate_run(cfg, plan, shapes)
+    ranks = [estimate_run(cfg, plan, s, rank=r if len(shapes) > 1 else None) for r, s in enumerate(shapes)]
+    est = dataclasses.replace(max(ranks, key=lambda e: e.peak_bytes), rank_peak_bytes=[e.peak_bytes for e in ranks])
     worst = worst_case_shapes(cfg, plan).train
-    log.info("memory estimate sized by the data: longest micro-batch %d rows x %d tokens (max_length allows %d x %d): "
-             "peak %.1f MiB of %.1f usable", shapes.train.rows, shapes.train.length, worst.rows, worst.length,
-             est.peak_bytes / 2**20, est.usable_bytes / 2**20)
+    train = est.shapes["train"]  # BatchShapes.to_dict
+    log.info("memory estimate sized by the data: longest micro-batch %d rows x %d tokens on rank %d (max_length allows "
+             "%d x %d): peak %.1f MiB of %.1f usable%s", train["rows"], train["length"], est.rank or 0, worst.rows, worst.length,
+             est.peak_bytes / 2**20, est.usable_bytes / 2**20,
+             "" if len(ranks) == 1 else " (ranks: " + ", ".join(f"{e.peak_bytes / 2**20:.1f}" for e in ranks) + " MiB)")
     if est.fits:
         return est
     table = format_table(est, estimate_label(cfg, plan) + ", sized by the data's longest micro-batch")

@@ -164,8 +164,8 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
 
 
 def run_shapes(cfg: RunConfig, batches: StepBatches, total_steps: int, train_set, shared: Optional[Sequence[int]],
-               eval_sets: Sequence) -> BatchShapes:
-    """The largest training micro-batch and evaluation forward of the run (:func:`rm.data.shapes.data_shapes`).
+               eval_sets: Sequence) -> List[BatchShapes]:
+    """Per rank, the largest training micro-batch and evaluation forward of the run (:func:`rm.data.shapes.data_shapes`).
 
     Every step from 0 counts, a resumed run's too: its estimate is the uninterrupted run's.
 

@@ -10,7 +10,7 @@ import pytest
 import rm.train as rm_train
 from rm.config import compose
 from rm.data.batching import StepBatches
-from rm.data.shapes import BatchShape, data_shapes, largest_eval_batch, row_tokens
+from rm.data.shapes import BatchShape, data_shapes, largest, largest_eval_batch, row_tokens
 from rm.memory.estimate import GIB, estimate_run
 from rm.preflight import PreflightRefusal
 from rm.validate import validate
@@ -33,7 +33,7 @@ def test_largest_micro_batch_by_hand():
                          max_tokens=20)
 
     def largest(batches, layout, shared_tokens=None):
-        shapes = data_shapes(batches, 2, layout, chosen, rejected, shared_tokens, [], 1)
+        [shapes] = data_shapes(batches, 2, layout, chosen, rejected, shared_tokens, [], 1)
         return shapes.train.rows, shapes.train.length, shapes.accumulating
 
     assert largest(plain, "padded") == (6, 8, True)
@@ -43,23 +43,40 @@ def test_largest_micro_batch_by_hand():
     assert largest(budget, "packed") == (1, 18, True)
     one_step = StepBatches(6, 6, 6, 1, 0, seed=3, sort_lengths=longer)  # one micro-batch a step: no accumulation
     assert largest(one_step, "padded") == (12, 8, False)
-    # Eval: 3 pairs, each rank a strided share: 2 ranks of batch 2 give rank 0 pairs 0 and 2, 2 x 2 rows.
-    assert largest_eval_batch([([3, 9, 4], [5, 2, 2])], batch_size=2, world_size=2) == BatchShape(4, 9)
-    assert largest_eval_batch([([3, 9, 4], [5, 2, 2])], batch_size=1, world_size=1) == BatchShape(2, 9)
-    assert largest_eval_batch([([], [])], batch_size=1, world_size=1) is None
+    # Eval: 3 pairs (longer sides 5 9 4), each rank a strided share: over 2 ranks with batches of 2, rank 0 scores
+    # pairs 0 and 2 (2 x 2 rows, longest 5), rank 1 pair 1 (2 rows of 9). In batches of 1, rank 1 runs out after one
+    # batch and scores pair 0 alone in the second, as rm.metrics.evaluate does: its longest is still 9.
+    sets = [([3, 9, 4], [5, 2, 2])]
+    assert largest_eval_batch(sets, batch_size=2, world_size=2, rank=0) == BatchShape(4, 5)
+    assert largest_eval_batch(sets, batch_size=2, world_size=2, rank=1) == BatchShape(2, 9)
+    assert largest_eval_batch(sets, batch_size=1, world_size=1, rank=0) == BatchShape(2, 9)
+    assert largest_eval_batch([([9, 3, 4], [5, 2, 2])], batch_size=1, world_size=2, rank=1) == BatchShape(2, 9)
+    assert largest_eval_batch([([], [])], batch_size=1, world_size=1, rank=0) is None
 
 
 def brute_force(batches_per_rank, steps, layout, tokens):
-    """The largest micro-batch over what StepBatches.for_step gives each rank at each step."""
-    packed, rows, length, accumulating = layout.startswith("packed"), 0, 0, False
-    for step in range(steps):
-        for batches in batches_per_rank:
+    """Per rank, the largest micro-batch over what StepBatches.for_step gives it at each step; and whether any
+    rank runs several micro-batches in a step."""
+    packed, shapes, accumulating = layout.startswith("packed"), [], False
+    for batches in batches_per_rank:
+        rows, length = 0, 0
+        for step in range(steps):
             micro_batches = batches.for_step(step)
             accumulating |= len(micro_batches) > 1
             for mb in micro_batches:
                 rows = max(rows, 1 if packed else (1 if layout == "shared" else 2) * len(mb))
                 length = max(length, int(tokens[mb].sum() if packed else tokens[mb].max()))
-    return BatchShape(rows, length), accumulating
+        shapes.append(BatchShape(rows, length))
+    return shapes, accumulating
+
+
+def eval_brute_force(lengths, batch_size, world, rank):
+    """rm.metrics.evaluate's batches for one rank, written out: its strided share in batches, pair 0 alone where
+    its share has run out before the longest share's."""
+    chosen, rejected = lengths
+    share, per_rank = list(range(rank, len(chosen), world)), -(-len(chosen) // world)
+    batches = [share[start:start + batch_size] or [0] for start in range(0, per_rank, batch_size)]
+    return BatchShape(max(2 * len(b) for b in batches), max(max(chosen[i], rejected[i]) for b in batches for i in b))
 
 
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared", "packed+shared"])
@@ -83,9 +100,14 @@ def test_shapes_are_those_of_every_micro_batch_of_every_rank(layout, world, budg
                            pair_tokens=budget_tokens if budget else None, max_tokens=budget or None)
 
     steps = 16  # 6 steps an epoch
-    got = data_shapes(of(0), steps, layout, chosen, rejected, shared if sharing else None, [], 1)
-    want = brute_force([of(rank) for rank in range(world)], steps, layout, row_tokens(layout, chosen, rejected, shared))
-    assert (got.train, got.accumulating) == want
+    eval_lengths = (rng.integers(1, 30, 7), rng.integers(1, 30, 7))
+    got = data_shapes(of(0), steps, layout, chosen, rejected, shared if sharing else None, [eval_lengths], 2)
+    want, accumulating = brute_force([of(rank) for rank in range(world)], steps, layout,
+                                     row_tokens(layout, chosen, rejected, shared))
+    assert [s.train for s in got] == want and {s.accumulating for s in got} == {accumulating}
+    assert [s.eval for s in got] == [eval_brute_force(eval_lengths, 2, world, rank) for rank in range(world)]
+    both = largest(got)
+    assert both.train == BatchShape(max(s.rows for s in want), max(s.length for s in want))
 
 
 @pytest.mark.parametrize("budget", [0, 4096])
@@ -97,8 +119,8 @@ def test_a_large_run_is_sized_in_a_second_or_two(budget):
     batches = StepBatches(n, 64, 4, 8, 0, seed=1, sort_lengths=np.maximum(chosen, rejected).tolist(),
                           pair_tokens=(chosen + rejected).tolist() if budget else None, max_tokens=budget or None)
     start = time.perf_counter()
-    shapes = data_shapes(batches, 5000, "packed" if budget else "padded", chosen, rejected, None,
-                         [(chosen[:8000], rejected[:8000])], 8)
+    shapes = largest(data_shapes(batches, 5000, "packed" if budget else "padded", chosen, rejected, None,
+                                 [(chosen[:8000], rejected[:8000])], 8))
     assert time.perf_counter() - start < 3.0
     assert shapes.train == (BatchShape(1, 4096) if budget else BatchShape(8, 511))
 

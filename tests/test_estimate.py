@@ -258,9 +258,11 @@ def test_estimate_and_train_plan_the_same_processes(monkeypatch, tiny_cfg):
 
 def test_ddp_keeps_gradients_in_buckets_for_the_whole_step():
     """Full fine-tune of the tiny model (361,216 fp32 parameters = 1,444,864 bytes), 8 pairs x 64 tokens, no
-    accumulation. One process frees activations while gradients appear: max(activations, gradients). Two DDP
-    processes keep the gradients as views of buckets that exist from the wrap on: activations + gradients.
-    Both hold the lost-update probe's 4,096 sampled positions (int64) for the whole run: 32,768 bytes."""
+    accumulation. One process frees activations while gradients appear: the traced timeline of both lies between
+    max(activations, gradients) and their sum (layer k's backward holds layers 0..k's activations and the later
+    layers' gradients). Two DDP processes keep the gradients as views of buckets that exist from the wrap on:
+    activations + gradients. Both hold the lost-update probe's 4,096 sampled positions (int64) for the whole run:
+    32,768 bytes."""
     base = ["experiment=tiny", "memory_profile=full", "distributed=ddp", "train.micro_batch_size=8", "train.eval_batch_size=1",
             "data.max_length=64"]
     one = estimate_run(*planned([*base, "train.global_batch_size=8"], world=1))
@@ -268,7 +270,8 @@ def test_ddp_keeps_gradients_in_buckets_for_the_whole_step():
     assert one.gradients == two.gradients == 1_444_864
     assert one.peak_phase == two.peak_phase == "forward/backward"
     assert one.overhead == two.overhead == 8 * 4096
-    assert one.allocated_bytes == one.weights + one.optimizer_states + max(one.activations, one.gradients) + one.temporaries + one.overhead
+    rest = one.weights + one.optimizer_states + one.temporaries + one.overhead
+    assert rest + max(one.activations, one.gradients) < one.allocated_bytes < rest + one.activations + one.gradients
     assert two.allocated_bytes == two.weights + two.optimizer_states + two.activations + two.gradients + two.temporaries + two.overhead
 
 

@@ -3,7 +3,8 @@
 The pre-flight estimate from the config alone sizes every micro-batch at the worst case the config allows
 (every sequence ``data.max_length`` tokens; under ``train.share_prefix`` a pair with no common prompt). Which
 pairs each rank runs at each step is a pure function of the step (:mod:`rm.data.batching`), so the shapes the
-run will really form can be computed from the token lengths alone, for every step on every rank. Activations
+run will really form can be computed from the token lengths alone, for every step on every rank; each rank
+gets its own, as each rank's peak is its own. Activations
 grow with both the rows and the padded length of a micro-batch, so the largest rows and the largest length,
 even where two different micro-batches reach them, bound every micro-batch's activations.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -133,9 +134,9 @@ def evened_sums(row_tokens_: np.ndarray, sizes: list, count: int) -> list:
 
 
 def budget_lengths(batches: StepBatches, orders: np.ndarray) -> tuple:
-    """The longest packed micro-batch a token budget (``train.max_tokens_per_micro_batch``) cuts on any rank
-    at any step, as :meth:`StepBatches.for_step` cuts them (greedy, then evened out across ranks for DDP), and
-    the most micro-batches a rank runs in a step."""
+    """Per rank, the longest packed micro-batch a token budget (``train.max_tokens_per_micro_batch``) cuts at any
+    step, as :meth:`StepBatches.for_step` cuts them (greedy, then evened out across ranks for DDP), and the most
+    micro-batches a rank runs in a step."""
     steps, world, per_rank = orders.shape
     tokens = np.asarray(batches.pair_tokens, dtype=np.int64)[orders].reshape(steps * world, per_rank)
     cuts = greedy_cuts(tokens, batches.max_tokens)
@@ -143,17 +144,16 @@ def budget_lengths(batches: StepBatches, orders: np.ndarray) -> tuple:
     flat = np.arange(steps * world)[:, None] * per_rank + cuts  # one id per (row, micro-batch)
     sums = np.bincount(flat.ravel(), weights=tokens.ravel(), minlength=steps * world * per_rank).reshape(-1, per_rank)
     most = np.repeat(counts.reshape(steps, world).max(axis=1), world)  # DDP: every rank runs as many as the most
-    uneven = counts < most
-    longest = int(sums[~uneven].max()) if (~uneven).any() else 0
-    for row in np.flatnonzero(uneven):  # halving only shortens; these rows are the ones it changes
+    longest = sums.max(axis=1).astype(np.int64)  # per (step, rank) row
+    for row in np.flatnonzero(counts < most):  # halving only shortens; these rows are the ones it changes
         sizes = np.bincount(cuts[row], minlength=counts[row]).tolist()
-        longest = max(longest, max(evened_sums(tokens[row], sizes, int(most[row]))))
-    return longest, int(most.max())
+        longest[row] = max(evened_sums(tokens[row], sizes, int(most[row])))
+    return longest.reshape(steps, world).max(axis=0).tolist(), int(most.max())
 
 
-def largest_train_batch(batches: StepBatches, steps: int, layout: str, tokens: np.ndarray) -> tuple:
-    """The most rows and the longest row of any training micro-batch of the run, and whether any rank
-    runs several micro-batches in a step.
+def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens: np.ndarray) -> tuple:
+    """Per rank, the most rows and the longest row of any of its training micro-batches, and whether any rank
+    runs several micro-batches in a step (under DDP every rank runs as many as the most).
 
     Args:
         batches: the run's :class:`StepBatches` (any rank's: all ranks are computed).
@@ -162,7 +162,7 @@ def largest_train_batch(batches: StepBatches, steps: int, layout: str, tokens: n
         tokens: per pair, :func:`row_tokens` for this layout.
 
     Returns:
-        ``(BatchShape, accumulating)``.
+        ``([BatchShape per rank], accumulating)``.
     """
     orders = rank_orders(batches, steps)
     packed = layout.startswith("packed")
@@ -170,45 +170,59 @@ def largest_train_batch(batches: StepBatches, steps: int, layout: str, tokens: n
     if batches.pair_tokens is not None:  # a token budget: micro-batches of varying sizes, cut greedily
         if not packed:  # rm.validate allows a budget only with packing: one row of the tokens the budget counts
             raise ValueError(f"a token budget needs a packed layout, not {layout!r}")
-        length, most = budget_lengths(batches, orders)
-        return BatchShape(1, length), most > 1
+        lengths, most = budget_lengths(batches, orders)
+        return [BatchShape(1, length) for length in lengths], most > 1
     values = tokens[orders]  # (steps, world, per_rank)
     micro = batches.micro_batch_size
     starts = range(0, batches.per_rank, micro)
     reduce = np.sum if packed else np.max
-    length = max(int(reduce(values[..., i:i + micro], axis=-1).max()) for i in starts)
+    lengths = np.max([reduce(values[..., i:i + micro], axis=-1).max(axis=0) for i in starts], axis=0)
     rows = 1 if packed else per_pair_rows * min(micro, batches.per_rank)
-    return BatchShape(rows, length), len(starts) > 1
+    return [BatchShape(rows, int(length)) for length in lengths], len(starts) > 1
 
 
-def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int) -> Optional[BatchShape]:
-    """The largest evaluation forward over the eval sets (:func:`rm.metrics.evaluate`: each rank scores a
-    strided share, ``batch_size`` pairs a forward, both sides padded to the batch's longest sequence).
-
-    Every pair is scored by some rank, so the longest padded length is the set's longest sequence; the most
-    rows are those of a full batch, or of rank 0's whole share when it is smaller.
+def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int, rank: int) -> Optional[BatchShape]:
+    """The largest evaluation forward of one rank over the eval sets (:func:`rm.metrics.evaluate`: rank ``r``
+    scores pairs ``r, r + world_size, ...``, ``batch_size`` pairs a forward, both sides padded to the batch's
+    longest sequence; a rank whose share runs out before the others' scores pair 0 alone in each batch it lacks,
+    to keep the collectives in step).
 
     Args:
         lengths: per eval set, ``(chosen, rejected)`` token lengths (:func:`rm.data.tokenise.pair_lengths`).
         batch_size: ``train.eval_batch_size``.
         world_size: processes.
+        rank: the process.
 
     Returns:
         The shape, or ``None`` without a non-empty eval set.
 
-    Example:
-        >>> largest_eval_batch([([3, 9, 4], [5, 2, 2]), ([7], [8])], batch_size=2, world_size=1)
-        BatchShape(rows=4, length=9)
+    Example: rank 0 scores pairs 0 and 2 (longest 5), rank 1 pair 1 (9); the second set's one pair is rank 0's,
+    and rank 1 scores it too, its share being empty:
+        >>> sets = [([3, 9, 4], [5, 2, 2]), ([7], [8])]
+        >>> [largest_eval_batch(sets, batch_size=2, world_size=2, rank=r) for r in (0, 1)]
+        [BatchShape(rows=4, length=8), BatchShape(rows=2, length=9)]
     """
-    shapes = [(2 * min(batch_size, -(-len(c) // world_size)), max(max(c), max(r))) for c, r in lengths if len(c)]
+    shapes = []
+    for chosen, rejected in lengths:
+        if not len(chosen):
+            continue
+        share = list(range(rank, len(chosen), world_size))
+        last_start = (-(-len(chosen) // world_size) - 1) // batch_size * batch_size
+        if len(share) <= last_start:  # a batch past the end of its share: pair 0 alone, as evaluate scores it
+            shapes.append((2, max(chosen[0], rejected[0])))
+        if share:
+            shapes.append((2 * min(batch_size, len(share)), max(max(chosen[i], rejected[i]) for i in share)))
     if not shapes:
         return None
     return BatchShape(max(s[0] for s in shapes), int(max(s[1] for s in shapes)))
 
 
 def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[int], rejected: Sequence[int],
-                shared: Optional[Sequence[int]], eval_lengths: Sequence[tuple], eval_batch_size: int) -> BatchShapes:
-    """The largest training micro-batch and evaluation forward the run will form, from token lengths alone.
+                shared: Optional[Sequence[int]], eval_lengths: Sequence[tuple], eval_batch_size: int) -> List[BatchShapes]:
+    """Per rank, the largest training micro-batch and evaluation forward it will form, from token lengths alone.
+
+    Ranks run different pairs, so their peaks differ: each rank's estimate is sized at its own micro-batches,
+    and the verdict at the largest of those estimates (:func:`rm.preflight.data_preflight`).
 
     Args:
         batches: the run's :class:`StepBatches`.
@@ -220,10 +234,14 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
         eval_lengths: per eval set, ``(chosen, rejected)`` lengths.
         eval_batch_size: pairs per evaluation forward.
 
+    Returns:
+        One :class:`BatchShapes` per rank, in rank order.
+
     Example: 8 pairs, one step of 4 pairs per rank over 2 ranks, micro-batches of 2 sorted by the longer side.
     Seed 0 gives rank 0 pairs 4, 0, 7, 3 (longer sides 9, 3, 4, 4: sorted 0, 7 | 3, 4) and rank 1 pairs 2, 5, 1,
-    6 (sides 2, 3, 5, 6). Padded, the largest is 2 pairs x 2 sides, padded to pair 4's 9 tokens; packed, the
-    longest row is pairs 3 and 4, (3 + 4) + (9 + 3) = 19 tokens (0, 7: 13; 2, 5: 10; 1, 6: 14):
+    6 (sides 2, 3, 5, 6). Padded, rank 0's largest is 2 pairs x 2 sides padded to pair 4's 9 tokens, rank 1's to
+    pair 6's 6; packed, rank 0's longest row is pairs 3 and 4, (3 + 4) + (9 + 3) = 19 tokens (0, 7: 13), rank 1's
+    pairs 1 and 6, (5 + 2) + (6 + 1) = 14 (2, 5: 10):
 
         >>> from rm.data.batching import StepBatches
         >>> chosen, rejected = [3, 5, 2, 3, 9, 3, 6, 4], [2, 2, 2, 4, 3, 3, 1, 4]
@@ -232,12 +250,26 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
         ...                       sort_lengths=longer)
         >>> batches.for_step(0), StepBatches(8, 8, 2, 2, 1, 0, sort_lengths=longer).for_step(0)
         ([[0, 7], [3, 4]], [[2, 5], [1, 6]])
-        >>> data_shapes(batches, 1, "padded", chosen, rejected, None, [], 4).train
-        BatchShape(rows=4, length=9)
-        >>> data_shapes(batches, 1, "packed", chosen, rejected, None, [], 4).train
-        BatchShape(rows=1, length=19)
+        >>> [s.train for s in data_shapes(batches, 1, "padded", chosen, rejected, None, [], 4)]
+        [BatchShape(rows=4, length=9), BatchShape(rows=4, length=6)]
+        >>> [s.train for s in data_shapes(batches, 1, "packed", chosen, rejected, None, [], 4)]
+        [BatchShape(rows=1, length=19), BatchShape(rows=1, length=14)]
     """
     tokens = row_tokens(layout, chosen, rejected, shared)
-    train, accumulating = largest_train_batch(batches, steps, layout, tokens)
-    evaluation = largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size)
-    return BatchShapes(train=train, eval=evaluation, accumulating=accumulating, sized_by="data")
+    train, accumulating = largest_train_batches(batches, steps, layout, tokens)
+    return [BatchShapes(train=shape, eval=largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size, rank),
+                        accumulating=accumulating, sized_by="data") for rank, shape in enumerate(train)]
+
+
+def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
+    """The most rows and the longest row over several ranks' shapes (each possibly of a different rank).
+
+    Example:
+        >>> a = BatchShapes(BatchShape(4, 9), BatchShape(2, 3), False, "data")
+        >>> largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])
+        BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True, sized_by='data')
+    """
+    evals = [s.eval for s in shapes if s.eval is not None]
+    return BatchShapes(train=BatchShape(max(s.train.rows for s in shapes), max(s.train.length for s in shapes)),
+                       eval=BatchShape(max(e.rows for e in evals), max(e.length for e in evals)) if evals else None,
+                       accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by)

@@ -163,6 +163,10 @@ class Estimate:
     # micro-batch), and those shapes (rm.data.shapes.BatchShapes.to_dict: train and eval rows x length).
     sized_by: str = "config"
     shapes: Dict = field(default_factory=dict)
+    # The process this estimate is for (ranks differ in their data and ZeRO partitions); None: the worst rank.
+    rank: Optional[int] = None
+    # Sized by the data: every rank's peak_bytes in rank order; this estimate is the largest (the verdict's).
+    rank_peak_bytes: List[int] = field(default_factory=list)
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -219,9 +223,16 @@ def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persi
     return (weights - persistent) // n + persistent
 
 
+def partition_numel(counts: ParameterCounts, world_size: int, rank: Optional[int]) -> int:
+    """The elements of ``rank``'s ZeRO-1/2 gradient partition (:func:`zero_partition_numels`); ``None``: the largest."""
+    parts = zero_partition_numels(counts.trainable_tensors, world_size)
+    return max(parts) if rank is None else parts[rank]
+
+
 def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights: int, trained_bytes: int,
-                    wbytes: int, uncalibrated: List[str]) -> TraceFreeTerms:
-    """What DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) allocates beside the weights."""
+                    wbytes: int, uncalibrated: List[str], rank: Optional[int] = None) -> TraceFreeTerms:
+    """What DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) allocates beside the weights, on ``rank``
+    (``None``: the worst rank)."""
     from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
 
     n, stage, profile = plan.world_size, plan.zero_stage, cfg.memory_profile
@@ -236,7 +247,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
     if stage >= 2:
         t.gradients = shard * trained_bytes
         if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
-            t.gradients = max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+            t.gradients = partition_numel(counts, n, rank) * trained_bytes
         # Two contiguous gradient buckets (overlap_comm), each allocated at full size during backward.
         t.temporaries = 2 * bucket * trained_bytes
     else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
@@ -274,18 +285,21 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         largest = max(counts.trainable_tensors) * trained_bytes
         t.gradients = 0 if stage >= 2 else counts.trainable * trained_bytes
         t.states += shard * (4 + trained_bytes) + largest
-        if plan.gradient_accumulation_steps > 1 and stage < 3:  # ZeRO-3 accumulates into its partition (measured)
+        # ZeRO-3 accumulates into its partition, and ZeRO-1 in .grad on the device, reducing once at the step's last
+        # micro-batch (measured: a ZeRO-1 point accumulating 3 micro-batches was 6.6% over with this buffer)
+        if plan.gradient_accumulation_steps > 1 and stage == 2:
             t.states += shard * trained_bytes
         t.overhead = largest
         if plan.device == "cuda":
             t.host, t.states = plan_procs_per_node(cfg, plan) * t.states, 0
     if stage < 3:
         t.reduction = zero12_reduction_bytes(plan, counts, profile.offload_optimizer, trained_bytes,
-                                             weights + t.states + t.temporaries)
+                                             weights + t.states + t.temporaries, rank)
     return t
 
 
-def zero12_reduction_bytes(plan: Plan, counts: ParameterCounts, offload: bool, trained_bytes: int, resident: int) -> int:
+def zero12_reduction_bytes(plan: Plan, counts: ParameterCounts, offload: bool, trained_bytes: int, resident: int,
+                           rank: Optional[int] = None) -> int:
     """The end of a ZeRO-1/2 backward (``resident``: weights, states and buckets), 0 where it is no peak of its own.
 
     reduce_ipg_grads all-reduces the bucket in place (rm sets reduce_scatter=false: DeepSpeed's reduce-scatter
@@ -308,13 +322,14 @@ def zero12_reduction_bytes(plan: Plan, counts: ParameterCounts, offload: bool, t
     n, accumulating = plan.world_size, plan.gradient_accumulation_steps > 1
     if n == 1 and (offload or not accumulating):
         return 0  # a single backward's gradients: the forward/backward phase holds them
-    partition = 0 if offload else max(zero_partition_numels(counts.trainable_tensors, n)) * trained_bytes
+    partition = 0 if offload else partition_numel(counts, n, rank) * trained_bytes
     held = partition if accumulating and (plan.zero_stage == 2 or n == 1) else 0
     return resident + partition + held
 
 
-def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
-    """Weights, gradients, optimizer states, engine buffers and host RAM: everything but activations."""
+def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> TraceFreeTerms:
+    """Weights, gradients, optimizer states, engine buffers and host RAM: everything but activations, on ``rank``
+    (``None``: the worst rank)."""
     from rm.engine import deepspeed_buckets
 
     m, profile, numerics = cfg.model, cfg.memory_profile, plan.numerics
@@ -329,7 +344,7 @@ def trace_free_terms(cfg: RunConfig, plan: Plan) -> TraceFreeTerms:
         persistence = deepspeed_buckets(3, m.hidden_size, counts.trainable)["persistence"]
         weights = zero3_weight_bytes(weights, counts, wbytes, persistence, plan.world_size)
     if plan.strategy == "deepspeed":
-        t = deepspeed_terms(cfg, plan, counts, weights, trained_bytes, wbytes, uncalibrated)
+        t = deepspeed_terms(cfg, plan, counts, weights, trained_bytes, wbytes, uncalibrated, rank)
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
         t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
@@ -431,17 +446,20 @@ def worst_case_shapes(cfg: RunConfig, plan: Plan) -> "BatchShapes":
                        accumulating=accumulating, sized_by="config")
 
 
-def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes") -> Tuple[Dict, int, int, bool]:
+def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets: bool = False) -> Tuple[Dict, int, int, bool]:
     """The traced activations of one training micro-batch, its input tensors, the evaluation forward's peak,
     and whether gradients are already allocated when the micro-batch runs (accumulating), at ``shapes``
-    (:func:`worst_case_shapes`, or the data's, :func:`rm.data.shapes.data_shapes`)."""
+    (:func:`worst_case_shapes`, or the data's, :func:`rm.data.shapes.data_shapes`).
+
+    ``buckets``: every gradient has a home before the backward (DDP's bucket views), into which each new one is
+    copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
 
     t = cfg.train
     traced = traced_model(cfg, plan)
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
-    act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating,
+    act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
                                packed=t.packing, shared_prefix=t.share_prefix)
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
     inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
@@ -452,31 +470,36 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes") -> Tuple
     return act, inputs, evaluation, accumulating
 
 
-def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None) -> Estimate:
+def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None, rank: Optional[int] = None) -> Estimate:
     """The estimate for a validated config, on the plan's hardware and micro-batch.
 
     Args:
-        shapes: the largest micro-batch and evaluation forward to size activations at: the data's
+        shapes: the largest micro-batch and evaluation forward to size activations at: one rank's data's
             (:func:`rm.data.shapes.data_shapes`, what ``rm.train`` decides by), or ``None`` for the worst case
             the config allows (:func:`worst_case_shapes`, what ``python -m rm.estimate`` reports).
+        rank: the process whose ZeRO partitions to count; ``None``: the largest partition of any rank.
     """
-    t = trace_free_terms(cfg, plan)
+    t = trace_free_terms(cfg, plan, rank)
     shapes = shapes or worst_case_shapes(cfg, plan)
-    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes)
+    # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
+    # which exist from the wrap on: they are always alive.
+    ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
+    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
     backward_temporaries = temporaries + t.gathered + t.backward_only
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
     # or at the optimizer step (weights + gradients + states, activations gone).
-    # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
-    # which exist from the wrap on: they are always alive.
-    ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
     # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
     zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1
     if accumulating or ddp_buckets or zero3_partition:
         backward = t.weights + t.states + t.gradients + activations
-    else:
+    elif plan.strategy != "deepspeed" or plan.zero_stage == 1:
+        # Gradients stay in .grad as the backward makes them (ZeRO-1 has no gradient hooks): the trace's own
+        # timeline of activations and gradients together.
+        backward = t.weights + t.states + max(activations, act["backward_with_gradients_bytes"], t.gradients)
+    else:  # ZeRO-2/3 hooks move each gradient into a bucket as it is made: the partition at the end
         backward = t.weights + t.states + max(activations, t.gradients)
     # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions, DDP its buckets).
     kept_gradients = t.gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
@@ -485,7 +508,8 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
         "optimizer step": t.weights + t.gradients + t.states + temporaries + t.step_extra,
         "gradient reduction": t.reduction,
         "evaluation": t.weights + t.states + kept_gradients + t.gathered + evaluation,
-        "load": t.weights,
+        "load": t.weights + (ddp_broadcast_bytes(t.weights, max(t.counts.tensors) * max(
+            plan.numerics.weight_bytes, plan.numerics.frozen_bytes)) if ddp_buckets else 0),
     }
     phase = max(phases, key=phases.get)
     allocated = phases[phase] + t.overhead
@@ -500,8 +524,24 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
         host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
         precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
-        sized_by=shapes.sized_by, shapes=shapes.to_dict(),
+        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank,
     )
+
+
+# torch's DistributedDataParallel broadcasts rank 0's parameters and buffers at the wrap in flattened chunks of up
+# to this many bytes (distributed.py: _DEFAULT_BROADCAST_BUCKET_SIZE, 250 MiB; one larger tensor is a chunk alone).
+DDP_BROADCAST_BUCKET_BYTES = 250 * MIB
+
+
+def ddp_broadcast_bytes(weight_bytes: int, largest_tensor_bytes: int) -> int:
+    """The flat copy DDP's wrap holds beside the weights while it broadcasts them (``_sync_module_states``, through
+    ``_broadcast_coalesced``): one chunk at a time, frozen weights included (measured: a LoRA model that is mostly a
+    frozen embedding peaks at twice its weights, under DDP only). Bounded by the chunk size or the largest tensor.
+
+    >>> ddp_broadcast_bytes(100 * MIB, 4 * MIB) // MIB, ddp_broadcast_bytes(14 * GIB, 500 * MIB) // MIB
+    (100, 500)
+    """
+    return min(weight_bytes, max(DDP_BROADCAST_BUCKET_BYTES, largest_tensor_bytes))
 
 
 def shared_prefix_rows(micro_batch_size: int, max_length: int, max_tokens: int, packing: bool) -> Tuple[int, int]:

@@ -117,12 +117,12 @@ class StorageTracker(TorchDispatchMode):
     def reset_peak(self) -> None:
         self.peak = self.live
 
-    def live_after_each_event(self) -> List[int]:
-        """Counted live bytes, excluded storages left out, after each event, prepended with 0: index
-        ``marks[name]`` is the value at that mark."""
+    def live_after_each_event(self, excluded: bool = False) -> List[int]:
+        """Counted live bytes after each event, prepended with 0: index ``marks[name]`` is the value at that
+        mark. The excluded storages are left out, or with ``excluded=True`` are all that is counted."""
         out, current = [0], 0
         for sid, delta in self._timeline():
-            if sid not in self._excluded:
+            if (sid in self._excluded) == excluded:
                 current += delta
             out.append(current)
         return out

@@ -246,6 +246,10 @@ class _Trace:
     num_layers: int
     at: Dict[str, int]  # live bytes at each mark
     peak: Dict[str, int]  # peak live bytes within each phase (from its mark to the next)
+    # The parameter gradients this step creates, left out of ``at`` and ``peak``: their bytes at each mark, and
+    # each phase's peak of activations and those gradients together.
+    grads_at: Dict[str, int]
+    peak_with_grads: Dict[str, int]
 
 
 _PHASES_2 = ("start", "layer0", "layer1", "norm", "backward", "layer1_bwd", "layer0_bwd", "end")
@@ -341,16 +345,21 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
                 gc.enable()
         tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
         live = tracker.live_after_each_event()
+        grads = tracker.live_after_each_event(excluded=True)
         del model
     phases = _PHASES_2 if num_layers == 2 else _PHASES_1
     missing = [name for name in phases if name not in tracker.marks]
     if missing:
         raise RuntimeError(f"trace lacks phase marks {missing}: the model's code path is not the one expected")
     bounds = [tracker.marks[name] for name in phases] + [len(live) - 1]
+    spans = list(zip(phases, bounds[:-1], bounds[1:]))
     at = {name: live[tracker.marks[name]] for name in phases}
-    peak = {name: max(live[lo : hi + 1]) for name, lo, hi in zip(phases, bounds[:-1], bounds[1:])}
+    peak = {name: max(live[lo : hi + 1]) for name, lo, hi in spans}
     at["final"] = live[-1]
-    return _Trace(num_layers=num_layers, at=at, peak=peak)
+    grads_at = {name: grads[tracker.marks[name]] for name in phases}
+    grads_at["final"] = grads[-1]
+    peak_with_grads = {name: max(a + g for a, g in zip(live[lo : hi + 1], grads[lo : hi + 1])) for name, lo, hi in spans}
+    return _Trace(num_layers=num_layers, at=at, peak=peak, grads_at=grads_at, peak_with_grads=peak_with_grads)
 
 
 def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating: bool = False, packed: bool = False,
@@ -410,6 +419,8 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
 
     Returns:
         ``peak_bytes`` (the number to add to weights + gradients + optimizer states),
+        ``backward_with_gradients_bytes`` (the backward's peak of activations and the parameter gradients it
+        creates, for layouts that keep them in ``.grad`` until the step), ``gradient_bytes`` (those gradients),
         ``peak_phase`` (where it happens), ``end_of_forward_bytes`` (live activations when
         the loss is computed), ``per_layer_saved_bytes``, ``first_layer_saved_bytes``,
         ``layers_saved_bytes`` (all layers), ``pre_layers_bytes``, ``head_saved_bytes``,
@@ -427,7 +438,10 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
             "layer_backward": max(peak["layer0_bwd"], peak["end"]),
         }
         phase = max(phases, key=phases.get)
+        with_grads = trace.peak_with_grads
         return {
+            "backward_with_gradients_bytes": max(with_grads["backward"], with_grads["layer0_bwd"], with_grads["end"]),
+            "gradient_bytes": trace.grads_at["final"],
             "peak_bytes": phases[phase],
             "peak_phase": phase,
             "end_of_forward_bytes": at["backward"],
@@ -457,6 +471,16 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
         "first_layer_backward": layer.last_backward_bytes,
     }
     phase = max(phases, key=phases.get)
+    # The backward with the gradients it creates (where they stay in .grad until the step): layer k's backward
+    # holds the activations of layers 0..k and the gradients of the head and layers k+1..L-1, both linear in k,
+    # so the ends bound it: layer L-1 (activations shifted as above) and layer 1 (the gradients of L-2 more
+    # layers than traced), then layer 0 and the embedding with every layer's gradients.
+    with_grads, grads_at = trace.peak_with_grads, trace.grads_at
+    layer_grads = grads_at["layer0_bwd"] - grads_at["layer1_bwd"]  # layer 1's backward made them
+    more_grads = (num_layers - 2) * layer_grads
+    backward_with_gradients = max(with_grads["backward"] + backward_shift, with_grads["layer1_bwd"] + backward_shift,
+                                  with_grads["layer1_bwd"] + more_grads,
+                                  max(with_grads["layer0_bwd"], with_grads["end"]) + more_grads)
     end_of_forward = at["backward"] + backward_shift  # marked after the forward's autocast has ended
     reference = {  # what was live when the phase began, to report the transient part of the peak
         "first_layer_forward": at["layer0"],
@@ -466,6 +490,8 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
         "first_layer_backward": at["layer1"],
     }[phase]
     return {
+        "backward_with_gradients_bytes": backward_with_gradients,
+        "gradient_bytes": grads_at["final"] + more_grads,
         "peak_bytes": phases[phase],
         "peak_phase": phase,
         "end_of_forward_bytes": end_of_forward,
