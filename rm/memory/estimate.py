@@ -252,6 +252,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         t.temporaries = 2 * bucket * trained_bytes
     else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
         t.temporaries = bucket * trained_bytes
+        t.backward_only = max(counts.trainable_tensors) * trained_bytes
     if stage == 3 and n > 1:
         # DeepSpeed's coordinator (partitioned_param_coordinator.py) releases a parameter after its module
         # runs unless it is used again within stage3_max_reuse_distance elements of the trace: every
@@ -281,8 +282,10 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         # on the device until the step's reduction (measured: a random calibration point was 12% under
         # without it). The host keeps, next to master weights and moments, the fp32 gradient partition, a
         # weight-dtype copy of the partition for the upload, per-parameter accumulation buffers when
-        # accumulating, and a staging buffer the size of the largest parameter; the device keeps its twin.
-        largest = max(counts.trainable_tensors) * trained_bytes
+        # accumulating, and, under ZeRO-1/2, a staging buffer the size of the largest parameter, whose twin the
+        # device keeps (stage_1_and_2.py, temp_grad_buffer_for_cpu_offload / _for_gpu_offload). stage3.py has
+        # neither (measured: a ZeRO-3 point with a 10M-element embedding was 23% over, two embeddings, with them).
+        largest = max(counts.trainable_tensors) * trained_bytes if stage < 3 else 0
         t.gradients = 0 if stage >= 2 else counts.trainable * trained_bytes
         t.states += shard * (4 + trained_bytes) + largest
         # ZeRO-3 accumulates into its partition, and ZeRO-1 in .grad on the device, reducing once at the step's last
@@ -490,7 +493,10 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
     act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
-    backward_temporaries = temporaries + t.gathered + t.backward_only
+    # A trace into existing gradients (accumulating, DDP's buckets) already holds each new gradient until it is
+    # added in and freed, as ZeRO-3 holds its reduce-scatter input: counted there, not again (a ZeRO-3 point
+    # accumulating 4 micro-batches was 33% over, one embedding's gradient, with both).
+    backward_temporaries = temporaries + t.gathered + (0 if accumulating else t.backward_only)
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
