@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from rm.config import RunConfig
 from rm.memory.estimate import GIB, Estimate, estimate_run, suggestions
+from rm.precision import SHORT
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
     from rm.validate import Plan
@@ -67,7 +68,7 @@ def format_shapes(est: Estimate) -> str:
 
 def format_numerics(precision: str, numerics: dict) -> str:
     """``bf16-mixed: trained weights fp32, AdamW states fp32, compute bf16 (autocast)``, from ``Plan.numerics``."""
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    short = SHORT
     master = f" + {short[numerics['master']]} master copy" if numerics["master"] else ""
     compute = short[numerics["compute"]] + (" (autocast)" if numerics["autocast"] else "")
     return (f"{precision}: trained weights {short[numerics['weights']]}{master}, optimizer states "

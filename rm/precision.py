@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     import torch
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}  # the names logs and tables print
 ALIASES = {"bf16": "bf16-mixed", "fp16": "16-mixed", "16": "16-mixed", "fp32": "32-true", "32": "32-true"}
 
 

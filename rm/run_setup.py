@@ -32,6 +32,7 @@ from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_confi
 from rm.health import HealthMonitor, fp32_head_enabled
 from rm.lost_updates import LostUpdateProbe
 from rm.memory.estimate import Estimate, parameter_counts
+from rm.precision import SHORT
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
 from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, tokenizer_kind
@@ -345,8 +346,7 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
 
 def dtypes(cfg: RunConfig, plan: Plan) -> str:
     """Where precision lives, in words, as the profile and engine set it up (``rm.precision``)."""
-    profile, n = cfg.memory_profile, plan.numerics
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    profile, n, short = cfg.memory_profile, plan.numerics, SHORT
     # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the head's dtype. DeepSpeed casts
     # every module weight to its compute dtype (the head still computes in fp32).
     head = "fp32" if fp32_head_enabled(cfg.health.fp32_head, plan.precision) and plan.strategy != "deepspeed" else short[n.weights]
