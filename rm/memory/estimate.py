@@ -178,8 +178,10 @@ class TraceFreeTerms:
 
     ``reduction``: DeepSpeed's gradient reduction at the end of a backward, when it is a peak of its own;
     ``step_extra``: buffers only the optimizer step allocates; ``gathered``: ZeRO-3's whole parameters, held
-    through every forward (training or evaluation) but not the step; ``backward_only``: buffers only a backward
-    holds; ``overhead``: engine buffers that live as long as the engine; ``host``: host RAM per node.
+    through every forward (training or evaluation) but not the step; ``largest_gathered``: ZeRO-3's largest whole
+    parameter, ``largest_grad`` and ``largest_layer_grad``: the largest gradient, and the largest but the
+    embedding's, each reduce-scattered on its own (:func:`zero3_backward_bytes`); ``overhead``: engine buffers that
+    live as long as the engine; ``host``: host RAM per node.
     """
 
     counts: ParameterCounts
@@ -191,7 +193,9 @@ class TraceFreeTerms:
     reduction: int = 0
     step_extra: int = 0
     gathered: int = 0
-    backward_only: int = 0
+    largest_gathered: int = 0
+    largest_grad: int = 0
+    largest_layer_grad: int = 0
     host: int = 0
     uncalibrated: List[str] = field(default_factory=list)
 
@@ -252,14 +256,13 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         t.temporaries = 2 * bucket * trained_bytes
     else:  # ZeRO-1: one gradient bucket (no overlap_comm), full gradients until the boundary
         t.temporaries = bucket * trained_bytes
-        t.backward_only = max(counts.trainable_tensors) * trained_bytes
     if stage == 3 and n > 1:
         # DeepSpeed's coordinator (partitioned_param_coordinator.py) releases a parameter after its module
         # runs unless it is used again within stage3_max_reuse_distance elements of the trace: every
         # parameter gathered in the forward is used again in the backward, so up to that distance (and the
         # live limit) all of them are alive when the backward starts. Measured on 2 CPU processes: every
-        # non-persistent parameter gathered once, one gradient bucket, and the reduce-scatter input of the
-        # largest gradient (a parameter bigger than the bucket is reduced on its own).
+        # non-persistent parameter gathered once and one gradient bucket; a gradient bigger than the bucket is
+        # reduce-scattered on its own (zero3_backward_bytes).
         # The step holds neither the gathered parameters nor the reduce-scatter input: the coordinator frees
         # each module's parameters once its backward has run (partitioned_param_coordinator.py,
         # release_sub_module, from the post-backward hook), and the input is dropped once reduced (stage3.py,
@@ -269,7 +272,11 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
         t.gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
         t.temporaries = bucket * trained_bytes
-        t.backward_only = max(counts.trainable_tensors) * trained_bytes
+        t.largest_gathered = max(x for x in counts.tensors if x >= buckets["persistence"]) * wbytes
+        t.largest_grad = max(counts.trainable_tensors) * trained_bytes
+        # parameter_counts lists the embedding first; LoRA trains none of it
+        layers = counts.trainable_tensors if profile.use_lora else counts.trainable_tensors[1:]
+        t.largest_layer_grad = max(layers, default=0) * trained_bytes
     # One process: each partition is its whole parameter and nothing is gathered (measured).
     if stage == 3:
         # The step flattens each sub-group's gradient partition (stage3.py, _prepare_fp32_grad_for_sub_group)
@@ -493,10 +500,9 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
     act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
-    # A trace into existing gradients (accumulating, DDP's buckets) already holds each new gradient until it is
-    # added in and freed, as ZeRO-3 holds its reduce-scatter input: counted there, not again (a ZeRO-3 point
-    # accumulating 4 micro-batches was 33% over, one embedding's gradient, with both).
-    backward_temporaries = temporaries + t.gathered + (0 if accumulating else t.backward_only)
+    backward_temporaries = temporaries + t.gathered
+    if plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1:
+        backward_temporaries = temporaries + zero3_backward_bytes(t, act, accumulating) - activations
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
@@ -536,6 +542,35 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
         precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
         sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank,
     )
+
+
+# Copies of a gradient that a ZeRO-3 reduce-scatter holds at once: the gradient and a flat copy (measured on gloo:
+# three embedding-sized tensors at the peak, the gathered weight, its gradient and the copy). NCCL may reduce in
+# place; until a GPU measures it, the same count there (too high by one gradient at most).
+REDUCE_SCATTER_COPIES = 2
+
+
+def zero3_backward_bytes(t: TraceFreeTerms, act: Dict, accumulating: bool) -> int:
+    """ZeRO-3's backward above its weights, partitions and bucket: the larger of two moments.
+
+    Early, every parameter is still gathered (reused within ``stage3_max_reuse_distance`` of the forward) beside
+    the activations' peak and a layer's gradient being reduce-scattered. Late, at the embedding's backward, the
+    other modules have released their parameters and most activations are gone, but the largest gradient is
+    reduce-scattered beside its own gathered weight (measured at a 50k-vocabulary point: 10% below the early
+    moment's terms plus that gradient, which the estimate used to add together). A trace into existing gradients
+    (``accumulating``) already holds each new gradient once, at its moment.
+
+    Example (MiB): activations 92 at their peak, 3 at the embedding's backward; gathered 144, the largest 86; the
+    largest gradient 86, a layer's 2. Early: 92 + 144 + 2 x 2 = 240; late: 3 + 86 + 2 x 86 = 261.
+        >>> t = TraceFreeTerms(None, 0, 0, 0, gathered=144, largest_gathered=86, largest_grad=86, largest_layer_grad=2)
+        >>> zero3_backward_bytes(t, {"peak_bytes": 92, "embedding_backward_bytes": 3}, False)
+        261
+    """
+    held = 1 if accumulating else 0
+    copies = REDUCE_SCATTER_COPIES - held
+    early = act["peak_bytes"] + t.gathered + copies * t.largest_layer_grad
+    late = act["embedding_backward_bytes"] + t.largest_gathered + copies * t.largest_grad
+    return max(early, late)
 
 
 # torch's DistributedDataParallel broadcasts rank 0's parameters and buffers at the wrap in flattened chunks of up

@@ -252,8 +252,9 @@ class _Trace:
     peak_with_grads: Dict[str, int]
 
 
-_PHASES_2 = ("start", "layer0", "layer1", "norm", "backward", "layer1_bwd", "layer0_bwd", "end")
-_PHASES_1 = ("start", "layer0", "norm", "backward", "layer0_bwd", "end")
+# embed_bwd: the embedding's backward, after every layer's (at "end" where the embedding trains nothing).
+_PHASES_2 = ("start", "layer0", "layer1", "norm", "backward", "layer1_bwd", "layer0_bwd", "embed_bwd", "end")
+_PHASES_1 = ("start", "layer0", "norm", "backward", "layer0_bwd", "embed_bwd", "end")
 
 
 def _fake_mode(packed: bool):
@@ -290,6 +291,12 @@ def _mark_phases(model, tracker: StorageTracker) -> list:
         handles.append(layer.register_forward_pre_hook(on_layer_start(index)))
         handles.append(layer.register_forward_hook(on_layer_end(index)))
     handles.append(_base(model).norm.register_forward_pre_hook(lambda module, args: tracker.mark("norm")))
+
+    def on_embedding_end(module, args, output):  # its output's gradient arrives once every layer's backward is done
+        if output.requires_grad:
+            output.register_hook(lambda grad: tracker.mark("embed_bwd"))
+
+    handles.append(_base(model).embed_tokens.register_forward_hook(on_embedding_end))
     return handles
 
 
@@ -337,6 +344,8 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
                 tracker.mark("backward")
                 loss.backward()
                 del loss
+                if "embed_bwd" not in tracker.marks:
+                    tracker.mark("embed_bwd")
                 tracker.mark("end")
         finally:
             for handle in handles:
@@ -397,7 +406,7 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
         pre_layers_bytes=at["layer0"],
         head_saved_bytes=at["backward"] - at["norm"],
         head_transient_bytes=max(peak["norm"], peak["backward"]) - at["backward"],
-        last_backward_bytes=max(peak["layer0_bwd"], peak["end"]),
+        last_backward_bytes=max(peak["layer0_bwd"], peak["embed_bwd"], peak["end"]),
         traced_layers=2,
     )
 
@@ -421,6 +430,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
         ``peak_bytes`` (the number to add to weights + gradients + optimizer states),
         ``backward_with_gradients_bytes`` (the backward's peak of activations and the parameter gradients it
         creates, for layouts that keep them in ``.grad`` until the step), ``gradient_bytes`` (those gradients),
+        ``embedding_backward_bytes`` (the activations left for the embedding's backward, after every layer's),
         ``peak_phase`` (where it happens), ``end_of_forward_bytes`` (live activations when
         the loss is computed), ``per_layer_saved_bytes``, ``first_layer_saved_bytes``,
         ``layers_saved_bytes`` (all layers), ``pre_layers_bytes``, ``head_saved_bytes``,
@@ -435,12 +445,14 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
         phases = {
             "forward": max(peak["start"], peak["layer0"]),
             "head": max(peak["norm"], peak["backward"]),
-            "layer_backward": max(peak["layer0_bwd"], peak["end"]),
+            "layer_backward": max(peak["layer0_bwd"], peak["embed_bwd"], peak["end"]),
         }
         phase = max(phases, key=phases.get)
         with_grads = trace.peak_with_grads
         return {
-            "backward_with_gradients_bytes": max(with_grads["backward"], with_grads["layer0_bwd"], with_grads["end"]),
+            "backward_with_gradients_bytes": max(with_grads["backward"], with_grads["layer0_bwd"], with_grads["embed_bwd"],
+                                                 with_grads["end"]),
+            "embedding_backward_bytes": max(peak["embed_bwd"], peak["end"]),
             "gradient_bytes": trace.grads_at["final"],
             "peak_bytes": phases[phase],
             "peak_phase": phase,
@@ -480,7 +492,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     more_grads = (num_layers - 2) * layer_grads
     backward_with_gradients = max(with_grads["backward"] + backward_shift, with_grads["layer1_bwd"] + backward_shift,
                                   with_grads["layer1_bwd"] + more_grads,
-                                  max(with_grads["layer0_bwd"], with_grads["end"]) + more_grads)
+                                  max(with_grads["layer0_bwd"], with_grads["embed_bwd"], with_grads["end"]) + more_grads)
     end_of_forward = at["backward"] + backward_shift  # marked after the forward's autocast has ended
     reference = {  # what was live when the phase began, to report the transient part of the peak
         "first_layer_forward": at["layer0"],
@@ -491,6 +503,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     }[phase]
     return {
         "backward_with_gradients_bytes": backward_with_gradients,
+        "embedding_backward_bytes": max(peak["embed_bwd"], peak["end"]),
         "gradient_bytes": grads_at["final"] + more_grads,
         "peak_bytes": phases[phase],
         "peak_phase": phase,
