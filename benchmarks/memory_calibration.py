@@ -834,18 +834,23 @@ def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: b
         errors = [line for line in lines if re.search(r"\w+(Error|Exception): |\] - error: |timed out after", line)]
         out["failed"] = ((errors or lines or [f"exit {rc}"])[-1])[:300]
         return out
-    memory = json.loads(memory_file.read_text())
+    out.update(point_result(json.loads(memory_file.read_text()), memtracker))
+    return out
+
+
+def point_result(memory: dict, memtracker: bool = False) -> dict:
+    """A point's row from its run's ``memory.json``: each rank's measured peak against that rank's own estimate."""
     ranks = memory.get("measured_per_rank") or [memory["measured"]]
     est = memory["estimate"]
     # Each rank against its own estimate (its data and partitions); the verdict's is the largest.
     per_rank = est.get("rank_peak_bytes") or [est["peak_bytes"]] * len(ranks)
-    out.update({"estimate_mib": est["peak_bytes"] / 2**20, "phase": est["peak_phase"], "shapes": est.get("shapes"),
-                "estimate_per_rank_mib": [b / 2**20 for b in per_rank],
-                "estimate_terms_mib": {k: est[k] / 2**20 for k in ("weights", "gradients", "optimizer_states", "activations",
-                                                                     "evaluation", "temporaries", "overhead", "communication")
-                                       if isinstance(est.get(k), (int, float))},
-                "measured_per_rank_mib": [r["peak_allocated_bytes"] / 2**20 for r in ranks],
-                "rss_growth_per_rank_mib": [r.get("peak_rss_growth_bytes", 0) / 2**20 for r in ranks]})
+    out = {"estimate_mib": est["peak_bytes"] / 2**20, "phase": est["peak_phase"], "shapes": est.get("shapes"),
+           "estimate_per_rank_mib": [b / 2**20 for b in per_rank],
+           "estimate_terms_mib": {k: est[k] / 2**20 for k in ("weights", "gradients", "optimizer_states", "activations",
+                                                                "evaluation", "temporaries", "overhead", "communication")
+                                  if isinstance(est.get(k), (int, float))},
+           "measured_per_rank_mib": [r["peak_allocated_bytes"] / 2**20 for r in ranks],
+           "rss_growth_per_rank_mib": [r.get("peak_rss_growth_bytes", 0) / 2**20 for r in ranks]}
     out["errors_per_rank_pct"] = [100 * (e - m) / m for e, m in zip(out["estimate_per_rank_mib"], out["measured_per_rank_mib"])]
     if memtracker:
         out["memtracker_per_rank_mib"] = [r["memtracker_peak_bytes"] / 2**20 if r.get("memtracker_peak_bytes") is not None

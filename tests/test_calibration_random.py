@@ -61,3 +61,21 @@ def test_random_calibration_table_marks_misses_and_failures(tmp_path):
     assert "3 points (seed 1): 2 measured, 1 failed, 1 MISS" in text and "largest over +11.10%" in text
     assert text.count("**MISS**") == 1 and "failed: `RuntimeError: boom`" in text
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_each_rank_is_compared_with_its_own_estimate():
+    """memory.json's rank_peak_bytes: rank 0 estimated 10 MiB and measured 10, rank 1 estimated 11.5 and measured 11
+    (+4.55%, within the band); the verdict's estimate is the largest. An older memory.json without it compares every
+    rank with the verdict's: rank 0 is then 15% over, a miss."""
+    mc = _bench()
+    mib = 2**20
+    estimate = {"peak_bytes": 11.5 * mib, "peak_phase": "forward/backward", "rank_peak_bytes": [10 * mib, 11.5 * mib],
+                "weights": 4 * mib}
+    measured = [{"peak_allocated_bytes": 10 * mib}, {"peak_allocated_bytes": 11 * mib}]
+    row = mc.point_result({"estimate": estimate, "measured": measured[0], "measured_per_rank": measured})
+    assert row["estimate_per_rank_mib"] == [10.0, 11.5] and row["estimate_mib"] == 11.5
+    assert [round(e, 2) for e in row["errors_per_rank_pct"]] == [0.0, 4.55]
+    assert not mc.is_miss(row)
+    del estimate["rank_peak_bytes"]
+    row = mc.point_result({"estimate": estimate, "measured": measured[0], "measured_per_rank": measured})
+    assert [round(e, 2) for e in row["errors_per_rank_pct"]] == [15.0, 4.55] and mc.is_miss(row)
