@@ -48,12 +48,16 @@ class BatchShapes:
         accumulating: some rank runs more than one micro-batch in some step (gradients then stay alive
             through the later micro-batches' backward).
         sized_by: ``"data"`` (the run's own micro-batches) or ``"config"`` (the worst case the config allows).
+        after_first_step: sized by the data, the same as ``train`` over the steps after the first (``None``: the run
+            has one step). Optimizers that make their states at their first step (torch's, bitsandbytes') have
+            none during the first step's backward: its micro-batches are weighed without them.
     """
 
     train: BatchShape
     eval: Optional[BatchShape]
     accumulating: bool
     sized_by: str
+    after_first_step: Optional[BatchShape] = None
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -134,9 +138,9 @@ def evened_sums(row_tokens_: np.ndarray, sizes: list, count: int) -> list:
 
 
 def budget_lengths(batches: StepBatches, orders: np.ndarray) -> tuple:
-    """Per rank, the longest packed micro-batch a token budget (``train.max_tokens_per_micro_batch``) cuts at any
-    step, as :meth:`StepBatches.for_step` cuts them (greedy, then evened out across ranks for DDP), and the most
-    micro-batches a rank runs in a step."""
+    """Per step and rank, the longest packed micro-batch a token budget (``train.max_tokens_per_micro_batch``) cuts,
+    as :meth:`StepBatches.for_step` cuts them (greedy, then evened out across ranks for DDP): shape
+    ``(steps, world_size)``; and the most micro-batches a rank runs in a step."""
     steps, world, per_rank = orders.shape
     tokens = np.asarray(batches.pair_tokens, dtype=np.int64)[orders].reshape(steps * world, per_rank)
     cuts = greedy_cuts(tokens, batches.max_tokens)
@@ -148,12 +152,13 @@ def budget_lengths(batches: StepBatches, orders: np.ndarray) -> tuple:
     for row in np.flatnonzero(counts < most):  # halving only shortens; these rows are the ones it changes
         sizes = np.bincount(cuts[row], minlength=counts[row]).tolist()
         longest[row] = max(evened_sums(tokens[row], sizes, int(most[row])))
-    return longest.reshape(steps, world).max(axis=0).tolist(), int(most.max())
+    return longest.reshape(steps, world), int(most.max())
 
 
 def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens: np.ndarray) -> tuple:
-    """Per rank, the most rows and the longest row of any of its training micro-batches, and whether any rank
-    runs several micro-batches in a step (under DDP every rank runs as many as the most).
+    """Per rank, the most rows and the longest row of any of its training micro-batches, over every step and over
+    the steps after the first; and whether any rank runs several micro-batches in a step (under DDP every rank
+    runs as many as the most).
 
     Args:
         batches: the run's :class:`StepBatches` (any rank's: all ranks are computed).
@@ -162,7 +167,7 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
         tokens: per pair, :func:`row_tokens` for this layout.
 
     Returns:
-        ``([BatchShape per rank], accumulating)``.
+        ``([BatchShape per rank], [BatchShape per rank after the first step, or None], accumulating)``.
     """
     orders = rank_orders(batches, steps)
     packed = layout.startswith("packed")
@@ -170,15 +175,19 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
     if batches.pair_tokens is not None:  # a token budget: micro-batches of varying sizes, cut greedily
         if not packed:  # rm.validate allows a budget only with packing: one row of the tokens the budget counts
             raise ValueError(f"a token budget needs a packed layout, not {layout!r}")
-        lengths, most = budget_lengths(batches, orders)
-        return [BatchShape(1, length) for length in lengths], most > 1
-    values = tokens[orders]  # (steps, world, per_rank)
-    micro = batches.micro_batch_size
-    starts = range(0, batches.per_rank, micro)
-    reduce = np.sum if packed else np.max
-    lengths = np.max([reduce(values[..., i:i + micro], axis=-1).max(axis=0) for i in starts], axis=0)
-    rows = 1 if packed else per_pair_rows * min(micro, batches.per_rank)
-    return [BatchShape(rows, int(length)) for length in lengths], len(starts) > 1
+        per_step, most = budget_lengths(batches, orders)
+        rows, accumulating = 1, most > 1
+    else:
+        values = tokens[orders]  # (steps, world, per_rank)
+        micro = batches.micro_batch_size
+        starts = range(0, batches.per_rank, micro)
+        reduce = np.sum if packed else np.max
+        per_step = np.max([reduce(values[..., i:i + micro], axis=-1) for i in starts], axis=0)  # (steps, world)
+        rows = 1 if packed else per_pair_rows * min(micro, batches.per_rank)
+        accumulating = len(starts) > 1
+    overall = [BatchShape(rows, int(n)) for n in per_step.max(axis=0)]
+    later = [BatchShape(rows, int(n)) for n in per_step[1:].max(axis=0)] if steps > 1 else [None] * len(overall)
+    return overall, later, accumulating
 
 
 def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int, rank: int) -> Optional[BatchShape]:
@@ -256,9 +265,10 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
         [BatchShape(rows=1, length=19), BatchShape(rows=1, length=14)]
     """
     tokens = row_tokens(layout, chosen, rejected, shared)
-    train, accumulating = largest_train_batches(batches, steps, layout, tokens)
+    train, later, accumulating = largest_train_batches(batches, steps, layout, tokens)
     return [BatchShapes(train=shape, eval=largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size, rank),
-                        accumulating=accumulating, sized_by="data") for rank, shape in enumerate(train)]
+                        accumulating=accumulating, sized_by="data", after_first_step=after)
+            for rank, (shape, after) in enumerate(zip(train, later))]
 
 
 def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
@@ -266,10 +276,14 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
 
     Example:
         >>> a = BatchShapes(BatchShape(4, 9), BatchShape(2, 3), False, "data")
-        >>> largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])
-        BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True, sized_by='data')
+        >>> largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])  # doctest: +NORMALIZE_WHITESPACE
+        BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True,
+                    sized_by='data', after_first_step=None)
     """
-    evals = [s.eval for s in shapes if s.eval is not None]
-    return BatchShapes(train=BatchShape(max(s.train.rows for s in shapes), max(s.train.length for s in shapes)),
-                       eval=BatchShape(max(e.rows for e in evals), max(e.length for e in evals)) if evals else None,
-                       accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by)
+    def most(found):
+        found = [b for b in found if b is not None]
+        return BatchShape(max(b.rows for b in found), max(b.length for b in found)) if found else None
+
+    return BatchShapes(train=most(s.train for s in shapes), eval=most(s.eval for s in shapes),
+                       accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by,
+                       after_first_step=most(s.after_first_step for s in shapes))
