@@ -57,17 +57,21 @@ def test_largest_micro_batch_by_hand():
 def brute_force(batches_per_rank, steps, layout, tokens):
     """Per rank, the largest micro-batch over what StepBatches.for_step gives it at each step; and whether any
     rank runs several micro-batches in a step."""
-    packed, shapes, accumulating = layout.startswith("packed"), [], False
+    packed, shapes, later, accumulating = layout.startswith("packed"), [], [], False
     for batches in batches_per_rank:
-        rows, length = 0, 0
+        rows, length, length_later = 0, 0, 0
         for step in range(steps):
             micro_batches = batches.for_step(step)
             accumulating |= len(micro_batches) > 1
             for mb in micro_batches:
                 rows = max(rows, 1 if packed else (1 if layout == "shared" else 2) * len(mb))
-                length = max(length, int(tokens[mb].sum() if packed else tokens[mb].max()))
+                n = int(tokens[mb].sum() if packed else tokens[mb].max())
+                length = max(length, n)
+                if step > 0:
+                    length_later = max(length_later, n)
         shapes.append(BatchShape(rows, length))
-    return shapes, accumulating
+        later.append(BatchShape(rows, length_later))
+    return shapes, later, accumulating
 
 
 def eval_brute_force(lengths, batch_size, world, rank):
@@ -102,9 +106,10 @@ def test_shapes_are_those_of_every_micro_batch_of_every_rank(layout, world, budg
     steps = 16  # 6 steps an epoch
     eval_lengths = (rng.integers(1, 30, 7), rng.integers(1, 30, 7))
     got = data_shapes(of(0), steps, layout, chosen, rejected, shared if sharing else None, [eval_lengths], 2)
-    want, accumulating = brute_force([of(rank) for rank in range(world)], steps, layout,
-                                     row_tokens(layout, chosen, rejected, shared))
+    want, later, accumulating = brute_force([of(rank) for rank in range(world)], steps, layout,
+                                            row_tokens(layout, chosen, rejected, shared))
     assert [s.train for s in got] == want and {s.accumulating for s in got} == {accumulating}
+    assert [s.after_first_step for s in got] == later
     assert [s.eval for s in got] == [eval_brute_force(eval_lengths, 2, world, rank) for rank in range(world)]
     both = largest(got)
     assert both.train == BatchShape(max(s.rows for s in want), max(s.length for s in want))

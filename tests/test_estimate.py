@@ -302,3 +302,26 @@ def test_gpu_report_lists_the_device_and_every_profile():
     assert ("no CUDA device" in out) or ("cuda:0" in out)
     for profile in ("full", "lora", "8bit", "offload", "qlora"):
         assert f"  {profile}" in out
+
+
+@pytest.mark.parametrize("distributed", ["auto", "zero2"])
+def test_a_first_step_holding_the_longest_micro_batch_has_no_optimizer_states(distributed):
+    """torch's AdamW makes its states at its first step, DeepSpeed at initialize. Data whose longest micro-batch
+    (8 rows x 64) is in the first step and whose later ones are 8 x 16: under accelerate the estimate is the larger
+    of that micro-batch without states (what a one-step run holds) and the later ones with them; under DeepSpeed
+    the longest with its states, as when the longest comes later."""
+    from rm.data.shapes import BatchShape, BatchShapes
+
+    cfg, plan = planned(["experiment=tiny", "memory_profile=full", f"distributed={distributed}",
+                         "train.micro_batch_size=4", "train.global_batch_size=4", "data.max_length=64"])
+    long, short = BatchShape(8, 64), BatchShape(8, 16)
+    est = estimate_run(cfg, plan, BatchShapes(long, None, False, "data", after_first_step=short))
+    one_step = estimate_run(cfg, plan, BatchShapes(long, None, False, "data", after_first_step=None))
+    later = estimate_run(cfg, plan, BatchShapes(short, None, False, "data", after_first_step=short))
+    longest_later = estimate_run(cfg, plan, BatchShapes(long, None, False, "data", after_first_step=long))
+    if distributed == "auto":
+        assert est.peak_bytes == max(one_step.peak_bytes, later.peak_bytes)
+        assert one_step.peak_phase == longest_later.peak_phase == "forward/backward"
+        assert longest_later.allocated_bytes - one_step.allocated_bytes == one_step.optimizer_states > 0
+    else:
+        assert est.peak_bytes == one_step.peak_bytes == longest_later.peak_bytes > later.peak_bytes
