@@ -516,15 +516,15 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
     act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
+    # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
+    zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1
     backward_temporaries = temporaries + t.gathered
-    if plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1:
+    if zero3_partition:
         backward_temporaries = temporaries + zero3_backward_bytes(t, act, accumulating) - activations
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
     # or at the optimizer step (weights + gradients + states, activations gone).
-    # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
-    zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1
     if accumulating or ddp_buckets or zero3_partition:
         backward = t.weights + states + t.gradients + activations
     elif plan.strategy != "deepspeed" or plan.zero_stage == 1:
