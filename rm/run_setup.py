@@ -32,12 +32,12 @@ from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_confi
 from rm.health import HealthMonitor, fp32_head_enabled
 from rm.lost_updates import LostUpdateProbe
 from rm.memory.estimate import Estimate, parameter_counts
-from rm.precision import SHORT
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
 from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, tokenizer_kind
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
+from rm.precision import SHORT
 from rm.preflight import data_preflight, plan_run
 from rm.resume import apply_changes, check_resume, data_digest, fingerprint
 from rm.train_state import TrainState
