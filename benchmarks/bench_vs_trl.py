@@ -3,6 +3,7 @@
     pip install -e '.[bench]'                          # trl, the one benchmark-only dependency
     python benchmarks/bench_vs_trl.py                  # prints both tables (multi-turn, single-turn)
     python benchmarks/bench_vs_trl.py --write-doc      # and writes them to docs/throughput.md
+    python benchmarks/bench_vs_trl.py --setup gpu-1b --out-json gpu_1b.json    # on a CUDA GPU (docs/throughput_gpu.md)
 
 One process per trainer, run after run, on the same tokenised pairs: a Mistral-architecture
 model (4 layers, hidden 256, vocabulary 2000, random init), fp32, 8 pairs per optimizer step,
@@ -47,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,17 +58,56 @@ VOCAB, MAX_LENGTH, PAIRS_PER_STEP, STEPS, LR, WARMUP = 2000, 512, 8, 60, 1e-3, 3
 SHAPE = ["model.vocab_size=2000", "model.hidden_size=256", "model.intermediate_size=1024", "model.num_hidden_layers=4",
          "model.num_attention_heads=4", "model.num_key_value_heads=2", "model.head_dim=64",
          "model.max_position_embeddings=512"]
-VARIANTS = {  # name: rm overrides on top of the shared run
-    "rm padded": ["train.micro_batch_size=8", "train.group_by_length=false"],
-    "rm padded + group_by_length (micro-batch 2)": ["train.micro_batch_size=2", "train.group_by_length=true"],
-    "rm packed (budget 1024 tokens)": ["train.micro_batch_size=8", "train.packing=true",
-                                       "train.max_tokens_per_micro_batch=1024"],
-    "rm prefix-shared + packed (budget 1024 tokens)": ["train.micro_batch_size=8", "train.share_prefix=true",
-                                                       "train.packing=true", "train.max_tokens_per_micro_batch=1024"],
-    "rm prefix-shared, row per pair + group_by_length (micro-batch 2)": [
-        "train.micro_batch_size=2", "train.share_prefix=true", "train.group_by_length=true"],
-}
 
+
+@dataclass(frozen=True)
+class Setup:
+    """What one comparison runs: the model, the batch, the precision and where; both trainers read it."""
+
+    shape: tuple = tuple(SHAPE)
+    pairs_per_step: int = PAIRS_PER_STEP
+    steps: int = STEPS
+    precision: str = "32-true"  # rm's train.precision; TRL gets the same (bf16-mixed: fp32 model, bf16=True)
+    hardware: str = "cpu"
+    lora: bool = False  # LoRA r16 on every linear layer, bf16 frozen base (rm's memory_profile=lora)
+    checkpointing: bool = False
+    micro: int = 8  # pairs per micro-batch of the padded rows (TRL's per-device batch)
+    small_micro: int = 2  # the grouped rows
+    budget: int = 1024  # tokens per packed micro-batch
+    skip_steps: int = 0  # steps left out of the timing (GPU warm-up: kernels, autotuning, the allocator)
+    eval_pairs: int = 256
+
+
+SETUPS = {
+    "cpu": Setup(),
+    # About 1.1B parameters (TinyLlama's shape, Mistral architecture), full fine-tune in bf16-mixed.
+    "gpu-1b": Setup(shape=("model.vocab_size=32000", "model.hidden_size=2048", "model.intermediate_size=5632",
+                           "model.num_hidden_layers=22", "model.num_attention_heads=32", "model.num_key_value_heads=4",
+                           "model.head_dim=64", "model.max_position_embeddings=2048"),
+                    pairs_per_step=32, steps=40, precision="bf16-mixed", hardware="auto", micro=8, small_micro=8,
+                    budget=8192, skip_steps=10, eval_pairs=64),
+    # The flagship's LoRA run: Mistral-7B shape, r16 on every linear layer, gradient checkpointing.
+    "gpu-7b-lora": Setup(shape=("model=mistral_7b", "model.pretrained=null", "model.max_position_embeddings=2048"),
+                         pairs_per_step=16, steps=16, precision="bf16-mixed", hardware="auto", lora=True,
+                         checkpointing=True, micro=4, small_micro=4, budget=4096, skip_steps=4, eval_pairs=32),
+}
+SETUP = SETUPS["cpu"]
+def variants(setup: Setup) -> dict:
+    """name: rm overrides on top of the shared run."""
+    m, small, budget = setup.micro, setup.small_micro, setup.budget
+    return {
+        f"rm padded": [f"train.micro_batch_size={m}", "train.group_by_length=false"],
+        f"rm padded + group_by_length (micro-batch {small})": [f"train.micro_batch_size={small}", "train.group_by_length=true"],
+        f"rm packed (budget {budget} tokens)": [f"train.micro_batch_size={m}", "train.packing=true",
+                                                f"train.max_tokens_per_micro_batch={budget}"],
+        f"rm prefix-shared + packed (budget {budget} tokens)": [f"train.micro_batch_size={m}", "train.share_prefix=true",
+                                                                "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"],
+        f"rm prefix-shared, row per pair + group_by_length (micro-batch {small})": [
+            f"train.micro_batch_size={small}", "train.share_prefix=true", "train.group_by_length=true"],
+    }
+
+
+VARIANTS = variants(SETUP)
 
 def make_pairs(n: int, seed: int):
     """``n`` pairs of token ids (no pad id 0, no eos id 3) with long-tailed lengths, chosen better than rejected."""
@@ -149,20 +190,23 @@ def prefix_stats(pairs) -> dict:
 
 
 def evaluate(model, pairs):
-    """Bradley-Terry loss and accuracy on ``pairs``, padded batches of 8, reward at the last real token."""
+    """Bradley-Terry loss and accuracy on ``pairs``, padded batches of 8, reward at the last real token
+    (on the GPU under bf16 autocast where the setup trains there)."""
     import torch
 
     from rm.data.collator import PairCollator
     from rm.loss import bradley_terry_loss
     from rm.model import pair_rewards
 
-    model.eval()
+    device = "cuda" if SETUP.hardware != "cpu" and torch.cuda.is_available() else "cpu"
+    model.to(device).eval()
     collate, losses, correct = PairCollator(pad_token_id=0), [], 0
-    with torch.no_grad():
+    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=SETUP.precision.startswith("bf16"))
+    with torch.no_grad(), autocast:
         for i in range(0, len(pairs), 8):
             batch = collate(pairs[i : i + 8])
-            chosen, rejected = pair_rewards(model, batch["input_ids"], batch["attention_mask"])
-            losses.append(float(bradley_terry_loss(chosen, rejected)) * len(chosen))
+            chosen, rejected = pair_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            losses.append(float(bradley_terry_loss(chosen.float(), rejected.float())) * len(chosen))
             correct += int((chosen > rejected).sum())
     return sum(losses) / len(pairs), correct / len(pairs)
 
@@ -171,15 +215,19 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def rm_overrides(variant_overrides):
+def rm_overrides(variant_overrides, setup: Setup = None):
     """The Hydra overrides of one rm row: the run every row shares, then the row's layout."""
+    setup = setup or SETUP
+    logging = setup.skip_steps or min(10, setup.steps)  # windows: the first one holds the warm-up steps
+    lora = ["memory_profile=lora", "lora=r16"] if setup.lora else []
     # The pairs are token ids made here (make_pairs): the tokenizer only gives the pad id, so the word-level one is
     # used rather than training the default BPE on texts the run never reads.
-    return ["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE, f"data.max_length={MAX_LENGTH}",
-            f"train.max_steps={STEPS}", f"train.global_batch_size={PAIRS_PER_STEP}", "train.eval_batch_size=8",
-            f"train.learning_rate={LR}", "train.lr_scheduler_type=linear", f"train.warmup_ratio={WARMUP / STEPS}",
-            "train.max_grad_norm=1.0", "train.precision=32-true", "train.gradient_checkpointing=false",
-            "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={min(10, STEPS)}", "preflight.mode=off",
+    return ["experiment=tiny", f"hardware={setup.hardware}", "model.tokenizer=words", *setup.shape, *lora,
+            f"data.max_length={MAX_LENGTH}", f"train.max_steps={setup.steps}", f"train.global_batch_size={setup.pairs_per_step}",
+            "train.eval_batch_size=8", f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
+            f"train.warmup_ratio={WARMUP / setup.steps}", "train.max_grad_norm=1.0", f"train.precision={setup.precision}",
+            f"train.gradient_checkpointing={str(setup.checkpointing).lower()}",
+            "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={logging}", "preflight.mode=off",
             # experiment=tiny shares prefixes (the CPU demo's default): off unless the variant turns it on.
             "train.share_prefix=false", *variant_overrides]
 
@@ -219,12 +267,17 @@ def run_rm(data, variant_overrides, workdir: Path):
     windows = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     windows = [w for w in windows if w["event"] == "train"]
     sizes = [w["step"] - previous for w, previous in zip(windows, [0] + [w["step"] for w in windows])]
-    seconds = sum(w["step_time_s"] * n for w, n in zip(windows, sizes))
-    tokens = sum(w["tokens_per_s"] * w["step_time_s"] * n for w, n in zip(windows, sizes))
-    model = AutoModelForSequenceClassification.from_pretrained(workdir / "run" / "final")
-    eval_loss, eval_accuracy = evaluate(model, data["eval"])
-    return {"real_tokens": round(tokens), "train_s": seconds, "steps": result["step"],
-            "final_train_loss": windows[-1]["loss"], "eval_loss": eval_loss, "eval_accuracy": eval_accuracy}
+    timed = [(w, n) for w, n in zip(windows, sizes) if w["step"] > SETUP.skip_steps]  # past the warm-up
+    seconds = sum(w["step_time_s"] * n for w, n in timed)
+    tokens = sum(w["tokens_per_s"] * w["step_time_s"] * n for w, n in timed)
+    eval_loss = eval_accuracy = None
+    if not SETUP.lora:  # a LoRA run's final/ is an adapter on a random base that exists nowhere else
+        model = AutoModelForSequenceClassification.from_pretrained(workdir / "run" / "final")
+        eval_loss, eval_accuracy = evaluate(model, data["eval"])
+    memory = json.loads((workdir / "run" / "memory.json").read_text())["measured"]
+    return {"real_tokens": round(tokens), "train_s": seconds, "steps": sum(n for _, n in timed),
+            "final_train_loss": windows[-1]["loss"], "eval_loss": eval_loss, "eval_accuracy": eval_accuracy,
+            "peak_allocated_gib": memory.get("peak_allocated_bytes", 0) / 2**30 if "cuda" in memory["method"] else None}
 
 
 def run_trl(data, workdir: Path):
@@ -240,35 +293,57 @@ def run_trl(data, workdir: Path):
     from rm.model import build_model, build_tokenizer
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "hardware=cpu", "model.tokenizer=words", *SHAPE]))
+        cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "model.tokenizer=words", *SETUP.shape,
+                                                                     *(["lora=r16"] if SETUP.lora else [])]))
     tokenizer = build_tokenizer(cfg.model)
     set_seed(42)
-    model = build_model(cfg.model, tokenizer.pad_token_id, "float32", gradient_checkpointing=False)
+    # bf16-mixed as HF users run it: an fp32 model under bf16=True (autocast); a LoRA base frozen in bf16, as rm's.
+    dtype = "bfloat16" if SETUP.lora else "float32"
+    with torch.device("cuda" if SETUP.hardware != "cpu" else "cpu"):  # random init where it trains: seconds, not minutes
+        model = build_model(cfg.model, tokenizer.pad_token_id, dtype, gradient_checkpointing=False)
+    peft = None
+    if SETUP.lora:
+        from peft import LoraConfig
+
+        peft = LoraConfig(task_type="SEQ_CLS", r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                          target_modules=list(cfg.lora.target_modules))
 
     class Clock(TrainerCallback):
-        begin = end = None
+        """Time and TRL's own real-token count at the end of every step (after the GPU has finished it)."""
+        begin, marks = None, []
 
         def on_train_begin(self, args, state, control, **kwargs):
             Clock.begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
-            Clock.end = time.perf_counter()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            Clock.marks.append((time.perf_counter(), Clock.trainer._total_train_tokens))
 
     train = datasets.Dataset.from_dict({"chosen_ids": [p["chosen_input_ids"] for p in data["train"]],
                                         "rejected_ids": [p["rejected_input_ids"] for p in data["train"]]})
+    bf16 = SETUP.precision.startswith("bf16")
     args = RewardConfig(
-        output_dir=str(workdir / "trl"), per_device_train_batch_size=PAIRS_PER_STEP, gradient_accumulation_steps=1,
-        max_steps=STEPS, learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP, max_grad_norm=1.0,
-        weight_decay=0.0, logging_steps=min(10, STEPS), save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True,
-        bf16=False, fp16=False, gradient_checkpointing=False, max_length=MAX_LENGTH, seed=42,
-        dataloader_num_workers=0, disable_dropout=True,
+        output_dir=str(workdir / "trl"), per_device_train_batch_size=min(SETUP.micro, SETUP.pairs_per_step),
+        gradient_accumulation_steps=max(1, SETUP.pairs_per_step // SETUP.micro),
+        max_steps=SETUP.steps, learning_rate=LR, lr_scheduler_type="linear", warmup_steps=WARMUP, max_grad_norm=1.0,
+        weight_decay=0.0, logging_steps=min(10, SETUP.steps), save_strategy="no", eval_strategy="no", report_to=[],
+        use_cpu=SETUP.hardware == "cpu", bf16=bf16, fp16=False, gradient_checkpointing=SETUP.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False} if SETUP.checkpointing else None,
+        max_length=MAX_LENGTH, seed=42, dataloader_num_workers=0, disable_dropout=True,
     )
-    trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[Clock()],
+                            peft_config=peft)
+    Clock.trainer = trainer
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    eval_loss, eval_accuracy = evaluate(trainer.model, data["eval"])
-    return {"real_tokens": int(trainer._total_train_tokens), "train_s": Clock.end - Clock.begin,
-            "steps": out.global_step, "final_train_loss": losses[-1], "eval_loss": eval_loss, "eval_accuracy": eval_accuracy}
+    eval_loss, eval_accuracy = evaluate(trainer.model, data["eval"][: SETUP.eval_pairs]) if not SETUP.lora else (None, None)
+    start_time, start_tokens = Clock.marks[SETUP.skip_steps - 1] if SETUP.skip_steps else (Clock.begin, 0)
+    end_time, end_tokens = Clock.marks[-1]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+    return {"real_tokens": int(end_tokens - start_tokens), "train_s": end_time - start_time,
+            "steps": out.global_step - SETUP.skip_steps, "final_train_loss": losses[-1], "eval_loss": eval_loss,
+            "eval_accuracy": eval_accuracy, "peak_allocated_gib": peak}
 
 
 def child(args) -> None:
@@ -276,10 +351,12 @@ def child(args) -> None:
 
     torch.set_num_threads(args.threads)
     data = json.loads(Path(args.data_file).read_text())
+    data["eval"] = data["eval"][: SETUP.eval_pairs]
     with tempfile.TemporaryDirectory() as tmp:
         result = run_trl(data, Path(tmp)) if args.child == "trl" else run_rm(data, VARIANTS[args.child], Path(tmp))
     result.update(peak_rss_mib=peak_rss_mib(), tokens_per_s=result["real_tokens"] / result["train_s"],
-                  pairs_per_s=result["steps"] * PAIRS_PER_STEP / result["train_s"], step_s=result["train_s"] / result["steps"])
+                  pairs_per_s=result["steps"] * SETUP.pairs_per_step / result["train_s"],
+                  step_s=result["train_s"] / result["steps"])
     Path(args.out).write_text(json.dumps(result))
 
 
@@ -296,20 +373,70 @@ def padded_fraction(pairs, seed: int) -> float:
     return real / computed
 
 
+def matmul_parameters(model) -> int:
+    """Weights every token multiplies through: the blocks' projections and the reward head (not the embedding)."""
+    heads, kv, hd = model.num_attention_heads, model.num_key_value_heads, model.head_dim or model.hidden_size // model.num_attention_heads
+    per_layer = model.hidden_size * hd * (2 * heads + 2 * kv) + 3 * model.hidden_size * model.intermediate_size
+    return model.num_hidden_layers * per_layer + model.hidden_size
+
+
+def pair_flops(pair, model, shared: bool, lora: bool) -> float:
+    """Model FLOPs of one pair's forward and backward, the formula of docs/throughput_gpu.md.
+
+    Matmuls: 6 N per token (forward 2 N, backward 4 N); LoRA's frozen weights get no weight gradient, so 4 N.
+    Attention: 12 x layers x (heads x head_dim) per (query, key) position pair the mask allows (QK^T and AV,
+    2 FLOPs per multiply-add, forward + backward 3x the forward), causal within each sequence. Padding, the
+    recomputation of gradient checkpointing and the tiny LoRA matmuls are not counted. With prefix sharing the
+    prompt is computed once: its tokens count once and the rejected answer attends to the prompt, not to the
+    chosen answer."""
+    from rm.data.collator import common_prefix_length
+
+    per_token = (4 if lora else 6) * matmul_parameters(model)
+    width = model.num_attention_heads * (model.head_dim or model.hidden_size // model.num_attention_heads)
+    c, r = len(pair["chosen_input_ids"]), len(pair["rejected_input_ids"])
+    causal = lambda n: n * (n + 1) / 2  # noqa: E731
+    if shared:
+        p = common_prefix_length(pair["chosen_input_ids"], pair["rejected_input_ids"])
+        tokens, positions = c + r - p, causal(c) + (r - p) * p + causal(r - p)
+    else:
+        tokens, positions = c + r, causal(c) + causal(r)
+    return per_token * tokens + 12 * model.num_hidden_layers * width * positions
+
+
+DATASHEET_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}  # dense bf16 FLOP/s, SXM datasheets
+
+
+def peak_bf16() -> tuple:
+    """(name, dense bf16 FLOP/s from the datasheet) of this GPU, or (name, None) if the table has no entry."""
+    import torch
+
+    name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return name, next((v for k, v in DATASHEET_BF16.items() if k in name), None)
+
+
 def table(results) -> str:
     trl = results["TRL RewardTrainer"]
-    lines = ["| trainer | pairs/s | real tokens/s | x TRL | step time (s) | peak RSS (MiB) | x TRL | final train loss "
-             "| eval loss | eval accuracy | load avg |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gpu = any(r.get("mfu") is not None for r in results.values())
+    memory = "peak allocated (GiB)" if gpu else "peak RSS (MiB)"
+    lines = [f"| trainer | pairs/s | real tokens/s | x TRL | step time (s) | {memory} | x TRL | final train loss "
+             f"| eval loss | eval accuracy |{' MFU |' if gpu else ''} load avg |",
+             f"|---|---|---|---|---|---|---|---|---|---|{'---|' if gpu else ''}---|"]
+    num = lambda v, f: format(v, f) if v is not None else "n/a"  # noqa: E731
     for name, r in results.items():
+        if "error" in r:
+            lines.append(f"| {name} | failed: {r['error'][:120]} |" + " |" * (9 + gpu))
+            continue
+        mem, base = (r["peak_allocated_gib"], trl.get("peak_allocated_gib")) if gpu else (r["peak_rss_mib"], trl["peak_rss_mib"])
         lines.append(f"| {name} | {r['pairs_per_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} "
-                     f"| {r['step_s']:.3f} | {r['peak_rss_mib']:,.0f} | {r['peak_rss_mib'] / trl['peak_rss_mib']:.2f} "
-                     f"| {r['final_train_loss']:.4f} | {r['eval_loss']:.4f} | {r['eval_accuracy']:.3f} | {r['load']:.2f} |")
+                     f"| {r['step_s']:.3f} | {num(mem, ',.2f' if gpu else ',.0f')} | {num(mem / base if mem and base else None, '.2f')} "
+                     f"| {r['final_train_loss']:.4f} | {num(r['eval_loss'], '.4f')} | {num(r['eval_accuracy'], '.3f')} |"
+                     f"{' ' + num(100 * r['mfu'] if r.get('mfu') else None, '.1f') + '% |' if gpu else ''} {r['load']:.2f} |")
     return "\n".join(lines)
 
 
-def run_dataset(name: str, args, tmp: Path) -> str:
-    """Every trainer on one data set, one process each; returns the markdown section for it."""
+def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
+    """Every trainer on one data set, one process each; returns the markdown section for it. Each result also
+    goes into ``saved`` (written to ``--out-json`` after every trainer, so a run cut short keeps what it measured)."""
     data = {"train": DATASETS[name](960, seed=0), "eval": DATASETS[name](256, seed=1)}
     fraction = padded_fraction(data["train"], seed=0)
     stats = prefix_stats(data["train"])
@@ -320,7 +447,17 @@ def run_dataset(name: str, args, tmp: Path) -> str:
     print(f"{name} data: {about}", flush=True)
     path = tmp / f"{name}.json"
     path.write_text(json.dumps(data))
-    results = {}
+    gpu_name, peak = peak_bf16() if SETUP.hardware != "cpu" else (None, None)
+    if peak:
+        from hydra import compose, initialize_config_dir
+
+        from rm.config import to_run_config
+
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            model = to_run_config(compose(config_name="config", overrides=rm_overrides([]))).model
+        flops = {shared: sum(pair_flops(p, model, shared, SETUP.lora) for p in data["train"]) / len(data["train"])
+                 for shared in (False, True)}
+    results = saved.setdefault(name, {"about": about, "gpu": gpu_name, "setup": SETUP.__dict__, "results": {}})["results"]
     for trainer in ["TRL RewardTrainer", *VARIANTS]:
         if args.only and trainer not in args.only and trainer != "TRL RewardTrainer":
             continue
@@ -329,35 +466,50 @@ def run_dataset(name: str, args, tmp: Path) -> str:
         print(f"  running {trainer} (1-minute load average {load:.2f}) ...", flush=True)
         done = subprocess.run([sys.executable, __file__, "--child", "trl" if trainer.startswith("TRL") else trainer,
                                "--data-file", str(path), "--out", str(out), "--threads", str(args.threads),
-                               "--steps", str(STEPS)], cwd=ROOT, capture_output=True, text=True)
+                               "--steps", str(SETUP.steps), "--setup", args.setup], cwd=ROOT, capture_output=True, text=True)
         if done.returncode:
-            sys.exit(f"{trainer} failed:\n{done.stderr[-4000:]}")
+            if trainer.startswith("TRL") or SETUP.hardware == "cpu":
+                sys.exit(f"{trainer} failed:\n{done.stderr[-4000:]}")
+            results[trainer] = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+            print(f"    failed: {done.stderr[-3000:]}", flush=True)
+            continue
         results[trainer] = {**json.loads(out.read_text()), "load": (load + os.getloadavg()[0]) / 2}
         r = results[trainer]
+        if peak:
+            r["model_flops_per_pair"] = flops["prefix-shared" in trainer]
+            r["mfu"] = r["pairs_per_s"] * r["model_flops_per_pair"] / peak
+        if args.out_json:
+            Path(args.out_json).write_text(json.dumps(saved, indent=1))
         print(f"    {r['pairs_per_s']:.2f} pairs/s, {r['tokens_per_s']:,.0f} real tokens/s, {r['step_s']:.3f} s/step, "
-              f"peak RSS {r['peak_rss_mib']:,.0f} MiB, eval accuracy {r['eval_accuracy']:.3f}", flush=True)
+              f"peak RSS {r['peak_rss_mib']:,.0f} MiB" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
+              + (f", eval accuracy {r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else ""), flush=True)
     return f"### {name} data\n\n{about}.\n\n{table(results)}\n"
 
 
 def main() -> None:
-    global STEPS
+    global SETUP, VARIANTS
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--setup", choices=list(SETUPS), default="cpu",
+                        help="cpu: the tiny model on 2 threads; gpu-1b: a 1.1B full fine-tune; gpu-7b-lora: Mistral-7B LoRA r16")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=STEPS, help="optimizer steps (a smoke test: --steps 10)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (a smoke test: --steps 10)")
     parser.add_argument("--data", nargs="*", default=list(DATASETS), choices=list(DATASETS), help="data sets to run")
     parser.add_argument("--write-doc", action="store_true", help="write the tables into docs/throughput.md")
+    parser.add_argument("--out-json", help="every result as JSON, rewritten after each trainer")
     parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table); TRL always runs")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--data-file", dest="data_file", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    STEPS = args.steps
+    SETUP = replace(SETUPS[args.setup], **({"steps": args.steps} if args.steps else {}))
+    VARIANTS = variants(SETUP)
     if args.child:
         return child(args)
 
     load_before = os.getloadavg()
+    saved = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sections = [run_dataset(name, args, Path(tmp)) for name in args.data]
+        sections = [run_dataset(name, args, Path(tmp), saved) for name in args.data]
     load_after = os.getloadavg()
     footer = (f"1-minute / 5-minute load average {load_before[0]:.2f} / {load_before[1]:.2f} before the run, "
               f"{load_after[0]:.2f} / {load_after[1]:.2f} after (the load avg column: mean of before and after each trainer); "

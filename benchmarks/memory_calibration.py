@@ -189,31 +189,58 @@ GPU_MODELS = {  # random weights built from the shape: the GPU machine cannot do
     "0.45B (Mistral-style)": ["model.vocab_size=32000", "model.hidden_size=1536", "model.intermediate_size=4096",
                               "model.num_hidden_layers=16", "model.num_attention_heads=12", "model.num_key_value_heads=4",
                               "model.head_dim=128", "model.max_position_embeddings=4096"],
-    "Mistral-7B shape": ["model=mistral_7b", "model.pretrained=null", "model.tokenizer=words"],
+    "Mistral-7B shape": ["model=mistral_7b", "model.pretrained=null"],
 }
 
 
 def gpu_grid() -> list:
-    """(model, profile, checkpointing, length, micro-batch, extra overrides) for `--device cuda`."""
+    """(model, profile, checkpointing, length, micro-batch, precision, extra overrides) for `--device cuda`.
+
+    Every profile at both checkpointing settings, each at another length, then the flagship's shapes. The last
+    point is one the estimate refuses on an 80 GB card (7B full fine-tune in bf16-mixed: fp32 weights, gradients
+    and AdamW states alone are 16 bytes a parameter): it must run out of memory there."""
     grid = []
-    for profile in PROFILES:
-        for checkpointing in (False, True):
-            for length in (256, 1024):
-                grid.append(("0.45B (Mistral-style)", profile, checkpointing, length, 2, []))
-    grid += [("Mistral-7B shape", "lora", True, 512, 4, ["lora=r16"]),
-             ("Mistral-7B shape", "full", True, 384, 1, []),
-             ("Mistral-7B shape", "qlora", True, 512, 4, ["lora=r16"])]
+    for profile in ["full", "lora", "8bit", "offload", "qlora"]:
+        grid.append(("0.45B (Mistral-style)", profile, False, 512, 2, "bf16-mixed", []))
+        grid.append(("0.45B (Mistral-style)", profile, True, 1024, 4, "bf16-mixed", []))
+    grid += [("0.45B (Mistral-style)", "full", False, 1024, 2, "bf16-true", []),
+             ("Mistral-7B shape", "lora", True, 512, 4, "bf16-mixed", ["lora=r16"]),
+             ("Mistral-7B shape", "full", True, 384, 1, "bf16-true", []),
+             ("Mistral-7B shape", "full", True, 384, 1, "bf16-mixed", [])]
     return grid
 
 
-def gpu_point(spec, workdir: Path, data: Path, dry_run: bool) -> dict:
+def saved_random_weights(model: str, workdir: Path) -> Path:
+    """The shape's random init saved as a pretrained directory, for memory_profile=qlora (which quantises
+    weights as it loads them). Built on the CPU here: this process must hold no CUDA context, whose memory
+    the device count of every point would include."""
+    import torch
+
+    from rm.config import compose
+    from rm.model import build_model, build_tokenizer
+
+    path = workdir / f"pretrained-{model.split()[0]}"
+    if not path.is_dir():
+        base = [] if GPU_MODELS[model][0].startswith("model=") else ["model=tiny"]
+        cfg = compose(["experiment=tiny", *base, "model.tokenizer=words", *GPU_MODELS[model]])
+        tokenizer = build_tokenizer(cfg.model)  # saved beside the weights: a pretrained model brings its own
+        torch.manual_seed(0)
+        build_model(cfg.model, tokenizer.pad_token_id, "bfloat16", gradient_checkpointing=False).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return path
+
+
+def gpu_point(spec, workdir: Path, data: Path, dry_run: bool, timeout: int = 300) -> dict:
     """One real training run of 2 steps on the GPU; estimate terms against the allocator and the device."""
-    model, profile, checkpointing, length, micro, extra = spec
+    model, profile, checkpointing, length, micro, precision, extra = spec
     shape = GPU_MODELS[model]
     base = [] if shape[0].startswith("model=") else ["model=tiny"]
     run_dir = workdir / f"gpu{len(list(workdir.glob('gpu*')))}"
-    overrides = ["experiment=tiny", *base, *shape, *extra, "train.share_prefix=false", f"memory_profile={profile}", "hardware=auto",
-                 "train.precision=bf16-mixed" if not dry_run else "train.precision=32-true",
+    pretrained = [f"model.pretrained={saved_random_weights(model, workdir)}"] if profile == "qlora" and not dry_run else []
+    tokenizer = [] if pretrained else ["model.tokenizer=words"]  # the saved weights' own tokenizer otherwise
+    overrides = ["experiment=tiny", *base, *shape, *pretrained, *tokenizer, *extra, "train.share_prefix=false",
+                 f"memory_profile={profile}", "hardware=auto",
+                 f"train.precision={precision}" if not dry_run else "train.precision=32-true",
                  f"train.gradient_checkpointing={checkpointing}", f"data.max_length={length}", "data=local",
                  f"data.train_files=[{data}]", f"data.eval_files=[{data}]", f"train.micro_batch_size={micro}",
                  f"train.global_batch_size={2 * micro}", "train.eval_batch_size=1", "train.max_steps=2",
@@ -221,52 +248,87 @@ def gpu_point(spec, workdir: Path, data: Path, dry_run: bool) -> dict:
                  f"hydra.run.dir={run_dir}"]
     if dry_run:  # CPU: the tiny model at the point's settings, to exercise the path end to end
         overrides = [o for o in overrides if not any(o.startswith(k) for k in ("model", "hardware", "lora"))]
-        overrides += ["hardware=cpu", *([] if profile != "qlora" else ["memory_profile=lora"])]
+        overrides += ["hardware=cpu", "model.tokenizer=words", *([] if profile != "qlora" else ["memory_profile=lora"])]
         overrides = [o.replace(f"data.max_length={length}", "data.max_length=32") for o in overrides]
-    proc = subprocess.run([sys.executable, "-m", "rm.train", *overrides], cwd=ROOT, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"model": model, "profile": profile, "checkpointing": checkpointing, "max_length": length, "micro": micro,
-                "error": proc.stderr.strip().splitlines()[-1][:200] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    memory = json.loads((run_dir / "memory.json").read_text())
-    est, meas = memory["estimate"], memory["measured"]
     row = {"model": model, "profile": profile, "checkpointing": checkpointing, "max_length": length, "micro": micro,
-           "est_allocated": est["allocated_bytes"], "est_reserve": est["allocator_reserve"], "est_context": est["cuda_context"],
-           "est_device": est["peak_bytes"], "phase": est["peak_phase"],
-           "allocated": meas.get("peak_allocated_bytes"), "reserved": meas.get("peak_reserved_bytes"),
-           "device_used_start": meas.get("device_used_start_bytes"), "device_used": meas.get("device_used_bytes")}
+           "precision": precision}
+    start, memory_file, memory = time.perf_counter(), run_dir / "memory.json", None
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "rm.train", *overrides], cwd=ROOT, stdout=out, stderr=err, text=True)
+        # memory.json is written when training ends, before the model is exported: the export (14 GB for a 7B full
+        # fine-tune, then reloaded to verify it) measures nothing here, so the run is stopped once the file is whole.
+        while proc.poll() is None and time.perf_counter() - start < timeout and memory is None:
+            time.sleep(0.2)
+            try:
+                memory = json.loads(memory_file.read_text())
+            except (OSError, ValueError):
+                memory = None
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if memory is None and memory_file.is_file():
+            memory = json.loads(memory_file.read_text())
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    row["wall_s"] = round(time.perf_counter() - start, 1)
+    if memory is None:
+        lines = [line for line in stderr.strip().splitlines() if line.strip()]
+        out_of_memory = any("OutOfMemoryError" in line or "out of memory" in line for line in lines)
+        estimate = next((line for line in (stdout + stderr).splitlines() if "does not fit" in line), "")
+        error = f"timed out after {timeout} s" if row["wall_s"] >= timeout else (lines[-1] if lines else f"exit {proc.returncode}")
+        return {**row, "error": error[:300], "out_of_memory": out_of_memory,
+                "estimate_line": estimate[:300], "stderr_tail": "\n".join(lines[-8:])[-2000:]}
+    est, meas = memory["estimate"], memory["measured"]
+    row.update({"est_allocated": est["allocated_bytes"], "est_reserve": est["allocator_reserve"], "est_context": est["cuda_context"],
+                "est_device": est["peak_bytes"], "fits": est["fits"], "phase": est["peak_phase"],
+                "estimate_terms": {k: est[k] for k in ("weights", "gradients", "optimizer_states", "activations", "evaluation",
+                                                       "temporaries", "overhead")},
+                "allocated": meas.get("peak_allocated_bytes"), "reserved": meas.get("peak_reserved_bytes"),
+                "device_used_start": meas.get("device_used_start_bytes"), "device_used": meas.get("device_used_bytes")})
     return row
 
 
-def gpu_main(out: Path, dry_run: bool) -> None:
-    """`--device cuda`: the GPU grid, written to docs/memory_calibration_gpu.md (15 minutes on one H100)."""
+def gpu_main(out: Path, dry_run: bool, only=None, timeout: int = 300) -> None:
+    """`--device cuda`: the GPU grid, written to docs/memory_calibration_gpu.md (and .json beside it)."""
     import torch
 
     if not dry_run and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU; on a CPU use --dry-run to check the grid")
     start, rows = time.perf_counter(), []
+    grid = gpu_grid()[:3] if dry_run else [g for i, g in enumerate(gpu_grid()) if only is None or i in only]
     with tempfile.TemporaryDirectory() as tmp:
         data = long_pairs(Path(tmp) / "long_pairs.jsonl", pairs=16)
-        for spec in (gpu_grid()[:2] if dry_run else gpu_grid()):
-            rows.append(gpu_point(spec, Path(tmp), data, dry_run))
+        for spec in grid:
+            rows.append(gpu_point(spec, Path(tmp), data, dry_run, timeout))
             print(json.dumps(rows[-1]), flush=True)
-    device = "CPU (dry run: tiny model, fp32, 2 points)" if dry_run else (
+            out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    device = "CPU (dry run: tiny model, fp32, 3 points)" if dry_run else (
         f"{torch.cuda.get_device_name(0)}, driver {torch_driver()}, torch {torch.__version__}, "
         f"capacity {torch.cuda.mem_get_info(0)[1] / 2**30:.2f} GiB")
+    write_gpu_doc(out, rows, device, time.perf_counter() - start)
+
+
+def write_gpu_doc(out: Path, rows: list, device: str, elapsed: float) -> None:
     lines = ["# Memory estimate vs measurement (GPU)", "",
              f"Regenerate: `python benchmarks/memory_calibration.py --device cuda` ({len(rows)} points, "
-             f"{time.perf_counter() - start:.0f} s; {device}; {time.strftime('%Y-%m-%d')}).", "",
-             "Each point trains 2 steps of 2 micro-batches, bf16, random weights built from the shape. "
-             "`allocated` is `torch.cuda.max_memory_allocated`, `reserved` `max_memory_reserved`, `device` the device's "
-             "own count (`mem_get_info` total - free) at the end of the loop, which holds the allocator's peak reserve, "
-             "the CUDA context and everything else of this process. Targets: allocated within 5%; predicted device "
-             "total never below the device's count and at most 10% above; misses are marked **MISS**.", "",
-             "| model | profile | ckpt | length x micro | est. allocated | allocated | err | est. device | device | err | reserved | peak phase |",
-             "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             f"{elapsed:.0f} s; {device}; {time.strftime('%Y-%m-%d')}).", "",
+             "Each point trains 2 steps of 2 micro-batches from random weights built from the shape (qlora: saved, then "
+             "quantised as it loads), every sequence at full length. `allocated` is `torch.cuda.max_memory_allocated`, "
+             "`reserved` `max_memory_reserved`, `device` the device's own count (`mem_get_info` total - free) at the end "
+             "of the loop, which holds the allocator's peak reserve, the CUDA context and everything else of this process. "
+             "Targets: allocated within 5%; predicted device total never below the device's count and at most 10% above; "
+             "misses are marked **MISS**.", "",
+             "| model | profile | precision | ckpt | length x micro | est. allocated | allocated | err | est. device | device | err "
+             "| reserved | peak phase |",
+             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     for r in rows:
-        head = f"| {r['model']} | `{r['profile']}` | {'on' if r['checkpointing'] else 'off'} | {r['max_length']} x {r['micro']} |"
+        head = (f"| {r['model']} | `{r['profile']}` | {r.get('precision', 'bf16-mixed')} | {'on' if r['checkpointing'] else 'off'} "
+                f"| {r['max_length']} x {r['micro']} |")
         if "error" in r:
-            lines.append(f"{head} failed: {r['error']} | | | | | | | |")
+            verdict = (" (the estimate refused it and the device ran out of memory: the verdict holds)"
+                       if r.get("out_of_memory") and "does not fit" in r.get("estimate_line", "") else "")
+            lines.append(f"{head} failed{verdict}: {r['error'][:160]} | | | | | | | |")
             continue
         err_a = 100 * (r["est_allocated"] - r["allocated"]) / r["allocated"]
         used = r["device_used"] if r["device_used"] is not None else r["allocated"]
@@ -351,7 +413,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs per 2-process point; each rank's highest peak is compared (default 2)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--dry-run", action="store_true", help="with --device cuda: two tiny points on the CPU")
+    parser.add_argument("--dry-run", action="store_true", help="with --device cuda: three tiny points on the CPU")
+    parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid (0-based)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--share-prefix", action="store_true",
                         help="run only the train.share_prefix points and rewrite their section of the doc")
@@ -366,7 +429,7 @@ def main() -> None:
         random_main(args)
         return
     if args.device == "cuda":
-        gpu_main(Path(args.out or ROOT / "docs" / "memory_calibration_gpu.md"), args.dry_run)
+        gpu_main(Path(args.out or ROOT / "docs" / "memory_calibration_gpu.md"), args.dry_run, args.only, args.point_timeout)
         return
     out = Path(args.out or ROOT / "docs" / "memory_calibration.md")
     models = [m for m in MODELS if not (args.quick and m.startswith("medium"))]

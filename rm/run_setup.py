@@ -224,9 +224,14 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
                  total_steps: int) -> torch.nn.Module:
     """The reward model with its memory profile, prepared by the engine with optimizer and schedule."""
     t = cfg.train
+    # A model built from its shape draws its random init on the GPU it trains on (seconds for a 7B shape, where the
+    # CPU takes minutes); every engine moves the whole model there anyway, except ZeRO-3, which partitions it first.
+    on_device = cfg.model.pretrained is None and engine.device.type == "cuda" and not (
+        plan.strategy == "deepspeed" and plan.zero_stage == 3)
     model = build_reward_model(
         cfg.model, cfg.memory_profile, cfg.lora, numerics=plan.numerics, gradient_checkpointing=t.gradient_checkpointing,
         fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), pad_token_id=pad_token_id,
+        device=engine.device if on_device else None,
     )
     monitor.register(model.parameters())
     return engine.prepare(

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# bash scripts/gpu_session.sh OUT_DIR [STAGE ...]      on an offline CUDA machine, after `bash scripts/gpu_wheels.sh` here
+# Every GPU check in one pass, each stage under its own time limit, in the order that matters most: a run cut
+# short keeps what it measured. Stages: setup constants tests calibration speed-1b speed-7b (default: all).
+# GPU_SESSION_SECONDS (default 540) is the whole pass's budget; a stage that cannot get 20 s is skipped.
+# Writes into OUT_DIR: gpu_constants.json, gpu_tests.log, memory_calibration_gpu.{md,json},
+# throughput_gpu_1b.json, throughput_gpu_7b_lora.json.
+set -u
+out="${1:?usage: scripts/gpu_session.sh OUT_DIR [STAGE ...]}"
+shift
+stages="${*:-setup constants tests calibration speed-1b speed-7b}"
+budget="${GPU_SESSION_SECONDS:-540}"
+start=$(date +%s)
+cd "$(dirname "$0")/.."
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda TOKENIZERS_PARALLELISM=false
+
+left() { echo $((budget - $(date +%s) + start)); }
+wants() { [[ " $stages " == *" $1 "* ]]; }
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2 remaining
+  shift 2
+  remaining=$(left)
+  if ((remaining < 20)); then echo "== $name: skipped, $remaining s left"; return; fi
+  ((limit > remaining - 5)) && limit=$((remaining - 5))
+  echo "== $name: limit $limit s, $remaining s left, $(date -u +%T)"
+  local t0=$(date +%s)
+  timeout --signal=INT --kill-after=10 "$limit" "$@"
+  echo "== $name: exit $? after $(($(date +%s) - t0)) s"
+}
+
+if wants setup; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl 2>&1 | tail -3
+fi
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if wants setup; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used --format=csv
+  python3 -c "import rm, torch, transformers, peft, accelerate, datasets, hydra, omegaconf, deepspeed, bitsandbytes, trl
+print('python', __import__('sys').version.split()[0], '| torch', torch.__version__, 'cuda', torch.version.cuda,
+      '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__,
+      '| datasets', datasets.__version__, '| hydra', hydra.__version__, '| deepspeed', deepspeed.__version__,
+      '| bitsandbytes', bitsandbytes.__version__, '| trl', trl.__version__, '| cpus', __import__('os').cpu_count())"
+fi
+wants constants && stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json"
+wants tests && stage tests 170 python3 -m pytest -m gpu tests/test_gpu.py -q -rA -p no:cacheprovider --timeout 100 \
+  -o log_cli=false >"$out/gpu_tests.log" 2>&1
+wants tests && tail -40 "$out/gpu_tests.log"
+wants calibration && stage calibration 240 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
+  --out "$out/memory_calibration_gpu.md"
+wants speed-1b && stage speed-1b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 \
+  --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" \
+  "rm prefix-shared, row per pair + group_by_length (micro-batch 8)" --out-json "$out/throughput_gpu_1b.json"
+wants speed-7b && stage speed-7b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn --threads 8 \
+  --only "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" --out-json "$out/throughput_gpu_7b_lora.json"
+echo "== done after $(($(date +%s) - start)) s"

@@ -1,0 +1,152 @@
+"""Every CUDA code path once, on a real GPU: skipped without one (the ``gpu`` marker, tests/conftest.py).
+
+    python -m pytest -m gpu tests/test_gpu.py        # on a CUDA machine; about a minute on one H100
+
+Each test is a short real run of the tiny model through ``rm.train.train`` with ``hardware=auto``, so the
+device, the precision default and the optimizer are the ones a GPU user gets. What the CPU suite cannot
+reach: bf16 autocast and fp16 loss scaling on CUDA, bitsandbytes' paged 8-bit AdamW and 4-bit matmuls,
+DeepSpeed's CPU Adam beside a GPU, sdpa's and flex-attention's CUDA kernels under a prefix-shared mask,
+and the allocator's own counts in ``memory.json``.
+"""
+
+import json
+import math
+import os
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+
+import rm.train as rm_train
+from rm.config import to_run_config
+from tests.conftest import FAST_TINY, compose_run
+from tests.test_prefix_sharing import FEATURES, PAIRS, shared, unshared
+
+pytestmark = pytest.mark.gpu
+
+GPU_TINY = [o for o in FAST_TINY if not o.startswith("hardware=")] + [
+    "hardware=auto", "train.precision=auto", "model.tokenizer=words", "train.max_steps=4", "train.eval_steps=0",
+    "train.track_memory=true",
+]
+
+
+def run(tmp_path, *overrides, name="run"):
+    """Train the tiny model on the GPU; return the result, memory.json and the train log."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # each run picks its own mixed precision
+    cfg = to_run_config(compose_run(GPU_TINY + list(overrides)))
+    run_dir = tmp_path / name
+    environ = dict(os.environ)
+    try:
+        result = rm_train.train(cfg, run_dir)
+    finally:
+        # DeepSpeed's one-process rendezvous (RANK, WORLD_SIZE, ...) and its process group would make the next
+        # run in this process wait for peers: each user run is its own process, so undo both.
+        os.environ.clear()
+        os.environ.update(environ)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    memory = json.loads((run_dir / "memory.json").read_text())
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
+    return result, memory, log, run_dir
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["event"] == "train"]
+
+
+def assert_trained_on_cuda(result, memory, run_dir):
+    assert result["status"] == "ok", result
+    assert (run_dir / "final").is_dir()
+    measured = memory["measured"]
+    assert measured["method"].startswith("torch.cuda"), measured
+    # The allocator saw the run: more than the weights, and the device's own count holds the allocator's reserve.
+    assert measured["peak_allocated_bytes"] > memory["estimate"]["weights"]
+    assert measured["device_used_bytes"] >= measured["peak_reserved_bytes"] >= measured["peak_allocated_bytes"]
+    assert all(math.isfinite(loss) for loss in losses(run_dir))
+
+
+@pytest.fixture(scope="module")
+def saved_tiny(tmp_path_factory):
+    """The tiny model's random init saved as a pretrained directory: what memory_profile=qlora quantises."""
+    from rm.model import build_model, build_tokenizer
+
+    cfg = to_run_config(compose_run(GPU_TINY))
+    tokenizer = build_tokenizer(cfg.model)
+    set_seed(0)
+    path = tmp_path_factory.mktemp("tiny_pretrained")
+    build_model(cfg.model, tokenizer.pad_token_id, "float32", gradient_checkpointing=False).save_pretrained(path)
+    tokenizer.save_pretrained(path)  # a pretrained directory brings its tokenizer (model.tokenizer=null reads it)
+    return path
+
+
+@pytest.mark.parametrize("profile", ["full", "lora", "8bit", "offload", "qlora"])
+def test_every_memory_profile_trains_on_cuda(tmp_path, profile, saved_tiny):
+    extra = [f"model.pretrained={saved_tiny}", "model.tokenizer=null"] if profile == "qlora" else []
+    result, memory, log, run_dir = run(tmp_path, f"memory_profile={profile}", *extra)
+    assert_trained_on_cuda(result, memory, run_dir)
+    if profile == "8bit":
+        assert "PagedAdamW8bit" in log  # paged on CUDA: state pages can spill to host RAM
+    if profile == "qlora":
+        assert "frozen base 4-bit NF4" in log, log[-2000:]
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "16-mixed", "32-true"])
+def test_every_precision_trains_on_cuda(tmp_path, precision):
+    result, memory, log, run_dir = run(tmp_path, f"train.precision={precision}")
+    assert_trained_on_cuda(result, memory, run_dir)
+    assert memory["estimate"]["precision"] == precision
+
+
+def test_bf16_mixed_is_the_default_on_a_bf16_gpu(tmp_path):
+    result, memory, _, run_dir = run(tmp_path)
+    assert_trained_on_cuda(result, memory, run_dir)
+    assert memory["estimate"]["precision"] == "bf16-mixed"
+    assert memory["estimate"]["numerics"]["weights"] == "float32"
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn):
+    """The CUDA kernels under the prefix-shared mask give the unshared rewards (fp32, every case)."""
+    from rm.model import build_model
+
+    cfg = tiny_cfg(f"model.attn_implementation={attn}")
+    set_seed(0)
+    model = build_model(cfg.model, pad_token_id=0, dtype="float32", gradient_checkpointing=False).cuda().eval()
+    on_cuda = [{k: v for k, v in f.items()} for f in FEATURES]
+    with torch.no_grad():
+        (want_c, want_r), _ = unshared(model, on_cuda)
+        (got_c, got_r), _ = shared(model, on_cuda, packed=True)
+    for name, w, g in zip(PAIRS, zip(want_c, want_r), zip(got_c, got_r)):
+        torch.testing.assert_close(torch.stack(g).float().cpu(), torch.stack(w).float().cpu(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
+@pytest.mark.parametrize("packing", [False, True], ids=["row-per-pair", "packed"])
+def test_prefix_shared_training_on_cuda(tmp_path, attn, packing):
+    result, memory, _, run_dir = run(tmp_path, "train.share_prefix=true", f"model.attn_implementation={attn}",
+                                     f"train.packing={str(packing).lower()}")
+    assert_trained_on_cuda(result, memory, run_dir)
+
+
+def test_packing_on_cuda(tmp_path):
+    result, memory, _, run_dir = run(tmp_path, "train.packing=true", "train.max_tokens_per_micro_batch=256")
+    assert_trained_on_cuda(result, memory, run_dir)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("layout", ["ddp", "zero2"])
+def test_two_processes_over_nccl(tmp_path, layout):
+    """DDP and ZeRO-2 over NCCL, one GPU per process, through the launcher users run."""
+    import subprocess
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"{torch.cuda.device_count()} GPU here: NCCL needs one GPU per process")
+    overrides = [o for o in GPU_TINY if not o.startswith("train.track_memory")]
+    env = {**os.environ, "RUN_DIR": str(tmp_path / layout)}
+    proc = subprocess.run(["bash", "train_rm_distributed.sh", "synthetic", "2", *overrides, f"distributed={layout}"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (tmp_path / layout / "final").is_dir()
