@@ -95,8 +95,12 @@ SETUP = SETUPS["cpu"]
 def variants(setup: Setup) -> dict:
     """name: rm overrides on top of the shared run."""
     m, small, budget = setup.micro, setup.small_micro, setup.budget
+    flex = {} if setup.hardware == "cpu" else {  # flex-attention's block-sparse mask is compiled for GPUs only
+        f"rm prefix-shared + packed, flex_attention (budget {budget} tokens)": [
+            f"train.micro_batch_size={m}", "train.share_prefix=true", "train.packing=true",
+            f"train.max_tokens_per_micro_batch={budget}", "model.attn_implementation=flex_attention"]}
     return {
-        f"rm padded": [f"train.micro_batch_size={m}", "train.group_by_length=false"],
+        "rm padded": [f"train.micro_batch_size={m}", "train.group_by_length=false"],
         f"rm padded + group_by_length (micro-batch {small})": [f"train.micro_batch_size={small}", "train.group_by_length=true"],
         f"rm packed (budget {budget} tokens)": [f"train.micro_batch_size={m}", "train.packing=true",
                                                 f"train.max_tokens_per_micro_batch={budget}"],
@@ -104,6 +108,7 @@ def variants(setup: Setup) -> dict:
                                                                 "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"],
         f"rm prefix-shared, row per pair + group_by_length (micro-batch {small})": [
             f"train.micro_batch_size={small}", "train.share_prefix=true", "train.group_by_length=true"],
+        **flex,
     }
 
 

@@ -205,7 +205,9 @@ def gpu_grid() -> list:
         grid.append(("0.45B (Mistral-style)", profile, True, 1024, 4, "bf16-mixed", []))
     grid += [("0.45B (Mistral-style)", "full", False, 1024, 2, "bf16-true", []),
              ("Mistral-7B shape", "lora", True, 512, 4, "bf16-mixed", ["lora=r16"]),
+             ("Mistral-7B shape", "lora", False, 512, 4, "bf16-mixed", ["lora=r16"]),
              ("Mistral-7B shape", "full", True, 384, 1, "bf16-true", []),
+             ("Mistral-7B shape", "full", False, 384, 1, "bf16-true", []),
              ("Mistral-7B shape", "full", True, 384, 1, "bf16-mixed", [])]
     return grid
 
@@ -276,8 +278,12 @@ def gpu_point(spec, workdir: Path, data: Path, dry_run: bool, timeout: int = 300
         out_of_memory = any("OutOfMemoryError" in line or "out of memory" in line for line in lines)
         estimate = next((line for line in (stdout + stderr).splitlines() if "does not fit" in line), "")
         error = f"timed out after {timeout} s" if row["wall_s"] >= timeout else (lines[-1] if lines else f"exit {proc.returncode}")
-        return {**row, "error": error[:300], "out_of_memory": out_of_memory,
-                "estimate_line": estimate[:300], "stderr_tail": "\n".join(lines[-8:])[-2000:]}
+        log = run_dir / "train.log"  # rm reports an error through its log: Hydra's job logging and the run's file
+        tail = (log.read_text() if log.is_file() else stdout).strip().splitlines()
+        error = next((line for line in reversed(tail) if "Error" in line or "error:" in line), error)
+        return {**row, "error": error[:300], "out_of_memory": out_of_memory or any("out of memory" in t for t in tail),
+                "estimate_line": estimate[:300], "stderr_tail": "\n".join(lines[-8:])[-2000:],
+                "log_tail": "\n".join(tail[-25:])[-4000:]}
     est, meas = memory["estimate"], memory["measured"]
     row.update({"est_allocated": est["allocated_bytes"], "est_reserve": est["allocator_reserve"], "est_context": est["cuda_context"],
                 "est_device": est["peak_bytes"], "fits": est["fits"], "phase": est["peak_phase"],

@@ -224,14 +224,10 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
                  total_steps: int) -> torch.nn.Module:
     """The reward model with its memory profile, prepared by the engine with optimizer and schedule."""
     t = cfg.train
-    # A model built from its shape draws its random init on the GPU it trains on (seconds for a 7B shape, where the
-    # CPU takes minutes); every engine moves the whole model there anyway, except ZeRO-3, which partitions it first.
-    on_device = cfg.model.pretrained is None and engine.device.type == "cuda" and not (
-        plan.strategy == "deepspeed" and plan.zero_stage == 3)
     model = build_reward_model(
         cfg.model, cfg.memory_profile, cfg.lora, numerics=plan.numerics, gradient_checkpointing=t.gradient_checkpointing,
         fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), pad_token_id=pad_token_id,
-        device=engine.device if on_device else None,
+        device=init_device(cfg, plan, engine),
     )
     monitor.register(model.parameters())
     return engine.prepare(
@@ -265,11 +261,21 @@ def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, to
     health.watch_updates(LostUpdateProbe(params, seed=cfg.train.seed), warmup_steps(cfg, total_steps))
 
 
+def init_device(cfg: RunConfig, plan: Plan, engine: Engine) -> Optional[torch.device]:
+    """Where a model built from its shape draws its random init: the GPU it trains on (seconds for a 7B shape, where
+    the CPU takes minutes), since every engine moves the whole model there anyway, except ZeRO-3, which partitions it
+    first; ``None`` (the CPU) otherwise. The seed draws other numbers on another device, so the rebuilt base of an
+    exported adapter (:func:`rebuild_base`) must be drawn where the trained one was."""
+    zero3 = plan.strategy == "deepspeed" and plan.zero_stage == 3
+    return engine.device if cfg.model.pretrained is None and engine.device.type == "cuda" and not zero3 else None
+
+
 def rebuild_base(run: Run) -> torch.nn.Module:
-    """What an adapter is reloaded onto when the export checks it: a random-init base is rebuilt from its seed."""
+    """What an adapter is reloaded onto when the export checks it: a random-init base is rebuilt from its seed, on
+    the device it was first drawn on."""
     set_seed(run.cfg.train.seed)
     return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.numerics.frozen, False,
-                       run.cfg.memory_profile.quantize_base)
+                       run.cfg.memory_profile.quantize_base, init_device(run.cfg, run.plan, run.engine))
 
 
 def total_training_steps(cfg: RunConfig, num_pairs: int) -> int:

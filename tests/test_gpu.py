@@ -10,6 +10,7 @@ and the allocator's own counts in ``memory.json``.
 """
 
 import json
+import logging
 import math
 import os
 
@@ -20,7 +21,7 @@ from accelerate.utils import set_seed
 import rm.train as rm_train
 from rm.config import to_run_config
 from tests.conftest import FAST_TINY, compose_run
-from tests.test_prefix_sharing import FEATURES, PAIRS, shared, unshared
+from tests.test_prefix_sharing import FEATURES, PAIRS
 
 pytestmark = pytest.mark.gpu
 
@@ -30,9 +31,12 @@ GPU_TINY = [o for o in FAST_TINY if not o.startswith("hardware=")] + [
 ]
 
 
-def run(tmp_path, *overrides, name="run"):
-    """Train the tiny model on the GPU; return the result, memory.json and the train log."""
+def run(tmp_path, *overrides, name="run", caplog=None):
+    """Train the tiny model on the GPU; return the result, memory.json, the run's log lines and its directory."""
     from accelerate.state import AcceleratorState
+
+    if caplog is not None:
+        caplog.set_level(logging.INFO, logger="rm")
 
     AcceleratorState._reset_state(reset_partial_state=True)  # each run picks its own mixed precision
     cfg = to_run_config(compose_run(GPU_TINY + list(overrides)))
@@ -48,8 +52,7 @@ def run(tmp_path, *overrides, name="run"):
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
     memory = json.loads((run_dir / "memory.json").read_text())
-    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else ""
-    return result, memory, log, run_dir
+    return result, memory, caplog.text if caplog is not None else "", run_dir
 
 
 def losses(run_dir):
@@ -83,9 +86,9 @@ def saved_tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("profile", ["full", "lora", "8bit", "offload", "qlora"])
-def test_every_memory_profile_trains_on_cuda(tmp_path, profile, saved_tiny):
+def test_every_memory_profile_trains_on_cuda(tmp_path, profile, saved_tiny, caplog):
     extra = [f"model.pretrained={saved_tiny}", "model.tokenizer=null"] if profile == "qlora" else []
-    result, memory, log, run_dir = run(tmp_path, f"memory_profile={profile}", *extra)
+    result, memory, log, run_dir = run(tmp_path, f"memory_profile={profile}", *extra, caplog=caplog)
     assert_trained_on_cuda(result, memory, run_dir)
     if profile == "8bit":
         assert "PagedAdamW8bit" in log  # paged on CUDA: state pages can spill to host RAM
@@ -107,20 +110,24 @@ def test_bf16_mixed_is_the_default_on_a_bf16_gpu(tmp_path):
     assert memory["estimate"]["numerics"]["weights"] == "float32"
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-per-pair"])
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
-def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn):
+def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn, packed):
     """The CUDA kernels under the prefix-shared mask give the unshared rewards (fp32, every case)."""
-    from rm.model import build_model
+    from rm.data.collator import PairCollator, PrefixSharedCollator
+    from rm.model import build_model, pair_rewards
 
     cfg = tiny_cfg(f"model.attn_implementation={attn}")
     set_seed(0)
     model = build_model(cfg.model, pad_token_id=0, dtype="float32", gradient_checkpointing=False).cuda().eval()
-    on_cuda = [{k: v for k, v in f.items()} for f in FEATURES]
+    cuda = lambda batch: {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}  # noqa: E731
+    plain, rows = cuda(PairCollator(pad_token_id=0)(FEATURES)), cuda(PrefixSharedCollator(packed=packed, pad_token_id=0)(FEATURES))
     with torch.no_grad():
-        (want_c, want_r), _ = unshared(model, on_cuda)
-        (got_c, got_r), _ = shared(model, on_cuda, packed=True)
-    for name, w, g in zip(PAIRS, zip(want_c, want_r), zip(got_c, got_r)):
-        torch.testing.assert_close(torch.stack(g).float().cpu(), torch.stack(w).float().cpu(), rtol=1e-4, atol=1e-5, msg=name)
+        want = pair_rewards(model, plain["input_ids"], plain["attention_mask"])
+        got = pair_rewards(model, rows["input_ids"], position_ids=rows["position_ids"], ends=rows["ends"],
+                           pair_ids=rows["pair_ids"], roles=rows["roles"])
+    for name, w, g in zip(PAIRS, zip(*want), zip(*got)):
+        torch.testing.assert_close(torch.stack(g).cpu(), torch.stack(w).cpu(), rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
