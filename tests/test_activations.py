@@ -199,3 +199,34 @@ def test_one_tracker_counts_a_run_and_a_timeline_alike():
     assert counted.peak == timeline.peak == max(timeline.live_after_each_event()) > 0
     with pytest.raises(RuntimeError, match="keeps no events"):
         counted.mark("x")
+
+
+def test_trace_where_checkpointing_recomputes_through_the_module_call(monkeypatch):
+    """transformers 5.17 (the GPU machine's) checkpoints a layer's whole ``__call__``, so the layer's hooks fire a
+    second time when the backward recomputes it; 5.24 checkpoints ``forward`` inside the call. Every checkpointed
+    estimate failed on that machine ("max() arg is an empty sequence") until the phase marks kept their first
+    firing. Both ways of checkpointing give the same layer measurement."""
+    from functools import partial
+
+    from transformers.models.mistral.modeling_mistral import MistralDecoderLayer
+
+    from rm.memory.trace import _trace
+
+    model = traced(torch.float32, True)
+    _trace.cache_clear()
+    want = measure_layer(model, 4, 32)
+
+    def call_517(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(partial(torch.nn.Module.__call__, self, **kwargs), *args)
+        return torch.nn.Module.__call__(self, *args, **kwargs)
+
+    # 5.24 wraps forward with functools.wraps: unwrap it, or it would checkpoint inside the checkpoint.
+    monkeypatch.setattr(MistralDecoderLayer, "forward", getattr(MistralDecoderLayer.forward, "__wrapped__", MistralDecoderLayer.forward))
+    monkeypatch.setattr(MistralDecoderLayer, "__call__", call_517)
+    _trace.cache_clear()
+    try:
+        got = measure_layer(model, 4, 32)
+    finally:
+        _trace.cache_clear()
+    assert got == want

@@ -275,8 +275,14 @@ def _mark_phases(model, tracker: StorageTracker) -> list:
     """Hooks that mark each layer's forward and backward and the final norm; returns their handles."""
     handles = []
 
+    def first(name):
+        # Where checkpointing recomputes a layer by calling the module again (transformers 5.17 does; 5.24 recomputes
+        # inside the layer's own call), its hooks fire a second time, in the backward: the phase began at the first.
+        if name not in tracker.marks:
+            tracker.mark(name)
+
     def on_layer_start(index):
-        return lambda module, args: tracker.mark(f"layer{index}")
+        return lambda module, args: first(f"layer{index}")
 
     def on_layer_end(index):
         # The gradient of layer i's output arrives when layer i's backward starts.
@@ -290,7 +296,7 @@ def _mark_phases(model, tracker: StorageTracker) -> list:
     for index, layer in enumerate(_base(model).layers):
         handles.append(layer.register_forward_pre_hook(on_layer_start(index)))
         handles.append(layer.register_forward_hook(on_layer_end(index)))
-    handles.append(_base(model).norm.register_forward_pre_hook(lambda module, args: tracker.mark("norm")))
+    handles.append(_base(model).norm.register_forward_pre_hook(lambda module, args: first("norm")))
 
     def on_embedding_end(module, args, output):  # its output's gradient arrives once every layer's backward is done
         if output.requires_grad:
