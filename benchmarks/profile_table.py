@@ -83,7 +83,7 @@ def render(rows: list, steps: int) -> str:
         "training, counted exactly (`train.track_memory=true`); peak RSS = the process's peak resident memory, which",
         f"adds Python, the libraries and malloc's caches (importing them alone takes {floor:.0f} MiB).",
         "Step times come from separate runs without counting (counting slows these steps 5-8x).",
-        "On a GPU the same split decides device memory; GPU figures are not measured yet (no GPU was available).",
+        "On a GPU the same split decides device memory; every profile's estimate against an H100: memory_calibration_gpu.md.",
         "",
         "| profile | what lives where | peak tensors (MiB) | vs `full` | peak RSS (MiB) | step time (s) |",
         "| --- | --- | ---: | ---: | ---: | ---: |",

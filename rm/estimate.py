@@ -32,9 +32,12 @@ def format_table(est: Estimate, label: str) -> str:
         ("activations (peak)", est.activations), ("temporaries", est.temporaries),
         ("evaluation forward", est.evaluation), ("overhead", est.overhead),
     ]
-    assumed = " (assumed)"  # device terms no GPU measurement has confirmed yet
-    device_rows = [("allocator reserve" + assumed, est.allocator_reserve), ("CUDA context" + assumed, est.cuda_context),
-                   ("NCCL buffers" + assumed, est.communication)]
+    # The device terms, marked where no GPU measurement backs them (docs/memory_calibration_gpu.md).
+    mark = lambda name: " (assumed)" if any(u.startswith(name) for u in est.uncalibrated) else ""  # noqa: E731
+    device_rows = [("allocator reserve" + mark("allocator reserve"), est.allocator_reserve),
+                   ("CUDA context (1 GiB bound)", est.cuda_context),
+                   ("NCCL process group" + mark("NCCL"), est.communication),
+                   ("paged optimizer states", est.outside_allocator)]
     unit, scale = ("GiB", GIB) if max(est.usable_bytes, est.peak_bytes) >= 4 * GIB else ("MiB", 1024**2)
     lines = [f"memory estimate per device: {label}",
              f"  processes: {est.world_size} ({est.world_size_source})",

@@ -289,6 +289,12 @@ def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors:
                 f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
                 f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
                 f"{_lr_losing_at_most(0.05):.0e}, or train.kahan_summation=true; the lost_updates alarm measures it while training")
+    if cfg.model.attn_implementation == "flex_attention":
+        # Seen on an H100 (torch 2.11, 2026-11-26, docs/gpu.md): the first sequence length compiles, a later one that
+        # torch.compile recompiles with symbolic sizes failed in 2 of 6 runs ("NoValidChoicesError" for flex_attention).
+        warnings.append("model.attn_implementation=flex_attention: torch 2.11's inductor failed to recompile flex-attention "
+                        "for a new sequence length in 2 of 6 runs on an H100 (NoValidChoicesError), so a run can stop at "
+                        "its first batch of another length; model.attn_implementation=sdpa takes the same masks")
     return warnings
 
 

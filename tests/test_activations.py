@@ -230,3 +230,21 @@ def test_trace_where_checkpointing_recomputes_through_the_module_call(monkeypatc
     finally:
         _trace.cache_clear()
     assert got == want
+
+
+def test_a_cuda_trace_keeps_dropouts_bool_mask():
+    """CUDA's fused dropout keeps a 1-byte bool mask for the backward where the CPU kernel keeps a noise tensor of the
+    input's dtype; PEFT drops out the input of every adapter, after casting it to the adapters' fp32. By hand, per
+    steady layer of a LoRA model in bf16: 4 - 1 = 3 bytes less for each element of each adapter's input, tokens x
+    (q, k, v, gate, up: hidden each; o: heads x head_dim; down: intermediate). Before the CUDA trace, an H100
+    allocated 25-27% less than the estimate under LoRA."""
+    from dataclasses import replace
+
+    cpu = traced(torch.bfloat16, False, lora_r=8)
+    cuda = replace(cpu, device="cuda")
+    tokens = BATCH * SEQ
+    head_dim = MODEL.hidden_size // MODEL.num_attention_heads
+    inputs = 5 * MODEL.hidden_size + MODEL.num_attention_heads * head_dim + MODEL.intermediate_size
+    assert measure_layer(cpu, BATCH, SEQ).saved_bytes - measure_layer(cuda, BATCH, SEQ).saved_bytes == 3 * tokens * inputs
+    full = traced(torch.bfloat16, False)  # no adapters, no dropout: the same on both devices
+    assert measure_layer(full, BATCH, SEQ).saved_bytes == measure_layer(replace(full, device="cuda"), BATCH, SEQ).saved_bytes

@@ -24,15 +24,23 @@ if TYPE_CHECKING:  # imported where used: `--help` and config errors need no tor
 
 GIB = 1024**3
 MIB = 1024**2
-# Device-level terms that only a GPU shows. None is measured yet (no GPU has been at hand); each is an
-# assumption, printed as such next to its value, until `benchmarks/memory_calibration.py --device cuda`
-# measures it.
-CUDA_CONTEXT_BYTES = 1 * GIB  # CUDA context, kernels loaded lazily, cuBLAS/cuDNN workspaces
-NCCL_BUFFER_BYTES = 512 * MIB  # NCCL's channel buffers and its own streams, per process, with >1 process
-# PyTorch's caching allocator rounds blocks up (512 B; large segments to 2 MiB) and keeps freed
-# blocks reserved. max_memory_reserved exceeds max_memory_allocated by the fragmentation of the
-# step's short-lived tensors; assumed 10% of them, plus one 20 MiB segment of small blocks.
+# Device-level terms that only a GPU shows, measured on one H100 80GB HBM3 (driver 580.159.04, torch 2.11.0+cu130,
+# 2026-11-26; docs/memory_calibration_gpu.md) where a number is given:
+# - the CUDA context (what the device holds beyond the allocator's reserve, in one process without NCCL): 769 MiB
+#   (806,158,336 bytes) in 4 runs of 3 profiles and 2 shapes, 767 MiB in a fifth, 787 MiB with bitsandbytes' 4-bit
+#   base. Kept at a 1 GiB bound: older drivers and CUDA versions load more eagerly, and this is one machine.
+CUDA_CONTEXT_BYTES = 1 * GIB
+# - a process that joins an NCCL group (DeepSpeed always does, one process too; DDP with several): 984 MiB more,
+#   outside the allocator, measured under DeepSpeed ZeRO-2 in one process. More peers add channel buffers: with
+#   several processes it is a floor, not a measurement.
+NCCL_PROCESS_GROUP_BYTES = 984 * MIB
+# PyTorch's caching allocator rounds blocks up (512 B; large segments to 2 MiB) and keeps freed blocks reserved:
+# max_memory_reserved exceeds max_memory_allocated by the fragmentation of the step's short-lived tensors. No closed
+# form exists; the term is a bound read off the H100 runs, not a measurement of any other card. Where the backward
+# creates full-size parameter gradients while it frees activations (full, 8bit, offload) the reserve beyond the peak
+# was 17-28% of the activations and temporaries (5 runs): bounded at 30%. Under LoRA it was 2-5% (3 runs): 10%.
 ALLOCATOR_FRAGMENTATION = 0.10
+ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS = 0.30
 ALLOCATOR_SMALL_SEGMENTS = 20 * MIB
 # A share of the device kept free by default (hardware.headroom_gib=null): the bound the calibration
 # holds every point to on the low side (no estimate more than 2% under a measured peak).
@@ -144,8 +152,8 @@ class Estimate:
     allocated_bytes: int  # the peak of live tensors: what max_memory_allocated measures on a GPU
     allocator_reserve: int  # CUDA: the caching allocator's rounding and cached free blocks
     cuda_context: int
-    communication: int  # CUDA with several processes: NCCL buffers
-    peak_bytes: int  # what the device holds at the peak: allocated + reserve + context + communication
+    communication: int  # CUDA in an NCCL process group: its buffers and kernels
+    peak_bytes: int  # what the device holds at the peak: allocated + reserve + context + communication + outside_allocator
     peak_phase: str
     usable_bytes: int  # device capacity less headroom
     headroom_bytes: int
@@ -167,6 +175,10 @@ class Estimate:
     rank: Optional[int] = None
     # Sized by the data: every rank's peak_bytes in rank order; this estimate is the largest (the verdict's).
     rank_peak_bytes: List[int] = field(default_factory=list)
+    # Device memory that tensors hold outside PyTorch's allocator, left out of allocated_bytes (which
+    # max_memory_allocated is compared with) and in peak_bytes: bitsandbytes' paged 8-bit optimizer states on CUDA,
+    # in managed memory (measured: an H100's used memory exceeded reserved + context by the states' size).
+    outside_allocator: int = 0
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -401,13 +413,20 @@ def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int,
     return host + counts.total * wbytes
 
 
-def device_terms(plan: Plan, activations: int, temporaries: int) -> Tuple[int, int, int, List[str]]:
-    """What a CUDA device holds beyond live tensors: allocator reserve, context, NCCL buffers (all assumed)."""
+def device_terms(plan: Plan, activations: int, temporaries: int, full_gradients: bool = True) -> Tuple[int, int, int, List[str]]:
+    """What a CUDA device holds beyond live tensors: allocator reserve, context, an NCCL group's memory; and the names
+    of the terms that no measurement backs (the reserve, a bound from one card; the NCCL term with several processes).
+
+    ``full_gradients``: the backward creates gradients of the whole model (not LoRA's adapters), which fragments more.
+    """
     if plan.device != "cuda":
         return 0, 0, 0, []
-    reserve = int(ALLOCATOR_FRAGMENTATION * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
-    communication = NCCL_BUFFER_BYTES if plan.world_size > 1 else 0
-    return reserve, CUDA_CONTEXT_BYTES, communication, ["allocator reserve", "CUDA context"] + (["NCCL buffers"] if communication else [])
+    fragmentation = ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS if full_gradients else ALLOCATOR_FRAGMENTATION
+    reserve = int(fragmentation * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
+    nccl = plan.strategy == "deepspeed" or plan.world_size > 1
+    communication = NCCL_PROCESS_GROUP_BYTES if nccl else 0
+    return reserve, CUDA_CONTEXT_BYTES, communication, ["allocator reserve"] + (["NCCL buffers of several processes"]
+                                                                                if plan.world_size > 1 else [])
 
 
 def usable_bytes(plan: Plan) -> Tuple[int, int]:
@@ -437,7 +456,7 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
         m = replace(m, attn_implementation="sdpa")
     return TracedModel.of(m, cfg.memory_profile, cfg.lora, numerics=plan.numerics,
                           gradient_checkpointing=cfg.train.gradient_checkpointing,
-                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision))
+                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), device=plan.device)
 
 
 def worst_case_shapes(cfg: RunConfig, plan: Plan) -> "BatchShapes":
@@ -544,10 +563,15 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
             plan.numerics.weight_bytes, plan.numerics.frozen_bytes)) if ddp_buckets else 0),
     }
     phase = max(phases, key=phases.get)
-    allocated = phases[phase] + t.overhead
-    reserve, context, communication, device_assumed = device_terms(plan, activations, backward_temporaries)
+    # Paged 8-bit states live in CUDA managed memory: on the device, but not in torch's allocator.
+    paged = plan.device == "cuda" and cfg.memory_profile.optimizer == "adamw_8bit"
+    held_states = {"forward/backward": states, "load": 0}.get(phase, t.states)
+    outside = held_states if paged else 0
+    allocated = phases[phase] + t.overhead - outside
+    reserve, context, communication, device_assumed = device_terms(plan, activations, backward_temporaries,
+                                                                   full_gradients=not cfg.memory_profile.use_lora)
     usable, headroom = usable_bytes(plan)
-    peak = allocated + reserve + context + communication
+    peak = allocated + reserve + context + communication + outside
     return Estimate(
         weights=t.weights, gradients=t.gradients, optimizer_states=t.states, activations=activations,
         evaluation=evaluation, temporaries=backward_temporaries, overhead=t.overhead, allocated_bytes=allocated,
@@ -556,7 +580,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
         precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
-        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank,
+        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank, outside_allocator=outside,
     )
 
 

@@ -42,10 +42,13 @@ invisible to tensor-level tracking and is not included; on the CPU the allocator
 saw at most 1% more than the tensors (bf16 LoRA), and none in fp32.
 
 Limits: the trace runs the CPU kernels (fake CUDA tensors abort on CPU-only torch
-builds). Only SDPA's kernel choice differs by device in what it saves: the CPU
-flash kernel and CUDA's flash / memory-efficient kernels all keep the output and
-an fp32 log-sum-exp of ``B*H*T`` (CUDA's efficient kernel pads ``T`` to 32), so
-the difference is a few bytes per token. ``flash_attention_2`` cannot be traced.
+builds). Where a CUDA kernel keeps other tensors for the backward, the trace of a CUDA
+run reproduces the CUDA kernel (:func:`_target_kernels`): dropout (peft's, on every
+LoRA input) keeps a bool mask on CUDA and an input-dtype noise tensor on the CPU,
+measured on an H100. SDPA's kernels differ by a few bytes per token: the CPU flash
+kernel and CUDA's flash / memory-efficient kernels all keep the output and an fp32
+log-sum-exp of ``B*H*T`` (CUDA's efficient kernel pads ``T`` to 32).
+``flash_attention_2`` cannot be traced.
 
 Public API: :class:`TracedModel`, :class:`LayerMemory`, :func:`measure_layer`,
 :func:`estimate_activations`, :func:`inference_peak_bytes`.
@@ -93,13 +96,15 @@ class TracedModel:
     numerics: Numerics
     gradient_checkpointing: bool
     fp32_head: bool
+    device: str = "cpu"  # the device whose kernels' saved tensors the trace reproduces (see _target_kernels)
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, numerics: Numerics,
-           gradient_checkpointing: bool, fp32_head: bool) -> "TracedModel":
-        """The model a run with these groups trains (the same keyword arguments as the factory)."""
+           gradient_checkpointing: bool, fp32_head: bool, device: str = "cpu") -> "TracedModel":
+        """The model a run with these groups trains (the same keyword arguments as the factory), on ``device``."""
         shape_only = replace(model_cfg, pretrained=None, tokenizer=None, trust_remote_code=False)
-        return cls(_items(shape_only), _items(profile), _items(lora_cfg), numerics, gradient_checkpointing, fp32_head)
+        return cls(_items(shape_only), _items(profile), _items(lora_cfg), numerics, gradient_checkpointing, fp32_head,
+                   device)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast, as the engine enters it (``bf16-mixed``, ``16-mixed`` under accelerate): its casts
@@ -271,6 +276,34 @@ def _fake_mode(packed: bool):
     return stack
 
 
+def _cuda_dropout(dropout):
+    """``F.dropout`` as CUDA runs it: the fused ``native_dropout``, which keeps a one-byte bool mask for the backward.
+    The CPU kernel multiplies by a noise tensor of the input's dtype and keeps that (2 or 4 bytes an element): under
+    LoRA, whose adapters drop out the input of every targeted linear, the CPU trace counted 25-27% more activation
+    memory than an H100 allocated (docs/memory_calibration_gpu.md)."""
+
+    def cuda_like(input, p=0.5, training=True, inplace=False):
+        if not training or inplace or not 0.0 < p < 1.0:
+            return dropout(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
+
+    return cuda_like
+
+
+@contextlib.contextmanager
+def _target_kernels(device: str):
+    """Trace with the saved tensors of ``device``'s kernels where they differ from the CPU's (dropout's mask)."""
+    if device != "cuda":
+        yield
+        return
+    from unittest import mock
+
+    import torch.nn.functional as F
+
+    with mock.patch.object(F, "dropout", _cuda_dropout(F.dropout)):
+        yield
+
+
 def _mark_phases(model, tracker: StorageTracker) -> list:
     """Hooks that mark each layer's forward and backward and the final norm; returns their handles."""
     handles = []
@@ -324,7 +357,7 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
     # Built on the meta device, then given fake CPU tensors: peft moves its fresh adapters with
     # ``.to()``, which cannot swap fake parameters, but works on meta ones.
     model = traced.build(num_layers)
-    with _fake_mode(packed):
+    with _fake_mode(packed), _target_kernels(traced.device):
         _materialize_fake(model)
         inputs = _batch(batch, seq_len, packed, shared_prefix)
         if accumulating:
