@@ -253,25 +253,69 @@ def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardwa
     return overrides
 
 
-def data_sized_estimate(overrides: list):
-    """The estimate ``rm.train`` decides by for these overrides (sized by the data's micro-batches), computed the
-    way its setup computes it, without a device: what ``--recompute`` compares with a saved measurement."""
+def data_sized_estimate(overrides: list, world_size: int = 1):
+    """The estimate ``rm.train`` decides by for these overrides (sized by the data's micro-batches, every rank's peak
+    in ``rank_peak_bytes``), computed the way its setup computes it, on ``world_size`` processes as torchrun would
+    start them, without a device or a launch: what ``--recompute`` compares with a saved measurement."""
+    from unittest import mock
+
     from rm.config import compose
     from rm.data.batching import StepBatches
     from rm.data.build import build_datasets, run_tokenizer
     from rm.preflight import data_preflight, plan_run
-    from rm.run_setup import run_shapes, total_training_steps
+    from rm.run_setup import log_prefix_sharing, run_shapes, total_training_steps
 
     cfg = compose(overrides)
-    plan, _ = plan_run(cfg, overrides)
+    launched = {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"} if world_size > 1 else {}
+    with mock.patch.dict(os.environ, launched):
+        plan, _ = plan_run(cfg, overrides)
     tokenizer = run_tokenizer(cfg.model, cfg.data)
     train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
     t = cfg.train
+    shared = log_prefix_sharing(train_set) if t.share_prefix else None
     batches = StepBatches.of(train_set, global_batch_size=t.global_batch_size, micro_batch_size=plan.micro_batch_size,
                              world_size=plan.world_size, rank=0, seed=t.seed, group_by_length=t.group_by_length,
-                             max_tokens=t.max_tokens_per_micro_batch, shared_tokens=None)
+                             max_tokens=t.max_tokens_per_micro_batch, shared_tokens=shared)
     steps = total_training_steps(cfg, len(train_set))
-    return data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, steps, train_set, None, [eval_set]))
+    return data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, steps, train_set, shared, [eval_set]))
+
+
+def random_recompute(path: Path, out=None) -> None:
+    """``--random-recompute FILE [--out DOC]``: every measured point of a random calibration against the estimator as
+    it is now (each point's pairs are written again from its seed; no training runs). Prints each point and the
+    misses; with ``--out``, a markdown table of them (measurements as run, errors then and now)."""
+    saved = json.loads(path.read_text())
+    rows, meta = saved["rows"], saved["meta"]
+    misses, lines = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            if "measured_per_rank_mib" not in row:
+                continue
+            p, stem = row["point"], Path(tmp) / f"p{row['index']}"
+            write_random_pairs(stem, p["data"], p["max_length"])
+            est = data_sized_estimate(random_overrides(p, str(stem)), RANDOM_LAYOUTS[p["layout"]][0])
+            per_rank = [b / 2**20 for b in (est.rank_peak_bytes or [est.peak_bytes])]
+            errors = [100 * (e - m) / m for e, m in zip(per_rank, row["measured_per_rank_mib"])]
+            before = row["errors_per_rank_pct"]
+            miss = is_miss({"errors_per_rank_pct": errors})
+            misses += [row["index"]] if miss else []
+            now, then = (" / ".join(f"{e:+.2f}%" for e in errs) for errs in (errors, before))
+            print(f"{row['index']:3d} {row['short']}: {now}  (was {then})" + ("  MISS" if miss else ""), flush=True)
+            lines.append(f"| {row['index']} | {row['short']} | {' / '.join(f'{m:.2f}' for m in row['measured_per_rank_mib'])} "
+                         f"| {' / '.join(f'{e:.2f}' for e in per_rank)} | {now}{' **MISS**' if miss else ''} | {then} |")
+    print(f"{len(misses)} MISS: {misses}")
+    if out:
+        head = [f"# Random calibration (seed {meta['seed']}) re-estimated", "",
+                f"`python benchmarks/memory_calibration.py --random-recompute {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
+                f" --out {out}`: the {len(lines)} points measured by `{meta['command']}` ({meta['date']}), each "
+                "against the estimator as it is now (the estimate is a pure function of the config and the point's "
+                "pairs, which are written again from their seed; nothing trains). A miss is an error above "
+                f"+{RANDOM_MISS_OVER:g}% or below {RANDOM_MISS_UNDER:g}% on any rank.", "",
+                f"**{len(misses)} MISS of {len(lines)}**" + (f": points {', '.join(map(str, misses))}." if misses else "."), "",
+                "| # | point | measured per rank (MiB) | estimate per rank (MiB) | error now | error as run |",
+                "| ---: | --- | ---: | ---: | ---: | ---: |"]
+        Path(out).write_text("\n".join(head + lines) + "\n")
+        print(f"wrote {out}")
 
 
 def gpu_point(spec, workdir: Path, data: Path, dry_run: bool, timeout: int = 300) -> dict:
@@ -485,6 +529,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dry-run", action="store_true", help="with --device cuda: three tiny points on the CPU")
     parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid (0-based)")
+    parser.add_argument("--random-recompute", metavar="FILE",
+                        help="re-estimate the measured points of a random calibration's JSON (no training)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--share-prefix", action="store_true",
                         help="run only the train.share_prefix points and rewrite their section of the doc")
@@ -495,6 +541,8 @@ def main() -> None:
                         help="with --random: run the first K points (and one multi-process point) again under PyTorch's MemTracker")
     parser.add_argument("--point-timeout", type=int, default=900, help="with --random: seconds before a point counts as failed")
     args = parser.parse_args()
+    if args.random_recompute:
+        return random_recompute(Path(args.random_recompute).resolve(), args.out)
     if args.random:
         random_main(args)
         return

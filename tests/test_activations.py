@@ -248,3 +248,18 @@ def test_a_cuda_trace_keeps_dropouts_bool_mask():
     assert measure_layer(cpu, BATCH, SEQ).saved_bytes - measure_layer(cuda, BATCH, SEQ).saved_bytes == 3 * tokens * inputs
     full = traced(torch.bfloat16, False)  # no adapters, no dropout: the same on both devices
     assert measure_layer(full, BATCH, SEQ).saved_bytes == measure_layer(replace(full, device="cuda"), BATCH, SEQ).saved_bytes
+
+
+@pytest.mark.parametrize("dtype,nbytes", [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_zero3_linear_keeps_the_inputs_of_frozen_linears(dtype, nbytes):
+    """DeepSpeed ZeRO-3 replaces F.linear by a function that saves every input for the backward; torch's linear saves
+    none for a frozen weight. By hand, per steady LoRA layer: the inputs of q/k/v (one tensor, hidden wide), gate/up
+    (one, hidden) and down (intermediate) are kept on top; o_proj's input is the attention output, which SDPA's
+    backward keeps anyway. A full fine-tune saves every input already: no change."""
+    from dataclasses import replace
+
+    lora = traced(dtype, False, lora_r=8)
+    extra = measure_layer(replace(lora, zero3_linear=True), BATCH, SEQ).saved_bytes - measure_layer(lora, BATCH, SEQ).saved_bytes
+    assert extra == BATCH * SEQ * (2 * MODEL.hidden_size + MODEL.intermediate_size) * nbytes
+    full = traced(dtype, False)
+    assert measure_layer(replace(full, zero3_linear=True), BATCH, SEQ).saved_bytes == measure_layer(full, BATCH, SEQ).saved_bytes

@@ -45,6 +45,8 @@ ALLOCATOR_SMALL_SEGMENTS = 20 * MIB
 # A share of the device kept free by default (hardware.headroom_gib=null): the bound the calibration
 # holds every point to on the low side (no estimate more than 2% under a measured peak).
 DEFAULT_HEADROOM_FRACTION = 0.02
+# DeepSpeed takes gradient norms in fp64 wherever the device has it (zero/utils.py, get_norm_dtype).
+NORM_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -295,6 +297,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         # and casts the copy to fp32, the optimizer's gradient (sub-groups of DeepSpeed's default 1e9 elements).
         flat = min(shard, 1_000_000_000)
         t.step_extra = flat * trained_bytes + (flat * 4 if trained_bytes != 4 else 0)
+    copy = 0  # the accumulation buffer's transient twin (below)
     if profile.offload_optimizer:
         # ZeRO-Offload: from ZeRO-2 on, gradients leave the device through the buckets; ZeRO-1 does not
         # partition gradients (stage_1_and_2.py, partition_gradients), so each parameter's full .grad stays
@@ -315,12 +318,13 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
             # (the embedding's gradient comes last), when the others exist (measured: a 50k-vocabulary point
             # was 5.8% under, one embedding's size, without it).
             t.states += shard * trained_bytes + largest
+            copy = largest  # gone by the boundary, where the reduction's own transient comes (measured)
         t.overhead = largest
         if plan.device == "cuda":
-            t.host, t.states = plan_procs_per_node(cfg, plan) * t.states, 0
+            t.host, t.states, copy = plan_procs_per_node(cfg, plan) * t.states, 0, 0
     if stage < 3:
         t.reduction = zero12_reduction_bytes(plan, counts, profile.offload_optimizer, trained_bytes,
-                                             weights + t.states + t.temporaries, rank)
+                                             weights + t.states + t.temporaries - copy, rank)
     return t
 
 
@@ -346,11 +350,57 @@ def zero12_reduction_bytes(plan: Plan, counts: ParameterCounts, offload: bool, t
         [64, 128]
     """
     n, accumulating = plan.world_size, plan.gradient_accumulation_steps > 1
+    if offload and plan.zero_stage == 2:
+        return resident + zero2_offload_reduction_transient(counts, n, trained_bytes, rank)
     if n == 1 and (offload or not accumulating):
         return 0  # a single backward's gradients: the forward/backward phase holds them
     partition = 0 if offload else partition_numel(counts, n, rank) * trained_bytes
     held = partition if accumulating and (plan.zero_stage == 2 or n == 1) else 0
     return resident + partition + held
+
+
+def zero2_offload_reduction_transient(counts: ParameterCounts, world_size: int, trained_bytes: int,
+                                      rank: Optional[int] = None) -> int:
+    """What ZeRO-2 with optimizer offload adds to its resident bytes (weights, host states, buckets) while it reduces.
+
+    The larger of two moments, seen in a live-storage snapshot at each rank's peak (2 CPU processes, a 35M-parameter
+    model whose 22.5M-element embedding straddles the two partitions, 18% and 6% under without this term):
+    - a parameter's gradient as autograd makes it, before the bucket takes it: the largest, the embedding's, comes
+      last in the backward, when the activations are gone;
+    - at the accumulation boundary, each parameter's slice of this rank's partition is copied to fp64 to take its
+      norm for clipping (stage_1_and_2.py, ``set_norm_for_param_grad_in_gpu``: ``.to(get_norm_dtype())``, fp64
+      wherever the device has it).
+
+    Example (10 and 6 fp32 elements over 2 ranks, slices [0, 8) and [8, 16): rank 0's largest slice is 8 elements,
+    64 bytes in fp64; rank 1's is 6, 48 bytes; both above the largest gradient, 10 x 4 = 40 bytes):
+        >>> counts = ParameterCounts(16, 16, 16, [10, 6])
+        >>> [zero2_offload_reduction_transient(counts, 2, 4, r) for r in (0, 1)]
+        [64, 48]
+    """
+    largest_gradient = max(counts.trainable_tensors) * trained_bytes
+    slices = largest_partition_slices(counts.trainable_tensors, world_size)
+    return max(largest_gradient, NORM_BYTES * (max(slices) if rank is None else slices[rank]))
+
+
+def largest_partition_slices(tensor_numels: List[int], world_size: int) -> List[int]:
+    """Per rank, the most elements any one parameter has inside its ZeRO-1/2 slice of the flat buffer (the slicing of
+    :func:`zero_partition_numels`).
+
+    Example: 10 and 6 elements over 2 ranks, slices [0, 8) and [8, 16): the first tensor gives 8 to rank 0, 2 to
+    rank 1, whose largest is the second tensor's 6.
+        >>> largest_partition_slices([10, 6], 2)
+        [8, 6]
+    """
+    align = 2 * world_size
+    size = math.ceil(sum(tensor_numels) / align) * align // world_size
+    out = []
+    for rank in range(world_size):
+        lo, hi, start, largest = rank * size, (rank + 1) * size, 0, 0
+        for numel in tensor_numels:
+            largest = max(largest, min(hi, start + numel) - max(lo, start))
+            start += numel
+        out.append(largest)
+    return out
 
 
 def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> TraceFreeTerms:
@@ -456,7 +506,8 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
         m = replace(m, attn_implementation="sdpa")
     return TracedModel.of(m, cfg.memory_profile, cfg.lora, numerics=plan.numerics,
                           gradient_checkpointing=cfg.train.gradient_checkpointing,
-                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), device=plan.device)
+                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), device=plan.device,
+                          zero3_linear=plan.strategy == "deepspeed" and plan.zero_stage == 3)
 
 
 def worst_case_shapes(cfg: RunConfig, plan: Plan) -> "BatchShapes":
