@@ -212,6 +212,14 @@ class TraceFreeTerms:
     largest_layer_grad: int = 0
     host: int = 0
     uncalibrated: List[str] = field(default_factory=list)
+    # The part of ``states`` an optimizer makes at its first step (AdamW's moments, torch's and DeepSpeed's alike);
+    # None: all of it. DeepSpeed makes its fp32 master and gradient partitions at initialize.
+    moments: Optional[int] = None
+
+    @property
+    def before_first_step(self) -> int:
+        """The states that exist while the first step's micro-batches run."""
+        return self.states - (self.states if self.moments is None else self.moments)
 
 
 def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int, adapter_bytes: int = 4) -> Tuple[int, int, List[str]]:
@@ -261,7 +269,10 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
     shard = math.ceil(counts.trainable / n)
     t = TraceFreeTerms(counts, weights, gradients=counts.trainable * trained_bytes,
                        states=shard * (4 + 8),  # fp32 master copy + fp32 moments, sharded from ZeRO-1 on
-                       uncalibrated=uncalibrated)
+                       uncalibrated=uncalibrated,
+                       # torch's AdamW (ZeRO-1/2/3) and DeepSpeed's CPU Adam (offload) alike make them at the first
+                       # step (live-storage snapshots: adam.py _init_group, cpu_adam.py step, under _take_model_step)
+                       moments=shard * 8)
     if stage >= 2:
         t.gradients = shard * trained_bytes
         if n > 1 and stage == 2:  # whole parameters that touch this rank's slice (the worst rank)
@@ -321,7 +332,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
             copy = largest  # gone by the boundary, where the reduction's own transient comes (measured)
         t.overhead = largest
         if plan.device == "cuda":
-            t.host, t.states, copy = plan_procs_per_node(cfg, plan) * t.states, 0, 0
+            t.host, t.states, t.moments, copy = plan_procs_per_node(cfg, plan) * t.states, 0, 0, 0
     if stage < 3:
         t.reduction = zero12_reduction_bytes(plan, counts, profile.offload_optimizer, trained_bytes,
                                              weights + t.states + t.temporaries - copy, rank)
@@ -565,10 +576,11 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
     """
     shapes = shapes or worst_case_shapes(cfg, plan)
     later = shapes.after_first_step
-    # torch's and bitsandbytes' optimizers make their states at their first step; DeepSpeed at initialize. Where the
-    # first step's micro-batches are the largest, they run without states (measured: a 2-step DDP run whose longest
-    # micro-batch was in its first step peaked 13% below that micro-batch with the states).
-    if plan.strategy == "deepspeed" or shapes.sized_by != "data" or later == shapes.train:
+    # torch's, bitsandbytes' and DeepSpeed's optimizers make their moments at their first step (DeepSpeed its master
+    # and gradient partitions at initialize). Where the first step's micro-batches are the largest, they run without
+    # them (measured: a 2-step DDP run whose longest micro-batch was in its first step peaked 13% below that
+    # micro-batch with the states; a ZeRO-3 rank 16% below).
+    if shapes.sized_by != "data" or later == shapes.train:
         return _estimate_at(cfg, plan, shapes, rank, first_step=False)
     first = _estimate_at(cfg, plan, shapes, rank, first_step=True)
     if later is None:  # a one-step run
@@ -580,7 +592,7 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
 def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool) -> Estimate:
     """:func:`estimate_run` at one set of shapes; ``first_step``: no optimizer states during the backward."""
     t = trace_free_terms(cfg, plan, rank)
-    states = 0 if first_step else t.states  # alive through the backward
+    states = t.before_first_step if first_step else t.states  # alive through the backward
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
@@ -608,7 +620,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     phases = {
         "forward/backward": backward + backward_temporaries,
         "optimizer step": t.weights + t.gradients + t.states + temporaries + t.step_extra,
-        "gradient reduction": t.reduction,
+        "gradient reduction": t.reduction - (t.states - states if t.reduction else 0),
         "evaluation": t.weights + t.states + kept_gradients + t.gathered + evaluation,
         "load": t.weights + (ddp_broadcast_bytes(t.weights, max(t.counts.tensors) * max(
             plan.numerics.weight_bytes, plan.numerics.frozen_bytes)) if ddp_buckets else 0),
