@@ -14,7 +14,7 @@ from rm.config import RunConfig
 from rm.errors import Refused
 from rm.estimate import estimate_label, format_suggestions, format_table
 from rm.memory.estimate import Estimate, best_micro_batch, cannot_fit, estimate_run, suggestions, worst_case_shapes
-from rm.validate import Plan, resolve_world_size, validate
+from rm.validate import ConfigError, Plan, resolve_world_size, validate
 
 if TYPE_CHECKING:
     from rm.data.shapes import BatchShapes
@@ -35,11 +35,25 @@ def plan_run(cfg: RunConfig, overrides: Sequence[str]) -> Tuple[Plan, Optional[E
     """Validate ``cfg`` for the processes this launch started, then run :func:`preflight`.
 
     Raises:
-        ConfigError: the settings do not make a run.
+        ConfigError: the settings do not make a run, or name a CUDA profile on a machine without CUDA.
         PreflightRefusal: the run cannot fit whatever its data, with ``preflight=error``.
     """
     plan = validate(cfg, *resolve_world_size(cfg, launched=True))
+    check_device_present(plan)
     return preflight(cfg, plan, overrides)
+
+
+def check_device_present(plan: Plan) -> None:
+    """A run trains on the device its hardware profile names. A CUDA profile where torch sees no CUDA device would
+    otherwise train on the CPU under the profile's name, capacity and precision (``rm.estimate`` may still ask about
+    it: it only estimates)."""
+    import torch
+
+    if plan.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"hardware={plan.hardware.name} is a CUDA profile, but torch sees no CUDA device on this machine "
+            f"(torch {torch.__version__}, torch.cuda.is_available() is False): train with hardware=auto or hardware=cpu; "
+            f"python -m rm.estimate hardware={plan.hardware.name} ... estimates the CUDA run from here")
 
 
 def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Plan, Optional[Estimate]]:

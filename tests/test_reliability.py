@@ -161,6 +161,22 @@ def test_bad_config_fails_before_loading_with_one_message_naming_the_key(tmp_pat
     assert not (tmp_path / "final").exists() and not (tmp_path / "metrics.jsonl").exists()
 
 
+@pytest.mark.reliability("Configuration", "a CUDA hardware profile (`hardware=h100_80g`) on a machine without CUDA",
+                         "`rm.train` refuses it before anything loads, naming the profile and `hardware=auto`; "
+                         "`rm.estimate` still estimates it")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has CUDA: the profile is right for it")
+def test_a_cuda_profile_without_cuda_is_refused_for_training_not_for_estimating(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, "hardware=h100_80g", f"hydra.run.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-2000:]
+    assert "hardware=h100_80g is a CUDA profile" in out and "hardware=auto" in out and "Traceback" not in out
+    assert not (tmp_path / "final").exists() and not (tmp_path / "metrics.jsonl").exists()
+    estimate = subprocess.run([sys.executable, "-m", "rm.estimate", "experiment=tiny", "hardware=h100_80g"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300)
+    assert estimate.returncode == 0 and "hardware=h100_80g" in estimate.stdout, estimate.stderr[-2000:]
+
+
 @pytest.mark.reliability("Faults", "SIGTERM to a real process at a random step", "exit 143 with a checkpoint; resumed, equal to an uninterrupted run bit for bit")
 @pytest.mark.slow
 def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninterrupted_run(tmp_path):
