@@ -150,11 +150,34 @@ def report(err: BaseException, log: Optional[logging.Logger] = None) -> int:
         text = f"{trace}\n{BUG_LINE}" if code == 1 else f"{trace}\nerror: {text}"
     else:
         text = f"error: {text}"
-    if log is not None and logging.getLogger().handlers:
-        log.error("%s", text)
-    else:
-        print(text, file=sys.stderr)
+    # Under train_rm_distributed.sh every rank meets the same config error: rank 0 prints it, and the launcher prints
+    # another rank's only where rank 0 was stopped before it could (a bug's traceback every rank prints).
+    if code == 1 or not _launcher_collects() or os.environ.get("RANK", "0") == "0":
+        if log is not None and logging.getLogger().handlers:
+            log.error("%s", text)
+        else:
+            print(text, file=sys.stderr)
+    record_exit(code, text)
     return code
+
+
+def _launcher_collects() -> bool:
+    return bool(os.environ.get("RM_EXIT_DIR"))
+
+
+def record_exit(code: int, text: str = "") -> None:
+    """Under ``train_rm_distributed.sh`` (``RM_EXIT_DIR`` set), leave this rank's exit code and message where the
+    launcher reads them: torchrun itself exits 1 with its own traceback whatever the ranks' codes were."""
+    directory = os.environ.get("RM_EXIT_DIR")
+    if not directory:
+        return
+    try:
+        path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{code}\n{text}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the launcher then reports torchrun's own exit: nothing is lost but the code
 
 
 @contextmanager
@@ -197,6 +220,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
             from rm.cli import NO_RUN_DIR  # added by rm itself, not typed by the user
 
             given = " ".join(a for a in sys.argv[1:] if a not in NO_RUN_DIR)
-            print(f"error: the config could not be composed from the command line: {given}", file=sys.stderr)
+            text = f"error: the config could not be composed from the command line: {given}"
+            print(text, file=sys.stderr)
+            record_exit(2, text)
             raise SystemExit(2) from None
         raise

@@ -103,6 +103,41 @@ def test_launcher_composes_the_torchrun_command(tmp_path):
     assert proc.stdout.startswith("+ torchrun")
 
 
+@pytest.mark.reliability("Entry points", "`train_rm_distributed.sh`: a rank fails with a config error (or a refusal, a storage error) and torchrun "
+                         "exits 1 with its own `ChildFailedError` traceback",
+                         "the script exits with the ranks' code (2, 3, 4, 5), prints the message once, no torchrun "
+                         "traceback; a rank stopped by torchrun before it reported is not needed")
+def test_launcher_exits_with_the_ranks_code_not_torchruns(tmp_path):
+    """A fake torchrun: rank 1 reports exit 2 and its message, rank 0 reports nothing (torchrun stopped it), and
+    torchrun prints its own traceback and exits 1, as the real one does."""
+    import os
+
+    (tmp_path / "torchrun").write_text(
+        "#!/usr/bin/env bash\n"
+        "printf '2\\nerror: invalid configuration: train.adam_beta1=1.5 must be in [0, 1)\\n' > \"$RM_EXIT_DIR/rank1\"\n"
+        "echo 'rank output' >&2\n"
+        "printf 'Traceback (most recent call last):\\n  File \"/usr/bin/torchrun\", line 8, in <module>\\n' >&2\n"
+        "echo 'torch.distributed.elastic.multiprocessing.errors.ChildFailedError:' >&2\n"
+        "exit 1\n")
+    (tmp_path / "torchrun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN_DIR": str(tmp_path / "run")}
+    proc = launcher("synthetic", "2", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("train.adam_beta1=1.5 must be in [0, 1)") == 1 and "rank 1" in proc.stderr
+    assert "rank output" in proc.stderr and "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+
+
+@pytest.mark.distributed
+def test_launcher_passes_a_config_error_of_two_real_ranks_through(tmp_path):
+    import os
+
+    proc = subprocess.run(["bash", "train_rm_distributed.sh", "synthetic", "2", "experiment=tiny", "train.adam_beta1=1.5"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "RUN_DIR": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("train.adam_beta1=1.5 must be in [0, 1)") == 1 and "Traceback" not in out, out[-3000:]
+
+
 def test_deepspeed_buckets_follow_the_hidden_size_and_cap_at_the_trainable_parameters():
     """DeepSpeed allocates each gradient bucket at its full size (measured with the tensor counter), so
     it is capped at the trainable parameters. ZeRO-1/2 keep DeepSpeed's 5e8; ZeRO-3 takes transformers'
