@@ -33,9 +33,9 @@ import json
 import logging
 import shutil
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable, Dict, Mapping, Optional, Sequence, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -211,6 +211,44 @@ def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] =
             and no ``base_model``, or a ``base_model`` path that does not exist.
     """
     directory = Path(directory)
+    with named_damage(directory):
+        return _load_bundle(directory, base_model, device)
+
+
+@contextmanager
+def named_damage(directory: Path):
+    """A weights file that cannot be read back is named as damaged (exit 5), not reported as a full disk: the library's
+    own error (safetensors' "Error while deserializing header") names no file."""
+    from rm.errors import RmError, is_storage_failure
+
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001  (re-raised unless it is a damaged file's)
+        if isinstance(err, RmError) or not is_storage_failure(err):
+            raise
+        damaged = damaged_weights(directory)
+        if not damaged:
+            raise
+        raise StorageError("; ".join(f"{path} cannot be read back ({why}): the file is damaged or cut short (a disk that "
+                                     "filled during a save, an interrupted copy); copy it again, or export the run "
+                                     "again from a checkpoint" for path, why in damaged)) from err
+
+
+def damaged_weights(directory: Path) -> List[Tuple[Path, str]]:
+    """The safetensors files under ``directory`` whose header safetensors cannot read, with its reason."""
+    from safetensors import safe_open
+
+    damaged = []
+    for path in sorted(Path(directory).rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # noqa: BLE001  (whatever safetensors raises for this file is the reason)
+            damaged.append((path, f"{type(err).__name__}: {err}"))
+    return damaged
+
+
+def _load_bundle(directory: Path, base_model, device):
     if not (directory / ADAPTER_CONFIG).is_file():
         return AutoModelForSequenceClassification.from_pretrained(directory).to(device).eval()
     from peft import PeftModel
@@ -425,24 +463,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     bundle = args.path / "final" if (args.path / "final" / PROBE_FILE).is_file() else args.path
     if not (bundle / PROBE_FILE).is_file():
-        print(f"error: {args.path} holds no bundle ({PROBE_FILE} missing): give a run directory or its final/", file=sys.stderr)
-        return 2
+        raise ConfigError(f"{args.path} holds no bundle ({PROBE_FILE} missing): give a run directory or its final/")
+    # Errors end in rm.errors' boundary (the __main__ block): one message, its exit code, RM_DEBUG's traceback.
     try:
         if args.merge:
             if not (bundle / ADAPTER_CONFIG).is_file():
-                print(f"error: {bundle} is not a LoRA adapter ({ADAPTER_CONFIG} missing): nothing to merge", file=sys.stderr)
-                return 2
+                raise ConfigError(f"{bundle} is not a LoRA adapter ({ADAPTER_CONFIG} missing): nothing to merge")
             out = merge_adapter(bundle, args.out or bundle / "merged", base_model=args.base, device=args.device)
             print(f"merged model written and verified: {out}")
         else:
             verify_bundle(bundle, base_model=args.base, device=args.device)
             print(f"verified: {bundle}")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except ExportMismatch as err:
-        print(f"error: {err}", file=sys.stderr)
-        return err.exit_code
+    except ValueError as err:  # a bundle that is not what it says (rm.export's own checks)
+        raise ConfigError(str(err)) from err
     return 0
 
 

@@ -161,6 +161,35 @@ def test_export_cli_without_a_bundle_exits_2(tmp_path):
     assert code == 2 and str(tmp_path) in out and "reward_probe.json" in out and "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.reliability("Entry points", "`RM_DEBUG=1 python -m rm.export` on a directory without a bundle",
+                         "the same message and exit 2, with its traceback: rm.export ends in the shared error boundary")
+def test_export_cli_shows_the_traceback_under_rm_debug(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rm.export", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "RM_DEBUG": "1"})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" in out and "ConfigError" in out and "reward_probe.json" in out, out[-3000:]
+
+
+@pytest.mark.reliability("Entry points", "`rm.score` or `rm.export` on a truncated `model.safetensors`",
+                         "exit 5 naming the file as damaged or cut short, and what to do; not 'check free space'")
+def test_a_truncated_weights_file_is_named_as_damaged(tmp_path, tiny_model_dir):
+    import shutil
+
+    from rm.errors import StorageError
+    from rm.export import load_bundle
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(StorageError, match="model.safetensors cannot be read back .* damaged or cut short"):
+        load_bundle(model)  # what rm.export's verification and rm.score load through
+    pairs = _write(tmp_path / "pairs.jsonl", [{"chosen": "Human: hi Assistant: yes", "rejected": "Human: hi Assistant: no"}])
+    code, out = _run("rm.score", "--model", str(model), "--input", str(pairs))
+    assert code == 5 and f"{weights} cannot be read back" in out and "free space" not in out, out[-3000:]
+    assert "Traceback" not in out
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
@@ -240,6 +269,8 @@ def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model
     from rm.export import main as export
 
     (final / PROBE_FILE).write_text("{}")  # what makes a directory a bundle to rm.export; the base fails first
-    assert export([str(final), "--merge", "--base", str(tmp_path / "nope")]) == 2
+    with pytest.raises(SystemExit) as exited, boundary():  # rm.export ends in the boundary, as its __main__ does
+        sys.exit(export([str(final), "--merge", "--base", str(tmp_path / "nope")]))
+    assert exited.value.code == 2
     out = "".join(capsys.readouterr())
     assert f"base model {tmp_path / 'nope'} (given as the base) does not exist" in out and "Traceback" not in out, out[-3000:]
