@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
 import traceback
 from contextlib import contextmanager
@@ -103,12 +104,19 @@ def _storage_types():
 _TORCH_WRITE_FAILURES = ("iostream error", "inline_container.cc", "PytorchStreamWriter failed", "file write failed")
 
 
+# Libraries written in Rust (tokenizers) raise a bare Exception carrying the OS error: "No space left on device
+# (os error 28)" when a tokenizer is saved to a full disk.
+_RUST_OS_ERROR = re.compile(r"\(os error \d+\)")
+
+
 def is_storage_failure(err: BaseException) -> bool:
     """``err``, or the exception it was raised while handling, is a failed read or write of a file."""
     for e in (err, err.__context__, err.__cause__):
         if isinstance(e, _storage_types()):
             return True
         if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _TORCH_WRITE_FAILURES):
+            return True
+        if type(e) is Exception and _RUST_OS_ERROR.search(str(e)):
             return True
     return False
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,7 +130,7 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     replace_earlier_run(run_dir, replaced)
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
     if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
-        tokenizer.save_pretrained(saved_tokenizer)
+        save_tokenizer(tokenizer, saved_tokenizer)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))
@@ -218,6 +219,21 @@ def build_engine(cfg: RunConfig, plan: Plan) -> Engine:
         cpu=plan.device == "cpu", precision=plan.precision,
         gradient_accumulation_steps=plan.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm,
     )
+
+
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """Save the run's tokenizer; a failed write (a full disk) leaves no partial ``tokenizer.json`` and names the
+    directory (exit 5)."""
+    from rm.errors import StorageError, is_storage_failure
+
+    try:
+        tokenizer.save_pretrained(directory)
+    except Exception as err:  # noqa: BLE001  (re-raised unless a file could not be written)
+        if not is_storage_failure(err):
+            raise
+        shutil.rmtree(directory, ignore_errors=True)
+        raise StorageError(f"could not save the run's tokenizer to {directory} ({err}); nothing was trained yet: "
+                           "free space, then run again") from err
 
 
 def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, monitor: MemoryMonitor,

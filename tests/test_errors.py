@@ -4,6 +4,7 @@ code, no traceback unless RM_DEBUG=1, and a traceback with a bug line for anythi
 import errno
 import os
 import json
+from pathlib import Path
 import subprocess
 import sys
 
@@ -45,6 +46,28 @@ def test_expected_errors_print_one_message_and_their_exit_code(capsys, monkeypat
         out = capsys.readouterr().err
         assert out.startswith("error: ") and "Traceback" not in out, out
     assert "storage error (/run/final/model.safetensors): No space left on device" in _last_message(capsys, cases[5][0])
+
+
+@pytest.mark.reliability("Faults", "disk full while the run's tokenizer is saved at start-up (tokenizers raises a bare "
+                         "`Exception: No space left on device (os error 28)`)",
+                         "exit 5 naming the tokenizer directory, which is removed (no partial `tokenizer.json`); "
+                         "not reported as a bug")
+def test_a_full_disk_while_the_tokenizer_is_saved_is_a_storage_error(tmp_path, capsys, monkeypatch):
+    from rm.run_setup import save_tokenizer
+
+    monkeypatch.delenv("RM_DEBUG", raising=False)
+
+    class FullDisk:
+        def save_pretrained(self, directory):
+            Path(directory).mkdir(parents=True)
+            (Path(directory) / "tokenizer.json").write_text('{"version": "1.0", "trunc')  # cut short
+            raise Exception("No space left on device (os error 28)")
+
+    with pytest.raises(SystemExit) as exited, boundary():
+        save_tokenizer(FullDisk(), tmp_path / "tokenizer")
+    out = capsys.readouterr().err
+    assert exited.value.code == 5 and f"could not save the run's tokenizer to {tmp_path / 'tokenizer'}" in out, out
+    assert "os error 28" in out and "Traceback" not in out and not (tmp_path / "tokenizer").exists()
 
 
 def _last_message(capsys, err):
