@@ -154,10 +154,12 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> List[str]:
         raise RunDirError("train.resume=true and train.overwrite=true contradict each other: continue the run or replace it")
     if overwrite:
         return earlier
-    finished = "a finished run (final/)" if "final" in earlier else "an earlier run (" + ", ".join(earlier) + ")"
+    if "final" in earlier:  # nothing to continue: train.resume=true is refused for a finished run (above)
+        raise RunDirError(f"{run_dir} already holds a finished run (final/). Keep it and choose another hydra.run.dir, "
+                          "or replace it with train.overwrite=true")
     raise RunDirError(
-        f"{run_dir} already holds {finished}. Continue it with train.resume=true, replace it with "
-        "train.overwrite=true, or choose another hydra.run.dir"
+        f"{run_dir} already holds an earlier run ({', '.join(earlier)}). Continue it with train.resume=true, replace it "
+        "with train.overwrite=true, or choose another hydra.run.dir"
     )
 
 

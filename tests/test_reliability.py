@@ -53,11 +53,13 @@ def test_a_checkpoint_cut_short_after_writing_is_passed_over(tiny_cfg, tmp_path)
     assert ckpt.latest_checkpoint(tmp_path) is None  # checkpoint-2 was the only one
 
 
-@pytest.mark.reliability("Faults", "a run directory that already holds a run", "refused unless `train.resume=true` or `train.overwrite=true`; exit 2")
+@pytest.mark.reliability("Faults", "a run directory that already holds a run", "refused unless `train.resume=true` (an unfinished run) or `train.overwrite=true`; a finished run is offered only overwrite or another directory (resume would be refused); exit 2")
 def test_a_finished_run_is_not_overwritten_silently(tiny_cfg, tmp_path):
     rm_train.train(tiny_cfg(*STEPS), tmp_path)
     before = (tmp_path / "final" / "model.safetensors").read_bytes()
-    with pytest.raises(FileExistsError, match="already holds a finished run.*train.resume=true.*train.overwrite=true"):
+    # No advice that is then refused: a finished run cannot be resumed, so only overwrite and another directory are offered.
+    with pytest.raises(FileExistsError, match=r"already holds a finished run \(final/\)\. Keep it and choose another "
+                                              r"hydra\.run\.dir, or replace it with train\.overwrite=true$"):
         rm_train.train(tiny_cfg(*STEPS, "train.seed=7"), tmp_path)
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
     # Asked for explicitly, the earlier run is replaced.
