@@ -496,3 +496,30 @@ def test_tokenize_pairs_goes_on_with_the_counts_of_normalise_pairs(tok):
     assert norm_counts.lengths_before_truncation == {}  # the counts given are left as they were
     with pytest.raises(ValueError, match="the counts end with 2 pairs, the dataset has 3"):
         tokenize_pairs(datasets.Dataset.from_list([dict(r, margin=0.0) for r in HH_ROWS * 2][:3]), tok, 64, counts=norm_counts)
+
+
+@pytest.mark.reliability("Data", "messages rows that are system-only, end on a user turn, or have no assistant answer",
+                         "dropped as `no_answer` with the side and its roles in `data_audit.json`'s reasons; an error "
+                         "naming the row under `data.on_malformed=error`")
+@pytest.mark.reliability("Data", "a messages file where some rows carry the optional `prompt` list and some do not",
+                         "each row is read with or without its prompt; none is dropped for the prompt's absence")
+def test_messages_without_a_final_answer_are_not_pairs_and_the_prompt_is_optional_per_row(tok):
+    user, system = {"role": "user", "content": "hi"}, {"role": "system", "content": "you are helpful"}
+    good, bad = {"role": "assistant", "content": "good"}, {"role": "assistant", "content": "bad"}
+    rows = [
+        {"prompt": [user], "chosen": [good], "rejected": [bad]},  # 0 with a prompt list
+        {"prompt": None, "chosen": [user, good], "rejected": [user, bad]},  # 1 without: Arrow's None
+        {"prompt": None, "chosen": [system], "rejected": [system, bad]},  # 2 system only on one side
+        {"prompt": None, "chosen": [user, good, user], "rejected": [user, bad]},  # 3 chosen ends on a user turn
+        {"prompt": [system], "chosen": [user], "rejected": [user]},  # 4 no assistant message at all
+    ]
+    raw = datasets.Dataset.from_list(rows)
+    ds, counts = normalise_pairs(raw, "messages", tok)
+    assert ds["chosen"] == ["\n\nHuman: hi\n\nAssistant: good"] * 2
+    assert counts.dropped[Drop.NO_ANSWER] == 3 and counts.dropped[Drop.MALFORMED] == 0 and counts.pairs_out == 2
+    reasons = counts.drop_reasons
+    assert reasons["no_answer: 'chosen' has no assistant message (roles ['system'])"] == {"count": 1, "first_row": 2}
+    assert reasons["no_answer: 'chosen' ends on a 'user' message, not an assistant answer"] == {"count": 1, "first_row": 3}
+    assert reasons["no_answer: 'chosen' has no assistant message (roles ['system', 'user'])"] == {"count": 1, "first_row": 4}
+    with pytest.raises(ValueError, match=r"^row 2: 'chosen' has no assistant message"):
+        normalise_pairs(raw, "messages", tok, on_malformed="error")

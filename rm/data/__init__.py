@@ -25,8 +25,10 @@ Accepted layouts (``format``):
   any separator you want in the data itself).
 * ``messages``: ``chosen`` and ``rejected`` are lists of
   ``{"role": ..., "content": ...}`` messages, optionally with a ``prompt`` list
-  of messages prepended to both; rendered with the tokenizer's chat template
-  (``tokenizer.apply_chat_template(messages, tokenize=False)``).
+  of messages prepended to both (row by row: a row without one, or with
+  ``null``, has none); rendered with the tokenizer's chat template
+  (``tokenizer.apply_chat_template(messages, tokenize=False)``). Each side's
+  conversation must end on an ``assistant`` message, the answer being judged.
 * ``auto``: picked from the column names and types (the dataset schema).
 
 Policies: truncation, identical pairs, duplicates
@@ -73,6 +75,8 @@ Other rows dropped and counted, never silently altered:
 * malformed rows and rows with an empty ``chosen`` or ``rejected``, per
   ``on_malformed`` (``"skip"`` counts them, ``"error"`` raises), see
   :func:`~rm.data.normalise.normalise_pairs`;
+* ``messages`` rows whose side has no final ``assistant`` message (``no_answer``:
+  a system prompt alone, a user turn waiting for an answer), per ``on_malformed``;
 * a side containing the pad id anywhere (``pad_in_text``): at the end it moves
   the token the reward is read from, and collators that derive the attention
   mask from pad ids would mask it anywhere. With ``on_malformed="error"``

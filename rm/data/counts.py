@@ -22,6 +22,7 @@ class Drop(str, Enum):
 
     MALFORMED = "malformed"
     EMPTY = "empty"
+    NO_ANSWER = "no_answer"  # a conversation that does not end on an assistant message: nothing to judge
     TOO_LONG = "too_long"
     PAD_IN_TEXT = "pad_in_text"
     IDENTICAL = "identical"
@@ -35,6 +36,7 @@ _DROP_WORDS = (
     (Drop.PAD_IN_TEXT, "{} with pad token in text skipped"),
     (Drop.MALFORMED, "{} malformed skipped"),
     (Drop.EMPTY, "{} empty skipped"),
+    (Drop.NO_ANSWER, "{} without a final assistant answer skipped"),
     (Drop.DUPLICATE, "{} duplicates dropped"),
 )
 

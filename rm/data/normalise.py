@@ -111,13 +111,26 @@ def _pair_texts(row: dict, fmt: str, tokenizer: Any) -> tuple[str, str]:
         chosen = _check_text("chosen", row["chosen"])
         rejected = _check_text("rejected", row["rejected"])
         return prompt + chosen, prompt + rejected
-    prompt_msgs = _check_messages("prompt", row["prompt"], allow_empty=True) if "prompt" in row else []
+    # The prompt list is optional row by row: where some rows carry one, Arrow gives the others None.
+    prompt_msgs = _check_messages("prompt", row["prompt"], allow_empty=True) if row.get("prompt") is not None else []
     chosen_msgs = _check_messages("chosen", row["chosen"])
     rejected_msgs = _check_messages("rejected", row["rejected"])
+    for side, msgs in (("chosen", chosen_msgs), ("rejected", rejected_msgs)):
+        _check_ends_on_an_answer(side, prompt_msgs + msgs)
     return (
         _render(tokenizer, prompt_msgs + chosen_msgs, "chosen"),
         _render(tokenizer, prompt_msgs + rejected_msgs, "rejected"),
     )
+
+
+def _check_ends_on_an_answer(side: str, conversation: list[dict]) -> None:
+    """A preference judges an answer: the conversation of each side must end on an assistant message (not a system
+    prompt alone, not a user's turn waiting for one)."""
+    roles = [m["role"] for m in conversation]
+    if "assistant" not in roles:
+        raise _RowProblem(Drop.NO_ANSWER, f"'{side}' has no assistant message (roles {roles})")
+    if roles[-1] != "assistant":
+        raise _RowProblem(Drop.NO_ANSWER, f"'{side}' ends on a {roles[-1]!r} message, not an assistant answer")
 
 
 _NORMALISED_FEATURES = datasets.Features(
