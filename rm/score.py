@@ -89,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from rm.data.load import load_preference_split
-    from rm.data.normalise import normalise_pairs
+    from rm.data.normalise import max_chars_for, normalise_pairs
     from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
     from rm.export import load_bundle, read_reward_stats
 
@@ -110,12 +110,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bad:
             raise DataError(f"--input row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)")
         lead = leading_special_ids(tokenizer)
-        rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, raw["text"])]
+        cap = max_chars_for(args.max_length)  # a text far over --max-length is cut to its end before it tokenizes
+        rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, [t[-cap:] for t in raw["text"]])]
         rewards = [norm(r) for r in score_token_rows(model, tokenizer, rows, args.batch_size)]
         records = [{"text": t, "reward": r} for t, r in zip(raw["text"], rewards)]
         print(f"scored {len(records)} texts: mean reward {sum(rewards) / len(rewards):.4f}")
     else:
-        pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed)
+        pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed,
+                                             max_chars=max_chars_for(args.max_length))
         tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed, counts=norm_counts)
         print(counts.format())
         if len(tokenised) == 0:

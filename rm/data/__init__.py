@@ -56,6 +56,14 @@ A side longer than ``max_length`` tokens is handled per ``truncation``
 Chosen and rejected are truncated independently (the shared prompt may lose
 a different number of tokens on each side); both keep their own ending.
 
+A side of more than ``64 x max_length`` characters is longer than ``max_length``
+whatever tokenizes it (no real token covers 64 characters): it is cut to its last
+``64 x max_length`` characters before it is tokenized (the ids truncation keeps
+are the same; a row of tens of megabytes no longer costs gigabytes to tokenize),
+counted in ``data_audit.json`` (``capped_before_tokenizing``) and logged with its
+file and row; under ``"drop"`` such a pair is dropped as too long, under
+``"error"`` it stops the run naming the row.
+
 Identical pairs (``identical_pairs``, ``data.identical_pairs``): a pair whose
 chosen and rejected token ids are equal *after truncation* trains nothing
 (the loss sits at ln 2 with zero gradient). ``"drop"`` (default) removes it

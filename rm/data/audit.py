@@ -121,6 +121,9 @@ def audit_split(counts: PairCounts, chosen_lengths: Iterable[int], rejected_leng
         "unk_rate": counts.unk_tokens / counts.tokens if counts.tokens else 0.0,
         "empty_sides": {side: counts.empty_sides[side] for side in SIDES},
         "drop_reasons": dict(counts.drop_reasons),  # malformed/empty rows: {reason: {count, first_row}}
+        # Sides far over max_length, cut to their end before tokenizing (rm.data.normalise.max_chars_for).
+        "capped_before_tokenizing": {"count": counts.capped, "first_row": counts.capped_first_row,
+                                     "longest_chars": counts.capped_longest},
         "lengths": {
             side: {"kept": length_stats(Counter(kept)), "before_truncation": counts.lengths_before_truncation[side]}
             for side, kept in zip(SIDES, (chosen, rejected))

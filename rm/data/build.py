@@ -13,7 +13,7 @@ from rm.config import DataConfig, ModelConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
 from rm.data.load import expand_files, load_preference_split, locate_row
-from rm.data.normalise import normalise_pairs
+from rm.data.normalise import CHARS_PER_TOKEN_BOUND, max_chars_for, normalise_pairs
 from rm.data.synthetic import generate_pairs
 from rm.data.tokenise import pair_lengths, tokenize_pairs
 from rm.errors import DataError
@@ -49,6 +49,7 @@ def _normalised_split(data_cfg: DataConfig, tokenizer, split: str):
         return normalise_pairs(
             raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
             on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
+            max_chars=max_chars_for(data_cfg.max_length), truncation=data_cfg.truncation,
         )
     except DataError as err:
         # The row index alone does not say which data, split or file it counts in.
@@ -76,6 +77,12 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     except DataError as err:
         raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
     log.info("data %s [%s]: %s", data_cfg.name, split, counts.format())
+    if counts.capped:
+        log.warning("data %s [%s]: %d pair(s) with a side over %s characters (data.max_length=%d x %d), cut to their last "
+                    "%s characters before tokenizing, as truncation would cut them; the longest is %s characters (first: "
+                    "row %d%s)", data_cfg.name, split, counts.capped, f"{max_chars_for(data_cfg.max_length):,}",
+                    data_cfg.max_length, CHARS_PER_TOKEN_BOUND, f"{max_chars_for(data_cfg.max_length):,}",
+                    f"{counts.capped_longest:,}", counts.capped_first_row, _where(data_cfg, split, counts.capped_first_row))
     reasons = "".join(f"; {r['count']} x {why} (first: row {r['first_row']}{_where(data_cfg, split, r['first_row'])})"
                       for why, r in sorted(counts.drop_reasons.items(), key=lambda kv: -kv[1]["count"])[:3])
     if reasons:

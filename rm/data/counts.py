@@ -62,6 +62,9 @@ class PairCounts:
             (``"malformed: 'chosen' is int, expected a string"``) with its ``count`` and ``first_row``.
         lengths_before_truncation: ``{side: rm.data.audit.length_stats(...)}`` of every pair tokenised;
             empty until the pairs are tokenised.
+        capped: Pairs with a side longer than ``max_chars`` characters (``rm.data.normalise``), cut to its last
+            ``max_chars`` before tokenizing (``truncate``); ``capped_first_row`` and ``capped_longest`` (characters) name
+            the first and the longest.
     """
 
     rows: int = 0
@@ -76,6 +79,9 @@ class PairCounts:
     unk_tokens: int = 0
     drop_reasons: dict[str, dict[str, int]] = field(default_factory=dict)
     lengths_before_truncation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    capped: int = 0
+    capped_first_row: int | None = None
+    capped_longest: int = 0
 
     @property
     def pairs_out(self) -> int:
@@ -98,7 +104,7 @@ class PairCounts:
         >>> counts.format()
         'pairs 1000 -> 992 used: 5 truncated, 3 dropped (too long), 2 identical, 3 malformed skipped'
         """
-        items = [(self.truncated, "{} truncated")]
+        items = [(self.truncated, "{} truncated"), (self.capped, "{} cut before tokenizing (far over max_length)")]
         items += [(self.dropped[reason], words) for reason, words in _DROP_WORDS]
         items += [
             (self.identical_after_truncation - self.dropped[Drop.IDENTICAL], "{} identical kept"),

@@ -147,6 +147,8 @@ def normalise_pairs(
     on_malformed: str = "skip",
     identical: str = "drop",
     row_index: bool = False,
+    max_chars: int | None = None,
+    truncation: str = "truncate",
 ) -> tuple[datasets.Dataset, PairCounts]:
     """Converts raw preference rows to ``chosen``/``rejected`` texts and a margin.
 
@@ -174,6 +176,12 @@ def normalise_pairs(
             :data:`rm.config.IDENTICAL_PAIRS`).
         row_index: Also return a ``row`` column with each pair's index in ``ds``,
             which :func:`rm.data.tokenise.tokenize_pairs` names in its errors.
+        max_chars: A side longer than this many characters is far longer than any ``max_length`` it was derived
+            from (:func:`max_chars_for`): under ``truncation="truncate"`` it is cut to its last ``max_chars``
+            characters before anything tokenises it (what truncation keeps is the end: the same ids, without
+            tokenizing megabytes), counted in ``capped``; under ``"drop"`` the pair is dropped as too long, under
+            ``"error"`` this raises naming the row. None: no cap.
+        truncation: ``data.truncation`` (see ``max_chars``).
 
     Returns:
         ``(dataset, counts)``. The dataset has exactly the columns ``chosen``
@@ -213,6 +221,19 @@ def normalise_pairs(
                     raise DataError(f"row {idx}: {problem} (format {fmt!r})", row=idx) from None
                 _count_problem(counts, problem, idx, row, fmt)
                 continue
+            longest = max(len(chosen), len(rejected))
+            if max_chars is not None and longest > max_chars:
+                if truncation == "error":
+                    raise DataError(f"row {idx}: a side is {longest:,} characters, far more than data.max_length tokens "
+                                    f"(over {max_chars:,} characters; data.truncation=error)", row=idx)
+                if truncation == "drop":
+                    counts.drop(Drop.TOO_LONG)
+                    continue
+                chosen, rejected = chosen[-max_chars:], rejected[-max_chars:]
+                counts.capped += 1
+                counts.capped_longest = max(counts.capped_longest, longest)
+                if counts.capped_first_row is None:
+                    counts.capped_first_row = idx
             if chosen == rejected and identical == "drop":
                 _count_identical_texts_dropped(counts)
                 continue
@@ -227,6 +248,17 @@ def normalise_pairs(
     result = map_counting(ds, convert, _ROW_FEATURES if row_index else _NORMALISED_FEATURES, "normalising preference pairs")
     # Other columns (including ones read above) are gone; make the order fixed.
     return result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else [])), counts
+
+
+# The most characters one token of a real tokenizer covers (byte-level BPEs rarely pass 16): a side this many times
+# longer than max_length tokens is longer than max_length whatever tokenizes it.
+CHARS_PER_TOKEN_BOUND = 64
+
+
+def max_chars_for(max_length: int) -> int:
+    """The characters a side may have before it is cut (or dropped) unread by the tokenizer: a row of tens of
+    megabytes would otherwise cost gigabytes to tokenize, all of it thrown away by truncation."""
+    return CHARS_PER_TOKEN_BOUND * max_length
 
 
 def _check_columns(columns: list[str], fmt: str, tokenizer: Any, margin_column: str | None) -> None:
