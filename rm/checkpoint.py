@@ -109,14 +109,16 @@ def damage(path: Path) -> Optional[str]:
     return None
 
 
-def list_checkpoints(run_dir: Path):
-    """Complete checkpoints of a run, oldest first, as ``(step, path)``."""
+def list_checkpoints(run_dir: Path, complete: bool = True):
+    """Checkpoints of a run, oldest first, as ``(step, path)``: the complete ones, or with ``complete=False`` every
+    ``checkpoint-N`` directory (a written one is renamed to that name only once whole: an incomplete one was damaged
+    since, e.g. by a deleted state file)."""
     root = checkpoint_root(run_dir)
     found = []
     if root.is_dir():
         for path in root.iterdir():
             match = _NAME.match(path.name)
-            if match and is_complete(path):
+            if match and (not complete or is_complete(path)):
                 found.append((int(match.group(1)), path))
     return sorted(found)
 
@@ -290,9 +292,10 @@ def checkpoint_state(path: Path) -> Dict:
 
 
 def resume_candidates(run_dir: Path) -> Tuple[List[Path], List[str]]:
-    """Checkpoints that pass their checksums, newest first, and why each of the others was passed over."""
+    """Checkpoints that pass their checksums, newest first, and why each of the others was passed over: an incomplete
+    one is named too, never skipped in silence."""
     good, passed_over = [], []
-    for _, path in reversed(list_checkpoints(run_dir)):
+    for _, path in reversed(list_checkpoints(run_dir, complete=False)):
         why = damage(path)
         if why is None:
             good.append(path)

@@ -22,7 +22,8 @@ from accelerate.utils import set_seed
 from transformers import get_scheduler
 
 from rm.checkpoint import (
-    CheckpointError, checkpoint_state, latest_checkpoint, load_checkpoint, replace_earlier_run, resume_candidates,
+    CheckpointError, checkpoint_state, list_checkpoints, load_checkpoint, replace_earlier_run,
+    resume_candidates,
 )
 from rm.config import RunConfig
 from rm.data.audit import format_audit, write_audit
@@ -106,7 +107,8 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
     # back, so its checkpoints meet the tokenizer they were trained with.
     saved_tokenizer = run_dir / TOKENIZER_DIR
-    resuming = t.resume and latest_checkpoint(run_dir) is not None
+    # Any checkpoint directory, whole or not: a resume that will be refused must not replace the saved tokenizer first.
+    resuming = t.resume and bool(list_checkpoints(run_dir, complete=False))
     tokenizer = run_tokenizer(cfg.model, cfg.data, saved=saved_tokenizer if resuming else None)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
@@ -343,8 +345,8 @@ def restore(engine: Engine, run_dir: Path, cfg: RunConfig, current: Dict, total_
         log.info("resumed from %s at step %d", checkpoint, step)
         return step, state.get("train_state")
     raise CheckpointError(
-        f"train.resume=true but no checkpoint in {run_dir / 'checkpoints'} is intact: {'; '.join(passed_over)}. "
-        "Restore one from a copy, or start afresh with train.overwrite=true"
+        f"train.resume=true but no checkpoint in {run_dir / 'checkpoints'} is intact: {'; '.join(passed_over)}. Nothing "
+        "was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
     )
 
 

@@ -285,6 +285,32 @@ def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
     assert (run_dir / "final" / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.reliability("Faults", "every checkpoint's `trainer_state.json` deleted, then `train.resume=true`",
+                         "refused, naming each checkpoint and why, with the choices (restore one, or "
+                         "`train.overwrite=true`); every file left as it was; exit 5")
+@pytest.mark.reliability("Faults", "the newest checkpoint's `trainer_state.json` deleted",
+                         "resumes from the previous one, naming the one it passed over and why")
+def test_incomplete_checkpoints_are_named_and_never_destroyed_by_a_resume(six_step_run, tmp_path, caplog):
+    import logging
+
+    run_dir = _copy(six_step_run, tmp_path)
+    (run_dir / "checkpoints" / "checkpoint-4" / ckpt.STATE_FILE).unlink()
+    caplog.set_level(logging.WARNING)
+    rm_train.train(_cfg("train.resume=true"), run_dir)
+    assert "checkpoint-4 cannot be used (trainer_state.json is missing or unreadable)" in caplog.text
+    assert "resumed from" in caplog.text or (run_dir / "final").is_dir()
+
+    run_dir = _copy(six_step_run, tmp_path / "all")
+    for state in (run_dir / "checkpoints").glob(f"checkpoint-*/{ckpt.STATE_FILE}"):
+        state.unlink()
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint in .* is intact: checkpoint-4: trainer_state\.json is "
+                                                  r"missing or unreadable; checkpoint-2: .*train\.overwrite=true"):
+        rm_train.train(_cfg("train.resume=true"), run_dir)
+    after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert {p: b for p, b in before.items() if p.name != ".lock"} == after  # nothing deleted, retrained or rewritten
+
+
 @pytest.mark.reliability("Faults", "bytes changed in a checkpoint without changing its size (`optimizer.bin`, `model.safetensors`)",
                          "its sha256 does not match `trainer_state.json`: passed over for the previous checkpoint with a "
                          "warning, before anything of it is loaded; the run resumes from there and finishes")
