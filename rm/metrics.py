@@ -144,6 +144,30 @@ class MetricsLog:
         if self.writer is not None:
             self.writer.close()
 
+    def resume_at(self, step: int) -> int:
+        """Drop the records of steps after ``step``, the step a resumed run goes on from: they were written by the run
+        that stopped after its checkpoint (a kill, a fall back to an earlier checkpoint, a failed export), and the
+        resumed run writes those steps again. Every step then appears once. Returns how many records were dropped.
+        Rewritten whole and renamed, so a crash here leaves the old file."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+        if len(kept) == len(lines):
+            return 0
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(self.path)
+        return len(lines) - len(kept)
+
+
+def _step_of(line: str) -> Optional[int]:
+    try:
+        step = json.loads(line).get("step")
+    except ValueError:  # a line cut short by a kill while it was written: it belongs to no step
+        return 10**18
+    return step if isinstance(step, int) else None
+
 
 def _finite_or_none(value) -> Optional[float]:
     # JSON has no NaN/inf; null keeps the file parseable by every reader.

@@ -159,6 +159,11 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
     metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
+    if t.resume:
+        dropped = metrics.resume_at(start_step)
+        if dropped:
+            log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
+                     dropped, start_step)
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
     return Run(cfg=cfg, plan=plan, estimate=estimate, run_dir=run_dir, engine=engine, tokenizer=tokenizer,

@@ -285,6 +285,25 @@ def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
     assert (run_dir / "final" / "model.safetensors").read_bytes() == before
 
 
+@pytest.mark.reliability("Faults", "`metrics.jsonl` after a resume (a run killed after its last checkpoint, a fall back "
+                         "to an earlier checkpoint)", "the records of steps after the resumed one are dropped before "
+                         "they are written again: each step appears once per event")
+@pytest.mark.parametrize("fallback", [False, True], ids=["killed-after-checkpoint-4", "fallback-to-checkpoint-2"])
+def test_metrics_after_a_resume_hold_each_step_once(six_step_run, tmp_path, fallback):
+    from collections import Counter
+
+    run_dir = _copy(six_step_run, tmp_path)  # final/ gone, metrics.jsonl up to step 6: as if killed before the export
+    if fallback:
+        (run_dir / "checkpoints" / "checkpoint-4" / ckpt.STATE_FILE).unlink()
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        f.write('{"event": "train", "step": 6, "lo')  # a record cut short by the kill
+    rm_train.train(_cfg("train.resume=true"), run_dir)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = Counter((r["event"], r["step"]) for r in records)
+    assert counts and all(n == 1 for n in counts.values()), counts
+    assert max(r["step"] for r in records if r["event"] == "train") == 6
+
+
 @pytest.mark.reliability("Faults", "every checkpoint's `trainer_state.json` deleted, then `train.resume=true`",
                          "refused, naming each checkpoint and why, with the choices (restore one, or "
                          "`train.overwrite=true`); every file left as it was; exit 5")
