@@ -152,7 +152,7 @@ class MetricsLog:
         if not self.enabled or not self.path.is_file():
             return 0
         lines = self.path.read_text().splitlines(keepends=True)
-        kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+        kept = [line for line in lines if _before_or_at(line, step)]
         if len(kept) == len(lines):
             return 0
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -161,12 +161,14 @@ class MetricsLog:
         return len(lines) - len(kept)
 
 
-def _step_of(line: str) -> Optional[int]:
+def _before_or_at(line: str, step: int) -> bool:
+    """A record the resumed run keeps: one of a step up to ``step``, or one of no step; not a line cut short by a
+    kill while it was written."""
     try:
-        step = json.loads(line).get("step")
-    except ValueError:  # a line cut short by a kill while it was written: it belongs to no step
-        return 10**18
-    return step if isinstance(step, int) else None
+        record_step = json.loads(line).get("step")
+    except ValueError:
+        return False
+    return not isinstance(record_step, int) or record_step <= step
 
 
 def _finite_or_none(value) -> Optional[float]:

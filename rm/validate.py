@@ -206,7 +206,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = _precision(t.precision, hw, device, errors)
     strategy, zero_stage = _check_profile_and_distribution(cfg, hw, device, errors)
-    warnings = _precision_for_layout(cfg, precision, strategy, errors)
+    warnings = _precision_for_layout(cfg, precision, strategy, errors) + _attention_warnings(cfg)
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
@@ -289,13 +289,18 @@ def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors:
                 f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
                 f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
                 f"{_lr_losing_at_most(0.05):.0e}, or train.kahan_summation=true; the lost_updates alarm measures it while training")
-    if cfg.model.attn_implementation == "flex_attention":
-        # Seen on an H100 (torch 2.11, 2026-11-26, docs/gpu.md): the first sequence length compiles, a later one that
-        # torch.compile recompiles with symbolic sizes failed in 2 of 6 runs ("NoValidChoicesError" for flex_attention).
-        warnings.append("model.attn_implementation=flex_attention: torch 2.11's inductor failed to recompile flex-attention "
-                        "for a new sequence length in 2 of 6 runs on an H100 (NoValidChoicesError), so a run can stop at "
-                        "its first batch of another length; model.attn_implementation=sdpa takes the same masks")
     return warnings
+
+
+def _attention_warnings(cfg: RunConfig) -> List[str]:
+    """What a user of an attention implementation should hear before a GPU-hour is spent."""
+    if cfg.model.attn_implementation != "flex_attention":
+        return []
+    # Seen on an H100 (torch 2.11, 2026-11-26, docs/gpu.md): the first sequence length compiles, a later one that
+    # torch.compile recompiles with symbolic sizes failed in 2 of 6 runs ("NoValidChoicesError" for flex_attention).
+    return ["model.attn_implementation=flex_attention: torch 2.11's inductor failed to recompile flex-attention for a "
+            "new sequence length in 2 of 6 runs on an H100 (NoValidChoicesError), so a run can stop at its first batch "
+            "of another length; model.attn_implementation=sdpa takes the same masks"]
 
 
 def _lr_losing_at_most(share: float, weight_std: float = 0.02) -> float:

@@ -95,3 +95,12 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_rejected(tiny_cfg):
 
 def test_the_shipped_configs_pass(tiny_cfg):
     assert validate(tiny_cfg(), 1).gradient_accumulation_steps == 2
+
+
+def test_flex_attention_is_warned_about_before_a_run(tiny_cfg):
+    """flex_attention failed to recompile for a new sequence length on an H100 (docs/gpu.md): the plan says so."""
+    from rm.validate import validate
+
+    flex = validate(tiny_cfg("model.attn_implementation=flex_attention"), world_size=1)
+    assert any("flex_attention" in w and "NoValidChoicesError" in w for w in flex.warnings)
+    assert not any("flex" in w for w in validate(tiny_cfg(), world_size=1).warnings)

@@ -126,9 +126,7 @@ def zero_partition_numels(tensor_numels: List[int], world_size: int) -> List[int
         >>> zero_partition_numels([10, 6], 2)
         [10, 16]
     """
-    align = 2 * world_size
-    total = sum(tensor_numels)
-    size = math.ceil(total / align) * align // world_size
+    size = _partition_size(tensor_numels, world_size)
     out = []
     for rank in range(world_size):
         lo, hi, start, touching = rank * size, (rank + 1) * size, 0, 0
@@ -247,6 +245,13 @@ def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persi
         return weights
     persistent = sum(x for x in counts.tensors if x < persistence) * wbytes
     return (weights - persistent) // n + persistent
+
+
+def _partition_size(tensor_numels: List[int], world_size: int) -> int:
+    """Elements of each rank's slice: DeepSpeed pads the flat buffer of the trainable parameters to a multiple of
+    2 x world size and cuts it in equal slices."""
+    align = 2 * world_size
+    return math.ceil(sum(tensor_numels) / align) * align // world_size
 
 
 def partition_numel(counts: ParameterCounts, world_size: int, rank: Optional[int]) -> int:
@@ -402,8 +407,7 @@ def largest_partition_slices(tensor_numels: List[int], world_size: int) -> List[
         >>> largest_partition_slices([10, 6], 2)
         [8, 6]
     """
-    align = 2 * world_size
-    size = math.ceil(sum(tensor_numels) / align) * align // world_size
+    size = _partition_size(tensor_numels, world_size)
     out = []
     for rank in range(world_size):
         lo, hi, start, largest = rank * size, (rank + 1) * size, 0, 0
