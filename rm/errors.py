@@ -173,14 +173,17 @@ def _launcher_collects() -> bool:
     return bool(os.environ.get("RM_EXIT_DIR"))
 
 
-def record_exit(code: int, text: str = "") -> None:
+def record_exit(code: int, text: str = "", keep: bool = False) -> None:
     """Under ``train_rm_distributed.sh`` (``RM_EXIT_DIR`` set), leave this rank's exit code and message where the
-    launcher reads them: torchrun itself exits 1 with its own traceback whatever the ranks' codes were."""
+    launcher reads them: torchrun itself exits 1 with its own traceback whatever the ranks' codes were. ``keep``:
+    leave a record already written (with its message) as it is."""
     directory = os.environ.get("RM_EXIT_DIR")
     if not directory:
         return
     try:
         path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}")
+        if keep and os.path.exists(path):
+            return
         with open(path + ".tmp", "w") as f:
             f.write(f"{code}\n{text}\n")
         os.replace(path + ".tmp", path)
@@ -223,6 +226,9 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     try:
         main()
     except SystemExit as stop:
+        if isinstance(stop.code, int) and stop.code not in (0, 1):
+            # Every exit ends here, also those that bypass report() (a signal's 128+N): the launcher reads the code.
+            record_exit(stop.code, keep=True)
         if stop.code == 1 and not _task_started:
             # Hydra's message names the key, except for a syntax error: name what it was given.
             from rm.cli import NO_RUN_DIR  # added by rm itself, not typed by the user

@@ -60,9 +60,10 @@ def summarize(directory: Path, status: int) -> int:
     """The exit code of the run, and the one message it still needs printed.
 
     A rank's own code wins over torchrun's 1: the lowest rank's among those that report rm's expected errors
-    (2 config, 3 refused, 4 non-finite, 5 storage), else 1 where a rank met a bug, else torchrun's status (a
-    signal, a crash before rm started). Rank 0 printed its message itself; where it reported nothing (torchrun
-    stopped it first), the lowest reporting rank's message is printed here.
+    (2 config, 3 refused, 4 non-finite, 5 storage), else 1 where a rank met a bug, else a rank's 128+N where a
+    signal N stopped it (SLURM's requeue reads 143), else torchrun's status (a crash before rm started). Rank 0
+    printed its message itself; where it reported nothing (torchrun stopped it first), the lowest reporting rank's
+    message is printed here.
     """
     if status == 0:
         return 0
@@ -76,7 +77,8 @@ def summarize(directory: Path, status: int) -> int:
         return code
     if any(code == 1 for code, _ in exits.values()):
         return 1
-    return status
+    stopped = [code for code, _ in exits.values() if code >= 128]  # stopped by a signal, with a checkpoint
+    return min(stopped) if stopped else status
 
 
 def main(argv=None) -> int:

@@ -133,7 +133,8 @@ def refuse_or_warn(cfg: RunConfig, plan: Plan, overrides: Sequence[str], est: Es
     found = suggestions(list(overrides), cfg, plan)
     advice = format_suggestions(found)
     if cfg.preflight.mode == "error":
-        raise PreflightRefusal(f"{table}\n{advice}\n(preflight=warn trains anyway; preflight=off skips the check)", est,
+        raise PreflightRefusal(f"refusing to start: the estimated peak does not fit in device memory\n{table}\n{advice}\n"
+                               "(preflight=warn trains anyway; preflight=off skips the check)", est,
                                [" ".join(extra) for extra, _ in found])
     log.warning("%s\n%s\npreflight=warn: training anyway", table, advice)
     return est

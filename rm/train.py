@@ -76,12 +76,12 @@ def _job(cfg: DictConfig) -> Optional[float]:
     try:
         result = train(run_cfg, run_dir, overrides, on_claim=claim)
     except PreflightRefusal as err:
-        log.error("refusing to start: the estimated peak does not fit in device memory\n%s", err)
         record("refused", estimate=err.estimate,
                error=f"would fit with: {err.fits[0]}" if err.fits else "no single change found that fits")
-        if multirun:
-            return None
-        sys.exit(err.exit_code)
+        if not multirun:
+            raise  # to the boundary in main: the breakdown once (rank 0 under the launcher), exit 3
+        log.error("%s", err)
+        return None
     except Exception as err:
         record("failed", error=err)
         if not multirun:

@@ -127,6 +127,33 @@ def test_launcher_exits_with_the_ranks_code_not_torchruns(tmp_path):
     assert "rank output" in proc.stderr and "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
+def test_launcher_reports_a_signal_stop_as_128_plus_n_not_torchruns_1(tmp_path):
+    """SLURM's requeue reads 143: a rank stopped by SIGTERM (after its checkpoint) reports 143, torchrun exits 1."""
+    import os
+
+    from rm.launch import summarize
+
+    (tmp_path / "rank0").write_text("143\n\n")
+    (tmp_path / "rank1").write_text("143\n\n")
+    assert summarize(tmp_path, 1) == 143
+    (tmp_path / "rank1").write_text("3\nrefusing to start\n")  # an expected error of one rank wins over the signal
+    assert summarize(tmp_path, 1) == 3
+    for name in os.listdir(tmp_path):
+        (tmp_path / name).unlink()
+    assert summarize(tmp_path, 1) == 1  # no rank reported: torchrun's own status
+
+
+@pytest.mark.distributed
+def test_launcher_passes_a_refusal_of_two_real_ranks_through_once(tmp_path):
+    import os
+
+    proc = subprocess.run(["bash", "train_rm_distributed.sh", "synthetic", "2", "experiment=tiny", "hardware.device_memory_gib=0.02"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "RUN_DIR": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert out.count("refusing to start") == 1 and out.count("changes that fit") == 1 and "Traceback" not in out, out[-3000:]
+
+
 @pytest.mark.distributed
 def test_launcher_passes_a_config_error_of_two_real_ranks_through(tmp_path):
     import os

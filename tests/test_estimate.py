@@ -201,6 +201,7 @@ def test_refusal_happens_before_anything_loads(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 3, out[-2000:]
     assert "DOES NOT FIT" in out and "changes that fit" in out and "train.micro_batch_size=" in out
+    assert out.count("refusing to start") == 1 and out.count("changes that fit") == 1  # printed once, at the boundary
     assert "Traceback" not in out
     assert not (tmp_path / "final").exists() and not (tmp_path / "checkpoints").exists()
     assert "run summary" not in out  # the model was never built
