@@ -29,6 +29,7 @@ before the task function starts, and exits 1; :func:`run_hydra_app` turns that e
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -211,10 +212,29 @@ def boundary(log: Optional[logging.Logger] = None):
 _task_started = False
 
 
+class _HeldStderr(io.TextIOBase):
+    """Standard error of a rank other than 0 under the launcher, kept until Hydra has composed the config: a
+    composition error (Hydra prints it before rm's code runs) reaches the user once, from rank 0, not once per rank."""
+
+    def __init__(self, target):
+        self.target, self.parts = target, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
 def task_started() -> None:
-    """Mark that Hydra composed the config and called the task: an exit 1 from here on is rm's own (a bug)."""
+    """Mark that Hydra composed the config and called the task: an exit 1 from here on is rm's own (a bug).
+    A held standard error is written out and released."""
     global _task_started
     _task_started = True
+    if isinstance(sys.stderr, _HeldStderr):
+        held, sys.stderr = sys.stderr, sys.stderr.target
+        sys.stderr.write(held.text())
 
 
 def run_hydra_app(main: Callable[[], object]) -> None:
@@ -223,9 +243,14 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
     rm keeps for bugs; the same mistake caught by :mod:`rm.validate` exits 2, and so does this one.
     """
+    held = None
+    if _launcher_collects() and os.environ.get("RANK", "0") != "0":
+        held = sys.stderr = _HeldStderr(sys.stderr)
     try:
         main()
     except SystemExit as stop:
+        if sys.stderr is held:  # Hydra stopped before the task: its message is rank 0's to print
+            sys.stderr = held.target
         if isinstance(stop.code, int) and stop.code not in (0, 1):
             # Every exit ends here, also those that bypass report() (a signal's 128+N): the launcher reads the code.
             record_exit(stop.code, keep=True)
@@ -235,7 +260,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
 
             given = " ".join(a for a in sys.argv[1:] if a not in NO_RUN_DIR)
             text = f"error: the config could not be composed from the command line: {given}"
-            print(text, file=sys.stderr)
-            record_exit(2, text)
+            if held is None:
+                print(text, file=sys.stderr)
+            record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
             raise SystemExit(2) from None
         raise

@@ -1,6 +1,7 @@
 """Profile/strategy validation, the generated DeepSpeed config, and the launcher's arguments."""
 
 import subprocess
+import sys
 
 import pytest
 
@@ -141,6 +142,33 @@ def test_launcher_reports_a_signal_stop_as_128_plus_n_not_torchruns_1(tmp_path):
     for name in os.listdir(tmp_path):
         (tmp_path / name).unlink()
     assert summarize(tmp_path, 1) == 1  # no rank reported: torchrun's own status
+
+
+def test_a_rank_other_than_0_records_a_composition_error_without_printing_it(tmp_path):
+    """Hydra prints its composition error before rm's code runs, once per rank: rank 1 keeps it for the launcher."""
+    import os
+
+    exits = tmp_path / "exits"
+    exits.mkdir()
+    env = {**os.environ, "RM_EXIT_DIR": str(exits), "RANK": "1"}
+    proc = subprocess.run([sys.executable, "-m", "rm.train", "experiment=tiny", "model=nope", f"hydra.run.dir={tmp_path}/run"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "model/nope" not in proc.stdout + proc.stderr
+    code, _, text = (exits / "rank1").read_text().partition("\n")
+    assert code == "2" and "Could not find 'model/nope'" in text and "could not be composed" in text
+
+
+@pytest.mark.distributed
+def test_launcher_prints_a_composition_error_of_two_real_ranks_once(tmp_path):
+    import os
+
+    proc = subprocess.run(["bash", "train_rm_distributed.sh", "synthetic", "2", "experiment=tiny", "model=nope"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "RUN_DIR": str(tmp_path)})
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count("Could not find 'model/nope'") == 1 and out.count("could not be composed") == 1, out[-3000:]
+    assert "Traceback" not in out
 
 
 @pytest.mark.distributed
