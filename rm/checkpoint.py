@@ -14,8 +14,7 @@ checkpoint (:class:`~rm.errors.NonFiniteError`). A save that fails (no space lef
 a safetensors error) removes its temporary directory and raises
 :class:`CheckpointError` (exit 5); the previous checkpoint is untouched.
 
-:class:`RunLock` keeps a second run out of a run directory that a live run uses
-(a SLURM requeue after the first job died takes over its stale lock).
+Which checkpoint a resumed run loads, and what the run directory may hold, is :mod:`rm.run_dir`'s to decide.
 """
 
 from __future__ import annotations
@@ -26,28 +25,21 @@ import logging
 import os
 import re
 import shutil
-import socket
-import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from rm.errors import ConfigError, NonFiniteError, Refused, StorageError, exit_code
+from rm.errors import NonFiniteError, StorageError, exit_code
 
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
-LOCK_FILE = ".lock"
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def checkpoint_root(run_dir: Path) -> Path:
     return Path(run_dir) / "checkpoints"
-
-
-class RunDirError(ConfigError, FileExistsError):
-    """The run directory holds something that the settings do not say what to do with."""
 
 
 class CheckpointError(StorageError):
@@ -126,53 +118,6 @@ def list_checkpoints(run_dir: Path, complete: bool = True):
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     found = list_checkpoints(run_dir)
     return found[-1][1] if found else None
-
-
-def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> List[str]:
-    """Refuse to start a fresh run over an earlier one, or to resume a finished one: a model is never
-    overwritten silently. Nothing is changed here: it runs before the settings are validated, so that a
-    refused run touches nothing of the directory, and an invalid one replaces nothing.
-
-    Returns:
-        What ``train.overwrite=true`` replaces (names under ``run_dir``), for :func:`replace_earlier_run`
-        once the settings are known to be valid; ``[]`` otherwise.
-
-    Raises:
-        RunDirError: ``run_dir`` holds a final model, checkpoints or metrics of an earlier run and
-            neither ``train.resume`` nor ``train.overwrite`` was given; or ``train.resume`` was given
-            for a run that finished (``final/`` exists), which would train again over its model.
-    """
-    run_dir = Path(run_dir)
-    earlier = [name for name in ("final", "checkpoints", "metrics.jsonl") if (run_dir / name).exists()]
-    if resume and (run_dir / "final").exists() and not overwrite:
-        raise RunDirError(
-            f"train.resume=true but {run_dir} holds a finished run (final/): there is nothing to resume, and "
-            "training again would replace its model. Keep it and choose another hydra.run.dir, or replace it "
-            "with train.overwrite=true (without train.resume)"
-        )
-    if not earlier or (resume and not overwrite):
-        return []
-    if resume and overwrite:
-        raise RunDirError("train.resume=true and train.overwrite=true contradict each other: continue the run or replace it")
-    if overwrite:
-        return earlier
-    if "final" in earlier:  # nothing to continue: train.resume=true is refused for a finished run (above)
-        raise RunDirError(f"{run_dir} already holds a finished run (final/). Keep it and choose another hydra.run.dir, "
-                          "or replace it with train.overwrite=true")
-    raise RunDirError(
-        f"{run_dir} already holds an earlier run ({', '.join(earlier)}). Continue it with train.resume=true, replace it "
-        "with train.overwrite=true, or choose another hydra.run.dir"
-    )
-
-
-def replace_earlier_run(run_dir: Path, names: List[str]) -> None:
-    """Delete what :func:`check_run_dir` said ``train.overwrite=true`` replaces."""
-    if not names:
-        return
-    log.warning("train.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(names))
-    for name in names:
-        path = Path(run_dir) / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def weights_are_finite(engine) -> bool:
@@ -303,67 +248,3 @@ def resume_candidates(run_dir: Path) -> Tuple[List[Path], List[str]]:
             passed_over.append(f"{path.name}: {why}")
             log.warning("checkpoint %s cannot be used (%s): falling back to an earlier one", path, why)
     return good, passed_over
-
-
-class RunLock:
-    """``<run_dir>/.lock`` holds the pid and host of the run using the directory.
-
-    A second run is refused (:class:`~rm.errors.Refused`, exit 3) naming the holder. A lock whose
-    process no longer exists on this host (a killed job, a pre-empted SLURM task being requeued)
-    is stale and taken over with a warning. On another host liveness cannot be checked, so the
-    message says which file to delete once that run is known to be gone.
-    """
-
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_FILE
-        self.held = False
-
-    def _holder(self) -> Optional[Dict]:
-        try:
-            return json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}  # being written this instant, or garbage: treated as held by an unknown run
-
-    def __enter__(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                holder = self._holder()
-                if holder is None:
-                    continue  # released between our two calls
-                if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
-                    log.warning("taking over the stale lock of %s: process %s is gone", self.path.parent, holder.get("pid"))
-                    self.path.unlink(missing_ok=True)
-                    continue
-                raise Refused(
-                    f"{self.path.parent} is in use by another run (pid {holder.get('pid', '?')} on "
-                    f"{holder.get('host', '?')}, since {holder.get('since', '?')}): wait for it to end or choose "
-                    f"another hydra.run.dir. If that run no longer exists, delete {self.path}"
-                ) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
-        raise Refused(f"{self.path.parent}: could not take the run lock {self.path}; another run is starting there")
-
-    def __exit__(self, *exc):
-        if self.held:
-            self.path.unlink(missing_ok=True)
-            self.held = False
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True

@@ -5,10 +5,10 @@ opens ``<job name>.log`` there, before the task function starts. A run that rm t
 directory (it holds an earlier run, or another run holds its lock) would already have rewritten the
 earlier run's record. So ``conf/config.yaml`` turns Hydra's copy off (``hydra.output_subdir: null``)
 and opens the log file lazily (``conf/hydra/job_logging/rm.yaml``: ``delay: true``); :func:`hold_log`
-keeps the job's log records in memory from the first line of the job, and :func:`claim` writes the
-same three files with Hydra's own content and the held log once ``rm.train`` knows the directory is
-this run's (its lock is held and ``rm.checkpoint.check_run_dir`` accepted it). A refused run leaves
-no file of the directory changed; its message goes to the console only.
+keeps the job's log records in memory from the first line of the job, and :class:`rm.run_dir.RunDir`
+writes the same three files with Hydra's own content (:func:`write_record`) and releases the held log
+(:func:`release_log`) once the directory is this run's (its lock is held and the run was accepted
+there). A refused run leaves no file of the directory changed; its message goes to the console only.
 
 ``hydra.output_subdir`` given on the command line is Hydra's own behaviour again: ``null`` writes no
 record, a name has Hydra write it there before the job starts.
@@ -75,10 +75,3 @@ def write_record(run_dir: Path, task_cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, node in (("config.yaml", task_cfg), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
         (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
-
-
-def claim(run_dir: Path, task_cfg: DictConfig, is_main_process: bool) -> None:
-    """The run directory is this run's: its log file opens (the main process also writes Hydra's record)."""
-    release_log()
-    if is_main_process:
-        write_record(run_dir, task_cfg)

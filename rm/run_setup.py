@@ -15,16 +15,12 @@ import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from accelerate.utils import set_seed
 from transformers import get_scheduler
 
-from rm.checkpoint import (
-    CheckpointError, checkpoint_state, list_checkpoints, load_checkpoint, replace_earlier_run,
-    resume_candidates,
-)
 from rm.config import RunConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch
@@ -41,12 +37,12 @@ from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.precision import SHORT
 from rm.preflight import data_preflight, plan_run
-from rm.resume import apply_changes, check_resume, data_digest, fingerprint
+from rm.resume import data_digest, fingerprint
+from rm.run_dir import RunDir
 from rm.train_state import TrainState
 from rm.validate import ConfigError, Plan, check_consumers_tokenize_alike, check_tokenizer_fits
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log
-TOKENIZER_DIR = "tokenizer"  # in the run directory: the tokenizer model.tokenizer=bpe trained, read back on resume
 
 
 @dataclass
@@ -58,6 +54,7 @@ class Run:
         plan: the values derived and resolved once (``rm.validate``, ``rm.preflight``).
         estimate: the pre-flight memory estimate sized at the largest micro-batch this data forms
             (:func:`rm.preflight.data_preflight`; ``None`` with ``preflight=off``).
+        dir: the run directory (``rm.run_dir``): its checkpoints, its metrics, what may change in it.
         collator: pads pairs for evaluation and the export's probe; ``train_collator`` lays out training
             micro-batches (``train.packing``, ``train.share_prefix``).
         health: the training-health checks (``rm.health``); ``metrics``: ``metrics.jsonl`` and TensorBoard.
@@ -69,7 +66,7 @@ class Run:
     cfg: RunConfig
     plan: Plan
     estimate: Optional[Estimate]
-    run_dir: Path
+    dir: RunDir
     engine: Engine
     tokenizer: Any
     train_set: Any
@@ -88,28 +85,24 @@ class Run:
     eval_scores: Dict = field(default_factory=dict)
 
 
-def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: ExitStack, replaced: List[str],
-          on_claim: Optional[Callable[[], None]]) -> Run:
+def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: ExitStack) -> Run:
     """Validate, estimate, and build everything the loop needs; restore a checkpoint with ``train.resume``.
 
     Args:
         cfg: the typed config; read, never changed.
-        run_dir: the run directory, locked and accepted by ``rm.checkpoint.check_run_dir`` on the main process.
+        directory: the run directory, entered (locked and accepted on the main process).
         overrides: the Hydra overrides ``cfg`` came from (:func:`rm.preflight.preflight`).
         cleanup: undoes the memory monitor's dispatch mode however the run ends.
-        replaced: what ``train.overwrite=true`` removes of an earlier run, once the data is known to be usable.
-        on_claim: called on every other process once the engine is up (the main process has called it).
     """
     t = cfg.train
     plan, estimate = plan_run(cfg, overrides)
-    engine = _start_engine(cfg, plan, run_dir, on_claim)
+    engine = _start_engine(cfg, plan, directory)
+    run_dir = directory.path
 
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
     # back, so its checkpoints meet the tokenizer they were trained with.
-    saved_tokenizer = run_dir / TOKENIZER_DIR
-    # Any checkpoint directory, whole or not: a resume that will be refused must not replace the saved tokenizer first.
-    resuming = t.resume and bool(list_checkpoints(run_dir, complete=False))
-    tokenizer = run_tokenizer(cfg.model, cfg.data, saved=saved_tokenizer if resuming else None)
+    resuming = directory.resuming
+    tokenizer = run_tokenizer(cfg.model, cfg.data, saved=directory.tokenizer_dir if resuming else None)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
@@ -129,10 +122,10 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
         evaluated = [eval_set, *extra_eval_sets.values()]
         estimate = data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, total_steps, train_set, shared, evaluated))
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
-    replace_earlier_run(run_dir, replaced)
+    directory.replace_earlier()
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
     if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
-        save_tokenizer(tokenizer, saved_tokenizer)
+        save_tokenizer(tokenizer, directory.tokenizer_dir)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))
@@ -155,18 +148,13 @@ def setup(cfg: RunConfig, run_dir: Path, overrides: Sequence[str], cleanup: Exit
     watch_lost_updates(health, engine, cfg, total_steps)
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
-    start_step, record = restore(engine, run_dir, cfg, current, total_steps) if t.resume else (0, None)
+    start_step, record = directory.restore(engine, cfg, current, total_steps) if t.resume else (0, None)
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
-    metrics = MetricsLog(run_dir, engine.is_main_process, tensorboard=t.tensorboard)
-    if t.resume:
-        dropped = metrics.resume_at(start_step)
-        if dropped:
-            log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
-                     dropped, start_step)
+    metrics = directory.metrics(start_step, tensorboard=t.tensorboard)
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
-    return Run(cfg=cfg, plan=plan, estimate=estimate, run_dir=run_dir, engine=engine, tokenizer=tokenizer,
+    return Run(cfg=cfg, plan=plan, estimate=estimate, dir=directory, engine=engine, tokenizer=tokenizer,
                train_set=train_set, eval_set=eval_set, extra_eval_sets=extra_eval_sets, collator=collator,
                train_collator=train_collator, model=model, health=health, metrics=metrics, monitor=monitor,
                batches=batches, total_steps=total_steps, state=state)
@@ -189,15 +177,12 @@ def run_shapes(cfg: RunConfig, batches: StepBatches, total_steps: int, train_set
                        [pair_lengths(ds) for ds in eval_sets if ds is not None], t.eval_batch_size)
 
 
-def _start_engine(cfg: RunConfig, plan: Plan, run_dir: Path, on_claim: Optional[Callable[[], None]]) -> Engine:
-    """The engine, the run directory made, and the seed set."""
+def _start_engine(cfg: RunConfig, plan: Plan, directory: RunDir) -> Engine:
+    """The engine, the run directory claimed on every process, and the seed set."""
     engine = build_engine(cfg, plan)
-    if not engine.is_main_process and on_claim is not None:  # the main process has accepted the directory by now
-        on_claim()
-    if engine.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if plan.strategy == "deepspeed":  # a record of what DeepSpeed was given, generated, never edited
-            (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
+    directory.join()  # the main process has accepted the directory by now
+    if engine.is_main_process and plan.strategy == "deepspeed":  # what DeepSpeed was given, generated, never edited
+        (directory.path / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
     set_seed(cfg.train.seed)
     return engine
 
@@ -310,49 +295,6 @@ def total_training_steps(cfg: RunConfig, num_pairs: int) -> int:
     if cfg.train.max_steps > 0:
         return cfg.train.max_steps
     return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
-
-
-def restore(engine: Engine, run_dir: Path, cfg: RunConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
-    """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
-    loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).
-
-    Checkpoints that fail their checksums, or whose states do not load, are passed over for the
-    previous one with a warning, as DeepSpeed falls back from a bad ``latest`` tag by hand.
-
-    Args:
-        current: this run's :func:`rm.resume.fingerprint`, compared with the checkpoint's.
-
-    Raises:
-        ConfigError: settings that shape training changed (without ``train.resume_allow_changes``),
-            or the checkpoint is past ``train.max_steps``.
-        CheckpointError: checkpoints exist but none is intact.
-    """
-    candidates, passed_over = resume_candidates(run_dir)
-    if not candidates and not passed_over:
-        log.warning("train.resume=true but %s holds no complete checkpoint: starting from step 0", run_dir)
-        return 0, None
-    for checkpoint in candidates:
-        state = checkpoint_state(checkpoint)
-        if state["step"] >= total_steps:
-            raise ConfigError(
-                f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
-                f"(train.max_steps={cfg.train.max_steps}, train.num_train_epochs={cfg.train.num_train_epochs}): "
-                "raise train.max_steps with train.resume_allow_changes=true to train further"
-            )
-        changes = check_resume(state.get("fingerprint"), current, checkpoint, cfg.train.resume_allow_changes)
-        try:
-            step = load_checkpoint(engine, checkpoint)
-        except Exception as err:  # noqa: BLE001  (a checkpoint that passed its checksums but does not load: try the previous)
-            log.warning("checkpoint %s does not load (%s: %s): falling back to an earlier one", checkpoint, type(err).__name__, err)
-            passed_over.append(f"{checkpoint.name}: does not load ({type(err).__name__})")
-            continue
-        apply_changes(engine.optimizer, engine.scheduler, cfg, changes)
-        log.info("resumed from %s at step %d", checkpoint, step)
-        return step, state.get("train_state")
-    raise CheckpointError(
-        f"train.resume=true but no checkpoint in {run_dir / 'checkpoints'} is intact: {'; '.join(passed_over)}. Nothing "
-        "was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
-    )
 
 
 def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int) -> str:

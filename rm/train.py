@@ -21,7 +21,8 @@ from rm.config import to_run_config
 from rm.engine import join_submitit_tasks
 from rm.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.preflight import PreflightRefusal
-from rm.run_record import claim as claim_run_dir, hold_log
+from rm.run_dir import RunDir
+from rm.run_record import hold_log
 from rm.sweep import job_record, write_job_record
 from rm.trainer import train
 from rm.validate import launched_as_main
@@ -61,20 +62,14 @@ def _job(cfg: DictConfig) -> Optional[float]:
     join_submitit_tasks()
     _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
-    is_main = launched_as_main()
-    claimed = False
-
-    def claim():
-        nonlocal claimed
-        claim_run_dir(run_dir, cfg, is_main)
-        claimed = True
+    directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
 
     def record(status, **fields):
-        if multirun and is_main and claimed:  # a refused directory keeps the record of the job that ran there
+        if multirun and directory.is_main and directory.claimed:  # a refused directory keeps the earlier job's record
             write_job_record(run_dir, job_record(overrides, status, job=hydra_cfg.job.num, **fields))
 
     try:
-        result = train(run_cfg, run_dir, overrides, on_claim=claim)
+        result = train(run_cfg, directory, overrides)
     except PreflightRefusal as err:
         record("refused", estimate=err.estimate,
                error=f"would fit with: {err.fits[0]}" if err.fits else "no single change found that fits")

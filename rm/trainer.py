@@ -17,15 +17,15 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import ExitStack, nullcontext
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from tqdm.auto import tqdm
 
-from rm.checkpoint import RunLock, check_run_dir, failed_ranks, latest_checkpoint, raise_save_failure, save_checkpoint
+from rm.checkpoint import failed_ranks, raise_save_failure
 from rm.config import RunConfig
 from rm.errors import StorageError
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
@@ -35,6 +35,7 @@ from rm.memory.monitor import gather_snapshots
 from rm.metrics import LineProgressFile, evaluate_sets, format_eval
 from rm.model import pair_rewards
 from rm.plots import write_eval_plots, write_train_plot
+from rm.run_dir import RunDir
 from rm.run_setup import Run, rebuild_base, setup
 from rm.validate import launched_as_main
 
@@ -46,30 +47,22 @@ DONE, INTERRUPTED, STOPPED = "done", "interrupted", "stopped"
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
 
 
-def train(cfg: RunConfig, run_dir: Path, overrides: Sequence[str] = (),
-          on_claim: Optional[Callable[[], None]] = None) -> Dict[str, float]:
+def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str] = ()) -> Dict[str, float]:
     """Run one training job into ``run_dir``; return the final eval metrics and the status.
 
     ``overrides`` are the Hydra overrides the config came from; the pre-flight check
-    re-composes them with candidate changes to say which would fit. The run directory is
-    locked for the whole job (by the main process: torchrun's ranks are one run).
-    ``on_claim`` is called, once per process, as soon as the directory is known to be this run's
-    (locked and accepted by ``check_run_dir``): before it, nothing of the directory may change.
+    re-composes them with candidate changes to say which would fit. ``run_dir`` (a path, or a
+    :class:`~rm.run_dir.RunDir` that writes Hydra's record when claimed) is locked for the whole job
+    by the main process (torchrun's ranks are one run), and nothing of it changes before it is claimed.
 
     Returns:
         The last evaluation's metrics, the run's statistics, ``status`` (``ok``, ``interrupted`` with
         ``signal``, ``stopped_nonfinite`` with ``reason``) and ``step``.
     """
-    run_dir = Path(run_dir)
-    is_main = launched_as_main()
+    directory = run_dir if isinstance(run_dir, RunDir) else RunDir.of(run_dir, cfg.train, launched_as_main())
     # The lock and the memory monitor's dispatch mode are undone however the run ends.
-    with RunLock(run_dir) if is_main else nullcontext(), ExitStack() as cleanup:
-        replaced = []
-        if is_main:  # one process decides (torchrun stops the others if it refuses)
-            replaced = check_run_dir(run_dir, cfg.train.resume, cfg.train.overwrite)
-            if on_claim is not None:
-                on_claim()
-        run = setup(cfg, run_dir, overrides, cleanup, replaced, on_claim)
+    with directory, ExitStack() as cleanup:
+        run = setup(cfg, directory, overrides, cleanup)
         finished = False
         try:
             with StopRequest() as stop:
@@ -203,7 +196,7 @@ def checkpoint(run: Run, paused: float) -> Path:
     (where the training time it records ends)."""
     state = run.state
     record = state.record(run.engine.reduce, state.trained_s(paused), run.health.state_dict())
-    return save_checkpoint(run.engine, run.run_dir, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
+    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
 
 
 def wrap_up(run: Run, outcome: str, stop: "StopRequest") -> Tuple[Dict, Dict]:
@@ -216,9 +209,9 @@ def wrap_up(run: Run, outcome: str, stop: "StopRequest") -> Tuple[Dict, Dict]:
     ended = time.perf_counter()  # for the checkpoint of a stopped run
     train_s = state.train_s + state.trained_s(ended)
     if engine.is_main_process and run.eval_scores:  # after train_s: drawing is not training time
-        log.info("eval plots: %s", write_eval_plots(run.eval_scores, run.run_dir / "eval_plots.png"))
+        log.info("eval plots: %s", write_eval_plots(run.eval_scores, run.dir.path / "eval_plots.png"))
     if engine.is_main_process and run.metrics.path.is_file():
-        log.info("training-loss plot: %s", write_train_plot(run.metrics.path, run.run_dir / "train_plot.png"))
+        log.info("training-loss plot: %s", write_train_plot(run.metrics.path, run.dir.path / "train_plot.png"))
     run_tokens = int(engine.reduce(torch.tensor(state.tokens, device=engine.device), reduction="sum"))
     run.monitor.stop()
     measured_per_rank = gather_snapshots(run.monitor.snapshot())
@@ -241,13 +234,13 @@ def wrap_up(run: Run, outcome: str, stop: "StopRequest") -> Tuple[Dict, Dict]:
     if outcome == INTERRUPTED:
         path = checkpoint(run, ended)
         log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
-                    step, total, path, run.run_dir)
+                    step, total, path, run.dir.path)
         return {**result, "status": "interrupted", "step": step, "signal": stop.signum}, memory
     if outcome == STOPPED:  # no checkpoint: the newest one on disk stays the last good one
         log.error(
             "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
             "(continue from it with train.resume=true hydra.run.dir=%s once the cause is fixed)",
-            step + 1, total, run.health.stop_reason, latest_checkpoint(run.run_dir) or "none (none was due yet)", run.run_dir,
+            step + 1, total, run.health.stop_reason, run.dir.latest_checkpoint() or "none (none was due yet)", run.dir.path,
         )
         return {**result, "status": "stopped_nonfinite", "step": step, "reason": run.health.stop_reason}, memory
     return {**result, "status": "ok", "step": step}, memory
@@ -263,7 +256,7 @@ def save_final(run: Run, memory: Dict) -> None:
     Raises:
         StorageError: any process failed to write its part; nothing is left half-written.
     """
-    engine, run_dir, cfg = run.engine, run.run_dir, run.cfg
+    engine, run_dir, cfg = run.engine, run.dir.path, run.cfg
     if engine.is_main_process:
         (run_dir / "memory.json").write_text(json.dumps(memory, indent=2))
     final_dir, tmp_final = run_dir / "final", run_dir / ".tmp-final"
@@ -292,7 +285,7 @@ def save_final(run: Run, memory: Dict) -> None:
         raise_save_failure(
             error, failed, f"the final model to {final_dir}", run_dir,
             f"Nothing was left half-written; free space and run again with train.resume=true (newest checkpoint: "
-            f"{latest_checkpoint(run_dir) or 'none'})", kind=StorageError,
+            f"{run.dir.latest_checkpoint() or 'none'})", kind=StorageError,
         )
     log.info("saved the reward model to %s", final_dir)
 

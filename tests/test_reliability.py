@@ -14,6 +14,7 @@ import torch
 import rm.checkpoint as ckpt
 import rm.train as rm_train
 import rm.run_setup as run_setup
+from rm.run_dir import LOCK_FILE, RunDirError, RunLock
 from rm.engine import AccelerateEngine
 from rm.errors import ConfigError, NonFiniteError, Refused, StorageError
 from tests.conftest import CONF_DIR, FAST_TINY
@@ -280,7 +281,7 @@ def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
 
     shutil.rmtree(run_dir / "checkpoints")  # the case that used to retrain from step 0 over final/
     before = (run_dir / "final" / "model.safetensors").read_bytes()
-    with pytest.raises(ckpt.RunDirError, match=r"holds a finished run \(final/\): there is nothing to resume"):
+    with pytest.raises(RunDirError, match=r"holds a finished run \(final/\): there is nothing to resume"):
         rm_train.train(_cfg("train.resume=true"), run_dir)
     assert (run_dir / "final" / "model.safetensors").read_bytes() == before
 
@@ -525,18 +526,40 @@ def test_a_run_directory_is_locked(tiny_cfg, tmp_path, caplog):
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        (tmp_path / ckpt.LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "since": "now"}))
         with pytest.raises(Refused, match=rf"is in use by another run \(pid {holder.pid} on ") as err:
             rm_train.train(tiny_cfg(*STEPS), tmp_path)
         assert err.value.exit_code == 3
-        assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.LOCK_FILE]  # nothing of the refused run
+        assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]  # nothing of the refused run
     finally:
         holder.kill()
         holder.wait()
-    with ckpt.RunLock(tmp_path):  # the holder is gone: its lock is stale
-        assert json.loads((tmp_path / ckpt.LOCK_FILE).read_text())["pid"] == os.getpid()
+    with RunLock(tmp_path):  # the holder is gone: its lock is stale
+        assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     assert f"stale lock of {tmp_path}: process {holder.pid} is gone" in caplog.text
-    assert not (tmp_path / ckpt.LOCK_FILE).exists()  # released at the end
+    assert not (tmp_path / LOCK_FILE).exists()  # released at the end
+
+
+def test_a_run_directory_refused_for_an_earlier_run_is_not_claimed_and_unlocked(tmp_path):
+    """RunDir decides before it claims: a refused directory keeps its files, its lock is released, its log held."""
+    from rm.run_dir import RunDir
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    directory = RunDir(tmp_path, resume=False, overwrite=False, is_main=True)
+    with pytest.raises(RunDirError, match=r"holds an earlier run \(metrics\.jsonl\)"):
+        with directory:
+            pass
+    assert not directory.claimed and not (tmp_path / LOCK_FILE).exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    with RunDir(tmp_path, resume=False, overwrite=True, is_main=True) as directory:
+        assert directory.claimed and (tmp_path / "metrics.jsonl").exists()  # replaced only when asked, later
+        directory.replace_earlier()
+        assert not (tmp_path / "metrics.jsonl").exists()
+    other = RunDir(tmp_path, resume=False, overwrite=False, is_main=False)
+    with other:  # another rank: no lock, no decision; it claims once the engine is up
+        assert not other.claimed and not (tmp_path / LOCK_FILE).exists()
+        other.join()
+        assert other.claimed
 
 
 @pytest.mark.slow
@@ -656,4 +679,4 @@ def test_a_save_failing_on_one_rank_fails_every_rank_without_hanging(tmp_path, f
     assert not list((run_dir / "checkpoints").glob(".tmp-*")) and not (run_dir / ".tmp-final").exists()
     assert not (run_dir / "final").exists()
     assert [step for step, _ in ckpt.list_checkpoints(run_dir)] == [2] and ckpt.damage(ckpt.latest_checkpoint(run_dir)) is None
-    assert not (run_dir / ckpt.LOCK_FILE).exists()
+    assert not (run_dir / LOCK_FILE).exists()

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 import rm.train as rm_train
-from rm.run_setup import TOKENIZER_DIR
+from rm.run_dir import TOKENIZER_DIR
 from rm.data.build import run_tokenizer
 from rm.data.synthetic import VOCABULARY, generate_pairs
 from rm.model import build_tokenizer

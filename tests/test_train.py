@@ -14,7 +14,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
 from rm.metrics import MetricsLog
-from rm.run_setup import TOKENIZER_DIR
+from rm.run_dir import TOKENIZER_DIR
 from rm.data.build import build_split, run_tokenizer
 from rm.data.collator import PairCollator
 from rm.model import build_model, pair_rewards
