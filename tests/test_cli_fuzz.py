@@ -1,7 +1,14 @@
 """``python -m rm.train`` as a user drives it, over random overrides and random small data files: it trains
-(exit 0), rejects the input (2) or refuses (3), never with a traceback, and never changes a file in the
-directory of an earlier run (bytes or mtime, Hydra's ``.hydra/`` record and the log included, nor adds one)
-unless it was asked to replace that run (``train.overwrite=true``).
+(exit 0), rejects the input (2), refuses (3) or refuses a resume from damaged checkpoints (5), never with a
+traceback, and never changes a file in the directory of an earlier run (bytes or mtime, Hydra's ``.hydra/``
+record and the log included, nor adds one) unless it was asked to replace that run (``train.overwrite=true``).
+A run that trains accounts for every row of its file in ``data_audit.json`` (kept or dropped with a reason),
+and never keeps a conversation without a final assistant answer.
+
+The rows and directories include the cases an adversarial round found (issue 26): a row far over
+``data.max_length``, conversations that are system-only, end on a user turn or have no assistant answer,
+messages rows with and without the optional ``prompt`` list, files mixing layouts, a CUDA hardware profile on
+a machine without CUDA, and a resume over checkpoints whose state file was deleted.
 
 Each example is a real process (about 15 s of imports and a 2-step run), so the default suite runs a few;
 ``-m slow`` runs many more.
@@ -45,7 +52,24 @@ OVERRIDES = {
     "model.num_key_value_heads": ["2", "3"],
     "train.resume": ["true", "false"],
     "train.overwrite": ["true", "false"],
+    "hardware": ["cpu", "h100_80g"],  # a CUDA profile on this machine: refused (2)
 }
+
+
+def _turns(*roles):
+    return [{"role": role, "content": f"{role} {i}"} for i, role in enumerate(roles)]
+
+
+# Conversations that are no preference pair: no final assistant answer (system-only, ending on a user turn).
+NO_ANSWER = [
+    {"chosen": _turns("system"), "rejected": _turns("system")},
+    {"chosen": _turns("user", "assistant", "user"), "rejected": _turns("user", "assistant", "user")},
+    {"chosen": _turns("system", "user"), "rejected": _turns("system", "user")},
+]
+
+
+def _is_no_answer(row) -> bool:
+    return row in NO_ANSWER
 
 ROW = st.one_of(
     st.sampled_from(PAIRS),
@@ -53,9 +77,17 @@ ROW = st.one_of(
                            "rejected": st.sampled_from([p["rejected"] for p in PAIRS[:4]])}),
     st.builds(lambda p: {"prompt": "\n\nHuman: hi", "chosen": p["chosen"], "rejected": p["rejected"]}, st.sampled_from(PAIRS)),
     st.just({"chosen": [{"role": "user", "content": "hi"}], "rejected": [{"role": "user", "content": "ho"}]}),
+    st.sampled_from(NO_ANSWER),
+    # messages rows, with and without the optional prompt list (row by row)
+    st.builds(lambda i, prompt: {**({"prompt": _turns("user")} if prompt else {}),
+                                 "chosen": [*([] if prompt else _turns("user")), {"role": "assistant", "content": f"yes {i}"}],
+                                 "rejected": [*([] if prompt else _turns("user")), {"role": "assistant", "content": f"no {i}"}]},
+              st.integers(0, 9), st.booleans()),
+    # a side far over data.max_length (64 x max_length characters): cut before it tokenizes, named in the audit
+    st.builds(lambda p, n: {**p, "chosen": p["chosen"] + " word" * n}, st.sampled_from(PAIRS), st.sampled_from([5_000, 40_000])),
 )
 DATA = st.one_of(st.none(), st.just([]), st.lists(ROW, min_size=1, max_size=40))  # None: the synthetic data
-EARLIER = st.sampled_from(["none", "finished", "locked"])
+EARLIER = st.sampled_from(["none", "finished", "locked", "incomplete"])
 
 
 def _snapshot(run_dir):
@@ -64,9 +96,16 @@ def _snapshot(run_dir):
 
 
 def _earlier_run(run_dir, kind):
-    """A directory as an earlier run left it: a finished model, or one still in use (a live pid holds the lock)."""
+    """A directory as an earlier run left it: a finished model, one still in use (a live pid holds the lock), or a
+    run stopped with checkpoints whose ``trainer_state.json`` was deleted since."""
     run_dir.mkdir(parents=True)
     if kind == "none":
+        return
+    if kind == "incomplete":
+        for step in (2, 4):
+            (run_dir / "checkpoints" / f"checkpoint-{step}").mkdir(parents=True)
+            (run_dir / "checkpoints" / f"checkpoint-{step}" / "model.safetensors").write_bytes(b"weights at step %d" % step)
+        (run_dir / "metrics.jsonl").write_text('{"split": "train", "step": 4, "loss": 0.6}\n')
         return
     (run_dir / "final").mkdir()
     (run_dir / "final" / "model.safetensors").write_bytes(b"weights of the earlier run")
@@ -94,21 +133,29 @@ def check_one_run(tmp_dir, overrides, rows, earlier):
                           timeout=600, env={**os.environ, "RM_DEBUG": ""})
     out = proc.stdout + proc.stderr
     context = f"{' '.join(args)}\n{out[-3000:]}"
-    assert proc.returncode in (0, 2, 3), context
+    assert proc.returncode in (0, 2, 3, 5), context
+    assert proc.returncode != 5 or (earlier == "incomplete" and overrides.get("train.resume") == "true"), context
     assert "Traceback" not in out, context
+    if proc.returncode == 0 and rows:
+        train = json.loads((run_dir / "data_audit.json").read_text())["splits"]["train"]
+        assert train["pairs_in"] == len(rows) and train["pairs_out"] + sum(train["dropped"].values()) == len(rows), context
+        assert train["pairs_out"] <= len(rows) - sum(map(_is_no_answer, rows)), context  # never trained on
     if earlier == "none":
         return
     after = _snapshot(run_dir)
     changed = [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
-    # Only a run asked to replace a finished run, that no live run holds, may write in its directory. If it then
+    # Only a run asked to replace an earlier run, that no live run holds, may write in its directory. If it then
     # fails, it has added its log and record only: the earlier run goes once settings and data are known usable.
-    accepted = earlier == "finished" and overrides.get("train.overwrite") == "true" and overrides.get("train.resume") != "true"
-    if not accepted:
+    record = {"train.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}
+    replacing = earlier != "locked" and overrides.get("train.overwrite") == "true" and overrides.get("train.resume") != "true"
+    resuming = earlier == "incomplete" and overrides.get("train.resume") == "true" and overrides.get("train.overwrite") != "true"
+    if resuming:  # accepted for a resume, which finds no intact checkpoint: nothing of the earlier run changes
+        assert proc.returncode != 0 and set(changed) <= record | {"data_audit.json"}, f"{changed} changed\n{context}"
+    elif not replacing:
         assert not changed, f"{changed} changed\n{context}"
     elif proc.returncode != 0:
-        assert set(changed) <= {"train.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}, (
-            f"{changed} changed\n{context}")
-        assert (run_dir / "train.log").read_text().startswith("the earlier run's log\n"), context
+        assert set(changed) <= record, f"{changed} changed\n{context}"
+        assert (run_dir / "train.log").read_text().startswith("the earlier run's log\n") or earlier == "incomplete", context
     if earlier == "locked":
         assert proc.returncode == 3 and f"pid {os.getpid()}" in out, context
 
@@ -125,10 +172,15 @@ def _fuzz(examples):
     return run
 
 
-@pytest.mark.reliability("Entry points", "random overrides (valid and invalid values of 18 keys) and random small data files, "
-                         "in a fresh run directory, over a finished run or a locked one (property-based, real processes)",
-                         "exit 0, 2 or 3; never a `Traceback`; no file of an earlier run's directory changed or added "
-                         "(bytes and mtime, `.hydra/` and `train.log` included) unless `train.overwrite=true` replaced it")
+@pytest.mark.reliability("Entry points", "random overrides (valid and invalid values of 19 keys, a CUDA profile on a CPU machine "
+                         "among them) and random small data files (huge rows, conversations without a final answer, "
+                         "messages rows with and without `prompt`, mixed layouts), in a fresh run directory, over a "
+                         "finished run, a locked one or one whose checkpoints lost their state file (property-based, "
+                         "real processes)",
+                         "exit 0, 2, 3, or 5 for a resume over damaged checkpoints; never a `Traceback`; every row of "
+                         "the file kept or dropped with a reason in `data_audit.json`, none without an answer kept; no "
+                         "file of an earlier run changed or added (bytes and mtime, `.hydra/` and `train.log` included) "
+                         "unless `train.overwrite=true` replaced it, and a refused resume changes no checkpoint")
 def test_cli_over_random_overrides_and_data(tmp_path_factory):
     _fuzz(3)(tmp_path_factory)
 
