@@ -66,18 +66,40 @@ def test_a_bad_row_is_located_in_its_own_file(tmp_path):
 
 
 @pytest.mark.reliability("Data", "a file mixing formats (hh, prompt, messages rows)",
-                         "`the rows mix preference formats: 1 row(s) hh (first: row 0), 2 row(s) prompt (first: row 1) ...`, naming the file")
-def test_mixed_formats_in_one_file_are_reported_as_such(tmp_path):
-    rows = [GOOD, {"prompt": "\n\nHuman: hi", "chosen": " yes", "rejected": " no"},
-            {"prompt": "\n\nHuman: ho", "chosen": " yes", "rejected": " no"},
-            {"chosen": [{"role": "user", "content": "hi"}], "rejected": [{"role": "user", "content": "ho"}]}]
-    path = _jsonl(tmp_path / "mixed.jsonl", rows)
+                         "`data.on_malformed=error`: `the rows mix preference formats: 1 row(s) hh (first: row 0), 2 row(s) "
+                         "prompt (first: row 1) ...`, naming the file; `skip` (default): the format of most rows is the "
+                         "split's, the others dropped as `other_format` with their counts and first rows (a tie is an error)")
+def test_mixed_formats_in_one_file_are_reported_as_such(tmp_path, caplog):
+    from rm.data.audit import audit_split
+    from rm.data.tokenise import pair_lengths
+
+    hh, messages = GOOD, {"chosen": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}],
+                          "rejected": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}]}
+    prompts = [{"prompt": "\n\nHuman: hi", "chosen": " yes", "rejected": " no"},
+               {"prompt": "\n\nHuman: ho", "chosen": " yes", "rejected": " no"}]
+    path = _jsonl(tmp_path / "mixed.jsonl", [hh, *prompts, messages])
     with pytest.raises(DataError) as err:
-        _split(path)
+        _split(path, "data.on_malformed=error")
     message = str(err.value)
     assert "the rows mix preference formats" in message and str(path) in message
     assert "1 row(s) hh (first: row 0)" in message and "2 row(s) prompt (first: row 1)" in message
     assert "1 row(s) messages (first: row 3)" in message
+
+    ds, counts = _split(path)  # data.on_malformed=skip: the prompt rows are the split, named in the log
+    assert "the rows mix preference formats" in caplog.text and "the split is 'prompt'" in caplog.text
+    audit = audit_split(counts, *pair_lengths(ds))
+    assert audit["pairs_out"] == 2 and audit["dropped"]["other_format"] == 2 and audit["dropped"]["malformed"] == 0
+    assert audit["drop_reasons"] == {
+        "other_format: a 'hh' row in a split of format 'prompt'": {"count": 1, "first_row": 0},
+        "other_format: a 'messages' row in a split of format 'prompt'": {"count": 1, "first_row": 3},
+    }
+    with pytest.raises(DataError, match="no format has most rows"):  # one of each: nothing says which was meant
+        _split(_jsonl(tmp_path / "tie.jsonl", [prompts[0], messages]))
+    # an explicit format names a valid row of another layout as such, not as malformed
+    ds, counts = _split(_jsonl(tmp_path / "explicit.jsonl", [*prompts, messages]), "data.format=prompt")
+    assert len(ds) == 2 and counts.dropped[Drop.OTHER_FORMAT] == 1 and counts.dropped[Drop.MALFORMED] == 0
+    with pytest.raises(DataError, match=r"row 2: a 'messages' row in a split of format 'prompt'"):
+        _split(tmp_path / "explicit.jsonl", "data.format=prompt", "data.on_malformed=error")
 
 
 @pytest.mark.reliability("Data", "rows dropped as malformed or empty", "counted by reason, with the first row of each, in "

@@ -85,6 +85,10 @@ Other rows dropped and counted, never silently altered:
   :func:`~rm.data.normalise.normalise_pairs`;
 * ``messages`` rows whose side has no final ``assistant`` message (``no_answer``:
   a system prompt alone, a user turn waiting for an answer), per ``on_malformed``;
+* valid rows of another layout than their split's (``other_format``), per
+  ``on_malformed``: with ``data.format=auto`` a split whose rows mix layouts is an
+  error naming each layout's count and first row under ``"error"``; under
+  ``"skip"`` the layout of most rows is the split's (a tie is still an error);
 * a side containing the pad id anywhere (``pad_in_text``): at the end it moves
   the token the reward is read from, and collators that derive the attention
   mask from pad ids would mask it anywhere. With ``on_malformed="error"``

@@ -23,6 +23,7 @@ class Drop(str, Enum):
     MALFORMED = "malformed"
     EMPTY = "empty"
     NO_ANSWER = "no_answer"  # a conversation that does not end on an assistant message: nothing to judge
+    OTHER_FORMAT = "other_format"  # a valid row of another layout than its split's (data.on_malformed=skip)
     TOO_LONG = "too_long"
     PAD_IN_TEXT = "pad_in_text"
     IDENTICAL = "identical"
@@ -37,6 +38,7 @@ _DROP_WORDS = (
     (Drop.MALFORMED, "{} malformed skipped"),
     (Drop.EMPTY, "{} empty skipped"),
     (Drop.NO_ANSWER, "{} without a final assistant answer skipped"),
+    (Drop.OTHER_FORMAT, "{} of another format skipped"),
     (Drop.DUPLICATE, "{} duplicates dropped"),
 )
 

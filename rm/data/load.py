@@ -11,6 +11,7 @@ from __future__ import annotations
 import codecs
 import glob
 import json
+import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -19,6 +20,8 @@ from typing import Any
 import datasets
 
 from rm.errors import ConfigError, DataError, DataFileNotFound
+
+logger = logging.getLogger(__name__)
 
 SOURCES = ("hub", "local")
 
@@ -279,11 +282,14 @@ def _feature_kind(feature: Any) -> str:
     return type(feature).__name__
 
 
-def detect_format(ds: datasets.Dataset) -> str:
+def detect_format(ds: datasets.Dataset, on_malformed: str = "error") -> str:
     """Detects the preference layout of a dataset from its columns and types.
 
     Args:
         ds: Raw dataset (e.g. from :func:`load_preference_split`).
+        on_malformed: rows of several layouts in one split raise under ``"error"``; under ``"skip"`` the layout
+            most rows follow is the split's, and :func:`rm.data.normalise.normalise_pairs` drops the others
+            (``other_format``).
 
     Returns:
         ``"hh"``, ``"prompt"`` or ``"messages"``.
@@ -300,7 +306,7 @@ def detect_format(ds: datasets.Dataset) -> str:
     mixed_types = "Json" in (chosen, rejected, prompt)
     partial_prompt = prompt == "string" and 0 < ds.data.column("prompt").null_count < len(ds)
     if mixed_types or partial_prompt:
-        return _detect_by_rows(ds, kinds)
+        return _detect_by_rows(ds, kinds, on_malformed)
     if chosen == rejected == "string":
         if prompt is None:
             return "hh"
@@ -315,7 +321,7 @@ def detect_format(ds: datasets.Dataset) -> str:
     )
 
 
-def _row_layout(row: dict, prompts: bool) -> str | None:
+def row_layout(row: dict, prompts: bool) -> str | None:
     """The layout one row follows, or None when it follows none (a malformed row).
 
     Where other rows have a prompt (``prompts``), a row without one is an HH row only if it holds a
@@ -331,15 +337,16 @@ def _row_layout(row: dict, prompts: bool) -> str | None:
     return None
 
 
-def _detect_by_rows(ds: datasets.Dataset, kinds: dict) -> str:
+def _detect_by_rows(ds: datasets.Dataset, kinds: dict, on_malformed: str) -> str:
     """The one layout the rows follow; rows that follow none are left for
     :func:`rm.data.normalise.normalise_pairs` to report (malformed). Several layouts in one split are an
-    error that names them."""
+    error that names them with their counts, or under ``on_malformed="skip"`` the layout of most rows (a tie
+    is still an error: nothing says which the user meant)."""
     present = [c for c in ("prompt", "chosen", "rejected") if c in ds.column_names]
     layouts: Counter = Counter()
     first: dict[str, int] = {}
     for i, row in enumerate(ds.select_columns(present)):
-        layout = _row_layout(row, "prompt" in present) or "none"
+        layout = row_layout(row, "prompt" in present) or "none"
         layouts[layout] += 1
         first.setdefault(layout, i)
     found = [k for k in layouts if k != "none"]
@@ -352,6 +359,15 @@ def _detect_by_rows(ds: datasets.Dataset, kinds: dict) -> str:
         columns = ", ".join(f"{n} ({k})" for n, k in kinds.items())
         raise DataError(f"cannot detect the preference format: no row follows one ({described}); columns: {columns}; "
                         f"accepted formats: {FORMAT_HELP}", row=first["none"])
+    (most, n), *rest = sorted(((k, layouts[k]) for k in found), key=lambda kn: (-kn[1], first[kn[0]]))
+    if on_malformed == "skip" and n > rest[0][1]:
+        logger.warning("the rows mix preference formats: %s. data.on_malformed=skip: the split is %r, the %d row(s) of "
+                       "other formats are dropped (other_format in data_audit.json; data.on_malformed=error refuses "
+                       "the file)", described, most, sum(c for _, c in rest))
+        return most
     raise DataError(
         f"the rows mix preference formats: {described}. One split must use one format: "
-        "convert the rows to one format, or split them into separate datasets", row=min(first[k] for k in found[1:]))
+        "convert the rows to one format, or split them into separate datasets"
+        + ("" if on_malformed == "error" else f" (no format has most rows, so data.on_malformed={on_malformed} cannot "
+                                              "choose one)"),
+        row=min(first[k] for k in found[1:]))

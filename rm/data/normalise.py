@@ -13,7 +13,7 @@ import datasets
 
 from rm.config import FORMATS, IDENTICAL_PAIRS, ON_MALFORMED
 from rm.data.counts import SIDES, Drop, PairCounts
-from rm.data.load import FORMAT_HELP, check_choice, detect_format, map_counting
+from rm.data.load import FORMAT_HELP, check_choice, detect_format, map_counting, row_layout
 from rm.errors import DataError
 
 logger = logging.getLogger(__name__)
@@ -203,17 +203,21 @@ def normalise_pairs(
     check_choice("on_malformed", on_malformed, ON_MALFORMED)
     check_choice("identical", identical, IDENTICAL_PAIRS)
     if fmt == "auto":
-        fmt = detect_format(ds)
+        fmt = detect_format(ds, on_malformed)
         logger.info("preference data: detected format %r", fmt)
     _check_columns(ds.column_names, fmt, tokenizer, margin_column)
     counts = PairCounts(rows=len(ds))
     read = _columns_read(ds.column_names, fmt, margin_column)
+    prompts = "prompt" in read
 
     def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"chosen": [], "rejected": [], "margin": [], "row": []}
         for k, idx in enumerate(indices):
             row = {c: batch[c][k] for c in read}
             try:
+                layout = row_layout(row, prompts)
+                if layout not in (None, fmt):  # a valid row, of another layout: not "malformed" under this one
+                    raise _RowProblem(Drop.OTHER_FORMAT, f"a {layout!r} row in a split of format {fmt!r}")
                 chosen, rejected = _pair_texts(row, fmt, tokenizer)
                 margin = 0.0 if margin_column is None else _check_margin(margin_column, row[margin_column])
             except _RowProblem as problem:
