@@ -181,11 +181,15 @@ def test_a_cuda_profile_without_cuda_is_refused_for_training_not_for_estimating(
 
 
 @pytest.mark.reliability("Faults", "SIGTERM to a real process at a random step", "exit 143 with a checkpoint; resumed, equal to an uninterrupted run bit for bit")
+@pytest.mark.reliability("Faults", "SIGKILL to a real process at a random step", "resumed from the last periodic checkpoint "
+                         "(or step 0), equal to an uninterrupted run bit for bit; `metrics.jsonl` holds each step once")
 @pytest.mark.slow
-def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
+def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninterrupted_run(tmp_path, signum):
     """SLURM pre-emption: SIGTERM to a running ``python -m rm.train`` at a random step (the seed is in
     the assertion message), exit 143 with a checkpoint, ``train.resume=true`` finishes the run, and the
-    final weights equal those of a run that was never interrupted, bit for bit on the CPU."""
+    final weights equal those of a run that was never interrupted, bit for bit on the CPU. SIGKILL (the OOM
+    killer, a node lost) leaves no checkpoint of its own: the resume starts from the last periodic one."""
     import os
     import signal
     import time
@@ -208,18 +212,25 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
     deadline = time.time() + 600
     while time.time() < deadline and victim.poll() is None:
         if metrics.exists() and sum('"train"' in l for l in metrics.read_text().splitlines()) >= kill_after:
-            victim.send_signal(signal.SIGTERM)
+            victim.send_signal(getattr(signal, signum))
             break
         time.sleep(0.05)
     out = victim.communicate(timeout=600)[0]
-    assert victim.returncode == 128 + signal.SIGTERM, f"seed {seed}: {out[-2000:]}"
-    assert list((tmp_path / "killed" / "checkpoints").glob("checkpoint-*")), f"seed {seed}"
+    if signum == "SIGTERM":
+        assert victim.returncode == 128 + signal.SIGTERM, f"seed {seed}: {out[-2000:]}"
+        assert list((tmp_path / "killed" / "checkpoints").glob("checkpoint-*")), f"seed {seed}"
+    else:
+        assert victim.returncode == -signal.SIGKILL, f"seed {seed}: {out[-2000:]}"
+        assert (tmp_path / "killed" / LOCK_FILE).exists()  # left behind: the resume takes the stale lock over
 
     resumed = run(tmp_path / "killed", "train.resume=true")
     assert resumed.wait(timeout=600) == 0, resumed.stdout.read()[-2000:]
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a), f"seed {seed}: resumed weights differ (killed after step {kill_after})"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r["step"] for r in records if r["event"] == "train"]
+    assert steps == list(range(1, 13)), f"seed {seed}: {steps}"  # each step once, in order
 
 
 @pytest.mark.reliability("Data", "zero usable pairs after filtering", "`data local [train]: no usable pairs left (pairs 4 -> 0 used: ...)`")
@@ -289,7 +300,7 @@ def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
 @pytest.mark.reliability("Faults", "`metrics.jsonl` after a resume (a run killed after its last checkpoint, a fall back "
                          "to an earlier checkpoint)", "the records of steps after the resumed one are dropped before "
                          "they are written again: each step appears once per event")
-@pytest.mark.parametrize("fallback", [False, True], ids=["killed-after-checkpoint-4", "fallback-to-checkpoint-2"])
+@pytest.mark.parametrize("fallback", [False, True], ids=["killed-or-export-failed-after-step-6", "fallback-to-checkpoint-2"])
 def test_metrics_after_a_resume_hold_each_step_once(six_step_run, tmp_path, fallback):
     from collections import Counter
 
