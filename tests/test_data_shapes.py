@@ -115,6 +115,26 @@ def test_shapes_are_those_of_every_micro_batch_of_every_rank(layout, world, budg
     assert both.train == BatchShape(max(s.rows for s in want), max(s.length for s in want))
 
 
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("short_rows", [0, 1, 6])
+def test_a_rank_whose_micro_batches_are_all_full_is_not_padded(world, short_rows):
+    """Rows cut to max_length are all as long: a micro-batch of them needs no mask (SDPA is_causal), which keeps
+    less than a padded one. Against StepBatches.for_step, with a few shorter sides placed at random."""
+    rng = np.random.default_rng(short_rows + world)
+    n, full = 96, 32
+    chosen, rejected = np.full(n, full), np.full(n, full)
+    rejected[rng.choice(n, short_rows, replace=False)] = full - 5
+    keys = np.maximum(chosen, rejected).tolist()
+    of = [StepBatches(n, 24, 4, world, rank, seed=7, sort_lengths=keys) for rank in range(world)]
+    got = data_shapes(of[0], 8, "padded", chosen, rejected, None, [], 2)
+    want = [any(min(min(chosen[i], rejected[i]) for i in mb) < full for step in range(8) for mb in b.for_step(step))
+            for b in of]
+    assert [s.padded for s in got] == want and largest(got).padded == any(want)
+    assert all(s.padded for s in data_shapes(of[0], 8, "packed", chosen, rejected, None, [], 2))  # no mask to drop
+    if short_rows == 0:
+        assert not any(want)
+
+
 @pytest.mark.parametrize("budget", [0, 4096])
 def test_a_large_run_is_sized_in_a_second_or_two(budget):
     """160k HH-sized pairs, 5000 steps of 64 pairs over 8 processes (0.2 s padded, 0.7 s with a budget, at load 14)."""

@@ -559,7 +559,7 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
     act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
-                               packed=t.packing, shared_prefix=t.share_prefix)
+                               packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.padded)
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
     inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
     evaluation = 0  # no eval set: no evaluation forward

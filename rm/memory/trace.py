@@ -218,7 +218,8 @@ def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool) -> Dict[
     """The inputs of :func:`rm.model.pair_rewards` for a micro-batch of this layout (inside FakeTensorMode).
 
     Row per pair: every row padded, so transformers builds the (B,1,T,T) mask and SDPA repeats K/V to all
-    heads, the costlier path (under fake tensors it cannot read the mask, so passing one takes that path).
+    heads, the costlier path (under fake tensors it cannot read the mask, so passing one takes that path), unless
+    :func:`_fake_mode` is told the rows are not padded.
     Packed: one row, position ids restarting per sequence, no mask. Prefix-shared: rows of pairs with the
     per-token pair ids and roles from which the trainer builds the 4D mask inside the step. Two rewards
     per row are read: where they are read does not change what the step keeps.
@@ -264,8 +265,10 @@ _PHASES_2 = ("start", "layer0", "layer1", "norm", "backward", "layer1_bwd", "lay
 _PHASES_1 = ("start", "layer0", "norm", "backward", "layer0_bwd", "embed_bwd", "end")
 
 
-def _fake_mode(packed: bool):
-    """Fake tensors, with transformers told the truth about packing (which it cannot read from fake ids)."""
+def _fake_mode(packed: bool, padded: bool = True):
+    """Fake tensors, with transformers told the truth about packing and padding (which it cannot read from fake
+    ids and masks). Not ``padded``: the mask is all ones, and transformers decides whether SDPA may run
+    ``is_causal`` without a mask as it does for a real all-ones mask, which says nothing a missing one does not."""
     from unittest import mock
 
     import transformers.masking_utils as masking_utils
@@ -275,6 +278,10 @@ def _fake_mode(packed: bool):
     stack.enter_context(FakeTensorMode())
     if not packed:
         stack.enter_context(mock.patch.object(masking_utils, "find_packed_sequence_indices", _no_packed_sequences))
+    if not padded:
+        decide = masking_utils._ignore_causal_mask_sdpa
+        stack.enter_context(mock.patch.object(masking_utils, "_ignore_causal_mask_sdpa",
+                                              lambda padding_mask, *args, **kwargs: decide(None, *args, **kwargs)))
     return stack
 
 
@@ -350,7 +357,7 @@ def _mark_phases(model, tracker: StorageTracker) -> list:
 
 @functools.lru_cache(maxsize=256)
 def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accumulating: bool = False,
-           packed: bool = False, shared_prefix: bool = False) -> _Trace:
+           packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> _Trace:
     """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases.
 
     ``packed``: one row of ``seq_len`` tokens holding several sequences (``train.packing``): no
@@ -366,7 +373,7 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
     # Built on the meta device, then given fake CPU tensors: peft moves its fresh adapters with
     # ``.to()``, which cannot swap fake parameters, but works on meta ones.
     model = traced.build(num_layers)
-    with _fake_mode(packed), _target_kernels(traced.device, traced.zero3_linear):
+    with _fake_mode(packed, padded), _target_kernels(traced.device, traced.zero3_linear):
         _materialize_fake(model)
         inputs = _batch(batch, seq_len, packed, shared_prefix)
         if accumulating:
@@ -420,7 +427,7 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
 
 
 def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating: bool = False, packed: bool = False,
-                  shared_prefix: bool = False) -> LayerMemory:
+                  shared_prefix: bool = False, padded: bool = True) -> LayerMemory:
     """Measure one decoder layer (and the parts outside the layers) by tracing a fake two-layer model.
 
     Args:
@@ -436,11 +443,12 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
         packed: one row of ``seq_len`` tokens holding several sequences (``train.packing``):
             position ids restart per sequence and transformers builds a block-diagonal mask.
         shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
+        padded: row per pair, some row is padded (:attr:`rm.data.shapes.BatchShapes.padded`).
 
     Returns:
         A :class:`LayerMemory`; cached per distinct arguments.
     """
-    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix)
+    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix, padded)
     at, peak = trace.at, trace.peak
     return LayerMemory(
         saved_bytes=at["norm"] - at["layer1"],
@@ -460,7 +468,7 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
 
 
 def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_len: int, *, accumulating: bool = False,
-                         packed: bool = False, shared_prefix: bool = False) -> Dict[str, Any]:
+                         packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> Dict[str, Any]:
     """Peak activation bytes of one forward+backward of the whole reward model.
 
     The step's live activations, phase by phase, for ``L = num_layers``:
@@ -471,7 +479,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     * layer 0's backward and the embedding's: as traced.
 
     Args:
-        traced, batch, seq_len, accumulating, packed, shared_prefix: as for :func:`measure_layer`.
+        traced, batch, seq_len, accumulating, packed, shared_prefix, padded: as for :func:`measure_layer`.
         num_layers: decoder layers of the real model.
 
     Returns:
@@ -488,7 +496,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     if num_layers < 1:
         raise ValueError("num_layers must be at least 1")
     if num_layers == 1:
-        trace = _trace(traced, 1, batch, seq_len, accumulating, packed, shared_prefix)
+        trace = _trace(traced, 1, batch, seq_len, accumulating, packed, shared_prefix, padded)
         at, peak = trace.at, trace.peak
         phases = {
             "forward": max(peak["start"], peak["layer0"]),
@@ -515,8 +523,9 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
             "layer": None,
         }
 
-    layer = measure_layer(traced, batch, seq_len, accumulating=accumulating, packed=packed, shared_prefix=shared_prefix)
-    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix)
+    layer = measure_layer(traced, batch, seq_len, accumulating=accumulating, packed=packed, shared_prefix=shared_prefix,
+                          padded=padded)
+    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix, padded)
     at, peak = trace.at, trace.peak
     shift = (num_layers - 2) * layer.saved_bytes  # the layers the traced model lacks, all steady-state
     # Under autocast, its cache keeps each weight's cast until the forward ends: a layer holds more during the
