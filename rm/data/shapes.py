@@ -291,10 +291,10 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
     """The most rows and the longest row over several ranks' shapes (each possibly of a different rank).
 
     Example:
-        >>> a = BatchShapes(BatchShape(4, 9), BatchShape(2, 3), False, "data")
+        >>> a = BatchShapes(BatchShape(4, 9), BatchShape(2, 3), False, "data", padded=False)
         >>> largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])  # doctest: +NORMALIZE_WHITESPACE
         BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True,
-                    sized_by='data', after_first_step=None)
+                    sized_by='data', after_first_step=None, padded=True)
     """
     def most(found):
         found = [b for b in found if b is not None]
