@@ -34,19 +34,17 @@ from __future__ import annotations
 
 import logging
 import math
-import types
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from rm.lost_updates import LostUpdateProbe, lost_fraction
+from rm.model import HEAD
 
 log = logging.getLogger(__name__)
 
 LN2 = math.log(2.0)
-HEAD = "score"  # the one-output head of transformers' *ForSequenceClassification decoders
 
 CONTINUE, SKIP, STOP = "continue", "skip", "stop"  # what the loop does with a step
 
@@ -514,51 +512,3 @@ class HealthMonitor:
         self._action = STOP
         self._write("stopped", step, {"reason": reason})
         return STOP
-
-
-# ---------------------------------------------------------------- fp32 head
-
-
-def fp32_head_enabled(setting: Optional[bool], precision: str) -> bool:
-    """``health.fp32_head``: null (auto) means on where the run computes in fp16/bf16, where it matters.
-
-    >>> fp32_head_enabled(None, "bf16-mixed"), fp32_head_enabled(None, "32-true"), fp32_head_enabled(False, "bf16-true")
-    (True, False, False)
-    """
-    from rm.precision import Precision
-
-    return Precision.of(precision).half if setting is None else setting
-
-
-def _fp32_linear(self, hidden: torch.Tensor) -> torch.Tensor:
-    # Autocast would cast a linear back to bf16/fp16 whatever its weights: turn it off here.
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        bias = self.bias.float() if self.bias is not None else None
-        return F.linear(hidden.float(), self.weight.float(), bias)
-
-
-def keep_head_in_fp32(model: torch.nn.Module, head: str = HEAD) -> torch.nn.Module:
-    """Store the reward head's weights in fp32 and compute it in fp32, in place.
-
-    The reward is one dot product over the hidden size: in bf16 (8 significant bits) two
-    close rewards round to the same value, and their difference is all the loss sees.
-    The head's state-dict keys do not change, so saved models load as before. Call it
-    before PEFT wraps the model: the trained copy PEFT makes of the head keeps both
-    (``copy.deepcopy`` rebinds the fp32 forward to the copy). DeepSpeed casts every
-    weight to bf16/fp16 at ``initialize`` (its fp32 master copy is what it updates);
-    the forward still computes in fp32 there.
-
-    Args:
-        model: a ``*ForSequenceClassification`` model, not yet wrapped.
-        head: the head's attribute name.
-
-    Returns:
-        ``model``.
-    """
-    module = getattr(model, head)
-    if type(module) is not torch.nn.Linear:  # e.g. a bitsandbytes Linear4bit, whose weight is packed
-        log.warning("health.fp32_head: `%s` is a %s, not a plain Linear: left as it is", head, type(module).__name__)
-        return model
-    module.float()
-    module.forward = types.MethodType(_fp32_linear, module)
-    return model

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import logging
+import types
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.precision import Numerics
+
+HEAD = "score"  # the one-output reward head of transformers' *ForSequenceClassification decoders
 
 log = logging.getLogger(__name__)
 
@@ -204,11 +208,10 @@ def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lor
         numerics: the dtypes of the run's precision under its engine (``Plan.numerics``): a trained model is
             stored in ``numerics.weights``, a LoRA base (frozen) in ``numerics.frozen``.
         gradient_checkpointing: ``train.gradient_checkpointing``.
-        fp32_head: keep the reward head's weights and computation in fp32 (``rm.health.fp32_head_enabled``).
+        fp32_head: keep the reward head's weights and computation in fp32 (:func:`fp32_head_enabled`).
         pad_token_id: the tokenizer's pad id.
         device: where a model built from its shape is initialised (:func:`build_model`).
     """
-    from rm.health import keep_head_in_fp32
 
     dtype = numerics.frozen if profile.use_lora else numerics.weights
     model = build_model(model_cfg, pad_token_id, dtype, gradient_checkpointing, profile.quantize_base, device)
@@ -278,7 +281,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def reward_head(model: torch.nn.Module) -> torch.nn.Module:
-    """The ``score`` head of a sequence-classification model, through DDP, DeepSpeed and PEFT wrappers.
+    """The ``score`` head (:data:`HEAD`) of a sequence-classification model, through DDP, DeepSpeed and PEFT wrappers.
 
     Under PEFT it is the ``ModulesToSaveWrapper`` whose output is that of the trained copy.
 
@@ -289,7 +292,7 @@ def reward_head(model: torch.nn.Module) -> torch.nn.Module:
         model = model.module
     if hasattr(model, "get_base_model"):  # PEFT
         model = model.get_base_model()
-    head = getattr(model, "score", None)
+    head = getattr(model, HEAD, None)
     if not isinstance(head, torch.nn.Module):
         raise TypeError(f"{type(model).__name__} has no `score` head: rm reads per-token rewards from decoder models")
     return head
@@ -382,3 +385,48 @@ def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                                pair_ids=pair_ids, roles=roles)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
+
+
+def fp32_head_enabled(setting: Optional[bool], precision: str) -> bool:
+    """``health.fp32_head``: null (auto) means on where the run computes in fp16/bf16, where it matters.
+
+    >>> fp32_head_enabled(None, "bf16-mixed"), fp32_head_enabled(None, "32-true"), fp32_head_enabled(False, "bf16-true")
+    (True, False, False)
+    """
+    from rm.precision import Precision
+
+    return Precision.of(precision).half if setting is None else setting
+
+
+def _fp32_linear(self, hidden: torch.Tensor) -> torch.Tensor:
+    # Autocast would cast a linear back to bf16/fp16 whatever its weights: turn it off here.
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        bias = self.bias.float() if self.bias is not None else None
+        return F.linear(hidden.float(), self.weight.float(), bias)
+
+
+def keep_head_in_fp32(model: torch.nn.Module, head: str = HEAD) -> torch.nn.Module:
+    """Store the reward head's weights in fp32 and compute it in fp32, in place (``health.fp32_head``).
+
+    The reward is one dot product over the hidden size: in bf16 (8 significant bits) two
+    close rewards round to the same value, and their difference is all the loss sees.
+    The head's state-dict keys do not change, so saved models load as before. Call it
+    before PEFT wraps the model: the trained copy PEFT makes of the head keeps both
+    (``copy.deepcopy`` rebinds the fp32 forward to the copy). DeepSpeed casts every
+    weight to bf16/fp16 at ``initialize`` (its fp32 master copy is what it updates);
+    the forward still computes in fp32 there.
+
+    Args:
+        model: a ``*ForSequenceClassification`` model, not yet wrapped.
+        head: the head's attribute name.
+
+    Returns:
+        ``model``.
+    """
+    module = getattr(model, head)
+    if type(module) is not torch.nn.Linear:  # e.g. a bitsandbytes Linear4bit, whose weight is packed
+        log.warning("health.fp32_head: `%s` is a %s, not a plain Linear: left as it is", head, type(module).__name__)
+        return model
+    module.float()
+    module.forward = types.MethodType(_fp32_linear, module)
+    return model

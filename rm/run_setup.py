@@ -27,12 +27,12 @@ from rm.data.batching import StepBatches, steps_per_epoch
 from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
-from rm.health import HealthMonitor, fp32_head_enabled
+from rm.health import HealthMonitor
 from rm.lost_updates import LostUpdateProbe
 from rm.memory.estimate import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
-from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, tokenizer_kind
+from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled, tokenizer_kind
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.precision import SHORT

@@ -29,11 +29,11 @@ from rm.checkpoint import failed_ranks, raise_save_failure
 from rm.config import RunConfig
 from rm.errors import StorageError
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
-from rm.health import HEAD, SKIP, STOP
+from rm.health import SKIP, STOP
 from rm.loss import bradley_terry_loss
 from rm.memory.monitor import gather_snapshots
 from rm.metrics import LineProgressFile, evaluate_sets, format_eval
-from rm.model import pair_rewards
+from rm.model import HEAD, pair_rewards
 from rm.plots import write_eval_plots, write_train_plot
 from rm.run_dir import RunDir
 from rm.run_setup import Run, rebuild_base, setup

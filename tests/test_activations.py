@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig, compose
-from rm.health import fp32_head_enabled
 from rm.loss import bradley_terry_loss
 from rm.memory.estimate import traced_model
 from rm.memory.storage import StorageTracker
 from rm.precision import Precision
 from rm.memory.trace import TracedModel, estimate_activations, measure_layer
-from rm.model import build_reward_model, pair_rewards
+from rm.model import build_reward_model, fp32_head_enabled, pair_rewards
 
 # Small enough for a 2-core CPU (one real step is about a second); the shapes keep GQA
 # (4 query heads on 2 KV heads) and an MLP twice the width, as in Mistral.

@@ -15,10 +15,10 @@ import rm.model as rm_model
 import rm.run_setup as run_setup
 import rm.trainer as trainer
 from rm.health import (
-    LN2, SKIP, STOP, CONTINUE, HealthMonitor, chance_accuracy_alarm, fp32_head_enabled, head_gradient_alarm,
-    keep_head_in_fp32, ln2_plateau_alarm, nonfinite_alarm, pad_token_alarm, reward_scale_alarm,
+    LN2, SKIP, STOP, CONTINUE, HealthMonitor, chance_accuracy_alarm, head_gradient_alarm, ln2_plateau_alarm,
+    nonfinite_alarm, pad_token_alarm, reward_scale_alarm,
 )
-from rm.model import apply_memory_profile, build_model
+from rm.model import apply_memory_profile, build_model, fp32_head_enabled, keep_head_in_fp32
 from rm.validate import ConfigError
 from tests.conftest import CONF_DIR, FAST_TINY
 from tests.test_tokenizer import OWN_TEXT

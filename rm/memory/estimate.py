@@ -513,8 +513,8 @@ def cannot_fit(cfg: RunConfig, plan: Plan) -> bool:
 def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
     """The model the run trains, as the trace builds it. flash_attention_2 and flex_attention cannot be
     traced on the CPU; SDPA's footprint stands in (it bounds flex-attention's, a BlockMask, not T x T)."""
-    from rm.health import fp32_head_enabled
     from rm.memory.trace import TracedModel
+    from rm.model import fp32_head_enabled
 
     m = cfg.model
     if m.attn_implementation in ("flash_attention_2", "flex_attention"):
