@@ -1,7 +1,7 @@
 """One training-step interface over accelerate (one process, DDP) and DeepSpeed's own engine (ZeRO 1-3, offload).
 
-``rm.train`` talks to an engine only through :class:`Engine`: the subset of
-``accelerate.Accelerator`` it needs (``device``, ``process_index``,
+``rm.trainer`` and ``rm.run_setup`` talk to an engine only through :class:`Engine`: the subset of
+``accelerate.Accelerator`` they need (``device``, ``process_index``,
 ``num_processes``, ``is_main_process``, ``autocast``, ``reduce``,
 ``wait_for_everyone``) plus ``backward``, ``clip_gradients``, ``step``,
 ``grad_norm``, ``gradients_of``, ``stepped_parameters`` (the health checks of ``rm.health``), ``save_state``,

@@ -10,7 +10,8 @@
   (:mod:`rm.run_record`), on the main process first and on the others once the engine is up;
 - the checkpoints: which one a resume loads (:meth:`RunDir.restore`, naming each it passes over), where the
   next is saved (:meth:`RunDir.save_checkpoint`) and which is newest;
-- ``metrics.jsonl``, cut back to the resumed step (:meth:`RunDir.metrics`), so each step appears once.
+- ``metrics.jsonl`` (:meth:`RunDir.metrics`), cut back to the resumed step (:meth:`RunDir.resume_metrics`), so
+  each step appears once.
 
 The checkpoint format itself (atomic writes, manifests, checksums) is :mod:`rm.checkpoint`'s.
 """
@@ -162,16 +163,19 @@ class RunDir:
             "Nothing was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
         )
 
-    def metrics(self, start_step: int, tensorboard: bool) -> MetricsLog:
-        """The run's ``metrics.jsonl`` (and TensorBoard), without records of steps after ``start_step`` when resuming:
-        the resumed run writes those steps again."""
-        metrics = MetricsLog(self.path, self.is_main, tensorboard=tensorboard)
-        if self.resume:
-            dropped = metrics.resume_at(start_step)
-            if dropped:
-                log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
-                         dropped, start_step)
-        return metrics
+    def metrics(self, tensorboard: bool) -> MetricsLog:
+        """The run's one ``metrics.jsonl`` (and TensorBoard), written by the main process."""
+        return MetricsLog(self.path, self.is_main, tensorboard=tensorboard)
+
+    def resume_metrics(self, metrics: MetricsLog, start_step: int) -> None:
+        """A resumed run's ``metrics.jsonl`` without the records of steps after ``start_step``: the resumed run writes
+        those steps again, and each step appears once."""
+        if not self.resume:
+            return
+        dropped = metrics.resume_at(start_step)
+        if dropped:
+            log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
+                     dropped, start_step)
 
 
 class RunDirError(ConfigError, FileExistsError):

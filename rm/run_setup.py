@@ -130,8 +130,9 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))
 
+    metrics = directory.metrics(tensorboard=t.tensorboard)
     health = HealthMonitor.from_config(  # training-health alarms (rm.health), written to metrics.jsonl
-        cfg.health, metrics=MetricsLog(run_dir, engine.is_main_process), is_main_process=engine.is_main_process,
+        cfg.health, metrics=metrics, is_main_process=engine.is_main_process,
         loss_scaling=plan.numerics.compute == "float16",
     )
     health.check_data(tokenizer.pad_token_id, tokenizer.pad_token, data_audit)  # no pad id at all: ConfigError
@@ -151,7 +152,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     start_step, record = directory.restore(engine, cfg, current, total_steps) if t.resume else (0, None)
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
-    metrics = directory.metrics(start_step, tensorboard=t.tensorboard)
+    directory.resume_metrics(metrics, start_step)
     # Anything made before the monitor started (buffers, states held outside the dispatcher) counts too.
     monitor.register(engine.state_tensors())
     return Run(cfg=cfg, plan=plan, estimate=estimate, dir=directory, engine=engine, tokenizer=tokenizer,

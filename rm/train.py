@@ -24,7 +24,7 @@ from rm.preflight import PreflightRefusal
 from rm.run_dir import RunDir
 from rm.run_record import hold_log
 from rm.sweep import job_record, write_job_record
-from rm.trainer import train
+from rm.trainer import Status, train
 from rm.validate import launched_as_main
 
 log = logging.getLogger("rm.train")
@@ -86,11 +86,11 @@ def _job(cfg: DictConfig) -> Optional[float]:
             log.error("job failed; sweep.on_failure=continue: the sweep goes on")
             return None
         raise
-    if result["status"] == "interrupted":
+    if result["status"] is Status.INTERRUPTED:
         record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
                                               "a checkpoint was written, resume with train.resume=true")
         sys.exit(128 + result["signal"])
-    if result["status"] == "stopped_nonfinite":
+    if result["status"] is Status.STOPPED_NONFINITE:
         error = NonFiniteError(f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it")
         record("failed", result=result, error=error)
         if multirun and run_cfg.sweep.on_failure == "continue":

@@ -19,6 +19,7 @@ import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -41,8 +42,19 @@ from rm.validate import launched_as_main
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log
 
-# How the loop ended.
-DONE, INTERRUPTED, STOPPED = "done", "interrupted", "stopped"
+
+
+class Status(str, Enum):
+    """How a run ended: what :func:`fit` returns and the ``status`` of :func:`train`'s result (a ``str``, so the
+    result stays JSON as it is)."""
+
+    OK = "ok"  # trained to the last step
+    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.resume=true
+    STOPPED_NONFINITE = "stopped_nonfinite"  # the health checks stopped it; no checkpoint of the bad step
+
+    def __str__(self) -> str:
+        return self.value
+
 # What the model's forward takes from a collated batch (the layout decides which are there).
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
 
@@ -68,7 +80,7 @@ def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str]
             with StopRequest() as stop:
                 outcome = fit(run, stop)
                 result, memory = wrap_up(run, outcome, stop)
-            if result["status"] == "ok":
+            if result["status"] is Status.OK:
                 save_final(run, memory)
             finished = True
             return result
@@ -76,8 +88,9 @@ def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str]
             close(run, finished)
 
 
-def fit(run: Run, stop: "StopRequest") -> str:
-    """The loop, from the state's step on; returns how it ended: DONE, INTERRUPTED (a signal) or STOPPED (health)."""
+def fit(run: Run, stop: "StopRequest") -> Status:
+    """The loop, from the state's step on; returns how it ended: OK, INTERRUPTED (a signal) or STOPPED_NONFINITE
+    (the health checks)."""
     state, engine, t = run.state, run.engine, run.cfg.train
     progress = _progress_bar(run)
     # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
@@ -88,16 +101,16 @@ def fit(run: Run, stop: "StopRequest") -> str:
             # before each step whether any of them received one (during the last step, its logging or evaluation).
             if engine.reduce(torch.tensor(float(stop.signum > 0), device=engine.device)).item():
                 stop.signum = stop.signum or signal.SIGTERM
-                return INTERRUPTED
+                return Status.INTERRUPTED
             stats = train_step(run, run.batches.for_step(state.step))
             state.add_step(stats.loss, stats.tokens, taken=not stats.stop)
             if stats.stop:
-                return STOPPED
+                return Status.STOPPED_NONFINITE
             progress.update(1)
             if t.logging_steps and (state.step % t.logging_steps == 0 or state.step == run.total_steps):
                 log_window(run, progress)
             evaluate_and_save(run)
-        return DONE
+        return Status.OK
     finally:
         progress.close()
 
@@ -199,7 +212,7 @@ def checkpoint(run: Run, paused: float) -> Path:
     return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
 
 
-def wrap_up(run: Run, outcome: str, stop: "StopRequest") -> Tuple[Dict, Dict]:
+def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]:
     """After the loop: the plots, the run's statistics, and the checkpoint of an interrupted run.
 
     Returns:
@@ -228,22 +241,22 @@ def wrap_up(run: Run, outcome: str, stop: "StopRequest") -> Tuple[Dict, Dict]:
     }
     memory = {"estimate": estimate.to_dict() if estimate else None, "measured": measured,
               "measured_per_rank": measured_per_rank}
-    if outcome == DONE and stop.signum:  # trained to the end anyway: the final model, not a checkpoint
+    if outcome is Status.OK and stop.signum:  # trained to the end anyway: the final model, not a checkpoint
         log.warning("received %s during the last step: writing the final model instead of a checkpoint",
                     signal.Signals(stop.signum).name)
-    if outcome == INTERRUPTED:
+    if outcome is Status.INTERRUPTED:
         path = checkpoint(run, ended)
         log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
                     step, total, path, run.dir.path)
-        return {**result, "status": "interrupted", "step": step, "signal": stop.signum}, memory
-    if outcome == STOPPED:  # no checkpoint: the newest one on disk stays the last good one
+        return {**result, "status": outcome, "step": step, "signal": stop.signum}, memory
+    if outcome is Status.STOPPED_NONFINITE:  # no checkpoint: the newest one on disk stays the last good one
         log.error(
             "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
             "(continue from it with train.resume=true hydra.run.dir=%s once the cause is fixed)",
             step + 1, total, run.health.stop_reason, run.dir.latest_checkpoint() or "none (none was due yet)", run.dir.path,
         )
-        return {**result, "status": "stopped_nonfinite", "step": step, "reason": run.health.stop_reason}, memory
-    return {**result, "status": "ok", "step": step}, memory
+        return {**result, "status": outcome, "step": step, "reason": run.health.stop_reason}, memory
+    return {**result, "status": outcome, "step": step}, memory
 
 
 def save_final(run: Run, memory: Dict) -> None:

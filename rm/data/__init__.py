@@ -97,5 +97,5 @@ Other rows dropped and counted, never silently altered:
 The checks run in this order, each on the pairs the previous ones kept:
 malformed/empty, length, pad id, identical, duplicate. Every row read is
 accounted for in the counts (``rm.data.audit`` checks that they add up and
-``rm.train`` writes them to ``data_audit.json``).
+``rm.run_setup`` writes them to ``data_audit.json``).
 """

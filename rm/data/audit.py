@@ -2,7 +2,7 @@
 
 :func:`rm.data.build.build_datasets` gathers one audit per split from the
 :class:`~rm.data.counts.PairCounts` of the split and from the token lengths of the
-pairs kept; ``rm.train`` writes it to ``data_audit.json`` in the run directory
+pairs kept; ``rm.run_setup`` writes it to ``data_audit.json`` in the run directory
 and logs :func:`format_audit`. The policies it reports (``data.truncation``,
 ``data.identical_pairs``, ``data.duplicates``, ``data.on_malformed``) are
 documented once, in :mod:`rm.data`.
