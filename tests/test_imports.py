@@ -67,6 +67,36 @@ def cycles(graph: dict) -> list:
     return found
 
 
+def layers() -> list:
+    """The modules by layer, bottom first: a module's layer is one above the highest of those it imports (the
+    README's Architecture section lists them top down)."""
+    graph, depth = import_graph(), {}
+
+    def layer(module):
+        if module not in depth:
+            depth[module] = 1 + max((layer(m) for m in graph[module]), default=0)
+        return depth[module]
+
+    out = {}
+    for module in graph:
+        out.setdefault(layer(module), []).append(module)
+    return [sorted(out[k]) for k in sorted(out)]
+
+
+def test_the_readme_lists_the_layers_as_the_code_has_them():
+    """The Architecture section's chain names every module of rm/ in its layer, top down."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    chain = readme[readme.index("**Layers.**"):].split("(import nothing of rm)")[0]
+    chain = chain[chain.index("From the top:"):]
+    listed = [[f"rm.{name[:-3].replace('/', '.')}" for name in re.findall(r"`([\w/]+\.py)`", group)]
+              for group in chain.split("→")]
+    expected = [[m for m in group if m not in ("rm", "rm.data", "rm.memory")]  # the packages' faces
+                for group in reversed(layers())]
+    assert [sorted(g) for g in listed] == [sorted(g) for g in expected if g]
+
+
 def test_cycles_are_found_by_hand():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
