@@ -9,7 +9,8 @@ import pytest
 
 import rm.train as rm_train
 from rm.config import compose
-from rm.memory.estimate import GIB, cannot_fit, estimate_each, estimate_run, parameter_counts, suggestions, with_overrides
+from rm.memory.estimate import GIB, cannot_fit, estimate_run, parameter_counts
+from rm.memory.suggest import estimate_each, suggestions, with_overrides
 from rm.hardware import resolve_hardware
 from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY
