@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from rm.launch_env import launch_env
 from rm.precision import Precision
 
 DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's default reduce/allgather bucket, in elements
@@ -159,7 +160,7 @@ def join_submitit_tasks() -> None:
     """Under ``hydra/launcher=submitit_slurm`` a job spanning several GPUs runs one SLURM task per GPU,
     each calling the Hydra job; give them the variables torchrun would (RANK, WORLD_SIZE, MASTER_*,
     LOCAL_RANK) so that the rest of the pipeline takes the same distributed path."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or "RANK" in os.environ:
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or launch_env().rank is not None:
         return
     if int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
         return
@@ -392,7 +393,7 @@ class DeepSpeedEngine:
     def __init__(self, cpu: bool, config: Dict):
         import deepspeed
 
-        if "RANK" not in os.environ:
+        if launch_env().rank is None:
             # Started without torchrun (one process): give DeepSpeed the rendezvous torchrun would,
             # otherwise it falls back to MPI discovery.
             os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
@@ -402,7 +403,7 @@ class DeepSpeedEngine:
         self.process_index = dist.get_rank()
         self.num_processes = dist.get_world_size()
         self.is_main_process = self.process_index == 0
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_rank = launch_env().local_rank
         if cpu:
             self.device = torch.device("cpu")
         else:

@@ -38,6 +38,8 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable, Optional
 
+from rm.launch_env import launch_env
+
 BUG_LINE = (
     "this is a bug in rm, not a problem with your settings or data: please report it with the "
     "command line and the traceback above"
@@ -161,7 +163,7 @@ def report(err: BaseException, log: Optional[logging.Logger] = None) -> int:
         text = f"error: {text}"
     # Under train_rm_distributed.sh every rank meets the same config error: rank 0 prints it, and the launcher prints
     # another rank's only where rank 0 was stopped before it could (a bug's traceback every rank prints).
-    if code == 1 or not _launcher_collects() or os.environ.get("RANK", "0") == "0":
+    if code == 1 or not _launcher_collects() or launch_env().is_main:
         if log is not None and logging.getLogger().handlers:
             log.error("%s", text)
         else:
@@ -182,7 +184,7 @@ def record_exit(code: int, text: str = "", keep: bool = False) -> None:
     if not directory:
         return
     try:
-        path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}")
+        path = os.path.join(directory, f"rank{launch_env().rank or 0}")
         if keep and os.path.exists(path):
             return
         with open(path + ".tmp", "w") as f:
@@ -244,7 +246,7 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     rm keeps for bugs; the same mistake caught by :mod:`rm.validate` exits 2, and so does this one.
     """
     held = None
-    if _launcher_collects() and os.environ.get("RANK", "0") != "0":
+    if _launcher_collects() and not launch_env().is_main:
         held = sys.stderr = _HeldStderr(sys.stderr)
     try:
         main()

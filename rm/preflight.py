@@ -79,7 +79,7 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
             log.info("preflight.auto_micro_batch: train.micro_batch_size %d -> %d (the global batch stays %d)",
                      plan.micro_batch_size, micro, cfg.train.global_batch_size)
             overrides = [*overrides, f"train.micro_batch_size={micro}"]
-            plan = validate(cfg, plan.world_size, plan.world_size_source, micro_batch_size=micro)
+            plan = validate(cfg, plan.world_size, plan.world_size_source, plan.launcher, micro_batch_size=micro)
     est = estimate_run(cfg, plan)
     table = format_table(est, estimate_label(cfg, plan))
     if est.fits:

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import importlib.machinery
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Tuple
+from typing import List, NamedTuple, Tuple
 
 from typing import Optional
 
 from rm.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, HardwareConfig, RunConfig
 from rm.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from rm.hardware import resolve_hardware
+from rm.launch_env import launch_env
 from rm.precision import ALIASES as PRECISION_ALIASES
 from rm.precision import NAMES as PRECISION_NAMES
 from rm.precision import Precision, bf16_lost_update_fraction
@@ -57,6 +57,7 @@ class Plan:
     zero_stage: int  # 0 unless strategy is deepspeed
     max_tokens_per_step: int  # global batch x 2 sequences x max_length
     world_size_source: str = "given"  # where world_size came from, in words (rm.validate.resolve_world_size)
+    launcher: bool = False  # a launcher (torchrun) started the processes, even one: DDP then wraps the model
     warnings: Tuple[str, ...] = ()  # settings that run but that a user should hear about, logged at start
 
     @property
@@ -73,13 +74,23 @@ def _lookup(cfg: RunConfig, dotted: str):
 
 
 def launched_as_main() -> bool:
-    """Whether this process is the launch's rank 0 (or was started alone). The one reader of ``RANK``
-    before the engine exists; afterwards ask ``engine.is_main_process``."""
-    return int(os.environ.get("RANK", "0")) == 0
+    """Whether this process is the launch's rank 0 (or was started alone), before the engine exists; afterwards
+    ask ``engine.is_main_process``."""
+    return launch_env().is_main
 
 
-def resolve_world_size(cfg: RunConfig, launched: bool) -> Tuple[int, str]:
-    """How many processes the run has, and where that number came from. The one reader of ``WORLD_SIZE``.
+class WorldSize(NamedTuple):
+    """How many processes a run has, where that number came from (in words), and whether a launcher started them:
+    what :func:`validate` takes after the config (``validate(cfg, *resolve_world_size(...))``)."""
+
+    processes: int
+    source: str
+    launcher: bool
+
+
+def resolve_world_size(cfg: RunConfig, launched: bool) -> WorldSize:
+    """How many processes the run has, and where that number came from (the launcher's ``WORLD_SIZE``,
+    :mod:`rm.launch_env`, or ``distributed.num_processes``).
 
     Args:
         cfg: the typed run config (``distributed.num_processes``).
@@ -94,24 +105,25 @@ def resolve_world_size(cfg: RunConfig, launched: bool) -> Tuple[int, str]:
         >>> from rm.config import RunConfig, DistributedConfig
         >>> import os; os.environ.pop("WORLD_SIZE", None) and None
         >>> resolve_world_size(RunConfig(distributed=DistributedConfig(name="ddp", num_processes=8)), launched=False)
-        (8, 'distributed.num_processes=8')
+        WorldSize(processes=8, source='distributed.num_processes=8', launcher=False)
     """
     wanted = cfg.distributed.num_processes
-    env = os.environ.get("WORLD_SIZE")
+    env = launch_env().world_size
     if env is not None:
-        if wanted and wanted != int(env):
+        if wanted and wanted != env:
             raise ConfigError(f"distributed.num_processes={wanted} but the launcher started {env} processes (WORLD_SIZE); "
                               f"drop the key or launch {wanted}")
-        return int(env), f"WORLD_SIZE={env} from the launcher"
+        return WorldSize(env, f"WORLD_SIZE={env} from the launcher", True)
     if wanted:
         if launched and wanted > 1:
             raise ConfigError(f"distributed.num_processes={wanted} but this is one process started without a launcher: "
                               f"run bash train_rm_distributed.sh SUBSET {wanted} (torchrun), or drop the key")
-        return wanted, f"distributed.num_processes={wanted}"
-    return 1, "one process: started without a launcher (torchrun sets WORLD_SIZE; ask about N with distributed.num_processes=N)"
+        return WorldSize(wanted, f"distributed.num_processes={wanted}", False)
+    return WorldSize(1, "one process: started without a launcher (torchrun sets WORLD_SIZE; ask about N with "
+                        "distributed.num_processes=N)", False)
 
 
-def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
+def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", launcher: bool = False,
              micro_batch_size: Optional[int] = None) -> Plan:
     """Reject inconsistent settings and derive what the run needs; ``cfg`` is read, never changed.
 
@@ -121,6 +133,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
         cfg: the typed run config.
         world_size: number of training processes.
         world_size_source: where ``world_size`` came from, in words (:func:`resolve_world_size`).
+        launcher: a launcher started the processes (:attr:`WorldSize.launcher`).
         micro_batch_size: instead of ``train.micro_batch_size`` (``preflight.auto_micro_batch``).
 
     Returns:
@@ -229,6 +242,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given",
         zero_stage=zero_stage,
         max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
         world_size_source=world_size_source,
+        launcher=launcher,
         warnings=tuple(warnings),
     )
 

@@ -600,7 +600,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     states = t.before_first_step if first_step else t.states  # alive through the backward
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.
-    ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.world_size_source.startswith("WORLD_SIZE"))
+    ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.launcher)
     act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
     # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.

@@ -68,7 +68,7 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
     for extra in candidate_overrides(cfg, plan, peak_phase):
         try:
             candidate = with_overrides(cfg, base_overrides, extra)
-            candidate_plan = validate(candidate, plan.world_size, plan.world_size_source)
+            candidate_plan = validate(candidate, plan.world_size, plan.world_size_source, plan.launcher)
         except ConfigError:
             continue
         if not cannot_fit(candidate, candidate_plan):  # refused whatever its activations: no trace needed
@@ -123,7 +123,7 @@ def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> O
     for micro in sorted((d for d in range(1, per_process + 1) if per_process % d == 0), reverse=True):
         candidate = with_overrides(cfg, base_overrides, [f"train.micro_batch_size={micro}"])
         candidate.train.eval_batch_size = cfg.train.eval_batch_size
-        if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source)).fits:
+        if estimate_run(candidate, validate(candidate, plan.world_size, plan.world_size_source, plan.launcher)).fits:
             return micro
     return None
 

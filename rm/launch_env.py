@@ -1,0 +1,44 @@
+"""The launcher's environment, read in one place: what torchrun (or submitit's export of it) tells a process.
+
+``WORLD_SIZE``, ``RANK`` and ``LOCAL_RANK`` are set by torchrun for every process it starts; a process started
+alone has none of them. Everything else asks :func:`launch_env` (before the engine exists) or the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """Attributes:
+        world_size: ``WORLD_SIZE``, or ``None`` where no launcher started this process.
+        rank: ``RANK``, or ``None`` likewise (the process is then rank 0 of one).
+        local_rank: ``LOCAL_RANK`` (0 where unset): the GPU index on its node.
+    """
+
+    world_size: Optional[int]
+    rank: Optional[int]
+    local_rank: int
+
+    @property
+    def launched(self) -> bool:
+        """A launcher started this process, even as the only one (DDP then wraps the model)."""
+        return self.world_size is not None
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 of the launch, or a process started alone."""
+        return not self.rank
+
+
+def launch_env() -> LaunchEnv:
+    """The environment as it is now (submitit's task export writes it after the process starts)."""
+
+    def number(name: str) -> Optional[int]:
+        value = os.environ.get(name)
+        return int(value) if value is not None else None
+
+    return LaunchEnv(world_size=number("WORLD_SIZE"), rank=number("RANK"), local_rank=number("LOCAL_RANK") or 0)
