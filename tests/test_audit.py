@@ -102,7 +102,7 @@ def test_audit_default_policies(tokenizer):
     tokenised, counts, audit = run_audit(tokenizer)
     assert audit["pairs_in"] == 12 and audit["pairs_out"] == 6 == len(tokenised)
     assert audit["dropped"] == {
-        "malformed": 1, "empty": 1, "no_answer": 0, "too_long": 0, "pad_in_text": 1, "identical": 3, "duplicate": 0
+        "malformed": 1, "empty": 1, "no_answer": 0, "other_format": 0, "too_long": 0, "pad_in_text": 1, "identical": 3, "duplicate": 0
     }
     assert audit["truncated"] == 2
     assert (audit["identical_text"], audit["identical_before_truncation"], audit["identical_after_truncation"]) == (1, 2, 3)
@@ -138,7 +138,7 @@ def test_audit_keep_identical_drop_duplicates(tokenizer):
     tokenised, _, audit = run_audit(tokenizer, identical="keep", duplicates="drop")
     assert audit["pairs_out"] == 8 == len(tokenised)
     assert audit["dropped"] == {
-        "malformed": 1, "empty": 1, "no_answer": 0, "too_long": 0, "pad_in_text": 1, "identical": 0, "duplicate": 1
+        "malformed": 1, "empty": 1, "no_answer": 0, "other_format": 0, "too_long": 0, "pad_in_text": 1, "identical": 0, "duplicate": 1
     }
     assert audit["truncated"] == 3
     assert (audit["identical_text"], audit["identical_before_truncation"], audit["identical_after_truncation"]) == (1, 2, 3)
@@ -158,7 +158,7 @@ def test_audit_drop_long_pairs(tokenizer):
     _, _, audit = run_audit(tokenizer, truncation="drop")
     assert audit["pairs_out"] == 4 and audit["truncated"] == 0
     assert audit["dropped"] == {
-        "malformed": 1, "empty": 1, "no_answer": 0, "too_long": 3, "pad_in_text": 1, "identical": 2, "duplicate": 0
+        "malformed": 1, "empty": 1, "no_answer": 0, "other_format": 0, "too_long": 3, "pad_in_text": 1, "identical": 2, "duplicate": 0
     }
     assert (audit["identical_text"], audit["identical_before_truncation"], audit["identical_after_truncation"]) == (1, 2, 2)
     assert audit["lengths"]["chosen"]["before_truncation"]["max"] == 9
@@ -274,7 +274,7 @@ def test_run_writes_the_audit_with_default_policies(tiny_cfg, local_files, tmp_p
     }
     train = audit["splits"]["train"]
     assert (train["pairs_in"], train["pairs_out"], train["truncated"], train["duplicates"]) == (24, 22, 1, 1)
-    assert train["dropped"] == {"malformed": 0, "empty": 1, "no_answer": 0, "too_long": 0, "pad_in_text": 0, "identical": 1, "duplicate": 0}
+    assert train["dropped"] == {"malformed": 0, "empty": 1, "no_answer": 0, "other_format": 0, "too_long": 0, "pad_in_text": 0, "identical": 1, "duplicate": 0}
     assert train["empty_sides"] == {"chosen": 1, "rejected": 0}
     assert train["identical_text"] == train["identical_after_truncation"] == 1
     assert train["lengths"]["chosen"]["before_truncation"]["max"] == 70
@@ -300,7 +300,7 @@ def test_run_keeps_identical_pairs_and_drops_duplicates_and_long_pairs(tiny_cfg,
     audit = json.loads((run_dir / "data_audit.json").read_text())
     train = audit["splits"]["train"]
     assert (train["pairs_in"], train["pairs_out"], train["truncated"], train["duplicates"]) == (24, 21, 0, 1)
-    assert train["dropped"] == {"malformed": 0, "empty": 1, "no_answer": 0, "too_long": 1, "pad_in_text": 0, "identical": 0, "duplicate": 1}
+    assert train["dropped"] == {"malformed": 0, "empty": 1, "no_answer": 0, "other_format": 0, "too_long": 1, "pad_in_text": 0, "identical": 0, "duplicate": 1}
     assert train["identical_text"] == train["identical_after_truncation"] == 1
     assert train["lengths"]["chosen"]["kept"]["max"] <= E2E_MAX_LENGTH
     assert audit["splits"]["eval"]["pairs_out"] == 11
