@@ -529,8 +529,9 @@ def test_messages_without_a_final_answer_are_not_pairs_and_the_prompt_is_optiona
                          "a side over `data.max_length` x 64 characters is cut to its end before it tokenizes (the ids "
                          "truncation keeps, unchanged), counted in `data_audit.json` (`capped_before_tokenizing`) and "
                          "named with its file and row in the log; dropped as too long under `data.truncation=drop`, an "
-                         "error naming the row under `error`. Measured: peak RSS 0.75 GB against 0.65 GB without the "
-                         "50 MB row (11.0 GB before)")
+                         "error naming the row under `error`. Measured (`python benchmarks/huge_row_rss.py`: 200 pairs, "
+                         "2 steps of `experiment=tiny`): peak RSS 904 MiB with one 50 MB row against 686 MiB without "
+                         "it, at load 2.4 (11.0 GB before the cap, in an earlier measurement)")
 def test_a_side_far_over_max_length_is_cut_before_it_tokenizes_to_the_same_ids(tok):
     from rm.data.normalise import max_chars_for
     from rm.data.tokenise import tokenize_pairs
