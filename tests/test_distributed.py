@@ -161,9 +161,11 @@ def test_a_rank_other_than_0_records_a_composition_error_without_printing_it(tmp
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("override, code, once", [
-    ("model=nope", 2, ["Could not find 'model/nope'", "could not be composed"]),  # Hydra's, before rm's code runs
+    # Hydra's, before rm's code runs (one rank's part without a launch: test_a_rank_other_than_0_records_...)
+    pytest.param("model=nope", 2, ["Could not find 'model/nope'", "could not be composed"], marks=pytest.mark.slow),
     ("train.adam_beta1=1.5", 2, ["train.adam_beta1=1.5 must be in [0, 1)"]),  # rm.validate's
-    ("hardware.device_memory_gib=0.02", 3, ["refusing to start", "changes that fit"]),  # the pre-flight verdict
+    # the pre-flight verdict (the summary's choice of code without a launch: test_launcher_reports_a_signal_stop_...)
+    pytest.param("hardware.device_memory_gib=0.02", 3, ["refusing to start", "changes that fit"], marks=pytest.mark.slow),
 ])
 def test_launcher_passes_an_error_of_two_real_ranks_through_once(tmp_path, override, code, once):
     import os
