@@ -129,10 +129,57 @@ def test_a_rank_whose_micro_batches_are_all_full_is_not_padded(world, short_rows
     got = data_shapes(of[0], 8, "padded", chosen, rejected, None, [], 2)
     want = [any(min(min(chosen[i], rejected[i]) for i in mb) < full for step in range(8) for mb in b.for_step(step))
             for b in of]
-    assert [s.padded for s in got] == want and largest(got).padded == any(want)
-    assert all(s.padded for s in data_shapes(of[0], 8, "packed", chosen, rejected, None, [], 2))  # no mask to drop
+    assert [s.train.padded for s in got] == want and largest(got).train.padded == any(want)
+    assert all(s.train.padded for s in data_shapes(of[0], 8, "packed", chosen, rejected, None, [], 2))  # no mask to drop
     if short_rows == 0:
         assert not any(want)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_phase_is_its_longest_micro_batch_and_its_longest_padded_one(world, seed):
+    """The first micro-batch (ZeRO-3 records its trace there), the rest of the first step, the later steps and the
+    whole run: each as its longest micro-batch and the longest of its padded ones, against StepBatches.for_step.
+    Sides drawn from three lengths, the longest pairs cut to the full 32 on both sides (no mask) and the others
+    mostly equal within a pair, so that grouped micro-batches are padded or not at every length."""
+    rng = np.random.default_rng(seed)
+    n, steps = 96, 8
+    chosen = rng.choice([8, 16, 32], n, p=[0.25, 0.25, 0.5])
+    rejected = np.where((chosen == 32) | (rng.random(n) < 0.7), chosen, rng.choice([8, 16], n))
+    keys = np.maximum(chosen, rejected).tolist()
+    of = [StepBatches(n, 24, 4, world, rank, seed=seed, sort_lengths=keys) for rank in range(world)]
+    got = data_shapes(of[0], steps, "padded", chosen, rejected, None, [], 2)
+
+    def brute(b, which):
+        longest, padded = 0, 0
+        for step in range(steps):
+            for k, mb in enumerate(b.for_step(step)):
+                if which(step, k):
+                    length = max(max(chosen[i], rejected[i]) for i in mb)
+                    longest = max(longest, length)
+                    if min(min(chosen[i], rejected[i]) for i in mb) < length:
+                        padded = max(padded, length)
+        return longest, padded
+
+    def seen(shape):
+        return shape.length, shape.length if shape.padded_length is None else shape.padded_length
+
+    phases = {"train": lambda s, k: True, "after_first_step": lambda s, k: s > 0,
+              "first_micro_batch": lambda s, k: (s, k) == (0, 0), "first_step_rest": lambda s, k: s == 0 and k > 0}
+    for name, which in phases.items():
+        assert [seen(getattr(s, name)) for s in got] == [brute(b, which) for b in of], name
+
+
+def test_a_longer_unpadded_micro_batch_keeps_the_shorter_padded_one():
+    """Four pairs cut to 32 tokens on both sides and four of 16 and 8, grouped: the first micro-batch is padded at
+    16, the second unpadded at 32; the run's shape keeps both, and the estimate weighs both (BatchShape.variants)."""
+    chosen, rejected = [32, 16, 32, 16, 32, 16, 32, 16], [32, 8, 32, 8, 32, 8, 32, 8]
+    keys = np.maximum(chosen, rejected).tolist()
+    (got,) = data_shapes(StepBatches(8, 8, 4, 1, 0, seed=0, sort_lengths=keys), 1, "padded", chosen, rejected, None, [], 2)
+    assert (got.first_micro_batch.length, got.first_micro_batch.padded) == (16, True)
+    assert (got.first_step_rest.length, got.first_step_rest.padded_length) == (32, 0)
+    assert (got.train.length, got.train.padded_length) == (32, 16)
+    assert [(v.length, v.padded) for v in got.train.variants()] == [(32, False), (16, True)]
 
 
 @pytest.mark.parametrize("budget", [0, 4096])

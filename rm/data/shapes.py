@@ -19,7 +19,7 @@ Layouts (what the training collator pads to, :mod:`rm.data.collator`):
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -32,10 +32,41 @@ LAYOUTS = ("padded", "packed", "shared", "packed+shared")
 
 @dataclass(frozen=True)
 class BatchShape:
-    """Rows x padded length of one forward's input."""
+    """Rows x padded length of the forwards it bounds; ``padded_length``: the longest of those that are padded.
+
+    A row-per-pair micro-batch is padded where one of its sequences is shorter than its longest. transformers then
+    builds a 4D mask and SDPA repeats K/V to every query head, which keeps more for the backward (14% more on a
+    4-layer GQA model at 256 tokens) than a micro-batch whose sequences are all as long, where SDPA runs
+    ``is_causal`` without a mask. So a shorter padded micro-batch can outweigh a longer unpadded one, and both
+    bound the peak (:meth:`variants`).
+
+    Attributes:
+        padded_length: ``None``: every micro-batch counts as padded (every layout but the padded one, and the
+            config's worst case); ``0``: none is. Not compared or shown: the shape is its rows and length.
+    """
 
     rows: int
     length: int
+    padded_length: Optional[int] = field(default=None, compare=False, repr=False)
+
+    @property
+    def padded(self) -> bool:
+        """The longest micro-batch is (or counts as) padded."""
+        return self.padded_length is None or self.padded_length >= self.length
+
+    def variants(self) -> List["BatchShape"]:
+        """The shapes whose activations bound every micro-batch this one bounds: the longest, and the longest
+        padded one where that is shorter.
+
+        >>> [(v.length, v.padded) for v in BatchShape(4, 192, padded_length=146).variants()]
+        [(192, False), (146, True)]
+        >>> [(v.length, v.padded) for v in BatchShape(4, 192).variants()]
+        [(192, True)]
+        """
+        if self.padded:
+            return [BatchShape(self.rows, self.length)]
+        longest = [BatchShape(self.rows, self.length, padded_length=0)]
+        return longest + ([BatchShape(self.rows, self.padded_length)] if self.padded_length else [])
 
 
 @dataclass(frozen=True)
@@ -51,10 +82,12 @@ class BatchShapes:
         after_first_step: sized by the data, the same as ``train`` over the steps after the first (``None``: the run
             has one step). Optimizers that make their states at their first step (torch's, bitsandbytes') have
             none during the first step's backward: its micro-batches are weighed without them.
-        padded: some row-per-pair training micro-batch holds a sequence shorter than its longest. transformers then
-            builds a 4D mask and SDPA repeats K/V to every query head, which keeps more for the backward (14% more
-            on a 4-layer GQA model at 256 tokens) than a micro-batch whose sequences are all as long, where SDPA
-            runs ``is_causal`` without a mask. ``True`` for every other layout and for the config's worst case.
+        first_micro_batch: sized by the data, the run's first micro-batch on this rank. DeepSpeed ZeRO-3 records
+            its trace of modules there and, with no trace to look ahead in, releases each module's gathered
+            parameters as soon as it has run; from the second micro-batch on it keeps them (``None``: sized by
+            the config, every micro-batch counts as a later one).
+        first_step_rest: the most rows and the longest row of the first step's other micro-batches (``None``:
+            the first step has one micro-batch, or the shapes are the config's).
     """
 
     train: BatchShape
@@ -62,7 +95,8 @@ class BatchShapes:
     accumulating: bool
     sized_by: str
     after_first_step: Optional[BatchShape] = None
-    padded: bool = True
+    first_micro_batch: Optional[BatchShape] = None
+    first_step_rest: Optional[BatchShape] = None
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -164,7 +198,7 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
                           shortest: Optional[np.ndarray] = None) -> tuple:
     """Per rank, the most rows and the longest row of any of its training micro-batches, over every step and over
     the steps after the first; whether any rank runs several micro-batches in a step (under DDP every rank
-    runs as many as the most); and per rank whether any of its micro-batches is padded.
+    runs as many as the most); and per rank its first micro-batch and the rest of its first step.
 
     Args:
         batches: the run's :class:`StepBatches` (any rank's: all ranks are computed).
@@ -175,7 +209,9 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
 
     Returns:
         ``([BatchShape per rank], [BatchShape per rank after the first step, or None], accumulating,
-        [padded per rank])``.
+        [the first micro-batch per rank], [the first step's other micro-batches per rank, or None])``, each with the
+        longest of its padded micro-batches (:attr:`BatchShape.padded_length`). Under a token budget the first micro-batch is sized as
+        the first step's longest (the budget counts only tokens; ZeRO-3, which it matters for, refuses packing).
     """
     orders = rank_orders(batches, steps)
     packed = layout.startswith("packed")
@@ -185,24 +221,37 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
             raise ValueError(f"a token budget needs a packed layout, not {layout!r}")
         per_step, most = budget_lengths(batches, orders)
         rows, accumulating = 1, most > 1
-        padded = [True] * batches.world_size
+        # (micro-batches, steps, world): the budget counts only tokens, so every micro-batch of a step is sized as its
+        # longest (ZeRO-3, which sizes the first micro-batch apart, refuses packing)
+        per_micro = np.stack([per_step] * (2 if accumulating else 1))
+        uneven = np.ones(per_micro.shape, dtype=bool)
     else:
         values = tokens[orders]  # (steps, world, per_rank)
         micro = batches.micro_batch_size
         starts = range(0, batches.per_rank, micro)
         reduce = np.sum if packed else np.max
-        per_step = np.max([reduce(values[..., i:i + micro], axis=-1) for i in starts], axis=0)  # (steps, world)
+        per_micro = np.stack([reduce(values[..., i:i + micro], axis=-1) for i in starts])  # (micro-batches, steps, world)
         rows = 1 if packed else per_pair_rows * min(micro, batches.per_rank)
         accumulating = len(starts) > 1
-        padded = [True] * batches.world_size
+        uneven = np.ones(per_micro.shape, dtype=bool)
         if layout == "padded" and shortest is not None:  # a micro-batch is unpadded where its shortest side is its longest
             low = shortest[orders]
             uneven = np.stack([np.min(low[..., i:i + micro], axis=-1) < np.max(values[..., i:i + micro], axis=-1)
-                               for i in starts])  # (micro-batches, steps, world)
-            padded = uneven.any(axis=(0, 1)).tolist()
-    overall = [BatchShape(rows, int(n)) for n in per_step.max(axis=0)]
-    later = [BatchShape(rows, int(n)) for n in per_step[1:].max(axis=0)] if steps > 1 else [None] * len(overall)
-    return overall, later, accumulating, padded
+                               for i in starts])
+    padded_lengths = np.where(uneven, per_micro, 0)
+
+    def shapes(micro_batches, steps_):
+        """Per rank, the shape bounding these micro-batches of these steps."""
+        lengths, padded = per_micro[micro_batches, steps_], padded_lengths[micro_batches, steps_]
+        axes = tuple(range(lengths.ndim - 1))  # all but the ranks'
+        return [BatchShape(rows, int(n), int(p)) for n, p in zip(lengths.max(axis=axes), padded.max(axis=axes))]
+
+    everything = slice(None)
+    overall = shapes(everything, everything)
+    later = shapes(everything, slice(1, None)) if steps > 1 else [None] * len(overall)
+    firsts = shapes(0, 0)
+    rests = shapes(slice(1, None), 0) if len(per_micro) > 1 else [None] * len(overall)
+    return overall, later, accumulating, firsts, rests
 
 
 def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int, rank: int) -> Optional[BatchShape]:
@@ -281,25 +330,35 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
     """
     tokens = row_tokens(layout, chosen, rejected, shared)
     shortest = np.minimum(np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64))
-    train, later, accumulating, padded = largest_train_batches(batches, steps, layout, tokens, shortest)
+    train, later, accumulating, first, first_rest = largest_train_batches(batches, steps, layout, tokens, shortest)
     return [BatchShapes(train=shape, eval=largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size, rank),
-                        accumulating=accumulating, sized_by="data", after_first_step=after, padded=pad)
-            for rank, (shape, after, pad) in enumerate(zip(train, later, padded))]
+                        accumulating=accumulating, sized_by="data", after_first_step=after,
+                        first_micro_batch=one, first_step_rest=rest)
+            for rank, (shape, after, one, rest) in enumerate(zip(train, later, first, first_rest))]
 
 
 def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
     """The most rows and the longest row over several ranks' shapes (each possibly of a different rank).
 
     Example:
-        >>> a = BatchShapes(BatchShape(4, 9), BatchShape(2, 3), False, "data", padded=False)
-        >>> largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])  # doctest: +NORMALIZE_WHITESPACE
+        >>> a = BatchShapes(BatchShape(4, 9, padded_length=0), BatchShape(2, 3), False, "data")
+        >>> both = largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])
+        >>> both  # doctest: +NORMALIZE_WHITESPACE
         BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True,
-                    sized_by='data', after_first_step=None, padded=True)
+                    sized_by='data', after_first_step=None, first_micro_batch=None, first_step_rest=None)
+        >>> both.train.padded
+        True
     """
     def most(found):
         found = [b for b in found if b is not None]
-        return BatchShape(max(b.rows for b in found), max(b.length for b in found)) if found else None
+        if not found:
+            return None
+        length = max(b.length for b in found)
+        padded = max(b.length if b.padded_length is None else b.padded_length for b in found)
+        return BatchShape(max(b.rows for b in found), length, None if padded >= length else padded)
 
     return BatchShapes(train=most(s.train for s in shapes), eval=most(s.eval for s in shapes),
                        accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by,
-                       after_first_step=most(s.after_first_step for s in shapes), padded=any(s.padded for s in shapes))
+                       after_first_step=most(s.after_first_step for s in shapes),
+                       first_micro_batch=most(s.first_micro_batch for s in shapes),
+                       first_step_rest=most(s.first_step_rest for s in shapes))

@@ -95,6 +95,32 @@ def parameter_counts(m: ModelConfig, lora: Optional[LoraConfig]) -> ParameterCou
     return ParameterCounts(base + adapters + h, adapters + h, base, tensors, base_tensors + tensors)
 
 
+def released_after_forward(m: ModelConfig, lora: Optional[LoraConfig], input_grads: bool) -> List[int]:
+    """Numels of the frozen parameters whose module no gradient passes through: ZeRO-3 gathers them for the
+    forward only (its backward hooks ride on module outputs that require grad; a module that is not in the
+    recorded backward is not reused within ``stage3_max_reuse_distance`` and is released at once).
+
+    Under LoRA the embedding's output requires no grad unless PEFT made it (``enable_input_require_grads``, which it
+    calls when activation checkpointing is on and the base is not quantised), and neither does the first layer's
+    untargeted q/k/v projection of it (measured: a LoRA point without checkpointing held every gathered weight
+    at its peak but the embedding, 6.5% below the estimate that counted it). A full fine-tune trains them all.
+
+    >>> from rm.config import LoraConfig, ModelConfig
+    >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+    ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    >>> released_after_forward(m, LoraConfig(target_modules=["q_proj", "v_proj"]), input_grads=False)  # + k_proj
+    [65536, 8192]
+    >>> released_after_forward(m, LoraConfig(), input_grads=True), released_after_forward(m, None, False)
+    ([], [])
+    """
+    if lora is None or input_grads:
+        return []
+    shapes = _linear_shapes(m)
+    front = [name for name in ("q_proj", "k_proj", "v_proj") if name not in lora.target_modules]
+    return [m.vocab_size * m.hidden_size] + [n for name in front for n in
+                                             [shapes[name][0] * shapes[name][1]] + [shapes[name][1]] * shapes[name][2]]
+
+
 def adamw_state_bytes(tensor_numels: List[int], state_bytes: int, eight_bit: bool) -> int:
     """Bytes of AdamW's two moment buffers for these tensors.
 
@@ -193,8 +219,11 @@ class TraceFreeTerms:
     ``step_extra``: buffers only the optimizer step allocates; ``gathered``: ZeRO-3's whole parameters, held
     through every forward (training or evaluation) but not the step; ``largest_gathered``: ZeRO-3's largest whole
     parameter, ``largest_grad`` and ``largest_layer_grad``: the largest gradient, and the largest but the
-    embedding's, each reduce-scattered on its own (:func:`zero3_backward_bytes`); ``overhead``: engine buffers that
-    live as long as the engine; ``host``: host RAM per node.
+    embedding's, each reduce-scattered on its own, ``largest_layer_gathered``: the largest but the embedding
+    (:func:`zero3_backward_bytes`); ``released``: ZeRO-3's largest
+    parameter gathered for its forward only (:func:`released_after_forward`), beside ``prefetched``, what is
+    gathered ahead of the next modules then; ``overhead``: engine buffers that live as long as the engine;
+    ``host``: host RAM per node.
     """
 
     counts: ParameterCounts
@@ -209,6 +238,9 @@ class TraceFreeTerms:
     largest_gathered: int = 0
     largest_grad: int = 0
     largest_layer_grad: int = 0
+    largest_layer_gathered: int = 0
+    released: int = 0
+    prefetched: int = 0
     host: int = 0
     uncalibrated: List[str] = field(default_factory=list)
     # The part of ``states`` an optimizer makes at its first step (AdamW's moments, torch's and DeepSpeed's alike);
@@ -301,9 +333,20 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         # long as the optimizer. An evaluation forward has no backward to free what it gathers: at the same
         # reuse distance every parameter stays gathered through it (measured).
         persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
-        t.gathered = min(counts.total - persistent, DEEPSPEED_MAX_LIVE) * wbytes
+        input_grads = cfg.train.gradient_checkpointing and profile.quantize_base == "none"  # rm.model, PEFT
+        released = [x for x in released_after_forward(cfg.model, cfg.lora if profile.use_lora else None, input_grads)
+                    if x >= buckets["persistence"]]
+        t.gathered = min(counts.total - persistent - sum(released), DEEPSPEED_MAX_LIVE) * wbytes
+        if released:
+            # While such a parameter is gathered for its forward, the coordinator gathers the next ones ahead, past
+            # the prefetch bucket by up to one module's (measured: a 1-layer point held its embedding beside three
+            # coalesced MLP-sized gathers): a decoder layer's worth bounds it.
+            layer = sum(i * o + o * b for i, o, b in _linear_shapes(cfg.model).values())
+            t.released, t.prefetched = max(released) * wbytes, min(buckets["prefetch"] + layer, t.gathered // wbytes) * wbytes
         t.temporaries = bucket * trained_bytes
         t.largest_gathered = max(x for x in counts.tensors if x >= buckets["persistence"]) * wbytes
+        # parameter_counts lists the embedding first: the largest a layer or the head gathers
+        t.largest_layer_gathered = max((x for x in counts.tensors[1:] if x >= buckets["persistence"]), default=0) * wbytes
         t.largest_grad = max(counts.trainable_tensors) * trained_bytes
         # parameter_counts lists the embedding first; LoRA trains none of it
         layers = counts.trainable_tensors if profile.use_lora else counts.trainable_tensors[1:]
@@ -560,7 +603,7 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
     act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
-                               packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.padded)
+                               packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.train.padded)
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
     inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
     evaluation = 0  # no eval set: no evaluation forward
@@ -584,18 +627,28 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
     # torch's, bitsandbytes' and DeepSpeed's optimizers make their moments at their first step (DeepSpeed its master
     # and gradient partitions at initialize). Where the first step's micro-batches are the largest, they run without
     # them (measured: a 2-step DDP run whose longest micro-batch was in its first step peaked 13% below that
-    # micro-batch with the states; a ZeRO-3 rank 16% below).
-    if shapes.sized_by != "data" or later == shapes.train:
-        return _estimate_at(cfg, plan, shapes, rank, first_step=False)
-    first = _estimate_at(cfg, plan, shapes, rank, first_step=True)
-    if later is None:  # a one-step run
-        return first
-    rest = _estimate_at(cfg, plan, replace(shapes, train=later), rank, first_step=False)
-    return max(first, rest, key=lambda e: e.peak_bytes)
+    # micro-batch with the states; a ZeRO-3 rank 16% below). The run's very first micro-batch is lighter still under
+    # ZeRO-3, which gathers one module at a time while it records its trace (:func:`zero3_backward_bytes`).
+    train = shapes.train
+    if shapes.sized_by != "data" or (later == train and later.padded_length == train.padded_length):
+        phases = [(train, False, False)]  # (shape, first step, recording)
+    else:
+        if shapes.first_micro_batch is None:  # shapes made without the first micro-batch apart: the first step whole
+            phases = [(train, True, False)]
+        else:
+            phases = [(shapes.first_micro_batch, True, True)] + ([(shapes.first_step_rest, True, False)]
+                                                                 if shapes.first_step_rest is not None else [])
+        if later is not None:  # else a one-step run
+            phases.append((later, False, False))
+    # Each phase at its longest micro-batch and, where that one is unpadded, at its longest padded one too.
+    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording)
+                for phase, first, recording in phases for shape in phase.variants()), key=lambda e: e.peak_bytes)
 
 
-def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool) -> Estimate:
-    """:func:`estimate_run` at one set of shapes; ``first_step``: no optimizer states during the backward."""
+def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool,
+                 recording: bool = False) -> Estimate:
+    """:func:`estimate_run` at one set of shapes; ``first_step``: no optimizer states during the backward;
+    ``recording``: the run's first micro-batch, where ZeRO-3 records its module trace."""
     t = trace_free_terms(cfg, plan, rank)
     states = t.before_first_step if first_step else t.states  # alive through the backward
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
@@ -607,7 +660,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1
     backward_temporaries = temporaries + t.gathered
     if zero3_partition:
-        backward_temporaries = temporaries + zero3_backward_bytes(t, act, accumulating) - activations
+        backward_temporaries = temporaries + zero3_backward_bytes(t, act, accumulating, recording) - activations
 
     # The step's peak: during backward (states exist from the first step; gradients are fully
     # allocated while accumulating, and are being created while activations are freed otherwise),
@@ -658,7 +711,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
 REDUCE_SCATTER_COPIES = 2
 
 
-def zero3_backward_bytes(t: TraceFreeTerms, act: Dict, accumulating: bool) -> int:
+def zero3_backward_bytes(t: TraceFreeTerms, act: Dict, accumulating: bool, recording: bool = False) -> int:
     """ZeRO-3's backward above its weights, partitions and bucket: the larger of two moments.
 
     Early, every parameter is still gathered (reused within ``stage3_max_reuse_distance`` of the forward) beside
@@ -668,17 +721,36 @@ def zero3_backward_bytes(t: TraceFreeTerms, act: Dict, accumulating: bool) -> in
     moment's terms plus that gradient, which the estimate used to add together). A trace into existing gradients
     (``accumulating``) already holds each new gradient once, at its moment.
 
+    ``recording``: the run's first micro-batch. DeepSpeed's coordinator has no trace yet (it records one there:
+    partitioned_param_coordinator.py, ``reset_step`` turns INVALID into RECORD at the first forward and RECORD
+    into COMPLETE at the second), and without one ``release_sub_module`` frees each module's parameters once it
+    has run: early, one module's parameters are gathered, not all, and not the embedding's, whose forward ran first
+    (measured on a 2-process LoRA point whose rank 1 had its longest micro-batch first: its peak came at a later,
+    41% shorter micro-batch, 24% below the estimate that counted every parameter gathered at the first).
+
     Example (MiB): activations 92 at their peak, 3 at the embedding's backward; gathered 144, the largest 86; the
     largest gradient 86, a layer's 2. Early: 92 + 144 + 2 x 2 = 240; late: 3 + 86 + 2 x 86 = 261.
         >>> t = TraceFreeTerms(None, 0, 0, 0, gathered=144, largest_gathered=86, largest_grad=86, largest_layer_grad=2)
-        >>> zero3_backward_bytes(t, {"peak_bytes": 92, "embedding_backward_bytes": 3}, False)
+        >>> act = {"peak_bytes": 92, "embedding_backward_bytes": 3}
+        >>> zero3_backward_bytes(t, act, False)
         261
+
+    Under LoRA without checkpointing the frozen 86 MiB embedding is gathered for its forward only (beside 20 gathered
+    ahead), and the gradients are small (2). Early: 92 + 58 + 2 x 2 = 154; at the first micro-batch, one layer's
+    largest weight (10) instead of every one: 92 + 10 + 4 = 106; the embedding's forward: 86 + 20, or 86 with nothing
+    gathered ahead while recording.
+        >>> lora = TraceFreeTerms(None, 0, 0, 0, gathered=58, largest_gathered=86, largest_layer_gathered=10,
+        ...                       largest_grad=2, largest_layer_grad=2, released=86, prefetched=20)
+        >>> [zero3_backward_bytes(lora, act, False, recording) for recording in (False, True)]
+        [154, 106]
     """
     held = 1 if accumulating else 0
     copies = REDUCE_SCATTER_COPIES - held
-    early = act["peak_bytes"] + t.gathered + copies * t.largest_layer_grad
+    early = act["peak_bytes"] + (t.largest_layer_gathered if recording else t.gathered) + copies * t.largest_layer_grad
     late = act["embedding_backward_bytes"] + t.largest_gathered + copies * t.largest_grad
-    return max(early, late)
+    # A parameter gathered for its forward only (the frozen embedding under LoRA), at its forward: little else yet.
+    front = t.released + (0 if recording else t.prefetched)
+    return max(early, late, front)
 
 
 # torch's DistributedDataParallel broadcasts rank 0's parameters and buffers at the wrap in flattened chunks of up

@@ -443,7 +443,7 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
         packed: one row of ``seq_len`` tokens holding several sequences (``train.packing``):
             position ids restart per sequence and transformers builds a block-diagonal mask.
         shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
-        padded: row per pair, some row is padded (:attr:`rm.data.shapes.BatchShapes.padded`).
+        padded: row per pair, some row is padded (:attr:`rm.data.shapes.BatchShape.padded`).
 
     Returns:
         A :class:`LayerMemory`; cached per distinct arguments.
