@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import shutil
+import tempfile
 import types
 from contextlib import nullcontext
 from pathlib import Path
@@ -101,6 +105,35 @@ def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):
     )
 
 
+def random_init_cache() -> Path:
+    """Where random-init models saved for quantisation live: ``$RM_CACHE/random_init`` (default ``~/.cache/rm``)."""
+    return Path(os.environ.get("RM_CACHE", Path.home() / ".cache" / "rm")) / "random_init"
+
+
+def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
+    """A model built from ``model_cfg``'s shape at the current seed, saved once in :func:`random_init_cache`.
+
+    Keyed by the shape and ``torch.initial_seed()`` (what ``set_seed`` set), so that a run, its resume and the
+    export's rebuilt base load the same weights; written under a temporary name and renamed, so that processes
+    starting together never read a half-written one.
+    """
+    config = _config_from_shape(model_cfg, pad_token_id)
+    key = hashlib.sha256(f"{config.to_json_string()}|{torch.initial_seed()}".encode()).hexdigest()[:16]
+    path = random_init_cache() / f"{model_cfg.model_type}-{key}"
+    if not (path / "config.json").is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with torch.random.fork_rng(devices=[]):  # the run's own draws go on as if nothing was drawn here
+            model = AutoModelForSequenceClassification.from_config(config, attn_implementation=model_cfg.attn_implementation)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+        model.save_pretrained(tmp, safe_serialization=True)
+        try:
+            os.rename(tmp, path)
+        except OSError:  # another process saved it first: the same weights
+            shutil.rmtree(tmp, ignore_errors=True)
+        log.info("saved the random init of model=%s to %s to load it quantised", model_cfg.name, path)
+    return path
+
+
 def build_model(
     model_cfg: ModelConfig, pad_token_id: int, dtype: str, gradient_checkpointing: bool, quantize_base: str = "none",
     device: Optional[torch.device] = None,
@@ -122,7 +155,13 @@ def build_model(
         The model, in training mode.
     """
     dtype = getattr(torch, dtype)
-    if model_cfg.pretrained:
+    tracing = torch.get_default_device().type == "meta"  # rm.memory.trace builds the model with no weights
+    pretrained = model_cfg.pretrained
+    if quantize_base != "none" and pretrained is None and not tracing:
+        # bitsandbytes quantises as weights load: a model built from its shape is saved first, so that the
+        # quantising path a pretrained model takes is the one that runs.
+        pretrained = str(saved_random_init(model_cfg, pad_token_id))
+    if pretrained and not tracing:
         quantization = None
         if quantize_base == "nf4":
             from transformers import BitsAndBytesConfig
@@ -132,12 +171,14 @@ def build_model(
                 bnb_4bit_compute_dtype=dtype,
             )
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_cfg.pretrained,
+            pretrained,
             num_labels=1,
             dtype=dtype,
             attn_implementation=model_cfg.attn_implementation,
             trust_remote_code=model_cfg.trust_remote_code,
             quantization_config=quantization,
+            # bitsandbytes' 4-bit layers quantise where they are placed: on a machine without CUDA, the CPU backend
+            **({"device_map": "cpu"} if quantization is not None and not torch.cuda.is_available() else {}),
         )
         model.config.pad_token_id = pad_token_id
     else:
@@ -225,6 +266,22 @@ def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lor
         for param in model.parameters():
             param.data = param.data.to(numerics.dtype("weights"))
     return model
+
+
+def quantization_state_tensors(model: torch.nn.Module) -> Iterable[torch.Tensor]:
+    """The tensors bitsandbytes keeps beside each 4-bit weight (block scales, their double-quantised scales, the
+    code book), which are not parameters: the memory count registers them with the weights."""
+    def tensors(state):
+        for value in vars(state).values():
+            if isinstance(value, torch.Tensor):
+                yield value
+            elif hasattr(value, "absmax"):  # the nested state of double quantisation
+                yield from tensors(value)
+
+    for param in model.parameters():
+        state = getattr(param, "quant_state", None)
+        if state is not None:
+            yield from tensors(state)
 
 
 def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:

@@ -32,7 +32,8 @@ from rm.lost_updates import LostUpdateProbe
 from rm.memory.estimate import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
-from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled, tokenizer_kind
+from rm.model import (build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled,
+                      quantization_state_tensors, tokenizer_kind)
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.precision import SHORT
@@ -239,6 +240,7 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
         device=init_device(cfg, plan, engine),
     )
     monitor.register(model.parameters())
+    monitor.register(quantization_state_tensors(model))
     return engine.prepare(
         model,
         lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon,

@@ -578,15 +578,10 @@ def _check_profile_and_distribution(cfg: RunConfig, hw: HardwareConfig, device: 
                 "shard bitsandbytes' quantised states; use distributed=ddp, or memory_profile=offload / full with ZeRO"
             )
     if profile.quantize_base != "none":
-        if device != "cuda":
-            errors.append(
-                f"memory_profile={profile.name} loads the base in 4-bit through bitsandbytes, which needs a CUDA GPU; "
-                f"hardware={hw.name} is a CPU: use memory_profile=lora"
-            )
+        # bitsandbytes' 4-bit layers run on the CPU too (its CPU backend, 0.49 on); a model built from its shape is
+        # saved and loaded quantised (rm.model.saved_random_init), so neither CUDA nor pretrained weights are needed.
         if not profile.use_lora:
             errors.append(f"memory_profile.quantize_base={profile.quantize_base} needs memory_profile.use_lora=true (a 4-bit base cannot train)")
-        if cfg.model.pretrained is None:
-            errors.append(f"memory_profile={profile.name} quantises pretrained weights; model={cfg.model.name} has none")
         if strategy == "deepspeed" and zero_stage == 3:
             errors.append(f"memory_profile={profile.name} with distributed={dist.name}: ZeRO-3 cannot shard 4-bit weights")
         if not _installed("bitsandbytes"):

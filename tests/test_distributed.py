@@ -26,7 +26,7 @@ def test_auto_picks_zero2_for_offload_and_ddp_otherwise(tiny_cfg):
     [
         (["memory_profile=offload", "distributed=ddp"], "memory_profile=offload offloads the optimizer through DeepSpeed ZeRO-Offload, but distributed=ddp"),
         (["memory_profile=8bit", "distributed=zero2"], "memory_profile=8bit (bitsandbytes 8-bit AdamW) with distributed=zero2"),
-        (["memory_profile=qlora"], "memory_profile=qlora loads the base in 4-bit through bitsandbytes, which needs a CUDA GPU"),
+        (["memory_profile=qlora", "distributed=zero3"], "memory_profile=qlora with distributed=zero3: ZeRO-3 cannot shard 4-bit weights"),
         (["distributed=zero2", "distributed.offload_params=true"], "distributed.offload_params=true needs ZeRO-3"),
         (["distributed=zero2", "distributed.zero_stage=5"], "distributed.zero_stage=5 must be 1, 2 or 3"),
     ],

@@ -139,7 +139,7 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
 @pytest.mark.reliability("Configuration", "sequence length above the model's maximum", "names `data.max_length` and `model.max_position_embeddings`")
 @pytest.mark.reliability("Configuration", "batch sizes that do not divide", "`train.global_batch_size=20 is not divisible by train.micro_batch_size=8 x world size 1`")
 @pytest.mark.reliability("Configuration", "bf16 on hardware without bf16", "names `train.precision` and `hardware.bf16`")
-@pytest.mark.reliability("Configuration", "a profile the hardware cannot run (`memory_profile=qlora` on a CPU)", "names the profile and what it needs")
+@pytest.mark.reliability("Configuration", "a profile that cannot train (`memory_profile=qlora memory_profile.use_lora=false`)", "names the key and what it needs")
 @pytest.mark.parametrize("override,needles", [
     ("memory_profile=fast", ["memory_profile", "full", "lora", "offload"]),  # unknown option: Hydra lists the options
     ("train.micro_batch_size=abc", ["train.micro_batch_size", "abc"]),  # wrong type
@@ -151,7 +151,7 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     ("data.max_length=100000", ["data.max_length=100000", "model.max_position_embeddings"]),
     ("train.global_batch_size=20", ["train.global_batch_size=20 is not divisible", "train.micro_batch_size=8"]),
     ("train.precision=bf16 hardware.bf16=false", ["train.precision=bf16", "hardware.bf16=false"]),
-    ("memory_profile=qlora", ["memory_profile=qlora", "CUDA"]),
+    ("memory_profile=qlora memory_profile.use_lora=false", ["memory_profile.quantize_base=nf4", "memory_profile.use_lora=true"]),
 ])
 def test_bad_config_fails_before_loading_with_one_message_naming_the_key(tmp_path, override, needles):
     proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, *override.split(), f"hydra.run.dir={tmp_path}"],

@@ -165,6 +165,24 @@ def zero_partition_numels(tensor_numels: List[int], world_size: int) -> List[int
     return out
 
 
+def partition_largest(tensor_numels: List[int], world_size: int, rank: Optional[int]) -> int:
+    """The largest whole parameter that touches ``rank``'s ZeRO-1/2 slice (:func:`zero_partition_numels`);
+    ``None``: the largest of any rank's.
+
+    Example: 10 and 6 elements over 2 ranks: slices [0, 8) and [8, 16); rank 1 holds the end of the first.
+        >>> partition_largest([10, 6], 2, 1), partition_largest([20, 4, 4, 12], 2, 1), partition_largest([20, 4, 4, 12], 2, None)
+        (10, 12, 20)
+    """
+    if rank is None:
+        return max(tensor_numels, default=0)
+    size, start, largest = _partition_size(tensor_numels, world_size), 0, 0
+    for numel in tensor_numels:
+        if start < (rank + 1) * size and start + numel > rank * size:
+            largest = max(largest, numel)
+        start += numel
+    return largest
+
+
 @dataclass
 class Estimate:
     """Per-device bytes at the peak, and the verdict."""
@@ -221,8 +239,7 @@ class TraceFreeTerms:
     parameter, ``largest_grad`` and ``largest_layer_grad``: the largest gradient, and the largest but the
     embedding's, each reduce-scattered on its own, ``largest_layer_gathered``: the largest but the embedding
     (:func:`zero3_backward_bytes`); ``released``: ZeRO-3's largest
-    parameter gathered for its forward only (:func:`released_after_forward`), beside ``prefetched``, what is
-    gathered ahead of the next modules then; ``overhead``: engine buffers that live as long as the engine;
+    parameter gathered for its forward only (:func:`released_after_forward`); ``overhead``: engine buffers that live as long as the engine;
     ``host``: host RAM per node.
     """
 
@@ -240,7 +257,6 @@ class TraceFreeTerms:
     largest_layer_grad: int = 0
     largest_layer_gathered: int = 0
     released: int = 0
-    prefetched: int = 0
     host: int = 0
     uncalibrated: List[str] = field(default_factory=list)
     # The part of ``states`` an optimizer makes at its first step (AdamW's moments, torch's and DeepSpeed's alike);
@@ -264,12 +280,22 @@ def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int, 
         return counts.base * wbytes, wbytes, []
     base_bytes, uncalibrated = counts.base * wbytes, []
     if profile.quantize_base == "nf4":
-        linear = m.num_hidden_layers * sum(i * o for i, o, _ in _linear_shapes(m).values())
-        # 4 bits per weight plus double-quantised block scales (about 0.127 bits per weight).
+        linears = [i * o for i, o, _ in _linear_shapes(m).values()]
         # prepare_model_for_kbit_training casts every weight that is not 4-bit (embedding, norms, head) to fp32.
-        base_bytes = (counts.base - linear) * 4 + math.ceil(linear * 4.127 / 8)
-        uncalibrated.append("4-bit NF4 weights")
+        base_bytes = (counts.base - m.num_hidden_layers * sum(linears)) * 4 + m.num_hidden_layers * sum(map(nf4_bytes, linears))
     return base_bytes + (counts.trainable - m.hidden_size) * adapter_bytes + m.hidden_size * wbytes, adapter_bytes, uncalibrated
+
+
+def nf4_bytes(numel: int) -> int:
+    """Bytes of one weight loaded in 4-bit NF4 with double quantisation (bitsandbytes ``Params4bit`` and its
+    ``QuantState``, read off a loaded model): two weights a byte; one uint8 scale per 64-weight block; those scales'
+    own fp32 scale per 256 blocks; the 16-entry NF4 code book, the scales' offset and their 256-entry code book, in fp32.
+
+    >>> nf4_bytes(128 * 256)  # 16384 + 512 + 4 x 2 + 64 + 4 + 1024
+    17996
+    """
+    blocks = math.ceil(numel / 64)
+    return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / 256) + 16 * 4 + 4 + 256 * 4
 
 
 def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persistence: int, n: int) -> int:
@@ -337,12 +363,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         released = [x for x in released_after_forward(cfg.model, cfg.lora if profile.use_lora else None, input_grads)
                     if x >= buckets["persistence"]]
         t.gathered = min(counts.total - persistent - sum(released), DEEPSPEED_MAX_LIVE) * wbytes
-        if released:
-            # While such a parameter is gathered for its forward, the coordinator gathers the next ones ahead, past
-            # the prefetch bucket by up to one module's (measured: a 1-layer point held its embedding beside three
-            # coalesced MLP-sized gathers): a decoder layer's worth bounds it.
-            layer = sum(i * o + o * b for i, o, b in _linear_shapes(cfg.model).values())
-            t.released, t.prefetched = max(released) * wbytes, min(buckets["prefetch"] + layer, t.gathered // wbytes) * wbytes
+        t.released = max(released, default=0) * wbytes
         t.temporaries = bucket * trained_bytes
         t.largest_gathered = max(x for x in counts.tensors if x >= buckets["persistence"]) * wbytes
         # parameter_counts lists the embedding first: the largest a layer or the head gathers
@@ -376,8 +397,11 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
             # ... each made at the first micro-batch that reduces its parameter, beside a copy of it
             # (stage_1_and_2.py, async_accumulate_grad_in_cpu_via_gpu): the largest parameter's is made last
             # (the embedding's gradient comes last), when the others exist (measured: a 50k-vocabulary point
-            # was 5.8% under, one embedding's size, without it).
-            t.states += shard * trained_bytes + largest
+            # was 5.8% under, one embedding's size, without it). Only the parameters of this rank's partition have
+            # one (copy_grads_in_partition): a rank whose slice misses the embedding holds no buffer of its size
+            # (measured: rank 1 of a 32k-vocabulary point 6.1% over, one embedding, with it).
+            mine = partition_largest(counts.trainable_tensors, n, rank) * trained_bytes
+            t.states += shard * trained_bytes + mine
             copy = largest  # gone by the boundary, where the reduction's own transient comes (measured)
         t.overhead = largest
         if plan.device == "cuda":
@@ -735,21 +759,25 @@ def zero3_backward_bytes(t: TraceFreeTerms, act: Dict, accumulating: bool, recor
         >>> zero3_backward_bytes(t, act, False)
         261
 
-    Under LoRA without checkpointing the frozen 86 MiB embedding is gathered for its forward only (beside 20 gathered
-    ahead), and the gradients are small (2). Early: 92 + 58 + 2 x 2 = 154; at the first micro-batch, one layer's
-    largest weight (10) instead of every one: 92 + 10 + 4 = 106; the embedding's forward: 86 + 20, or 86 with nothing
-    gathered ahead while recording.
+    Under LoRA without checkpointing the frozen 86 MiB embedding is gathered for its forward only, and the gradients
+    are small (2). Early: 92 + 58 + 2 x 2 = 154; at the first micro-batch, one layer's largest weight (10) instead of
+    every one: 92 + 10 + 4 = 106; the embedding's forward: 86 + 58, or 86 alone while recording. With activations of
+    40 the embedding's forward is the peak (86 + 58 = 144 against 40 + 58 + 4 = 102):
         >>> lora = TraceFreeTerms(None, 0, 0, 0, gathered=58, largest_gathered=86, largest_layer_gathered=10,
-        ...                       largest_grad=2, largest_layer_grad=2, released=86, prefetched=20)
+        ...                       largest_grad=2, largest_layer_grad=2, released=86)
         >>> [zero3_backward_bytes(lora, act, False, recording) for recording in (False, True)]
         [154, 106]
+        >>> zero3_backward_bytes(lora, {"peak_bytes": 40, "embedding_backward_bytes": 3}, False)
+        144
     """
     held = 1 if accumulating else 0
     copies = REDUCE_SCATTER_COPIES - held
     early = act["peak_bytes"] + (t.largest_layer_gathered if recording else t.gathered) + copies * t.largest_layer_grad
     late = act["embedding_backward_bytes"] + t.largest_gathered + copies * t.largest_grad
-    # A parameter gathered for its forward only (the frozen embedding under LoRA), at its forward: little else yet.
-    front = t.released + (0 if recording else t.prefetched)
+    # A parameter gathered for its forward only (the frozen embedding under LoRA), at its forward: the others may be
+    # gathered already from the micro-batch before (measured: a point accumulating 3 micro-batches held its embedding
+    # beside every layer's weights at the third one's start, 13% above the estimate without them); not while recording.
+    front = t.released + (0 if recording else t.gathered)
     return max(early, late, front)
 
 
