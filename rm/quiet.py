@@ -6,8 +6,10 @@ level of the whole library (whose other warnings stay), and re-logged at debug l
 ``rm.quiet`` with the reason, so ``logging.DEBUG`` still shows them:
 
 * bitsandbytes (imported by transformers and PEFT whenever installed) warns on import that the
-  optional ``kernels`` package for its 4-bit CPU matmul is missing; rm's QLoRA profile runs on
-  CUDA, and its 8-bit optimizer does not use that kernel;
+  optional ``kernels`` package for its fused 4-bit CPU matmul is missing. That kernel serves only
+  one-token inference (``gemv_4bit``); training, evaluation and scoring batches dequantise and
+  use torch's matmul, and ``kernels`` would fetch it from the Hugging Face Hub at import, which an
+  offline machine cannot;
 * DeepSpeed warns "Setting accelerator to CPU" on import on a machine without CUDA, which is
   what a CPU machine is.
 
@@ -25,7 +27,7 @@ log = logging.getLogger(__name__)
 # logger name -> substring of the message to drop, and why (logged at debug level).
 DROPPED = {
     "bitsandbytes.backends.cpu.ops": ("gemm_4bit_forward from kernels-community",
-                                      "optional 'kernels' package for 4-bit CPU matmul, unused by rm"),
+                                      "optional 'kernels' Hub download for one-token 4-bit CPU inference, unused by rm's batches"),
     "DeepSpeed": ("Setting accelerator to CPU", "no CUDA device: DeepSpeed uses the CPU, as intended here"),
 }
 

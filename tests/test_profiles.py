@@ -191,3 +191,41 @@ def test_measured_peaks_follow_what_each_profile_keeps(tiny_cfg, tmp_path):
     assert peaks["full"] >= 16 * params
     assert peaks["full"] > peaks["8bit"] > peaks["lora"]
     assert peaks["full"] - peaks["8bit"] >= 5 * params  # 8 bytes of fp32 states became about 2 (+ block scales)
+
+
+def test_qlora_base_from_a_shape_is_saved_once_and_loaded_in_4bit(tiny_cfg, tmp_path, monkeypatch):
+    """memory_profile=qlora without pretrained weights: the shape's random init is saved (keyed by shape and seed)
+    and loaded through bitsandbytes' quantising path on the CPU; the same seed loads the same packed weights, and the
+    run's own random draws are as if nothing had been drawn."""
+    bnb = pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    cfg = tiny_cfg("memory_profile=qlora")
+
+    def built():
+        set_seed(cfg.train.seed)
+        model = build_model(cfg.model, 0, "float32", False, "nf4")
+        return model, torch.rand(3)
+
+    (first, after_first), (second, after_second) = built(), built()
+    set_seed(cfg.train.seed)
+    assert torch.equal(after_first, torch.rand(3)) and torch.equal(after_first, after_second)
+    q_proj = first.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, bnb.nn.Linear4bit) and q_proj.weight.dtype == torch.uint8
+    assert torch.equal(q_proj.weight, second.model.layers[0].self_attn.q_proj.weight)
+    assert len(list((tmp_path / "random_init").iterdir())) == 1  # saved once
+    set_seed(cfg.train.seed + 1)
+    build_model(cfg.model, 0, "float32", False, "nf4")
+    assert len(list((tmp_path / "random_init").iterdir())) == 2  # another seed, another init
+
+
+@pytest.mark.slow
+def test_qlora_trains_and_exports_on_the_cpu(tiny_cfg, tmp_path, monkeypatch):
+    """The whole run on a CPU: 4-bit base, adapters and head train, the export reloads with the same rewards."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
+    cfg = tiny_cfg("memory_profile=qlora", "train.learning_rate=5e-3", *STEPS)
+    result = rm_train.train(cfg, tmp_path / "run")
+    assert result["status"] == "ok"
+    trace = losses(tmp_path / "run")
+    assert trace[-1] < trace[0], trace
+    assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
