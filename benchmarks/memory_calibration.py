@@ -219,7 +219,8 @@ def saved_random_weights(model: str, workdir: Path) -> Path:
     import torch
 
     from rm.config import compose
-    from rm.model import build_model, build_tokenizer
+    from rm.model import build_model
+    from rm.tokenizer import build_tokenizer
 
     path = workdir / f"pretrained-{model.split()[0]}"
     if not path.is_dir():
@@ -261,7 +262,8 @@ def data_sized_estimate(overrides: list, world_size: int = 1):
 
     from rm.config import compose
     from rm.data.batching import StepBatches
-    from rm.data.build import build_datasets, run_tokenizer
+    from rm.data.build import build_datasets, train_pairs
+    from rm.tokenizer import run_tokenizer
     from rm.preflight import data_preflight, plan_run
     from rm.run_setup import log_prefix_sharing, run_shapes, total_training_steps
 
@@ -269,7 +271,7 @@ def data_sized_estimate(overrides: list, world_size: int = 1):
     launched = {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"} if world_size > 1 else {}
     with mock.patch.dict(os.environ, launched):
         plan, _ = plan_run(cfg, overrides)
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
     t = cfg.train
     shared = log_prefix_sharing(train_set) if t.share_prefix else None
@@ -956,7 +958,7 @@ def write_random_pairs(stem: Path, spec: dict, max_length: int) -> None:
     import math
     import random
 
-    from rm.data.synthetic import VOCABULARY
+    from rm.tokenizer import VOCABULARY
 
     rng = random.Random(spec["seed"])
     words = [w for w in VOCABULARY if w.isalpha()]
