@@ -110,7 +110,7 @@ def recompute(rows) -> None:
     """Estimate each saved point again with the estimator as it is now (a pure function of the config), in place:
     measurements stand, estimates and errors follow the code. Used after a change to the estimate alone."""
     from rm.config import compose
-    from rm.memory.estimate import estimate_run
+    from rm.memory.terms import estimate_run
     from rm.validate import validate
 
     for r in rows:
@@ -427,7 +427,7 @@ def write_gpu_doc(out: Path, rows: list, device: str, elapsed) -> None:
              "own count (`mem_get_info` total - free) after the loop: the allocator's peak reserve, the CUDA context and "
              "anything held outside the allocator. Targets: allocated within 5%; predicted device total never below the "
              "device's count and at most 10% above; misses are marked **MISS**. The allocator-reserve bound "
-             "(`rm/memory/estimate.py`) was read off these same points, so the device column is not yet a test on unseen "
+             "(`rm/memory/terms.py`) was read off these same points, so the device column is not yet a test on unseen "
              "shapes.", "",
              "`as run`: the errors of the estimate the run itself made, before the fixes these runs led to (the trace of "
              "dropout as CUDA runs it, paged 8-bit states outside the allocator, the NCCL group, the reserve bound).", "",
@@ -908,7 +908,7 @@ def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
 
 def point_cost(p: dict, cfg) -> tuple:
     """(parameters, training FLOPs of the point's 2 steps over all processes, bf16 weighted by RANDOM_BF16_WEIGHT)."""
-    from rm.memory.estimate import parameter_counts
+    from rm.memory.terms import parameter_counts
 
     counts = parameter_counts(cfg.model, None)
     nproc = RANDOM_LAYOUTS[p["layout"]][0]

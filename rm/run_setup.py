@@ -27,7 +27,7 @@ from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedColla
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.health import HealthMonitor
 from rm.lost_updates import LostUpdateProbe
-from rm.memory.estimate import Estimate, parameter_counts
+from rm.memory.terms import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
 from rm.model import build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled

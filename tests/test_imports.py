@@ -104,10 +104,19 @@ def test_cycles_are_found_by_hand():
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "rm.model" in graph and "rm.memory.estimate" in graph and graph["rm.trainer"]  # the graph was read
+    assert "rm.model" in graph and "rm.memory.terms" in graph and graph["rm.trainer"]  # the graph was read
     found = cycles(graph)
     assert not found, "import cycles (each a set of modules that import one another): " + "; ".join(
         " <-> ".join(group) for group in found)
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says one thing: ``rm.estimate`` is the command line, so the estimate is ``rm.memory.terms``."""
+    from collections import Counter
+
+    names = Counter(path.stem for path in PACKAGE.rglob("*.py") if path.stem != "__init__")
+    assert names["estimate"] == 1 and names["tokenizer"] == 1  # the names were read
+    assert [name for name, count in names.items() if count > 1] == []
 
 
 def test_every_command_of_the_readme_is_a_module_that_runs_as_main():

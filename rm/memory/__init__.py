@@ -1,6 +1,6 @@
 """Memory: the pre-flight estimate, the activation trace it runs, and the monitor that measures a run.
 
-- :mod:`rm.memory.estimate`: every term of the per-device peak, and the verdict. The command line,
+- :mod:`rm.memory.terms`: every term of the per-device peak, and the verdict. The command line,
   ``python -m rm.estimate``, is :mod:`rm.estimate`.
 - :mod:`rm.memory.suggest`: the changes that would make a refused run fit.
 - :mod:`rm.memory.report`: the estimate's table, printed by ``rm.estimate`` and logged by the pre-flight check.
