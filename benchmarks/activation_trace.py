@@ -21,7 +21,7 @@ t0 = time.perf_counter()
 import transformers.models.mistral.modeling_mistral  # noqa: E402,F401  (the trainer has it imported anyway)
 
 from rm.config import compose  # noqa: E402
-from rm.memory.estimate import traced_model  # noqa: E402
+from rm.memory.terms import traced_model  # noqa: E402
 from rm.memory.trace import estimate_activations  # noqa: E402
 from rm.validate import validate  # noqa: E402
 

@@ -295,7 +295,8 @@ def run_trl(data, workdir: Path):
 
     import rm.config  # noqa: F401
     from rm.config import to_run_config
-    from rm.model import build_model, build_tokenizer
+    from rm.model import build_model
+    from rm.tokenizer import build_tokenizer
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "model.tokenizer=words", *SETUP.shape,

@@ -49,7 +49,7 @@ t0 = time.perf_counter()
 from rm.cli import without_bitsandbytes
 without_bitsandbytes()  # as the CLI does
 from rm.config import compose
-from rm.memory.estimate import estimate_run
+from rm.memory.terms import estimate_run
 from rm.hardware import resolve_hardware
 from rm.validate import resolve_world_size, validate
 import transformers.models.mistral.modeling_mistral

@@ -123,7 +123,8 @@ def demo(steps: int) -> None:
     import rm.config  # noqa: F401  (registers the schemas)
     from rm.config import to_run_config
     from rm.data.build import build_datasets
-    from rm.model import build_model, build_tokenizer
+    from rm.model import build_model
+    from rm.tokenizer import build_tokenizer
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         # 2,000 pairs of the demo's 16,000: the same generator and lengths, a quarter of a minute to tokenise.

@@ -110,7 +110,7 @@ def recompute(rows) -> None:
     """Estimate each saved point again with the estimator as it is now (a pure function of the config), in place:
     measurements stand, estimates and errors follow the code. Used after a change to the estimate alone."""
     from rm.config import compose
-    from rm.memory.estimate import estimate_run
+    from rm.memory.terms import estimate_run
     from rm.validate import validate
 
     for r in rows:
@@ -219,7 +219,8 @@ def saved_random_weights(model: str, workdir: Path) -> Path:
     import torch
 
     from rm.config import compose
-    from rm.model import build_model, build_tokenizer
+    from rm.model import build_model
+    from rm.tokenizer import build_tokenizer
 
     path = workdir / f"pretrained-{model.split()[0]}"
     if not path.is_dir():
@@ -261,7 +262,8 @@ def data_sized_estimate(overrides: list, world_size: int = 1):
 
     from rm.config import compose
     from rm.data.batching import StepBatches
-    from rm.data.build import build_datasets, run_tokenizer
+    from rm.data.build import build_datasets, train_pairs
+    from rm.tokenizer import run_tokenizer
     from rm.preflight import data_preflight, plan_run
     from rm.run_setup import log_prefix_sharing, run_shapes, total_training_steps
 
@@ -269,7 +271,7 @@ def data_sized_estimate(overrides: list, world_size: int = 1):
     launched = {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"} if world_size > 1 else {}
     with mock.patch.dict(os.environ, launched):
         plan, _ = plan_run(cfg, overrides)
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
     t = cfg.train
     shared = log_prefix_sharing(train_set) if t.share_prefix else None
@@ -425,7 +427,7 @@ def write_gpu_doc(out: Path, rows: list, device: str, elapsed) -> None:
              "own count (`mem_get_info` total - free) after the loop: the allocator's peak reserve, the CUDA context and "
              "anything held outside the allocator. Targets: allocated within 5%; predicted device total never below the "
              "device's count and at most 10% above; misses are marked **MISS**. The allocator-reserve bound "
-             "(`rm/memory/estimate.py`) was read off these same points, so the device column is not yet a test on unseen "
+             "(`rm/memory/terms.py`) was read off these same points, so the device column is not yet a test on unseen "
              "shapes.", "",
              "`as run`: the errors of the estimate the run itself made, before the fixes these runs led to (the trace of "
              "dropout as CUDA runs it, paged 8-bit states outside the allocator, the NCCL group, the reserve bound).", "",
@@ -906,7 +908,7 @@ def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
 
 def point_cost(p: dict, cfg) -> tuple:
     """(parameters, training FLOPs of the point's 2 steps over all processes, bf16 weighted by RANDOM_BF16_WEIGHT)."""
-    from rm.memory.estimate import parameter_counts
+    from rm.memory.terms import parameter_counts
 
     counts = parameter_counts(cfg.model, None)
     nproc = RANDOM_LAYOUTS[p["layout"]][0]
@@ -956,7 +958,7 @@ def write_random_pairs(stem: Path, spec: dict, max_length: int) -> None:
     import math
     import random
 
-    from rm.data.synthetic import VOCABULARY
+    from rm.tokenizer import VOCABULARY
 
     rng = random.Random(spec["seed"])
     words = [w for w in VOCABULARY if w.isalpha()]

@@ -3,13 +3,13 @@
     python -m rm.estimate [the same overrides as rm.train]       # a table; exit 3 when it does not fit
     python -m rm.estimate estimate.json=true ...                 # JSON on stdout
 
-The numbers come from :mod:`rm.memory.estimate`; this module composes the config, prints the table
+The numbers come from :mod:`rm.memory.terms`; this module composes the config, prints the table
 (:mod:`rm.memory.report`) and, when the run does not fit, the changes that would (:mod:`rm.memory.suggest`).
 """
 
 from __future__ import annotations
 
-from rm.memory.estimate import estimate_run
+from rm.memory.terms import estimate_run
 from rm.memory.report import estimate_label, format_table
 from rm.memory.suggest import format_suggestions, suggestions
 

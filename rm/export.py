@@ -43,6 +43,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rm.errors import ConfigError, StorageError, boundary
 from rm.model import last_token_index, sequence_rewards
 from rm.precision import Precision
+from rm.tokenizer import write_tokenizer_compat_fields
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +103,10 @@ def write_compat_fields(directory: Path, reward_stats: Optional[Mapping[str, flo
     """Make a saved model directory read the same under transformers 4 and 5, and carry its reward stats.
 
     transformers 5 keeps the rope base only in ``rope_parameters``, where transformers 4
-    does not look (it then uses 10000: silently wrong for Llama 3's 5e5); it names the
-    tokenizer class ``TokenizersBackend``, which transformers 4 does not have; and both
-    majors' generic fast tokenizer returns ``token_type_ids``, which Llama/Mistral models
-    reject. So ``rope_theta`` is also written at the top level (transformers 5 reads it
-    there too), the class becomes ``PreTrainedTokenizerFast`` (a tokenizer.json tokenizer
-    in both), the model inputs are pinned to ids and mask, and ``add_bos_token`` /
-    ``add_eos_token`` are written false (:func:`rm.tokenizer.text_only`), as transformers 4's
-    Llama tokenizers otherwise re-add BOS. ``mean``/``std`` and ``reward_max_length`` go into
-    ``config.json`` for OpenRLHF's ``--normalize_reward``.
+    does not look (it then uses 10000: silently wrong for Llama 3's 5e5), so ``rope_theta`` is also
+    written at the top level (transformers 5 reads it there too). ``mean``/``std`` and ``reward_max_length``
+    go into ``config.json`` for OpenRLHF's ``--normalize_reward``. The tokenizer's fields are written by
+    :func:`rm.tokenizer.write_tokenizer_compat_fields`.
     """
     directory = Path(directory)
 
@@ -122,15 +118,9 @@ def write_compat_fields(directory: Path, reward_stats: Optional[Mapping[str, flo
             config.update(mean=reward_stats["mean"], std=reward_stats["std"],
                           reward_max_length=reward_stats.get("max_length"))
 
-    def tokenizer_fields(config: dict) -> None:
-        if config.get("tokenizer_class") in (None, "TokenizersBackend"):
-            config["tokenizer_class"] = "PreTrainedTokenizerFast"
-        config.update(model_input_names=["input_ids", "attention_mask"], add_bos_token=False, add_eos_token=False)
-
     if (directory / "config.json").is_file():
         _edit_json(directory / "config.json", model_fields)
-    if (directory / "tokenizer_config.json").is_file():
-        _edit_json(directory / "tokenizer_config.json", tokenizer_fields)
+    write_tokenizer_compat_fields(directory)
 
 
 def _set_special_ids(config, tokenizer) -> None:
@@ -172,7 +162,7 @@ def save_bundle(
     """
     directory = Path(directory)
     if tokenizer.pad_token_id is None:
-        raise ValueError("the tokenizer has no pad token: set one before saving (rm.model.build_tokenizer does)")
+        raise ValueError("the tokenizer has no pad token: set one before saving (rm.tokenizer.build_tokenizer does)")
     _set_special_ids(model.config, tokenizer)  # for PEFT this is the base config, which is not written
     model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
     tokenizer.save_pretrained(directory)

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 from rm.config import to_run_config
 from rm.errors import boundary, run_hydra_app
 from rm.config import compose
-from rm.memory.estimate import GIB, estimate_run
+from rm.memory.terms import GIB, estimate_run
 from rm.hardware import host_ram_gib, resolve_hardware
 from rm.validate import ConfigError, resolve_world_size, validate
 

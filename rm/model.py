@@ -1,4 +1,4 @@
-"""Build the tokenizer and the reward model, and score batches with it."""
+"""Build the reward model and score batches with it (its tokenizer is :mod:`rm.tokenizer`'s)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ import shutil
 import tempfile
 import types
 from contextlib import nullcontext
-from pathlib import Path
-from typing import Callable, Iterable, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.precision import Numerics
@@ -22,68 +21,6 @@ from rm.precision import Numerics
 HEAD = "score"  # the one-output reward head of transformers' *ForSequenceClassification decoders
 
 log = logging.getLogger(__name__)
-
-
-def tokenizer_kind(model_cfg: ModelConfig) -> str:
-    """``bpe`` | ``words`` | ``pretrained`` (a hub id or directory): what :func:`build_tokenizer` makes.
-
-    ``model.tokenizer`` null means the pretrained model's tokenizer, or for a model built
-    from its shape (``model.pretrained`` null too) a byte-level BPE trained on the run's texts.
-    """
-    if model_cfg.tokenizer in ("bpe", "words"):
-        return model_cfg.tokenizer
-    if model_cfg.tokenizer is None and model_cfg.pretrained is None:
-        return "bpe"
-    return "pretrained"
-
-
-def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterable[str]]] = None,
-                    saved: Optional[Path] = None):
-    """Load or make the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
-
-    ``model.tokenizer=bpe`` (:func:`tokenizer_kind`) trains a byte-level BPE of at most
-    ``model.vocab_size`` tokens on ``texts()`` (:func:`rm.tokenizer.train_bpe_tokenizer`;
-    :func:`rm.data.build.run_tokenizer` passes the train split's texts), or loads it from
-    ``saved`` when that directory exists: a resumed run keeps the tokenizer its checkpoints
-    were trained with, whatever the data files hold now.
-
-    The reward is read at the last token of the text itself (:func:`rm.tokenizer.text_only`
-    says why: every client then tokenises alike). Mistral and Llama ship without a pad
-    token; plain transformers reads the reward at the last token that is not the pad id,
-    so the pad id must never occur in text: we take ``unk`` (which byte-fallback
-    tokenizers never emit) before falling back to ``eos``. The data pipeline drops a side
-    that contains the pad id (``rm.data``).
-
-    Raises:
-        ValueError: ``model.tokenizer=bpe`` without ``texts`` (nor a saved tokenizer).
-    """
-    from rm.tokenizer import text_only
-
-    kind = tokenizer_kind(model_cfg)
-    if kind == "bpe" and saved is not None and Path(saved).is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(saved)
-        log.info("tokenizer: the run's byte-level BPE, loaded from %s (%d tokens)", saved, len(tokenizer))
-    elif kind == "bpe":
-        if texts is None:
-            raise ValueError("model.tokenizer=bpe is trained on the run's texts: pass texts (rm.data.build.run_tokenizer does)")
-        from rm.tokenizer import train_bpe_tokenizer
-
-        tokenizer = train_bpe_tokenizer(texts(), model_cfg.vocab_size)
-        log.info("tokenizer: byte-level BPE trained on the training texts: %d tokens (model.vocab_size=%d)",
-                 len(tokenizer), model_cfg.vocab_size)
-    elif kind == "words":
-        from rm.tokenizer import build_word_level_tokenizer
-
-        tokenizer = build_word_level_tokenizer()
-    else:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_cfg.tokenizer or model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
-        log.info("tokenizer has no pad token: using %r (id %d)", tokenizer.pad_token, tokenizer.pad_token_id)
-    tokenizer.padding_side = "right"
-    return text_only(tokenizer)
 
 
 def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):

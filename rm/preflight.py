@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from rm.config import RunConfig
 from rm.errors import Refused
-from rm.memory.estimate import Estimate, cannot_fit, estimate_run, worst_case_shapes
+from rm.memory.terms import Estimate, cannot_fit, estimate_run, worst_case_shapes
 from rm.memory.report import estimate_label, format_table
 from rm.memory.suggest import best_micro_batch, format_suggestions, suggestions
 from rm.validate import ConfigError, Plan, resolve_world_size, validate

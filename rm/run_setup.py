@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -24,16 +22,16 @@ from transformers import get_scheduler
 from rm.config import RunConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch
-from rm.data.build import build_datasets, build_extra_eval_sets, run_tokenizer
+from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.health import HealthMonitor
 from rm.lost_updates import LostUpdateProbe
-from rm.memory.estimate import Estimate, parameter_counts
+from rm.memory.terms import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
 from rm.model import (build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled,
-                      quantization_state_tensors, tokenizer_kind)
+                      quantization_state_tensors)
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.precision import SHORT
@@ -41,7 +39,8 @@ from rm.preflight import data_preflight, plan_run
 from rm.resume import data_digest, fingerprint
 from rm.run_dir import RunDir
 from rm.train_state import TrainState
-from rm.validate import ConfigError, Plan, check_consumers_tokenize_alike, check_tokenizer_fits
+from rm.tokenizer import check_consumers_tokenize_alike, check_tokenizer_fits, run_tokenizer, save_tokenizer, tokenizer_kind
+from rm.validate import ConfigError, Plan
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log
 
@@ -103,7 +102,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
     # back, so its checkpoints meet the tokenizer they were trained with.
     resuming = directory.resuming
-    tokenizer = run_tokenizer(cfg.model, cfg.data, saved=directory.tokenizer_dir if resuming else None)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data), saved=directory.tokenizer_dir if resuming else None)
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
@@ -213,21 +212,6 @@ def build_engine(cfg: RunConfig, plan: Plan) -> Engine:
         cpu=plan.device == "cpu", precision=plan.precision,
         gradient_accumulation_steps=plan.gradient_accumulation_steps, max_grad_norm=t.max_grad_norm,
     )
-
-
-def save_tokenizer(tokenizer, directory: Path) -> None:
-    """Save the run's tokenizer; a failed write (a full disk) leaves no partial ``tokenizer.json`` and names the
-    directory (exit 5)."""
-    from rm.errors import StorageError, is_storage_failure
-
-    try:
-        tokenizer.save_pretrained(directory)
-    except Exception as err:  # noqa: BLE001  (re-raised unless a file could not be written)
-        if not is_storage_failure(err):
-            raise
-        shutil.rmtree(directory, ignore_errors=True)
-        raise StorageError(f"could not save the run's tokenizer to {directory} ({err}); nothing was trained yet: "
-                           "free space, then run again") from err
 
 
 def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, monitor: MemoryMonitor,

@@ -1,6 +1,18 @@
-"""rm's own tokenizers, for models built from a config (``model.pretrained`` unset).
+"""The tokenizer: which one a run uses, building it, and the checks that it fits the model and its consumers.
 
-A random-init model has no pretrained tokenizer to download, so rm makes one offline
+One module for everything about the tokenizer, so that data, validation, setup and export call it and it calls
+none of them (it imports nothing of ``rm.data``):
+
+* choosing: :func:`tokenizer_kind` reads ``model.tokenizer``, :func:`config_errors` refuses the names that cannot
+  work (``validate`` reports them with the other settings);
+* the run's tokenizer: :func:`run_tokenizer` builds it (:func:`build_tokenizer`) from the train split's texts
+  (:func:`training_texts`), or loads the one a resumed run saved;
+* the checks once it exists: :func:`check_tokenizer_fits` (its ids index the embedding) and
+  :func:`check_consumers_tokenize_alike` (the exported model's readers load it as training used it, on the run's
+  texts and :data:`TOKENIZER_PROBES`);
+* the bundle: :func:`write_tokenizer_compat_fields`, the tokenizer half of :func:`rm.export.write_compat_fields`.
+
+A random-init model (``model.pretrained`` unset) has no pretrained tokenizer to download, so rm makes one offline
 with the ``tokenizers`` library:
 
 * ``model.tokenizer=bpe`` (the default for a random-init model, and the demo's):
@@ -11,7 +23,7 @@ with the ``tokenizers`` library:
   when the texts have fewer distinct merges to learn). Training is deterministic: the
   same texts and size give the same vocabulary and merges in every process.
 * ``model.tokenizer=words``: the word-level tokenizer of the synthetic data's closed
-  vocabulary (:func:`build_word_level_tokenizer`). Any other word becomes ``<unk>``
+  vocabulary (:data:`VOCABULARY`, :func:`build_word_level_tokenizer`). Any other word becomes ``<unk>``
   (the ``unknown_tokens`` alarm says so); it is kept for measurements that must stay
   comparable with those made with it (docs/memory_calibration.md, docs/throughput.md).
 
@@ -23,22 +35,57 @@ They round-trip through ``save_pretrained`` and ``AutoTokenizer.from_pretrained`
 
 from __future__ import annotations
 
-from typing import Iterable
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from rm.data.synthetic import VOCABULARY
+from rm.errors import ConfigError, StorageError, is_storage_failure
+
+if TYPE_CHECKING:  # transformers and the config schema are imported where used: training a BPE needs neither
+    from transformers import PreTrainedTokenizerFast
+
+    from rm.config import ModelConfig
 
 __all__ = [
-    "SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "MIN_BPE_VOCAB", "train_bpe_tokenizer", "train_byte_level_bpe",
-    "build_word_level_tokenizer", "text_only",
+    "SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "MIN_BPE_VOCAB", "VOCABULARY", "TOKENIZER_PROBES", "tokenizer_kind",
+    "config_errors", "run_tokenizer", "training_texts", "save_tokenizer", "build_tokenizer", "train_bpe_tokenizer",
+    "train_byte_level_bpe", "build_word_level_tokenizer", "text_only", "check_tokenizer_fits",
+    "check_consumers_tokenize_alike", "write_tokenizer_compat_fields",
 ]
+
+log = logging.getLogger(__name__)
 
 # Order fixes the ids: pad=0, unk=1, bos=2, eos=3, in both tokenizers (config.json
 # records them; the byte-level one never emits <unk> but keeps its id for the same layout).
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<s>", "</s>")
 # The smallest byte-level BPE: the special tokens and one token per byte, no merge.
 MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256
+
+# Written out rather than derived from the generator's templates, because the word-level tokenizer's ids are
+# 4 + a word's index here and measurements made with model.tokenizer=words rely on them.
+# tests/test_synthetic.py holds it equal to what the generator can emit (rm.data.synthetic.emitted_words).
+VOCABULARY: Tuple[str, ...] = tuple("""
+! ' , . : ? Anna Assistant Ben Berlin Cairo Can Carla David Do Elena Frank Good Got Grace Hello Here Hi How
+Hugo Human I It Learning Let Lima London Madrid My Nice Of Okay Paris Please Repeat Rome Sorry Sure System
+Thanks That The Tokyo Try What Where Which Yesterday You Your a about after ahead am and answer answering
+anything apple are ask at back banana be been best birds black blue boxing break brother but called can cannot
+cat cherry chess city cold colour cooking course cousin cricket day do dog doing don else family father
+favourite few find football for fox friend fruit go golf good grape green had happy hard has have hear help
+here hockey home hope horse house in inside is it kind know learn lemon like likes live lives long lovely luck
+mango many me month morning most mother my name near new next nice not noted now of orange owl painting park
+parrot patient peach pet planning play plays please plum purple question questions quite rabbit rainy red
+remember repeat rugby s saw say sister small so someone something sorry sounds sport stayed sure t take takes
+tell telling tennis that the there these things this time tired to today told trip trying turtle walk weather
+week well went when white will with words work year yellow you yourself
+""".split())
+"""The word-level tokenizer's words (``model.tokenizer=words``): every token the synthetic data's generator can
+emit, sorted, as the ``Whitespace`` pre-tokenizer splits text. Includes the role words ``Human``, ``Assistant``
+and ``System`` (the latter only used by the chat template of rm's tokenizers)."""
 
 # Renders messages as an HH-RLHF transcript. A system message becomes its own
 # "\n\nSystem: ..." turn in place ("System" is in the word-level
@@ -59,6 +106,125 @@ HH_CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '\n\nAssistant:' }}{% endif %}"
 )
+
+# Texts on which pre-tokenizers disagree: digit runs, contractions, runs of spaces, tabs and newlines, accents,
+# CJK, emoji, code. Fixed, so the check needs no data and says the same thing in every process.
+TOKENIZER_PROBES = (
+    "\n\nHuman: What's 12345 + 678? Don't   guess.\n\nAssistant: It's 13023 -- I've checked twice!",
+    "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f642 tabs\tand  double  spaces\r\n",
+    "def f(x):\n    return x**2  # squared, 3.14159\n",
+)
+
+
+def tokenizer_kind(model_cfg: ModelConfig) -> str:
+    """``bpe`` | ``words`` | ``pretrained`` (a hub id or directory): what :func:`build_tokenizer` makes.
+
+    ``model.tokenizer`` null means the pretrained model's tokenizer, or for a model built
+    from its shape (``model.pretrained`` null too) a byte-level BPE trained on the run's texts.
+    """
+    if model_cfg.tokenizer in ("bpe", "words"):
+        return model_cfg.tokenizer
+    if model_cfg.tokenizer is None and model_cfg.pretrained is None:
+        return "bpe"
+    return "pretrained"
+
+
+def config_errors(model_cfg: ModelConfig) -> List[str]:
+    """What is wrong with ``model.tokenizer`` before anything loads, one message per problem naming the keys
+    (:func:`rm.validate.validate` reports them with the other settings)."""
+    errors = []
+    if model_cfg.tokenizer == "builtin":  # the name before the byte-level BPE became the default
+        errors.append("model.tokenizer=builtin is now model.tokenizer=bpe (a byte-level BPE trained on your texts, the "
+                      "default) or model.tokenizer=words (the word-level tokenizer of the synthetic data)")
+    if model_cfg.pretrained and model_cfg.tokenizer in ("bpe", "words"):
+        errors.append(f"model.tokenizer={model_cfg.tokenizer} makes a new tokenizer, whose ids model.pretrained="
+                      f"{model_cfg.pretrained} never learnt: leave model.tokenizer null (the model's own tokenizer) or "
+                      f"set model.pretrained=null")
+    return errors
+
+
+# The train split's chosen and rejected texts, given the tokenizer whose chat template renders its conversations.
+TrainPairs = Callable[[Any], Mapping[str, Sequence[str]]]
+
+
+def run_tokenizer(model_cfg: ModelConfig, train_pairs: TrainPairs, saved: Optional[Path] = None):
+    """The tokenizer a run of these settings uses: :func:`build_tokenizer`, given the train split's texts
+    (:func:`training_texts`), which only ``model.tokenizer=bpe`` reads, and the directory a resumed run saved it in.
+
+    Args:
+        model_cfg: the ``model`` group.
+        train_pairs: the train split after normalisation (:func:`rm.data.build.train_pairs`), read only where a
+            BPE is trained.
+        saved: the run directory's tokenizer (a resumed run), read back instead of trained again.
+    """
+    return build_tokenizer(model_cfg, texts=lambda: training_texts(train_pairs), saved=saved)
+
+
+def training_texts(train_pairs: TrainPairs) -> List[str]:
+    """The texts ``model.tokenizer=bpe`` is trained on: both sides of every pair the train split keeps after
+    normalisation, rendered as training renders them. The run's tokenizer does not exist yet, so conversations
+    are rendered with the word-level one's chat template (:data:`HH_CHAT_TEMPLATE`, which every rm tokenizer
+    carries). A refused row raises here what building the split would raise."""
+    pairs = train_pairs(build_word_level_tokenizer())
+    return list(pairs["chosen"]) + list(pairs["rejected"])
+
+
+def save_tokenizer(tokenizer, directory: Path) -> None:
+    """Save the run's tokenizer; a failed write (a full disk) leaves no partial ``tokenizer.json`` and names the
+    directory (exit 5)."""
+    try:
+        tokenizer.save_pretrained(directory)
+    except Exception as err:  # noqa: BLE001  (re-raised unless a file could not be written)
+        if not is_storage_failure(err):
+            raise
+        shutil.rmtree(directory, ignore_errors=True)
+        raise StorageError(f"could not save the run's tokenizer to {directory} ({err}); nothing was trained yet: "
+                           "free space, then run again") from err
+
+
+def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterable[str]]] = None,
+                    saved: Optional[Path] = None):
+    """Load or make the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
+
+    ``model.tokenizer=bpe`` (:func:`tokenizer_kind`) trains a byte-level BPE of at most
+    ``model.vocab_size`` tokens on ``texts()`` (:func:`train_bpe_tokenizer`;
+    :func:`run_tokenizer` passes the train split's texts), or loads it from
+    ``saved`` when that directory exists: a resumed run keeps the tokenizer its checkpoints
+    were trained with, whatever the data files hold now.
+
+    The reward is read at the last token of the text itself (:func:`text_only`
+    says why: every client then tokenises alike). Mistral and Llama ship without a pad
+    token; plain transformers reads the reward at the last token that is not the pad id,
+    so the pad id must never occur in text: we take ``unk`` (which byte-fallback
+    tokenizers never emit) before falling back to ``eos``. The data pipeline drops a side
+    that contains the pad id (``rm.data``).
+
+    Raises:
+        ValueError: ``model.tokenizer=bpe`` without ``texts`` (nor a saved tokenizer).
+    """
+    from transformers import AutoTokenizer
+
+    kind = tokenizer_kind(model_cfg)
+    if kind == "bpe" and saved is not None and Path(saved).is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(saved)
+        log.info("tokenizer: the run's byte-level BPE, loaded from %s (%d tokens)", saved, len(tokenizer))
+    elif kind == "bpe":
+        if texts is None:
+            raise ValueError("model.tokenizer=bpe is trained on the run's texts: pass texts (rm.tokenizer.run_tokenizer does)")
+        tokenizer = train_bpe_tokenizer(texts(), model_cfg.vocab_size)
+        log.info("tokenizer: byte-level BPE trained on the training texts: %d tokens (model.vocab_size=%d)",
+                 len(tokenizer), model_cfg.vocab_size)
+    elif kind == "words":
+        tokenizer = build_word_level_tokenizer()
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_cfg.tokenizer or model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
+        log.info("tokenizer has no pad token: using %r (id %d)", tokenizer.pad_token, tokenizer.pad_token_id)
+    tokenizer.padding_side = "right"
+    return text_only(tokenizer)
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int = 2048) -> PreTrainedTokenizerFast:
@@ -111,7 +277,7 @@ def build_word_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokeni
     """Builds the word-level tokenizer of the synthetic data (``model.tokenizer=words``).
 
     Ids are ``<pad>``=0, ``<unk>``=1, ``<s>``=2, ``</s>``=3, then
-    :data:`~rm.data.synthetic.VOCABULARY` in order. Text is split into words
+    :data:`VOCABULARY` in order. Text is split into words
     and punctuation runs (``Whitespace`` pre-tokenizer); any other word becomes
     ``<unk>``. No special token is ever added (:func:`text_only`).
 
@@ -187,3 +353,73 @@ def text_only(tokenizer):
                 "last token of the text, so `tokenizer(text)` must add nothing (use a fast tokenizer)"
             )
     return tokenizer
+
+
+def check_tokenizer_fits(model_cfg: ModelConfig, tokenizer) -> None:
+    """The tokenizer's ids must index the embedding: a vocabulary larger than ``model.vocab_size`` fails in the
+    middle of the first forward with an index error.
+
+    Raises:
+        ConfigError: naming ``model.vocab_size`` and the tokenizer's size.
+    """
+    if model_cfg.pretrained is None and len(tokenizer) > model_cfg.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
+            f"(model.tokenizer={model_cfg.tokenizer or 'bpe'}): set model.vocab_size >= {len(tokenizer)}"
+        )
+
+
+def check_consumers_tokenize_alike(model_cfg: ModelConfig, tokenizer, texts: Tuple[str, ...] = ()) -> None:
+    """The exported model's tokenizer must tokenise as training did, as its consumers load it.
+
+    Checked on ``texts`` (the run passes some of its own training texts: whether two pre-tokenizers disagree
+    depends on the merges learnt from the data) and :data:`TOKENIZER_PROBES`.
+
+    Every consumer (``AutoTokenizer``, ``pipeline``, TRL, RewardBench, ``rm.score``) loads the bundle's tokenizer
+    with ``AutoTokenizer.from_pretrained``, which in transformers 5 picks the class from ``config.json``'s
+    ``model_type`` for some architectures (Qwen2: ``Qwen2Tokenizer``, which rebuilds the pre-tokenizer) whatever
+    ``tokenizer_config.json`` says. A tokenizer that does not survive that trip would give other tokens, and so
+    other rewards, than training used: refused here, before any weight loads.
+
+    Raises:
+        ConfigError: naming ``model.tokenizer``, ``model.model_type``, the class transformers loads and a probe.
+    """
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer.save_pretrained(tmp)
+        (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_cfg.model_type}))
+        write_tokenizer_compat_fields(Path(tmp))  # as rm.export writes the bundle
+        reloaded = AutoTokenizer.from_pretrained(tmp)
+    probes = (*texts, *TOKENIZER_PROBES)
+    differ = [text for text in probes if reloaded(text)["input_ids"] != tokenizer(text)["input_ids"]]
+    if differ:
+        raise ConfigError(
+            f"model.tokenizer={model_cfg.tokenizer or ('bpe' if model_cfg.pretrained is None else model_cfg.pretrained)} "
+            f"with model.model_type={model_cfg.model_type}: transformers' AutoTokenizer loads the exported model's "
+            f"tokenizer as {type(reloaded).__name__}, which tokenises {len(differ)} of {len(probes)} probe texts "
+            f"differently (e.g. {differ[0][:40]!r}: {len(tokenizer(differ[0])['input_ids'])} tokens in training, "
+            f"{len(reloaded(differ[0])['input_ids'])} reloaded), so every consumer of the model would score other tokens "
+            f"than training did. Use the model's own tokenizer (model.pretrained=<dir> with model.tokenizer=null), "
+            f"or, for a tokenizer of your own, a model_type whose tokenizer class is generic (llama, mistral)"
+        )
+
+
+def write_tokenizer_compat_fields(directory: Path) -> None:
+    """The tokenizer half of :func:`rm.export.write_compat_fields`: make a saved tokenizer read the same under
+    transformers 4 and 5.
+
+    transformers 5 names the tokenizer class ``TokenizersBackend``, which transformers 4 does not have, and both
+    majors' generic fast tokenizer returns ``token_type_ids``, which Llama/Mistral models reject. So the class
+    becomes ``PreTrainedTokenizerFast`` (a tokenizer.json tokenizer in both), the model inputs are pinned to ids
+    and mask, and ``add_bos_token`` / ``add_eos_token`` are written false (:func:`text_only`), as transformers 4's
+    Llama tokenizers otherwise re-add BOS. A directory without ``tokenizer_config.json`` is left as it is.
+    """
+    path = Path(directory) / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text())
+    if config.get("tokenizer_class") in (None, "TokenizersBackend"):
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.update(model_input_names=["input_ids", "attention_mask"], add_bos_token=False, add_eos_token=False)
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

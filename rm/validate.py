@@ -17,6 +17,7 @@ from rm.launch_env import launch_env
 from rm.precision import ALIASES as PRECISION_ALIASES
 from rm.precision import NAMES as PRECISION_NAMES
 from rm.precision import Precision, bf16_lost_update_fraction
+from rm.tokenizer import config_errors as tokenizer_config_errors
 
 CHOICES = {
     "model.model_type": ("mistral", "llama", "qwen2"),
@@ -212,9 +213,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
     if d.source == "hub" and not d.path:
         errors.append("data.source=hub needs data.path, e.g. data.path=Anthropic/hh-rlhf")
     _check_extra_eval_files(d.extra_eval_files, errors)
-    if cfg.model.tokenizer == "builtin":  # the name before the byte-level BPE became the default
-        errors.append("model.tokenizer=builtin is now model.tokenizer=bpe (a byte-level BPE trained on your texts, the "
-                      "default) or model.tokenizer=words (the word-level tokenizer of the synthetic data)")
+    errors += tokenizer_config_errors(cfg.model)
 
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = _precision(t.precision, hw, device, errors)
@@ -401,9 +400,6 @@ def _model_shape_errors(m) -> List[str]:
     if m.pretrained:
         errors += _pretrained_errors(m.pretrained)
         errors += _pretrained_shape_errors(m)
-        if m.tokenizer in ("bpe", "words"):
-            errors.append(f"model.tokenizer={m.tokenizer} makes a new tokenizer, whose ids model.pretrained={m.pretrained} "
-                          f"never learnt: leave model.tokenizer null (the model's own tokenizer) or set model.pretrained=null")
     return errors
 
 
@@ -458,70 +454,6 @@ def _pretrained_errors(pretrained: str) -> List[str]:
     if pretrained.startswith((".", "/", "~")) or not _HUB_ID.match(pretrained):
         return [f"model.pretrained={pretrained}: no such directory, and not a Hub id (org/name)"]
     return []
-
-
-def check_tokenizer_fits(model_cfg, tokenizer) -> None:
-    """The tokenizer's ids must index the embedding: a vocabulary larger than ``model.vocab_size`` fails in the
-    middle of the first forward with an index error.
-
-    Raises:
-        ConfigError: naming ``model.vocab_size`` and the tokenizer's size.
-    """
-    if model_cfg.pretrained is None and len(tokenizer) > model_cfg.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens "
-            f"(model.tokenizer={model_cfg.tokenizer or 'bpe'}): set model.vocab_size >= {len(tokenizer)}"
-        )
-
-
-# Texts on which pre-tokenizers disagree: digit runs, contractions, runs of spaces, tabs and newlines, accents,
-# CJK, emoji, code. Fixed, so the check needs no data and says the same thing in every process.
-TOKENIZER_PROBES = (
-    "\n\nHuman: What's 12345 + 678? Don't   guess.\n\nAssistant: It's 13023 -- I've checked twice!",
-    "caf\u00e9 na\u00efve \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8 \U0001f642 tabs\tand  double  spaces\r\n",
-    "def f(x):\n    return x**2  # squared, 3.14159\n",
-)
-
-
-def check_consumers_tokenize_alike(model_cfg, tokenizer, texts: Tuple[str, ...] = ()) -> None:
-    """The exported model's tokenizer must tokenise as training did, as its consumers load it.
-
-    Checked on ``texts`` (the run passes some of its own training texts: whether two pre-tokenizers disagree
-    depends on the merges learnt from the data) and :data:`TOKENIZER_PROBES`.
-
-    Every consumer (``AutoTokenizer``, ``pipeline``, TRL, RewardBench, ``rm.score``) loads the bundle's tokenizer
-    with ``AutoTokenizer.from_pretrained``, which in transformers 5 picks the class from ``config.json``'s
-    ``model_type`` for some architectures (Qwen2: ``Qwen2Tokenizer``, which rebuilds the pre-tokenizer) whatever
-    ``tokenizer_config.json`` says. A tokenizer that does not survive that trip would give other tokens, and so
-    other rewards, than training used: refused here, before any weight loads.
-
-    Raises:
-        ConfigError: naming ``model.tokenizer``, ``model.model_type``, the class transformers loads and a probe.
-    """
-    import json
-    import tempfile
-
-    from transformers import AutoTokenizer
-
-    from rm.export import write_compat_fields
-
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_cfg.model_type}))
-        write_compat_fields(Path(tmp))  # as rm.export writes the bundle
-        reloaded = AutoTokenizer.from_pretrained(tmp)
-    probes = (*texts, *TOKENIZER_PROBES)
-    differ = [text for text in probes if reloaded(text)["input_ids"] != tokenizer(text)["input_ids"]]
-    if differ:
-        raise ConfigError(
-            f"model.tokenizer={model_cfg.tokenizer or ('bpe' if model_cfg.pretrained is None else model_cfg.pretrained)} "
-            f"with model.model_type={model_cfg.model_type}: transformers' AutoTokenizer loads the exported model's "
-            f"tokenizer as {type(reloaded).__name__}, which tokenises {len(differ)} of {len(probes)} probe texts "
-            f"differently (e.g. {differ[0][:40]!r}: {len(tokenizer(differ[0])['input_ids'])} tokens in training, "
-            f"{len(reloaded(differ[0])['input_ids'])} reloaded), so every consumer of the model would score other tokens "
-            f"than training did. Use the model's own tokenizer (model.pretrained=<dir> with model.tokenizer=null), "
-            f"or, for a tokenizer of your own, a model_type whose tokenizer class is generic (llama, mistral)"
-        )
 
 
 def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig, compose
 from rm.loss import bradley_terry_loss
-from rm.memory.estimate import traced_model
+from rm.memory.terms import traced_model
 from rm.memory.storage import StorageTracker
 from rm.precision import Precision
 from rm.memory.trace import TracedModel, estimate_activations, measure_layer

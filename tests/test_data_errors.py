@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from rm.data.build import build_split, run_tokenizer
+from rm.data.build import build_split, train_pairs
+
+from rm.tokenizer import run_tokenizer
 from rm.data.counts import Drop
 from rm.errors import DataError
 from rm.config import compose
@@ -13,7 +15,7 @@ from rm.data.synthetic import generate_pairs
 
 def _split(path, *extra):
     cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{path}]", *extra])
-    return build_split(cfg.data, run_tokenizer(cfg.model, cfg.data), "train")
+    return build_split(cfg.data, run_tokenizer(cfg.model, train_pairs(cfg.data)), "train")
 
 
 def _jsonl(path, rows):

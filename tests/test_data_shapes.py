@@ -11,7 +11,7 @@ import rm.train as rm_train
 from rm.config import compose
 from rm.data.batching import StepBatches
 from rm.data.shapes import BatchShape, data_shapes, largest, largest_eval_batch, row_tokens
-from rm.memory.estimate import GIB, estimate_run
+from rm.memory.terms import GIB, estimate_run
 from rm.preflight import PreflightRefusal
 from rm.validate import validate
 from tests.conftest import FAST_TINY

@@ -29,7 +29,8 @@ from rm.diagnostics import (
 )
 from rm.engine import AccelerateEngine
 from rm.metrics import evaluate
-from rm.data.build import run_tokenizer
+from rm.data.build import train_pairs
+from rm.tokenizer import run_tokenizer
 from rm.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 
@@ -196,7 +197,7 @@ def test_evaluate_gathers_every_pairs_rewards_and_lengths(diag_run):
     alone), lengths are the real token counts, and the metrics are functions of these vectors."""
     cfg, run_dir, _, evals = diag_run
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final").eval()
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     eval_set, _ = build_split(cfg.data, tokenizer, "eval")
     engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
     metrics, scores = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 48, engine)
@@ -248,7 +249,7 @@ def test_two_extra_names_whose_keys_collide_are_rejected(tiny_cfg):
 def test_missing_extra_file_names_its_own_key(tiny_cfg, tmp_path):
     cfg = tiny_cfg(f"+data.extra_eval_files.hard=[{tmp_path}/nope.jsonl]")
     with pytest.raises(FileNotFoundError, match=r"data\.extra_eval_files\.hard: no file matches"):
-        build_extra_eval_sets(cfg.data, run_tokenizer(cfg.model, cfg.data))
+        build_extra_eval_sets(cfg.data, run_tokenizer(cfg.model, train_pairs(cfg.data)))
 
 
 # --------------------------------------------------------------------------- #
@@ -279,7 +280,7 @@ def test_two_processes_gather_the_same_vectors_as_one(diag_run, tmp_path):
     """33 pairs over 2 gloo processes (17 + 16 in batches of 8: rank 1 runs one padding forward):
     every rank ends with all 33 pairs' rewards and lengths, equal to one process's."""
     cfg, run_dir, _, _ = diag_run
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     eval_set = build_split(cfg.data, tokenizer, "eval")[0].select(range(33))
     eval_set.save_to_disk(tmp_path / "pairs")
     (tmp_path / "worker.py").write_text(WORKER)

@@ -53,7 +53,7 @@ def test_expected_errors_print_one_message_and_their_exit_code(capsys, monkeypat
                          "exit 5 naming the tokenizer directory, which is removed (no partial `tokenizer.json`); "
                          "not reported as a bug")
 def test_a_full_disk_while_the_tokenizer_is_saved_is_a_storage_error(tmp_path, capsys, monkeypatch):
-    from rm.run_setup import save_tokenizer
+    from rm.tokenizer import save_tokenizer
 
     monkeypatch.delenv("RM_DEBUG", raising=False)
 
@@ -97,10 +97,10 @@ def test_a_bug_keeps_its_traceback_and_rm_debug_shows_every_traceback(capsys, mo
 def test_a_bug_in_the_train_cli_shows_its_traceback_and_the_bug_line(tmp_path):
     code = (  # a bug planted where rm.train calls it, then run as `python -m rm.train` runs it
         "import runpy\n"
-        "import rm.model\n"
+        "import rm.tokenizer\n"
         "def build_tokenizer(*args, **kwargs):\n"
         "    return 1 / 0\n"
-        "rm.model.build_tokenizer = build_tokenizer\n"
+        "rm.tokenizer.build_tokenizer = build_tokenizer\n"
         "runpy.run_module('rm.train', run_name='__main__', alter_sys=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, *FAST_TINY, "train.max_steps=2", f"hydra.run.dir={tmp_path}"],
@@ -218,11 +218,12 @@ def test_a_truncated_weights_file_is_named_as_damaged(tmp_path, tiny_model_dir):
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
     from rm.config import compose
-    from rm.data.build import run_tokenizer
+    from rm.data.build import train_pairs
+    from rm.tokenizer import run_tokenizer
     from rm.model import build_model
 
     cfg = compose(["experiment=tiny"])
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     directory = tmp_path_factory.mktemp("model")
     build_model(cfg.model, tokenizer.pad_token_id, "float32", False).save_pretrained(directory)
     tokenizer.save_pretrained(directory)

@@ -9,7 +9,7 @@ import pytest
 
 import rm.train as rm_train
 from rm.config import compose
-from rm.memory.estimate import GIB, cannot_fit, estimate_run, parameter_counts
+from rm.memory.terms import GIB, cannot_fit, estimate_run, parameter_counts
 from rm.memory.suggest import estimate_each, suggestions, with_overrides
 from rm.hardware import resolve_hardware
 from rm.validate import ConfigError, validate
@@ -283,7 +283,7 @@ def test_ddp_keeps_gradients_in_buckets_for_the_whole_step():
 def test_zero2_partition_holds_whole_parameters_on_each_side_of_a_boundary():
     """16 + 8 + 8 elements over 2 ranks: slices [0, 16) and [16, 32): no tensor straddles. Over 4 ranks
     (slices of 8): the 16-element tensor touches ranks 0 and 1, whole on both."""
-    from rm.memory.estimate import zero_partition_numels
+    from rm.memory.terms import zero_partition_numels
 
     assert zero_partition_numels([16, 8, 8], 2) == [16, 16]
     assert zero_partition_numels([16, 8, 8], 4) == [16, 16, 8, 8]
@@ -336,7 +336,7 @@ def test_cuda_device_terms_as_measured_on_an_h100():
     """The device terms the H100 runs led to (docs/memory_calibration_gpu.md), by hand from the estimate's own parts:
     paged 8-bit states on the device but outside the allocator; an NCCL group under DeepSpeed, one process too; the
     allocator-reserve bound of 30% of the step's transient bytes with full gradients, 10% under LoRA."""
-    from rm.memory.estimate import (ALLOCATOR_SMALL_SEGMENTS, CUDA_CONTEXT_BYTES, MIB, NCCL_PROCESS_GROUP_BYTES)
+    from rm.memory.terms import (ALLOCATOR_SMALL_SEGMENTS, CUDA_CONTEXT_BYTES, MIB, NCCL_PROCESS_GROUP_BYTES)
 
     gpu = ["hardware=h100_80g", "train.precision=bf16-mixed"]
     cpu = ["hardware=cpu", "hardware.bf16=true", "train.precision=bf16-mixed"]
@@ -361,7 +361,7 @@ def test_zero2_offload_reduction_holds_the_fp64_norm_copy_of_the_largest_slice()
     ceil(35M / 4) * 4 / 2 elements; rank 0's largest is its whole slice (all embedding), rank 1's the rest of the
     embedding, whose fp64 copy is smaller than the embedding's bf16 gradient as autograd makes it (the moment seen
     at rank 1's peak)."""
-    from rm.memory.estimate import ParameterCounts, largest_partition_slices, zero2_offload_reduction_transient
+    from rm.memory.terms import ParameterCounts, largest_partition_slices, zero2_offload_reduction_transient
 
     tensors = [22_528_000, 4_000_000, 4_000_000, 4_542_752]  # 35,070,752 elements, the embedding first
     half = 35_070_752 // 2

@@ -16,7 +16,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2
 import rm.export as rm_export
 import rm.train as rm_train
 from rm.export import ExportMismatch, verify_bundle
-from rm.data.build import run_tokenizer
+from rm.data.build import train_pairs
+from rm.tokenizer import run_tokenizer
 from rm.model import build_model, sequence_rewards
 from tests.conftest import CONF_DIR
 
@@ -116,8 +117,8 @@ def test_full_bundle_holds_tokenizer_pad_id_stats_and_reloads_with_the_same_rewa
     final = run_dir / "final"
     tokenizer = AutoTokenizer.from_pretrained(final)
     model = AutoModelForSequenceClassification.from_pretrained(final).eval()
-    assert tokenizer.pad_token_id == model.config.pad_token_id == run_tokenizer(cfg.model, cfg.data).pad_token_id
-    assert (final / "chat_template.jinja").is_file() and tokenizer.chat_template == run_tokenizer(cfg.model, cfg.data).chat_template
+    assert tokenizer.pad_token_id == model.config.pad_token_id == run_tokenizer(cfg.model, train_pairs(cfg.data)).pad_token_id
+    assert (final / "chat_template.jinja").is_file() and tokenizer.chat_template == run_tokenizer(cfg.model, train_pairs(cfg.data)).chat_template
     ids, mask, recorded = probe_of(final)
     assert ids.shape[0] == 2 * rm_export.PROBE_PAIRS and mask.sum(1).unique().numel() > 1  # padding exercised
     with torch.no_grad():
@@ -244,7 +245,7 @@ def test_export_cli_refuses_to_merge_an_adapter_without_its_base(lora_run, tmp_p
 def test_export_cli_merges_an_adapter_onto_its_base_on_disk(tiny_cfg, tmp_path):
     """A base on disk, as with a hub checkpoint: the adapter names it, and the CLI merges and verifies."""
     cfg = tiny_cfg()
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     set_seed(1)
     build_model(cfg.model, tokenizer.pad_token_id, "float32", False).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")  # a checkpoint carries its tokenizer, which the run then uses

@@ -22,12 +22,13 @@ from rm.data.tokenise import pair_lengths, tokenize_pairs  # noqa: E402
 from rm.data.synthetic import write_synthetic  # noqa: E402
 from rm.config import compose  # noqa: E402
 from rm.hardware import resolve_hardware  # noqa: E402
-from rm.data.build import run_tokenizer  # noqa: E402
+from rm.data.build import train_pairs  # noqa: E402
+from rm.tokenizer import run_tokenizer  # noqa: E402
 from rm.validate import ConfigError, validate  # noqa: E402
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 _TINY = compose(["experiment=tiny", "data.synthetic_train_size=512"])
-TOKENIZER = run_tokenizer(_TINY.model, _TINY.data)  # the default byte-level BPE, trained on synthetic pairs
+TOKENIZER = run_tokenizer(_TINY.model, train_pairs(_TINY.data))  # the default byte-level BPE, trained on synthetic pairs
 # Any string: words the tokenizer knows, unknown ones, control characters, emoji, the pad token itself.
 TEXT = st.one_of(
     st.text(max_size=200),

@@ -74,7 +74,8 @@ def assert_trained_on_cuda(result, memory, run_dir):
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory):
     """The tiny model's random init saved as a pretrained directory: what memory_profile=qlora quantises."""
-    from rm.model import build_model, build_tokenizer
+    from rm.model import build_model
+    from rm.tokenizer import build_tokenizer
 
     cfg = to_run_config(compose_run(GPU_TINY))
     tokenizer = build_tokenizer(cfg.model)

@@ -277,8 +277,8 @@ def test_a_learning_run_raises_no_alarm(tiny_cfg, tmp_path):
 def test_tokenizer_without_pad_id_is_a_clear_error(tiny_cfg, tmp_path, monkeypatch):
     real = run_setup.run_tokenizer
 
-    def no_pad(model_cfg, data_cfg, **kwargs):
-        tokenizer = real(model_cfg, data_cfg, **kwargs)
+    def no_pad(model_cfg, train_pairs, **kwargs):
+        tokenizer = real(model_cfg, train_pairs, **kwargs)
         tokenizer.pad_token = None
         return tokenizer
 
@@ -291,8 +291,8 @@ def test_tokenizer_without_pad_id_is_a_clear_error(tiny_cfg, tmp_path, monkeypat
 def test_pad_token_inside_texts_raises_an_alarm_and_trains(tiny_cfg, tmp_path, monkeypatch):
     real = run_setup.run_tokenizer
 
-    def word_as_pad(model_cfg, data_cfg, **kwargs):
-        tokenizer = real(model_cfg, data_cfg, **kwargs)
+    def word_as_pad(model_cfg, train_pairs, **kwargs):
+        tokenizer = real(model_cfg, train_pairs, **kwargs)
         tokenizer.pad_token = "rabbit"  # a word of the synthetic texts, and a token of the word-level tokenizer
         return tokenizer
 

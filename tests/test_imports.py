@@ -104,7 +104,36 @@ def test_cycles_are_found_by_hand():
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "rm.model" in graph and "rm.memory.estimate" in graph and graph["rm.trainer"]  # the graph was read
+    assert "rm.model" in graph and "rm.memory.terms" in graph and graph["rm.trainer"]  # the graph was read
     found = cycles(graph)
     assert not found, "import cycles (each a set of modules that import one another): " + "; ".join(
         " <-> ".join(group) for group in found)
+
+
+def test_no_two_modules_share_a_name():
+    """A module's name says one thing: ``rm.estimate`` is the command line, so the estimate is ``rm.memory.terms``."""
+    from collections import Counter
+
+    names = Counter(path.stem for path in PACKAGE.rglob("*.py") if path.stem != "__init__")
+    assert names["estimate"] == 1 and names["tokenizer"] == 1  # the names were read
+    assert [name for name, count in names.items() if count > 1] == []
+
+
+def test_every_command_of_the_readme_is_a_module_that_runs_as_main():
+    """``python -m rm.<name>`` as the README writes it: the module exists and has a ``__main__`` block."""
+    import re
+
+    readme = (PACKAGE.parent / "README.md").read_text()
+    commands = sorted(set(re.findall(r"python -m (rm(?:\.\w+)+)", readme)))
+    assert {"rm.train", "rm.estimate", "rm.score", "rm.gpu_report"} <= set(commands)
+    for command in commands:
+        path = PACKAGE.parent / (command.replace(".", "/") + ".py")
+        assert path.is_file(), f"README runs python -m {command}, which has no module"
+        assert 'if __name__ == "__main__":' in path.read_text(), f"{path} does not run as python -m {command}"
+
+
+def test_the_tokenizer_imports_nothing_of_the_data():
+    """``rm.tokenizer`` is below ``rm.data``: the data calls it, and the train split reaches it as an argument."""
+    graph = import_graph()
+    assert "rm.errors" in graph["rm.tokenizer"]  # the graph was read
+    assert not {m for m in graph["rm.tokenizer"] if m == "rm.data" or m.startswith("rm.data.")}

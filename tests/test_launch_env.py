@@ -1,7 +1,7 @@
 """The launcher's environment is read in one place (rm.launch_env), and the plan carries what it says."""
 
 from rm.launch_env import launch_env
-from rm.memory.estimate import estimate_run
+from rm.memory.terms import estimate_run
 from rm.validate import resolve_world_size, validate
 
 

@@ -14,7 +14,8 @@ import rm.train as rm_train
 from rm.data.build import build_split
 from rm.data.collator import PairCollator
 from rm.loss import bradley_terry_loss
-from rm.data.build import run_tokenizer
+from rm.data.build import train_pairs
+from rm.tokenizer import run_tokenizer
 from rm.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR, FAST_TINY
 
@@ -34,7 +35,7 @@ def losses(run_dir):
 
 
 def initial_weights(cfg):
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     set_seed(cfg.train.seed)  # train() seeds the same way before building: the same initial weights
     return build_model(cfg.model, tokenizer.pad_token_id, "float32", False).state_dict()
 

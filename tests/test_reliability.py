@@ -235,7 +235,8 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
 
 @pytest.mark.reliability("Data", "zero usable pairs after filtering", "`data local [train]: no usable pairs left (pairs 4 -> 0 used: ...)`")
 def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
-    from rm.data.build import build_split, run_tokenizer
+    from rm.data.build import build_split, train_pairs
+    from rm.tokenizer import run_tokenizer
     from rm.config import compose
 
     rows = [{"prompt": "Human: hi", "chosen": " same", "rejected": " same"}] * 3 + [{"prompt": "x", "chosen": "", "rejected": "y"}]
@@ -243,7 +244,7 @@ def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{path}]"])
     with pytest.raises(ValueError, match=r"data local \[train\]: no usable pairs left \(pairs 4 -> 0 used"):
-        build_split(cfg.data, run_tokenizer(cfg.model, cfg.data), "train")
+        build_split(cfg.data, run_tokenizer(cfg.model, train_pairs(cfg.data)), "train")
 
 
 # ---- a finished run, copied by each test below, and what may or may not be done with it

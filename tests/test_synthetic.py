@@ -11,8 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 from rm.data import synthetic
-from rm.data.synthetic import VOCABULARY, generate_pairs, write_synthetic
-from rm.tokenizer import build_word_level_tokenizer
+from rm.data.synthetic import emitted_words, generate_pairs, write_synthetic
+from rm.tokenizer import VOCABULARY, build_word_level_tokenizer
 
 SEP = "\n\nAssistant:"
 
@@ -100,6 +100,8 @@ def test_hh_format(train_pairs):
 
 def test_vocabulary_is_sorted_and_unique():
     assert list(VOCABULARY) == sorted(set(VOCABULARY))
+    # rm.tokenizer writes the words out (their ids must not move); the generator must emit exactly those.
+    assert emitted_words() == VOCABULARY
     for word in ("Human", "Assistant", ":", ".", "?"):
         assert word in VOCABULARY
 

@@ -10,10 +10,9 @@ from transformers import AutoTokenizer
 
 import rm.train as rm_train
 from rm.run_dir import TOKENIZER_DIR
-from rm.data.build import run_tokenizer
-from rm.data.synthetic import VOCABULARY, generate_pairs
-from rm.model import build_tokenizer
-from rm.tokenizer import MIN_BPE_VOCAB, SPECIAL_TOKENS, train_bpe_tokenizer
+from rm.data.build import train_pairs
+from rm.data.synthetic import generate_pairs
+from rm.tokenizer import MIN_BPE_VOCAB, SPECIAL_TOKENS, VOCABULARY, build_tokenizer, run_tokenizer, train_bpe_tokenizer
 from tests.conftest import CONF_DIR, FAST_TINY
 
 # Text the synthetic data never has: other words, accents, other scripts, emoji, digits, tabs.
@@ -61,7 +60,7 @@ def test_same_data_and_settings_give_the_same_tokenizer_in_another_process(tiny_
     which made WordPiece's training non-deterministic: huggingface/tokenizers#1794). The other process trains
     on the same texts without transformers (light enough for a loaded machine)."""
     cfg = tiny_cfg()  # the synthetic train split: 512 pairs of seed 0, chosen sides then rejected sides
-    here = digest(run_tokenizer(cfg.model, cfg.data))
+    here = digest(run_tokenizer(cfg.model, train_pairs(cfg.data)))
     code = ("import sys; sys.path.insert(0, '.'); from rm.data.synthetic import generate_pairs; "
             "from rm.tokenizer import train_byte_level_bpe; "
             f"rows = generate_pairs({cfg.data.synthetic_train_size}, seed={cfg.data.synthetic_seed}, split='train'); "
@@ -73,13 +72,13 @@ def test_same_data_and_settings_give_the_same_tokenizer_in_another_process(tiny_
 
     assert digest(Tokenizer.from_str(proc.stdout.strip().splitlines()[-1])) == here
     other = tiny_cfg("data.synthetic_seed=1")  # other data: another vocabulary
-    assert digest(run_tokenizer(other.model, other.data)) != here
+    assert digest(run_tokenizer(other.model, train_pairs(other.data))) != here
 
 
 def test_a_saved_tokenizer_is_read_back_not_trained_again(tiny_cfg, tmp_path):
     """What a resumed run does: the tokenizer its checkpoints were trained with, whatever the data holds now."""
     cfg = tiny_cfg()
-    first = run_tokenizer(cfg.model, cfg.data)
+    first = run_tokenizer(cfg.model, train_pairs(cfg.data))
     first.save_pretrained(tmp_path / "tokenizer")
 
     def other_texts():
@@ -124,7 +123,7 @@ def test_export_round_trip_gives_identical_ids(exported):
     """final/ -> AutoTokenizer: the same ids as the tokenizer the run trained, on the training data's texts and on
     text it never saw; config.json holds its special ids and a vocabulary that covers it."""
     cfg, run_dir = exported
-    trained = run_tokenizer(cfg.model, cfg.data)
+    trained = run_tokenizer(cfg.model, train_pairs(cfg.data))
     loaded = AutoTokenizer.from_pretrained(run_dir / "final")
     kept = AutoTokenizer.from_pretrained(run_dir / TOKENIZER_DIR)
     rows = generate_pairs(20, seed=5, split="test")
@@ -152,7 +151,8 @@ def test_the_old_builtin_name_is_refused_with_the_new_ones(tiny_cfg):
                          "refused before any weight loads, naming `model.tokenizer`, `model.model_type`, the class "
                          "transformers loads and a text that differs; the same tokenizer with a Llama or Mistral type passes")
 def test_a_tokenizer_its_consumers_would_load_differently_is_refused(tiny_cfg):
-    from rm.validate import ConfigError, check_consumers_tokenize_alike
+    from rm.errors import ConfigError
+    from rm.tokenizer import check_consumers_tokenize_alike
 
     # Digit runs and dotted names: byte-level BPE merges across them, Qwen2's pre-tokenizer does not.
     texts = [f"\n\nHuman: call os.path.join({i * 7919}) in 3.{i % 13}\n\nAssistant: x_{i} = ({i * 31}*2)" for i in range(200)]

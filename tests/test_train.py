@@ -15,7 +15,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 import rm.train as rm_train
 from rm.metrics import MetricsLog
 from rm.run_dir import TOKENIZER_DIR
-from rm.data.build import build_split, run_tokenizer
+from rm.data.build import build_split, train_pairs
+from rm.tokenizer import run_tokenizer
 from rm.data.collator import PairCollator
 from rm.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR
@@ -58,7 +59,7 @@ def test_eval_accuracy_rises_well_above_chance(learned_run):
 
 def test_trainable_weights_changed(learned_run):
     cfg, run_dir, _ = learned_run
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     set_seed(cfg.train.seed)  # the same seed train() sets before building: the same initial weights
     initial = build_model(cfg.model, tokenizer.pad_token_id, "float32", False).state_dict()
     final = load_file(run_dir / "final" / "model.safetensors")
@@ -71,7 +72,7 @@ def test_saved_model_gives_the_pipelines_rewards_with_plain_transformers(learned
     cfg, run_dir, result = learned_run
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final").eval()
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
-    assert tokenizer.pad_token_id == model.config.pad_token_id == run_tokenizer(cfg.model, cfg.data).pad_token_id
+    assert tokenizer.pad_token_id == model.config.pad_token_id == run_tokenizer(cfg.model, train_pairs(cfg.data)).pad_token_id
     eval_set, _ = build_split(cfg.data, tokenizer, "eval")
     batch = PairCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
@@ -142,7 +143,7 @@ def test_lora_profile_trains_adapters_and_head_only(tiny_cfg, tmp_path):
     cfg = tiny_cfg("memory_profile=lora", "lora=r8", "train.max_steps=4", "train.save_steps=2", "train.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok"
-    tokenizer = run_tokenizer(cfg.model, cfg.data)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     set_seed(cfg.train.seed)
     base = build_model(cfg.model, tokenizer.pad_token_id, "float32", False).state_dict()
     saved = load_file(tmp_path / "checkpoints" / "checkpoint-2" / "model.safetensors")

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from rm.errors import ConfigError
-from rm.validate import check_tokenizer_fits, validate
+from rm.tokenizer import check_tokenizer_fits, run_tokenizer
+from rm.validate import validate
 from tests.conftest import FAST_TINY
 
 
@@ -79,18 +80,18 @@ def test_a_pretrained_directory_must_match_the_model_group(tiny_cfg, tmp_path):
 
 @pytest.mark.reliability("Configuration", "`model.vocab_size` smaller than the tokenizer", "`model.vocab_size=16 is smaller than the tokenizer's N tokens`, before the model is built")
 def test_a_vocabulary_smaller_than_the_tokenizer_is_rejected(tiny_cfg):
-    from rm.data.build import run_tokenizer
+    from rm.data.build import train_pairs
 
     cfg = tiny_cfg("model.vocab_size=16")
     validate(cfg, 1)  # the tokenizer is not known yet; checked once it is built
     # The byte-level BPE keeps its 4 special tokens and 256 bytes whatever the size asked for.
     with pytest.raises(ConfigError, match=r"model.vocab_size=16 is smaller than the tokenizer's 260 tokens \(model.tokenizer=bpe\)"):
-        check_tokenizer_fits(cfg.model, run_tokenizer(cfg.model, cfg.data))
+        check_tokenizer_fits(cfg.model, run_tokenizer(cfg.model, train_pairs(cfg.data)))
     words = tiny_cfg("model.vocab_size=16", "model.tokenizer=words")
     with pytest.raises(ConfigError, match=r"model.vocab_size=16 is smaller than the tokenizer's \d+ tokens \(model.tokenizer=words\)"):
-        check_tokenizer_fits(words.model, run_tokenizer(words.model, words.data))
+        check_tokenizer_fits(words.model, run_tokenizer(words.model, train_pairs(words.data)))
     tiny = tiny_cfg()
-    check_tokenizer_fits(tiny.model, run_tokenizer(tiny.model, tiny.data))  # sized to the tiny model's vocabulary
+    check_tokenizer_fits(tiny.model, run_tokenizer(tiny.model, train_pairs(tiny.data)))  # sized to the tiny model's vocabulary
 
 
 def test_the_shipped_configs_pass(tiny_cfg):

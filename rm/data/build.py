@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import datasets
 
-from rm.config import DataConfig, ModelConfig
+from rm.config import DataConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
 from rm.data.load import expand_files, load_preference_split, locate_row
@@ -92,22 +91,11 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     return tokenised, counts
 
 
-def training_texts(data_cfg: DataConfig) -> List[str]:
-    """The texts ``model.tokenizer=bpe`` is trained on: both sides of every pair the train split keeps after
-    normalisation, rendered as training renders them (conversations with the HH chat template of rm's
-    tokenizers). A refused row raises here what :func:`build_split` would raise."""
-    from rm.tokenizer import build_word_level_tokenizer  # any rm tokenizer: only its chat template renders
-
-    pairs, _ = _normalised_split(data_cfg, build_word_level_tokenizer(), "train")
-    return list(pairs["chosen"]) + list(pairs["rejected"])
-
-
-def run_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig, saved: Optional[Path] = None):
-    """The tokenizer a run of these settings uses: :func:`rm.model.build_tokenizer`, given the train split's texts
-    (:func:`training_texts`), which only ``model.tokenizer=bpe`` reads, and the directory a resumed run saved it in."""
-    from rm.model import build_tokenizer
-
-    return build_tokenizer(model_cfg, texts=lambda: training_texts(data_cfg), saved=saved)
+def train_pairs(data_cfg: DataConfig) -> Callable[[Any], datasets.Dataset]:
+    """The train split's ``chosen``/``rejected`` texts after normalisation, given the tokenizer that renders its
+    conversations: what :func:`rm.tokenizer.run_tokenizer` trains ``model.tokenizer=bpe`` on. Reading it raises for
+    a refused row what :func:`build_split` would raise."""
+    return lambda renderer: _normalised_split(data_cfg, renderer, "train")[0]
 
 
 def _where(data_cfg: DataConfig, split: str, row) -> str:

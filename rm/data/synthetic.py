@@ -48,10 +48,10 @@ This is the data on which scoring the shared prompt once (``train.share_prefix``
 pays. The task and the answers are drawn as in single-turn mode, from the same
 closed vocabulary.
 
-The generator uses a closed vocabulary: :data:`VOCABULARY` is derived from every
+The generator uses a closed vocabulary: :func:`emitted_words` collects every
 literal fragment and slot value below, split the way the ``tokenizers``
-``Whitespace`` pre-tokenizer splits text (``\\w+|[^\\w\\s]+``), so the word-level
-tokenizer in :mod:`rm.tokenizer` (``model.tokenizer=words``) covers the data with no unknown
+``Whitespace`` pre-tokenizer splits text (``\\w+|[^\\w\\s]+``); they are the words of the word-level
+tokenizer (:data:`rm.tokenizer.VOCABULARY`, ``model.tokenizer=words``), which so covers the data with no unknown
 tokens. The demo's default, a byte-level BPE trained on the data, covers any text.
 
 Train and test are kept disjoint by construction: each pair is assigned to a
@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Sequence
 
 __all__ = [
-    "VOCABULARY",
+    "emitted_words",
     "SPLITS",
     "generate_pairs",
     "write_synthetic",
@@ -237,17 +237,13 @@ def _literal_texts() -> list[str]:
     return texts
 
 
-def _build_vocabulary() -> tuple[str, ...]:
+def emitted_words() -> tuple[str, ...]:
+    """Every token the generator can emit, sorted, as the ``Whitespace`` pre-tokenizer splits text: the words
+    :data:`rm.tokenizer.VOCABULARY` must hold (``tests/test_synthetic.py`` holds them equal)."""
     words: set[str] = set()
     for text in _literal_texts():
         words.update(_PRETOKENIZE_RE.findall(text))
     return tuple(sorted(words))
-
-
-VOCABULARY: tuple[str, ...] = _build_vocabulary()
-"""Every token the generator can emit, sorted, as the Whitespace pre-tokenizer
-splits text. Includes the role words ``Human``, ``Assistant`` and ``System``
-(the latter only used by the chat template of rm's tokenizers)."""
 
 
 def _transcript(turns: Sequence[tuple[str, str]]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rm.config import RunConfig
-from rm.memory.estimate import GIB, Estimate
+from rm.memory.terms import GIB, Estimate
 from rm.precision import SHORT
 
 if TYPE_CHECKING:

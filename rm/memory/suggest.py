@@ -1,5 +1,5 @@
 """Which changes would make a refused run fit: candidate overrides, cheapest first, each validated and estimated
-again (:mod:`rm.memory.estimate`), two at a time where a second core and ``fork`` allow.
+again (:mod:`rm.memory.terms`), two at a time where a second core and ``fork`` allow.
 
 :func:`suggestions` is what ``rm.estimate`` and the pre-flight refusal print (:func:`format_suggestions`);
 :func:`best_micro_batch` is what ``train.micro_batch_size=auto`` resolves to.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from rm.config import RunConfig
-from rm.memory.estimate import GIB, Estimate, cannot_fit, estimate_run
+from rm.memory.terms import GIB, Estimate, cannot_fit, estimate_run
 
 if TYPE_CHECKING:
     from rm.validate import Plan
