@@ -9,7 +9,8 @@ import shutil
 import tempfile
 import types
 from contextlib import nullcontext
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F

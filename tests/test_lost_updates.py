@@ -1,6 +1,5 @@
 """Lost updates (rm.lost_updates) and the ``lost_updates`` alarm (rm.health)."""
 
-import json
 import logging
 
 import pytest
