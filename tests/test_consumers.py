@@ -27,6 +27,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipe
 
 import rm.train as rm_train
 from rm.data.synthetic import generate_pairs
+from rm.errors import DataError
 from rm.score import main as score_main
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 
@@ -77,9 +78,16 @@ def rm_score(bundle, rows, tmp_path, *extra):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert score_main(["--model", str(bundle), "--input", str(src), "--output", str(dst), *extra]) == 0
     scored = [json.loads(line) for line in dst.read_text().splitlines()]
-    if "text" in rows[0]:
+    if "chosen" not in rows[0]:  # texts, or single conversations
         return torch.tensor([r["reward"] for r in scored])
     return torch.tensor([r["reward_chosen"] for r in scored] + [r["reward_rejected"] for r in scored])
+
+
+def messages(text):
+    """An HH transcript as a list of chat messages."""
+    turns = re.split(r"\n\n(Human|Assistant): ", text)[1:]
+    return [{"role": "user" if role == "Human" else "assistant", "content": content}
+            for role, content in zip(turns[::2], turns[1::2])]
 
 
 def readme_snippet(name):
@@ -161,17 +169,24 @@ def test_trl_grpo_reward_path_matches_rm_score(runs, pairs, policy, tmp_path, ki
     assert close(got[:, 0], rm_score(bundle, [{"text": t} for t in texts_of(pairs)], tmp_path))
 
     # Conversational: the same pairs as messages; rm.score renders them with the same chat template.
-    def messages(text):
-        turns = re.split(r"\n\n(Human|Assistant): ", text)[1:]
-        return [{"role": "user" if role == "Human" else "assistant", "content": content}
-                for role, content in zip(turns[::2], turns[1::2])]
-
     convs = [(messages(p["chosen_text"]), messages(p["rejected_text"])) for p in pairs]
     prompts = [c[:-1] for c, _ in convs] * 2
     completions = [c[-1:] for c, _ in convs] + [r[-1:] for _, r in convs]
     got = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[0]] * len(prompts))
     want = rm_score(bundle, [{"chosen": c, "rejected": r} for c, r in convs], tmp_path, "--format", "messages")
     assert close(got[:, 0], want), (got[:, 0], want)
+
+
+def test_rm_score_scores_single_conversations_as_the_chosen_side_of_a_pair(runs, pairs, tmp_path):
+    """Chat rollouts (``{"messages": [...]}``, no chosen/rejected) get the reward their conversation gets as a pair's side."""
+    bundle = runs["adapter"]
+    convs = [(messages(p["chosen_text"]), messages(p["rejected_text"])) for p in pairs]
+    single = rm_score(bundle, [{"messages": c} for c, _ in convs], tmp_path)
+    paired = rm_score(bundle, [{"chosen": c, "rejected": r} for c, r in convs], tmp_path, "--format", "messages")
+    assert close(single, paired[: len(convs)]), (single, paired)
+    assert not close(single, paired[len(convs):])  # the rejected sides score otherwise: the comparison can fail
+    with pytest.raises(DataError, match="row 1: .*not an assistant answer"):
+        rm_score(bundle, [{"messages": convs[0][0]}, {"messages": convs[1][0][:-1]}], tmp_path)
 
 
 def test_rm_score_normalize_uses_the_bundle_stats(runs, pairs, tmp_path):
