@@ -133,6 +133,104 @@ def test_peft_auto_class_loads_the_adapter_offline(runs, pairs, tmp_path):
     assert close(got, rm_score(bundle, [{"text": t} for t in texts], tmp_path))
 
 
+def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(runs, pairs, tmp_path):
+    """The whole run directory moved elsewhere: the adapter bundle holds its random-init base, so transformers'
+    Auto class and ``pipeline`` load it from its new place as they do in place, and so does rm.score; PEFT's
+    ``AutoPeftModel*`` follow adapter_config.json's path as written, which ``python -m rm.export`` points at
+    the new place."""
+    import shutil
+
+    from peft import AutoPeftModelForSequenceClassification
+
+    from rm.export import main as export_main, rehome
+
+    run_dir, texts = runs["adapter"].parent, texts_of(pairs)
+    want = rm_score(runs["adapter"], [{"text": t} for t in texts], tmp_path)
+    moved = tmp_path / "moved" / "run"
+    shutil.move(run_dir, moved)
+    try:
+        bundle = moved / "final"
+        tokenizer = AutoTokenizer.from_pretrained(bundle)
+        model = AutoModelForSequenceClassification.from_pretrained(bundle).eval()
+        with torch.no_grad():
+            got = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+        assert close(got, want), (got, want)
+        pipe = pipeline("text-classification", model=str(bundle), function_to_apply="none", device="cpu")
+        assert close([out["score"] for out in pipe(texts, batch_size=5)], want)
+        assert close(rm_score(bundle, [{"text": t} for t in texts], tmp_path), want)
+        assert export_main([str(moved)]) == 0  # verifies, and names the base where it now is
+        model = AutoPeftModelForSequenceClassification.from_pretrained(bundle).eval()
+        with torch.no_grad():
+            got = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+        assert close(got, want), (got, want)
+    finally:
+        shutil.move(moved, run_dir)
+        rehome(run_dir / "final")
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """A QLoRA run of the tiny model on the CPU: its random init saved, loaded in 4-bit NF4, adapters and head
+    trained; final/ holds the 4-bit base with the adapter, final/merged the adapter folded into the dequantised base."""
+    pytest.importorskip("bitsandbytes")
+    from rm.config import to_run_config
+
+    run_dir, cache = tmp_path_factory.mktemp("qlora"), tmp_path_factory.mktemp("rm_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RM_CACHE", str(cache))
+        rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + [
+            "memory_profile=qlora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3"])), run_dir)
+    return run_dir / "final"
+
+
+def rewards_of(model, tokenizer, texts):
+    with torch.no_grad():
+        return model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+
+
+def test_qlora_adapter_and_merged_bundles_match_rm_score(qlora, pairs, tmp_path):
+    """Both exports of a QLoRA run, loaded by plain transformers, give rm.score's rewards: the adapter on its
+    4-bit base (bitsandbytes needed), and the merged bundle (no quantisation left: plain transformers alone).
+    The merge itself is exact up to fp32 rounding against the adapter on the 4-bit base computed through the
+    dequantised weights; bitsandbytes' CPU inference kernel (AVX512-BF16 machines) computes in bf16 instead, which is
+    the merge error the README states."""
+    import bitsandbytes as bnb
+
+    merged, texts = qlora / "merged", texts_of(pairs)
+    assert "quantization_config" in json.loads((qlora / "config.json").read_text())  # the base trained on
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(qlora)
+    adapter = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
+    want = rm_score(qlora, [{"text": t} for t in texts], tmp_path)
+    assert close(rewards_of(adapter, tokenizer, texts), want)
+    plain = AutoModelForSequenceClassification.from_pretrained(merged).eval()
+    merged_rewards = rm_score(merged, [{"text": t} for t in texts], tmp_path)
+    assert close(rewards_of(plain, tokenizer, texts), merged_rewards)
+    # A fresh load: the first inference forward repacks the 4-bit weights for the bf16 kernel, for good.
+    fresh = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
+    layers = [m for m in fresh.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    for layer in layers:  # the dequantising path training took, instead of the bf16 inference kernel
+        layer.support_avx512bf16_for_cpu = False
+    assert close(rewards_of(fresh, tokenizer, texts), merged_rewards)
+
+
+def test_a_merge_that_cannot_dequantise_says_why(qlora, tmp_path):
+    from rm.errors import ConfigError
+    from rm.export import adapter_base_model, merge_adapter
+
+    base = adapter_base_model(qlora)
+    assert base.is_quantized
+
+    def no_dequantize(dtype=None):
+        raise NotImplementedError("this quantisation cannot be undone")
+
+    base.dequantize = no_dequantize
+    with pytest.raises(ConfigError, match=r"cannot merge .*quantised \(bitsandbytes\).*cannot be undone"):
+        merge_adapter(qlora, tmp_path / "merged", base_model=base)
+    assert not (tmp_path / "merged").exists()
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory, runs):
     """A tiny random causal LM with the bundle's tokenizer: GRPOTrainer needs a policy to be built."""
