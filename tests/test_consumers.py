@@ -3,8 +3,8 @@
 Each client's own code is run, not a re-implementation: plain transformers (the model and
 ``pipeline``), PEFT's ``AutoPeftModelForSequenceClassification``, TRL's GRPO reward path
 (``GRPOTrainer(reward_funcs=<path>)._calculate_rewards``, plain-text and conversational
-prompts), and, in the slow suite, RewardBench 0.1.4 (its own environment: it pins
-transformers 4.51) and OpenRLHF 0.11's ``RewardModel`` (installed without its CUDA-only
+prompts), and, in the slow suite, RewardBench 0.1.4's ``rewardbench`` command (its own
+environment: it pins transformers 4.51) and OpenRLHF 0.11's ``RewardModel`` (installed without its CUDA-only
 dependencies). The reference is ``python -m rm.score``. The texts mix lengths (padding is
 exercised) and each client that lets its caller choose is run with both padding sides; TRL
 always pads on the right.
@@ -330,33 +330,38 @@ def _openrlhf_path():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_rewardbench_pipeline_matches_rm_score_under_transformers_4(runs, pairs, tmp_path, side):
-    """RewardBench scores chat-template renderings; rm.score scores the same conversations as messages.
-    Its environment has transformers 4.51: the bundle written by transformers 5 must load there with the
-    right rope base and tokenizer, which is the check of both majors."""
-    snippet = readme_snippet("rewardbench")  # the README's command: the merged bundle, in float32
-    assert "--model outputs/<date>/<time>/final/merged" in snippet and "--torch_dtype float32" in snippet
+def test_rewardbench_command_matches_rm_score_under_transformers_4(runs, pairs, tmp_path):
+    """The README's ``rewardbench`` command line, run by RewardBench's own ``main`` offline on a local JSON
+    file (``--dataset FILE --load_json``): it renders the conversations with the chat template and always pads
+    on the left; rm.score scores the same conversations as messages. Its environment has transformers 4.51:
+    the bundle written by transformers 5 must load there with the right rope base and tokenizer, which is the
+    check of both majors. Without ``--not_quantized`` it would load the model in 8-bit (on a CPU it fails)."""
+    snippet = readme_snippet("rewardbench")
+    command = snippet.split("\n")[0].split()
+    assert command[:3] == ["rewardbench", "--model", "outputs/<date>/<time>/final/merged"]
+    assert "--not_quantized" in command and command[command.index("--torch_dtype") + 1] == "float32"
     python = _rewardbench_python()
     bundle = runs["merged"]
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"pairs": [{"prompt": p["prompt"].split("\n\nHuman: ", 1)[1].rsplit("\n\nAssistant:", 1)[0],
-                                           "chosen": p["chosen"].strip(), "rejected": p["rejected"].strip()}
-                                          for p in pairs if p["prompt"].count("\n\nHuman:") == 1],
-                                "padding_side": side}))
-    proc = subprocess.run([str(python), str(REPO / "tests/consumers/rewardbench_rewards.py"), str(bundle), str(spec)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp_path / "merged").symlink_to(bundle)  # relative: RewardBench writes results/<--model>_outputs.jsonl
+    used = [{"prompt": p["prompt"].split("\n\nHuman: ", 1)[1].rsplit("\n\nAssistant:", 1)[0],
+             "chosen": p["chosen"].strip(), "rejected": p["rejected"].strip()}
+            for p in pairs if p["prompt"].count("\n\nHuman:") == 1]
+    assert len(used) >= 4
+    rows = [{side: [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u[side]}]
+             for side in ("chosen", "rejected")} for u in used]
+    (tmp_path / "pairs.json").write_text(json.dumps(rows))
+    argv = ["--model", "merged", *command[3:], "--dataset", "pairs.json", "--load_json"]
+    proc = subprocess.run([str(python), str(REPO / "tests/consumers/rewardbench_cli.py"), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["transformers"].startswith("4.")
     assert out["rope_theta"] == json.loads((bundle / "config.json").read_text())["rope_parameters"]["rope_theta"] == 5e5
-    used = json.loads(spec.read_text())["pairs"]
-    assert len(used) >= 4
-    rows = [{"chosen": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["chosen"]}],
-             "rejected": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["rejected"]}]}
-            for u in used]
+    scored = [json.loads(line) for line in (tmp_path / "results" / "merged_outputs.jsonl").read_text().splitlines()]
+    got = [r["scores_chosen"] for r in scored] + [r["scores_rejected"] for r in scored]
     want = rm_score(bundle, rows, tmp_path, "--format", "messages")
-    assert close(out["chosen"] + out["rejected"], want), (out, want)
+    assert close(got, want), (got, want)
 
 
 @pytest.mark.slow
