@@ -283,7 +283,7 @@ def test_rm_score_scores_single_conversations_as_the_chosen_side_of_a_pair(runs,
     paired = rm_score(bundle, [{"chosen": c, "rejected": r} for c, r in convs], tmp_path, "--format", "messages")
     assert close(single, paired[: len(convs)]), (single, paired)
     assert not close(single, paired[len(convs):])  # the rejected sides score otherwise: the comparison can fail
-    with pytest.raises(DataError, match="row 1: .*not an assistant answer"):
+    with pytest.raises(DataError, match="row 1: .*assistant"):
         rm_score(bundle, [{"messages": convs[0][0]}, {"messages": convs[1][0][:-1]}], tmp_path)
 
 
