@@ -5,10 +5,11 @@ A bundle holds what a user needs to score text the way training did:
 * the weights (``model.safetensors`` + ``config.json``), or for LoRA the PEFT adapter
   with the reward head (``adapter_model.safetensors`` + ``adapter_config.json``);
 * the tokenizer with its pad token, and its chat template (``chat_template.jinja``) if any;
-* the tokenizer's pad, BOS and EOS ids in the saved model config. An adapter directory carries
-  no model config (a ``config.json`` there makes transformers take it for a complete model):
-  ``adapter_config.json`` names its base instead, and where the base was a random init (the
-  demo) that base is saved beside it in ``base/`` (:data:`BASE_DIR`), so the adapter loads offline;
+* the tokenizer's pad, BOS and EOS ids in the saved model config. An adapter's
+  ``adapter_config.json`` names its base (a hub id or a directory). Where the base was a random
+  init (the demo, a QLoRA run from a shape), that base is saved in the bundle itself
+  (``config.json`` + ``model.safetensors`` beside the adapter, 4-bit for QLoRA), so the bundle
+  loads offline from wherever it is copied (:func:`save_base`);
 * fields that moved between transformers 4 and 5 written for both (:func:`write_compat_fields`);
 * ``reward_stats.json``: mean and standard deviation of the rewards (chosen and rejected
   together) on the eval set at the last evaluation and the max length they were computed at,
@@ -21,7 +22,8 @@ After writing, :func:`verify_bundle` loads the directory into a fresh model and 
 probe; a difference beyond the precision's ``export_tolerance`` (``rm.precision``) raises :class:`ExportMismatch`, which fails the
 run. The same check runs for full, LoRA adapter, merged and ZeRO-3 outputs.
 
-    python -m rm.export outputs/<date>/<time>            # verify final/ again
+    python -m rm.export outputs/<date>/<time>            # verify final/ again (a moved LoRA bundle: and name
+                                                         # its base where it now is, for PEFT's AutoPeftModel*)
     python -m rm.export outputs/<date>/<time> --merge    # fold the adapter into final/merged, verify it
     python -m rm.export final/ --merge --out merged/ --base mistralai/Mistral-7B-v0.1
 """
@@ -31,8 +33,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
+import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -50,7 +54,7 @@ log = logging.getLogger(__name__)
 PROBE_FILE = "reward_probe.json"
 STATS_FILE = "reward_stats.json"
 ADAPTER_CONFIG = "adapter_config.json"
-BASE_DIR = "base"  # a LoRA bundle's random-init base, saved so that the adapter loads offline
+BASE_DIR = "base"  # where bundles written before the base moved into the bundle itself kept it
 PROBE_PAIRS = 4  # pairs of the probe batch: 8 sequences of different lengths, so padding is exercised
 
 class ExportMismatch(StorageError):
@@ -243,31 +247,62 @@ def _load_bundle(directory: Path, base_model, device):
         return AutoModelForSequenceClassification.from_pretrained(directory).to(device).eval()
     from peft import PeftModel
 
-    if not isinstance(base_model, torch.nn.Module):
-        name = base_model or adapter_base(directory)
-        if not name:
-            raise ConfigError(
-                f"{directory} is an adapter whose base model is not on disk (adapter_config.json names none "
-                f"and there is no {BASE_DIR}/ beside it): pass the base, or train with lora.merge_on_save=true"
-            )
-        if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
-            # transformers would try the path as a Hub id: "Repo id must be in the form ...".
-            named = "given as the base" if base_model else f"named by {directory / ADAPTER_CONFIG}"
-            raise ConfigError(
-                f"{directory} is an adapter whose base model {name} ({named}) does not exist: put the base "
-                "back there, or give where it is now (python -m rm.export <final/> --merge --base <base directory> "
-                "folds the adapter into a plain model that loads on its own)"
-            )
-        pad_token_id = AutoTokenizer.from_pretrained(directory).pad_token_id
+    return PeftModel.from_pretrained(adapter_base_model(directory, base_model), directory).to(device).eval()
+
+
+def adapter_base_model(directory: Path, base_model: Union[torch.nn.Module, str, None] = None) -> torch.nn.Module:
+    """The base an adapter bundle loads onto, without the adapter: ``base_model`` (a module is returned as it
+    is), the base saved in the bundle, or the one ``adapter_config.json`` names (see :func:`load_bundle`)."""
+    directory = Path(directory)
+    if isinstance(base_model, torch.nn.Module):
+        return base_model
+    name = base_model or adapter_base(directory)
+    if not name:
+        raise ConfigError(
+            f"{directory} is an adapter whose base model is not on disk (adapter_config.json names none "
+            "and the bundle holds none): pass the base, or train with lora.merge_on_save=true"
+        )
+    if name.startswith(("/", ".", "~")) and not Path(name).expanduser().is_dir():
+        # transformers would try the path as a Hub id: "Repo id must be in the form ...".
+        named = "given as the base" if base_model else f"named by {directory / ADAPTER_CONFIG}"
+        raise ConfigError(
+            f"{directory} is an adapter whose base model {name} ({named}) does not exist: put the base "
+            "back there, or give where it is now (python -m rm.export <final/> --merge --base <base directory> "
+            "folds the adapter into a plain model that loads on its own)"
+        )
+    pad_token_id = AutoTokenizer.from_pretrained(directory).pad_token_id
+    with _without_adapter(Path(name)) as path:
         # Hub checkpoints default to two labels and, for Mistral/Llama, no pad id.
-        base_model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, pad_token_id=pad_token_id)
-    return PeftModel.from_pretrained(base_model, directory).to(device).eval()
+        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=pad_token_id)
+
+
+@contextmanager
+def _without_adapter(path: Path):
+    """``path``, or for a bundle that holds its base beside the adapter a temporary view of the base's own files:
+    transformers (>= 5.4) loading such a directory applies the adapter itself, and PEFT would then add it again."""
+    if not (path / ADAPTER_CONFIG).is_file():
+        yield str(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="rm-base-") as view:
+        for file in path.iterdir():
+            if file.name == "config.json" or (file.name.startswith("model") and ".safetensors" in file.name):
+                os.symlink(file.resolve(), Path(view) / file.name)
+        yield view
+
+
+def bundle_holds_base(directory: Path) -> bool:
+    """An adapter bundle with its base model saved beside the adapter (a random-init base)."""
+    directory = Path(directory)
+    return (directory / ADAPTER_CONFIG).is_file() and (directory / "config.json").is_file()
 
 
 def adapter_base(directory: Path) -> Optional[str]:
-    """The base an adapter bundle loads onto: ``base_model_name_or_path``, or the ``base/`` saved beside it
-    when that path is gone (the run directory was moved or copied)."""
+    """The base an adapter bundle loads onto: the bundle itself when it holds its base, else
+    ``base_model_name_or_path`` (or the ``base/`` of a bundle written before the base moved into it,
+    when that path is gone)."""
     directory = Path(directory)
+    if bundle_holds_base(directory):
+        return str(directory.resolve())
     name = json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     saved = directory / BASE_DIR
     if (not name or (Path(name).is_absolute() and not Path(name).exists())) and (saved / "config.json").is_file():
@@ -276,25 +311,39 @@ def adapter_base(directory: Path) -> Optional[str]:
 
 
 def save_base(base_model: torch.nn.Module, tokenizer, directory: Path, final_dir: Optional[Path] = None) -> Path:
-    """Save an adapter's random-init base as ``directory/base`` and name it in ``adapter_config.json``.
+    """Save an adapter's random-init base in the bundle ``directory`` itself, beside the adapter.
 
-    The path is written absolute, as PEFT and transformers resolve ``base_model_name_or_path``
-    from the working directory; :func:`adapter_base` falls back to ``base/`` if it moves.
-    ``final_dir``: where ``directory`` will be renamed to (rm.train writes ``final/`` in a temporary
-    directory first); the base is named there.
+    Why there: PEFT and transformers read ``base_model_name_or_path`` as written, a relative path
+    against the working directory (not the adapter's), so no path in ``adapter_config.json`` survives
+    a move. transformers >= 5.4 (``AutoModel*`` and ``pipeline``) loads a directory that holds both
+    ``config.json`` and ``adapter_config.json`` as a base with its adapter, wherever it is. The path
+    is still written (absolute) for PEFT's ``AutoPeftModel*`` and older transformers, which follow it;
+    ``python -m rm.export`` rewrites it after a move (:func:`rehome`). ``final_dir``: where
+    ``directory`` will be renamed to (rm.train writes ``final/`` in a temporary directory first).
 
     Returns:
-        The base's directory.
+        ``directory``.
     """
     directory = Path(directory)
-    base_dir = directory / BASE_DIR
     _set_special_ids(base_model.config, tokenizer)
-    base_model.save_pretrained(base_dir, safe_serialization=True)
-    tokenizer.save_pretrained(base_dir)  # so that the base loads on its own too (pipeline, TRL)
-    write_compat_fields(base_dir)
-    named = (Path(final_dir) / BASE_DIR).resolve() if final_dir is not None else base_dir.resolve()
+    base_model.save_pretrained(directory, safe_serialization=True)
+    write_compat_fields(directory, read_reward_stats(directory))
+    named = Path(final_dir if final_dir is not None else directory).resolve()
     _edit_json(directory / ADAPTER_CONFIG, lambda c: c.update(base_model_name_or_path=str(named)))
-    return base_dir
+    return directory
+
+
+def rehome(directory: Path) -> Optional[str]:
+    """Point a moved bundle's ``adapter_config.json`` at the base it holds; returns the old path if it was stale."""
+    directory = Path(directory)
+    if not bundle_holds_base(directory):
+        return None
+    old = json.loads((directory / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
+    here = str(directory.resolve())
+    if old == here:
+        return None
+    _edit_json(directory / ADAPTER_CONFIG, lambda c: c.update(base_model_name_or_path=here))
+    return old
 
 
 def verify_bundle(directory: Path, *, base_model: Union[torch.nn.Module, str, None] = None, device="cpu") -> float:
@@ -348,19 +397,61 @@ def merge_adapter(adapter_dir: Path, out_dir: Path, *, base_model: Union[torch.n
     """Fold a LoRA adapter into its base: a plain ``AutoModelForSequenceClassification`` directory, verified.
 
     The merged bundle keeps the adapter's probe and reward statistics, so it is checked against the
-    rewards of the in-memory model that trained the adapter.
+    rewards of the in-memory model that trained the adapter. A quantised base (QLoRA) is dequantised
+    first and the adapter folded into those weights, in the compute dtype: PEFT's own merge into a 4-bit
+    layer quantises the sum again. Its probe is then scored afresh by the unmerged adapter on the
+    dequantised base, the model the merge must reproduce; how far that is from the 4-bit model's recorded
+    rewards is logged as the merge error (on a CPU with AVX512-BF16, bitsandbytes' inference kernel computes
+    the 4-bit matmul in bf16: README, "Use your reward model").
 
     Returns:
         ``out_dir``.
+
+    Raises:
+        ConfigError: the base is quantised in a way that cannot be dequantised.
     """
+    from peft import PeftModel
+
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    merged = load_bundle(adapter_dir, base_model, device).merge_and_unload()
+    with named_damage(adapter_dir):
+        base = adapter_base_model(adapter_dir, base_model)
+        quantised = bool(getattr(base, "is_quantized", False))
+        if quantised:
+            base = dequantised(base, adapter_dir)
+        model = PeftModel.from_pretrained(base, adapter_dir).to(device).eval()
+    probe = json.loads((adapter_dir / PROBE_FILE).read_text()) if (adapter_dir / PROBE_FILE).is_file() else None
+    if quantised and probe is not None:
+        recorded = torch.tensor(probe["rewards"])
+        unmerged = probe_rewards(model, torch.tensor(probe["input_ids"]).to(device), torch.tensor(probe["attention_mask"]).to(device))
+        log.info("merge of a quantised base: the adapter on the dequantised base scores the probe within %.3g of the "
+                 "4-bit model's recorded rewards", float((unmerged - recorded).abs().max()))
+        probe["rewards"] = unmerged.tolist()
+    merged = model.merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
     save_bundle(merged, tokenizer, out_dir, reward_stats=read_reward_stats(adapter_dir))
-    if (adapter_dir / PROBE_FILE).is_file():
-        shutil.copyfile(adapter_dir / PROBE_FILE, out_dir / PROBE_FILE)
+    if probe is not None:
+        (out_dir / PROBE_FILE).write_text(json.dumps(probe) + "\n")
     verify_bundle(out_dir, device=device)
     return out_dir
+
+
+def dequantised(base: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """A quantised base with plain linear layers holding its dequantised weights (transformers' ``dequantize``).
+
+    Raises:
+        ConfigError: the quantisation method has no dequantisation (the message names the method and the error).
+    """
+    method = getattr(getattr(base.config, "quantization_config", None), "quant_method", None) or "unknown"
+    method = getattr(method, "value", method)  # an enum in transformers 5
+    try:
+        base = base.dequantize()
+    except Exception as err:  # noqa: BLE001  (whatever the quantiser raises is the reason the merge cannot be done)
+        raise ConfigError(
+            f"cannot merge {adapter_dir}: its base is quantised ({method}) and transformers cannot dequantise it "
+            f"({type(err).__name__}: {err}); load the adapter on its base instead (transformers or PEFT), or merge "
+            "onto the unquantised base with python -m rm.export <final/> --merge --base <base>"
+        ) from err
+    return base
 
 
 def export_final(
@@ -455,6 +546,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not (bundle / PROBE_FILE).is_file():
         raise ConfigError(f"{args.path} holds no bundle ({PROBE_FILE} missing): give a run directory or its final/")
     # Errors end in rm.errors' boundary (the __main__ block): one message, its exit code, RM_DEBUG's traceback.
+    old = rehome(bundle)
+    if old is not None:  # moved or copied: PEFT's AutoPeftModel* follow this path as written
+        print(f"{bundle / ADAPTER_CONFIG} named its base as {old}; it now names {bundle.resolve()}, the base it holds")
     try:
         if args.merge:
             if not (bundle / ADAPTER_CONFIG).is_file():

@@ -4,7 +4,9 @@
 
 Pairs (any layout ``rm.train`` reads: HH transcripts, prompt/chosen/rejected,
 conversational messages) get ``reward_chosen``/``reward_rejected`` and the
-pairwise accuracy is printed; rows with a ``text`` column get ``reward``.
+pairwise accuracy is printed; rows with a ``text`` column get ``reward``, and so
+do single conversations (chat rollouts: a ``messages`` list and no ``chosen``),
+rendered by the bundle's chat template as a pair's side is.
 Only transformers (and PEFT for a LoRA adapter directory, whose base is the one
 ``adapter_config.json`` names or the ``base/`` saved beside it) is used to load the
 model, so this also checks that a saved model is usable outside ``rm``; each text is
@@ -38,6 +40,26 @@ def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size
             out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
             rewards += out.float().cpu().tolist()
     return rewards
+
+
+def conversation_texts(conversations: Sequence, tokenizer) -> List[str]:
+    """Each conversation rendered by the chat template, checked as a pair's side is (rm.data.normalise).
+
+    Raises:
+        DataError: a conversation that is not a list of role/content messages ending on an assistant answer,
+            or that the template cannot render (names the row).
+    """
+    from rm.data.normalise import conversation_text
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("--input has a 'messages' column, and the model's tokenizer has no chat template to render it")
+    texts = []
+    for i, messages in enumerate(conversations):
+        try:
+            texts.append(conversation_text(messages, tokenizer))
+        except ValueError as err:
+            raise DataError(f"--input row {i}: {err}", row=i) from None
+    return texts
 
 
 def _positive_int(text: str) -> int:
@@ -103,18 +125,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = load_bundle(model_dir)
     norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
-    is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and "chosen" not in raw.column_names)
+    unpaired = "chosen" not in raw.column_names
+    is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and unpaired)
+    is_conversation = args.format in ("auto", "messages") and "messages" in raw.column_names and unpaired and not is_text
     records: List[dict] = []
-    if is_text:
-        bad = [i for i, t in enumerate(raw["text"]) if not isinstance(t, str) or not t.strip()]
+    if is_text or is_conversation:
+        column = "text" if is_text else "messages"
+        texts = list(raw["text"]) if is_text else conversation_texts(raw["messages"], tokenizer)
+        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
         if bad:
             raise DataError(f"--input row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)")
         lead = leading_special_ids(tokenizer)
         cap = max_chars_for(args.max_length)  # a text far over --max-length is cut to its end before it tokenizes
-        rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, [t[-cap:] for t in raw["text"]])]
+        rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, [t[-cap:] for t in texts])]
         rewards = [norm(r) for r in score_token_rows(model, tokenizer, rows, args.batch_size)]
-        records = [{"text": t, "reward": r} for t, r in zip(raw["text"], rewards)]
-        print(f"scored {len(records)} texts: mean reward {sum(rewards) / len(rewards):.4f}")
+        records = [{column: v, "reward": r} for v, r in zip(raw[column], rewards)]
+        print(f"scored {len(records)} {'texts' if is_text else 'conversations'}: mean reward {sum(rewards) / len(rewards):.4f}")
     else:
         pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed,
                                              max_chars=max_chars_for(args.max_length))

@@ -3,8 +3,8 @@
 Each client's own code is run, not a re-implementation: plain transformers (the model and
 ``pipeline``), PEFT's ``AutoPeftModelForSequenceClassification``, TRL's GRPO reward path
 (``GRPOTrainer(reward_funcs=<path>)._calculate_rewards``, plain-text and conversational
-prompts), and, in the slow suite, RewardBench 0.1.4 (its own environment: it pins
-transformers 4.51) and OpenRLHF 0.11's ``RewardModel`` (installed without its CUDA-only
+prompts), and, in the slow suite, RewardBench 0.1.4's ``rewardbench`` command (its own
+environment: it pins transformers 4.51) and OpenRLHF 0.11's ``RewardModel`` (installed without its CUDA-only
 dependencies). The reference is ``python -m rm.score``. The texts mix lengths (padding is
 exercised) and each client that lets its caller choose is run with both padding sides; TRL
 always pads on the right.
@@ -27,6 +27,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipe
 
 import rm.train as rm_train
 from rm.data.synthetic import generate_pairs
+from rm.errors import DataError
 from rm.score import main as score_main
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 
@@ -77,9 +78,16 @@ def rm_score(bundle, rows, tmp_path, *extra):
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert score_main(["--model", str(bundle), "--input", str(src), "--output", str(dst), *extra]) == 0
     scored = [json.loads(line) for line in dst.read_text().splitlines()]
-    if "text" in rows[0]:
+    if "chosen" not in rows[0]:  # texts, or single conversations
         return torch.tensor([r["reward"] for r in scored])
     return torch.tensor([r["reward_chosen"] for r in scored] + [r["reward_rejected"] for r in scored])
+
+
+def messages(text):
+    """An HH transcript as a list of chat messages."""
+    turns = re.split(r"\n\n(Human|Assistant): ", text)[1:]
+    return [{"role": "user" if role == "Human" else "assistant", "content": content}
+            for role, content in zip(turns[::2], turns[1::2])]
 
 
 def readme_snippet(name):
@@ -125,6 +133,104 @@ def test_peft_auto_class_loads_the_adapter_offline(runs, pairs, tmp_path):
     assert close(got, rm_score(bundle, [{"text": t} for t in texts], tmp_path))
 
 
+def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(runs, pairs, tmp_path):
+    """The whole run directory moved elsewhere: the adapter bundle holds its random-init base, so transformers'
+    Auto class and ``pipeline`` load it from its new place as they do in place, and so does rm.score; PEFT's
+    ``AutoPeftModel*`` follow adapter_config.json's path as written, which ``python -m rm.export`` points at
+    the new place."""
+    import shutil
+
+    from peft import AutoPeftModelForSequenceClassification
+
+    from rm.export import main as export_main, rehome
+
+    run_dir, texts = runs["adapter"].parent, texts_of(pairs)
+    want = rm_score(runs["adapter"], [{"text": t} for t in texts], tmp_path)
+    moved = tmp_path / "moved" / "run"
+    shutil.move(run_dir, moved)
+    try:
+        bundle = moved / "final"
+        tokenizer = AutoTokenizer.from_pretrained(bundle)
+        model = AutoModelForSequenceClassification.from_pretrained(bundle).eval()
+        with torch.no_grad():
+            got = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+        assert close(got, want), (got, want)
+        pipe = pipeline("text-classification", model=str(bundle), function_to_apply="none", device="cpu")
+        assert close([out["score"] for out in pipe(texts, batch_size=5)], want)
+        assert close(rm_score(bundle, [{"text": t} for t in texts], tmp_path), want)
+        assert export_main([str(moved)]) == 0  # verifies, and names the base where it now is
+        model = AutoPeftModelForSequenceClassification.from_pretrained(bundle).eval()
+        with torch.no_grad():
+            got = model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+        assert close(got, want), (got, want)
+    finally:
+        shutil.move(moved, run_dir)
+        rehome(run_dir / "final")
+
+
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """A QLoRA run of the tiny model on the CPU: its random init saved, loaded in 4-bit NF4, adapters and head
+    trained; final/ holds the 4-bit base with the adapter, final/merged the adapter folded into the dequantised base."""
+    pytest.importorskip("bitsandbytes")
+    from rm.config import to_run_config
+
+    run_dir, cache = tmp_path_factory.mktemp("qlora"), tmp_path_factory.mktemp("rm_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RM_CACHE", str(cache))
+        rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + [
+            "memory_profile=qlora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3"])), run_dir)
+    return run_dir / "final"
+
+
+def rewards_of(model, tokenizer, texts):
+    with torch.no_grad():
+        return model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+
+
+def test_qlora_adapter_and_merged_bundles_match_rm_score(qlora, pairs, tmp_path):
+    """Both exports of a QLoRA run, loaded by plain transformers, give rm.score's rewards: the adapter on its
+    4-bit base (bitsandbytes needed), and the merged bundle (no quantisation left: plain transformers alone).
+    The merge itself is exact up to fp32 rounding against the adapter on the 4-bit base computed through the
+    dequantised weights; bitsandbytes' CPU inference kernel (AVX512-BF16 machines) computes in bf16 instead, which is
+    the merge error the README states."""
+    import bitsandbytes as bnb
+
+    merged, texts = qlora / "merged", texts_of(pairs)
+    assert "quantization_config" in json.loads((qlora / "config.json").read_text())  # the base trained on
+    assert "quantization_config" not in json.loads((merged / "config.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(qlora)
+    adapter = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
+    want = rm_score(qlora, [{"text": t} for t in texts], tmp_path)
+    assert close(rewards_of(adapter, tokenizer, texts), want)
+    plain = AutoModelForSequenceClassification.from_pretrained(merged).eval()
+    merged_rewards = rm_score(merged, [{"text": t} for t in texts], tmp_path)
+    assert close(rewards_of(plain, tokenizer, texts), merged_rewards)
+    # A fresh load: the first inference forward repacks the 4-bit weights for the bf16 kernel, for good.
+    fresh = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
+    layers = [m for m in fresh.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    for layer in layers:  # the dequantising path training took, instead of the bf16 inference kernel
+        layer.support_avx512bf16_for_cpu = False
+    assert close(rewards_of(fresh, tokenizer, texts), merged_rewards)
+
+
+def test_a_merge_that_cannot_dequantise_says_why(qlora, tmp_path):
+    from rm.errors import ConfigError
+    from rm.export import adapter_base_model, merge_adapter
+
+    base = adapter_base_model(qlora)
+    assert base.is_quantized
+
+    def no_dequantize(dtype=None):
+        raise NotImplementedError("this quantisation cannot be undone")
+
+    base.dequantize = no_dequantize
+    with pytest.raises(ConfigError, match=r"cannot merge .*quantised \(bitsandbytes\).*cannot be undone"):
+        merge_adapter(qlora, tmp_path / "merged", base_model=base)
+    assert not (tmp_path / "merged").exists()
+
+
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory, runs):
     """A tiny random causal LM with the bundle's tokenizer: GRPOTrainer needs a policy to be built."""
@@ -161,17 +267,24 @@ def test_trl_grpo_reward_path_matches_rm_score(runs, pairs, policy, tmp_path, ki
     assert close(got[:, 0], rm_score(bundle, [{"text": t} for t in texts_of(pairs)], tmp_path))
 
     # Conversational: the same pairs as messages; rm.score renders them with the same chat template.
-    def messages(text):
-        turns = re.split(r"\n\n(Human|Assistant): ", text)[1:]
-        return [{"role": "user" if role == "Human" else "assistant", "content": content}
-                for role, content in zip(turns[::2], turns[1::2])]
-
     convs = [(messages(p["chosen_text"]), messages(p["rejected_text"])) for p in pairs]
     prompts = [c[:-1] for c, _ in convs] * 2
     completions = [c[-1:] for c, _ in convs] + [r[-1:] for _, r in convs]
     got = trainer._calculate_rewards([{"prompt": p} for p in prompts], prompts, completions, [[0]] * len(prompts))
     want = rm_score(bundle, [{"chosen": c, "rejected": r} for c, r in convs], tmp_path, "--format", "messages")
     assert close(got[:, 0], want), (got[:, 0], want)
+
+
+def test_rm_score_scores_single_conversations_as_the_chosen_side_of_a_pair(runs, pairs, tmp_path):
+    """Chat rollouts (``{"messages": [...]}``, no chosen/rejected) get the reward their conversation gets as a pair's side."""
+    bundle = runs["adapter"]
+    convs = [(messages(p["chosen_text"]), messages(p["rejected_text"])) for p in pairs]
+    single = rm_score(bundle, [{"messages": c} for c, _ in convs], tmp_path)
+    paired = rm_score(bundle, [{"chosen": c, "rejected": r} for c, r in convs], tmp_path, "--format", "messages")
+    assert close(single, paired[: len(convs)]), (single, paired)
+    assert not close(single, paired[len(convs):])  # the rejected sides score otherwise: the comparison can fail
+    with pytest.raises(DataError, match="row 1: .*assistant"):
+        rm_score(bundle, [{"messages": convs[0][0]}, {"messages": convs[1][0][:-1]}], tmp_path)
 
 
 def test_rm_score_normalize_uses_the_bundle_stats(runs, pairs, tmp_path):
@@ -217,33 +330,38 @@ def _openrlhf_path():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("side", ["right", "left"])
-def test_rewardbench_pipeline_matches_rm_score_under_transformers_4(runs, pairs, tmp_path, side):
-    """RewardBench scores chat-template renderings; rm.score scores the same conversations as messages.
-    Its environment has transformers 4.51: the bundle written by transformers 5 must load there with the
-    right rope base and tokenizer, which is the check of both majors."""
-    snippet = readme_snippet("rewardbench")  # the README's command: the merged bundle, in float32
-    assert "--model outputs/<date>/<time>/final/merged" in snippet and "--torch_dtype float32" in snippet
+def test_rewardbench_command_matches_rm_score_under_transformers_4(runs, pairs, tmp_path):
+    """The README's ``rewardbench`` command line, run by RewardBench's own ``main`` offline on a local JSON
+    file (``--dataset FILE --load_json``): it renders the conversations with the chat template and always pads
+    on the left; rm.score scores the same conversations as messages. Its environment has transformers 4.51:
+    the bundle written by transformers 5 must load there with the right rope base and tokenizer, which is the
+    check of both majors. Without ``--not_quantized`` it would load the model in 8-bit (on a CPU it fails)."""
+    snippet = readme_snippet("rewardbench")
+    command = snippet.split("\n")[0].split()
+    assert command[:3] == ["rewardbench", "--model", "outputs/<date>/<time>/final/merged"]
+    assert "--not_quantized" in command and command[command.index("--torch_dtype") + 1] == "float32"
     python = _rewardbench_python()
     bundle = runs["merged"]
-    spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"pairs": [{"prompt": p["prompt"].split("\n\nHuman: ", 1)[1].rsplit("\n\nAssistant:", 1)[0],
-                                           "chosen": p["chosen"].strip(), "rejected": p["rejected"].strip()}
-                                          for p in pairs if p["prompt"].count("\n\nHuman:") == 1],
-                                "padding_side": side}))
-    proc = subprocess.run([str(python), str(REPO / "tests/consumers/rewardbench_rewards.py"), str(bundle), str(spec)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    (tmp_path / "merged").symlink_to(bundle)  # relative: RewardBench writes results/<--model>_outputs.jsonl
+    used = [{"prompt": p["prompt"].split("\n\nHuman: ", 1)[1].rsplit("\n\nAssistant:", 1)[0],
+             "chosen": p["chosen"].strip(), "rejected": p["rejected"].strip()}
+            for p in pairs if p["prompt"].count("\n\nHuman:") == 1]
+    assert len(used) >= 4
+    rows = [{side: [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u[side]}]
+             for side in ("chosen", "rejected")} for u in used]
+    (tmp_path / "pairs.json").write_text(json.dumps(rows))
+    argv = ["--model", "merged", *command[3:], "--dataset", "pairs.json", "--load_json"]
+    proc = subprocess.run([str(python), str(REPO / "tests/consumers/rewardbench_cli.py"), *argv], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["transformers"].startswith("4.")
     assert out["rope_theta"] == json.loads((bundle / "config.json").read_text())["rope_parameters"]["rope_theta"] == 5e5
-    used = json.loads(spec.read_text())["pairs"]
-    assert len(used) >= 4
-    rows = [{"chosen": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["chosen"]}],
-             "rejected": [{"role": "user", "content": u["prompt"]}, {"role": "assistant", "content": u["rejected"]}]}
-            for u in used]
+    scored = [json.loads(line) for line in (tmp_path / "results" / "merged_outputs.jsonl").read_text().splitlines()]
+    got = [r["scores_chosen"] for r in scored] + [r["scores_rejected"] for r in scored]
     want = rm_score(bundle, rows, tmp_path, "--format", "messages")
-    assert close(out["chosen"] + out["rejected"], want), (out, want)
+    assert close(got, want), (got, want)
 
 
 @pytest.mark.slow

@@ -204,7 +204,7 @@ def lora_run(tmp_path_factory):
 def test_lora_adapter_and_merged_model_reload_with_the_in_memory_rewards(lora_run):
     cfg, run_dir, result = lora_run
     final, merged = run_dir / "final", run_dir / "final" / "merged"
-    assert (final / "adapter_model.safetensors").is_file() and not (final / "config.json").exists()
+    assert (final / "adapter_model.safetensors").is_file() and (final / "model.safetensors").is_file()  # adapter and base
     assert all((d / name).is_file() for d in (final, merged) for name in ("reward_probe.json", "reward_stats.json"))
     ids, mask, recorded = probe_of(final)
     set_seed(cfg.train.seed)  # the random-init base the adapter was trained on
@@ -217,24 +217,37 @@ def test_lora_adapter_and_merged_model_reload_with_the_in_memory_rewards(lora_ru
         assert torch.allclose(sequence_rewards(plain, ids, mask), recorded, atol=1e-5)
 
 
-def test_lora_bundle_names_its_saved_random_base_and_loads_from_the_path_alone(lora_run):
-    """No base object, no network: the adapter's own config leads to the base saved beside it."""
+def test_lora_bundle_holds_its_random_base_and_loads_after_the_run_moves(lora_run, tmp_path):
+    """No base object, no network: the base is saved in final/ itself, so the bundle loads wherever it is moved;
+    ``python -m rm.export`` then names the new place in adapter_config.json, which PEFT's Auto classes follow."""
+    from peft import AutoPeftModelForSequenceClassification
+
     _, run_dir, _ = lora_run
     final = run_dir / "final"
-    named = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
-    assert named == str((final / "base").resolve()) and (final / "base" / "model.safetensors").is_file()
+    assert json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"] == str(final.resolve())
     assert verify_bundle(final) < 1e-6
-    moved = shutil.copytree(final, run_dir / "moved")  # the absolute path now points at the original
-    shutil.rmtree(final / "base")
+    moved = tmp_path / "elsewhere"
+    shutil.move(run_dir, moved)
     try:
-        assert verify_bundle(moved) < 1e-6  # found as moved/base
+        assert verify_bundle(moved / "final") < 1e-6
+        proc = subprocess.run([sys.executable, "-m", "rm.export", str(moved)], cwd=CONF_DIR.parent,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and "it now names" in proc.stdout, proc.stderr[-2000:]
+        named = json.loads((moved / "final" / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert named == str((moved / "final").resolve())
+        ids, mask, recorded = probe_of(moved / "final")
+        model = AutoPeftModelForSequenceClassification.from_pretrained(moved / "final").eval()
+        with torch.no_grad():
+            assert torch.allclose(sequence_rewards(model, ids, mask), recorded, atol=1e-5)
     finally:
-        shutil.copytree(moved / "base", final / "base")
+        shutil.move(moved, run_dir)
+        rm_export.rehome(final)
 
 
 def test_export_cli_refuses_to_merge_an_adapter_without_its_base(lora_run, tmp_path):
     _, run_dir, _ = lora_run
-    bundle = shutil.copytree(run_dir / "final", tmp_path / "final", ignore=shutil.ignore_patterns("base", "merged"))
+    bundle = shutil.copytree(run_dir / "final", tmp_path / "final",
+                             ignore=shutil.ignore_patterns("config.json", "model.safetensors", "merged"))
     config = json.loads((bundle / "adapter_config.json").read_text())
     (bundle / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": None}))
     proc = subprocess.run([sys.executable, "-m", "rm.export", str(bundle), "--merge", "--out", str(tmp_path / "cli_merged")],

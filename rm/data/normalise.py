@@ -123,6 +123,20 @@ def _pair_texts(row: dict, fmt: str, tokenizer: Any) -> tuple[str, str]:
     )
 
 
+def conversation_text(messages: Any, tokenizer: Any) -> str:
+    """One conversation (a chat rollout) rendered by the chat template, checked as a pair's side is.
+
+    Raises:
+        ValueError: the messages are malformed, empty or do not end on an assistant answer, or the template fails.
+    """
+    try:
+        conversation = _check_messages("messages", messages)
+        _check_ends_on_an_answer("messages", conversation)
+        return _render(tokenizer, conversation, "messages")
+    except _RowProblem as problem:
+        raise ValueError(str(problem)) from None
+
+
 def _check_ends_on_an_answer(side: str, conversation: list[dict]) -> None:
     """A preference judges an answer: the conversation of each side must end on an assistant message (not a system
     prompt alone, not a user's turn waiting for one)."""
