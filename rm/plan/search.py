@@ -146,7 +146,8 @@ def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
 def _engines(cfg: RunConfig, fixed: set, world: int) -> List[Tuple[List[str], MemoryProfileConfig, DistributedConfig, bool]]:
     """(overrides, profile, distributed, changes_math) of each memory profile and distribution tried."""
     profile_fixed = any(k == "memory_profile" or k.startswith("memory_profile.") for k in fixed)
-    dist_fixed = any(k == "distributed" or k.startswith("distributed.") for k in fixed)
+    # distributed.num_processes says how many processes, not how they share the work
+    dist_fixed = bool(fixed & {"distributed", "distributed.strategy", "distributed.zero_stage", "distributed.offload_params"})
     profiles = [(cfg.memory_profile.name, cfg.memory_profile)] if profile_fixed else \
         [(name, cfg.memory_profile if name == cfg.memory_profile.name else group_option("memory_profile", name))
          for name in PROFILES]
