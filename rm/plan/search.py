@@ -224,6 +224,35 @@ def verdict(candidate: Candidate, lengths: PairLengths) -> None:
     candidate.verdict = "fits" if worst.fits else "does not fit"
 
 
+_JOBS: List[Tuple[Candidate, PairLengths]] = []  # what forked workers of verdicts() read (inherited, not pickled)
+
+
+def _verdict_job(index: int) -> Tuple:
+    c, lengths = _JOBS[index]
+    verdict(c, lengths)
+    return c.verdict, c.note, c.peak_bytes, c.usable_bytes
+
+
+def verdicts(batch: List[Candidate], lengths: PairLengths) -> List[Tuple]:
+    """:func:`verdict` of each candidate, ``(verdict, note, peak, usable)``: two at a time in forked workers where a
+    second core and fork allow, as :func:`rm.memory.suggest.estimate_each` shares its traces."""
+    global _JOBS
+    import multiprocessing
+    import os
+
+    import torch
+
+    _JOBS = [(c, lengths) for c in batch]
+    try:
+        forkable = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+        if len(batch) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
+            return [_verdict_job(i) for i in range(len(batch))]
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            return pool.map(_verdict_job, range(len(batch)), chunksize=1)
+    finally:
+        _JOBS = []
+
+
 class _Timer:
     """Step shapes per batching (shared by every candidate that batches alike) and each candidate's prediction."""
 
@@ -282,22 +311,26 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
     for c in sorted(found, key=lambda c: len(c.overrides)):
         unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
     found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
+    verdict(given, lengths)  # first, in this process: later traces (and forked workers) start warm
     failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
-    fitting = []
-    for c in found:
-        if len(fitting) >= top:
-            break
-        if c.size and c.family in failed and failed[c.family] <= c.size:
-            c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
-            continue
-        verdict(c, lengths)
-        if c.fits:
-            fitting.append(c)
-        elif c.size and c.verdict == "does not fit":
-            failed[c.family] = min(c.size, failed.get(c.family, c.size))
-    match = next((c for c in found if not c.overrides), None)
-    if match is not None and match.verdict != "unchecked":
-        given.verdict, given.note, given.peak_bytes, given.usable_bytes = match.verdict, match.note, match.peak_bytes, match.usable_bytes
-    else:
-        verdict(given, lengths)
+    fitting: List[Candidate] = []
+    queue = list(found)
+    while queue and len(fitting) < top:
+        batch = []
+        while queue and len(batch) < max(2, top - len(fitting)):
+            c = queue.pop(0)
+            if c.size and c.family in failed and failed[c.family] <= c.size:
+                c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
+            elif not c.overrides:  # the config as given
+                c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
+                fitting += [c] if c.fits else []
+            else:
+                batch.append(c)
+        for c, found_verdict in zip(batch, verdicts(batch, lengths)):
+            c.verdict, c.note, c.peak_bytes, c.usable_bytes = found_verdict
+            if c.fits:
+                fitting.append(c)
+            elif c.size and c.verdict == "does not fit":
+                failed[c.family] = min(c.size, failed.get(c.family, c.size))
+    fitting = sorted(fitting, key=found.index)[:top]
     return PlanResult(found, given, fitting, lengths, rates, skipped)
