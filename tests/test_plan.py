@@ -142,6 +142,9 @@ def test_cli_prints_json_whose_top_candidate_fits(tmp_path):
     assert out["top"] and out["top"][0]["verdict"] == "fits"
     assert out["top"][0]["headroom_bytes"] >= 0 and out["top"][0]["step"]["tokens_per_second"] > 0
     assert "data=synthetic" in out["lengths"]
+    # memory_profile is not set: the others are tried, listed apart, each marked as training something else
+    assert not any(c["changes_math"] for c in out["top"])
+    assert out["other_profiles"] and all(c["changes_math"] and c["verdict"] == "fits" for c in out["other_profiles"])
     assert all("train.packing" not in " ".join(c["overrides"]) for c in out["candidates"])
 
 

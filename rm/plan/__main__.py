@@ -37,6 +37,9 @@ def format_plan(result, label: str) -> str:
     lines.append(row("now", given) + ("" if given.fits else f"  ({given.verdict})"))
     for i, c in enumerate(result.top, 1):
         lines.append(row(f"{i}.", c))
+    if result.other_profiles:
+        lines.append("    changing what trains (another memory_profile), the fastest that fits of each:")
+        lines += [row("", c) for c in result.other_profiles]
     if not result.top:
         lines.append("    no candidate fits: try a larger device (hardware=...), more processes or a shorter data.max_length")
     counts = {}

@@ -11,9 +11,9 @@ adapters, 8-bit AdamW and QLoRA round differently).
 Each candidate passes :func:`rm.validate.validate` (combinations it refuses, such as packing under DeepSpeed,
 are skipped). Its verdict is the memory estimate ``rm.train`` decides by (:func:`rm.memory.terms.estimate_run`
 at the largest micro-batches the data forms, every rank). Tracing costs about a second a shape, so the
-candidates are checked fastest first, until ``plan.top`` fit: a slower one is left unchecked, and one whose
-layout already failed at a smaller micro-batch (both accumulating, so activations only grow) is inferred not to
-fit; each is marked so.
+candidates are checked fastest first, until ``plan.top`` fit (and, apart, until one of each profile that changes
+what trains fits): a slower one is left unchecked, and one whose layout already failed at a smaller micro-batch
+(both accumulating, so activations only grow) is inferred not to fit; each is marked so.
 """
 
 from __future__ import annotations
@@ -76,7 +76,8 @@ class Candidate:
 
 @dataclass
 class PlanResult:
-    """Every candidate, fastest predicted first; ``given``: the config as given; ``top``: the fastest that fit."""
+    """Every candidate, fastest predicted first; ``given``: the config as given; ``top``: the fastest that fit and
+    train what it trains."""
 
     candidates: List[Candidate]
     given: Candidate
@@ -84,10 +85,12 @@ class PlanResult:
     lengths: PairLengths
     rates: Rates
     skipped: int  # combinations rm.validate refuses
+    other_profiles: List[Candidate] = field(default_factory=list)  # per profile that changes what trains, its fastest fit
 
     def to_dict(self) -> Dict:
         return {"lengths": self.lengths.source, "stand_in": self.lengths.stand_in, "rates": self.rates.to_dict(),
                 "given": self.given.to_dict(), "top": [c.to_dict() for c in self.top],
+                "other_profiles": [c.to_dict() for c in self.other_profiles],
                 "candidates": [c.to_dict() for c in self.candidates], "refused_by_validation": self.skipped}
 
 
@@ -253,6 +256,34 @@ def verdicts(batch: List[Candidate], lengths: PairLengths) -> List[Tuple]:
         _JOBS = []
 
 
+def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate) -> List[Candidate]:
+    """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
+    layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
+    verdict from ``given``."""
+    failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
+    fitting: List[Candidate] = []
+    queue = list(queue)
+    order = list(queue)
+    while queue and len(fitting) < top:
+        batch = []
+        while queue and len(batch) < max(2, top - len(fitting)):
+            c = queue.pop(0)
+            if c.size and c.family in failed and failed[c.family] <= c.size:
+                c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
+            elif not c.overrides:  # the config as given
+                c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
+                fitting += [c] if c.fits else []
+            else:
+                batch.append(c)
+        for c, found_verdict in zip(batch, verdicts(batch, lengths)):
+            c.verdict, c.note, c.peak_bytes, c.usable_bytes = found_verdict
+            if c.fits:
+                fitting.append(c)
+            elif c.size and c.verdict == "does not fit":
+                failed[c.family] = min(c.size, failed.get(c.family, c.size))
+    return sorted(fitting, key=order.index)[:top]
+
+
 class _Timer:
     """Step shapes per batching (shared by every candidate that batches alike) and each candidate's prediction."""
 
@@ -312,25 +343,9 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
         unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
     found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
     verdict(given, lengths)  # first, in this process: later traces (and forked workers) start warm
-    failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
-    fitting: List[Candidate] = []
-    queue = list(found)
-    while queue and len(fitting) < top:
-        batch = []
-        while queue and len(batch) < max(2, top - len(fitting)):
-            c = queue.pop(0)
-            if c.size and c.family in failed and failed[c.family] <= c.size:
-                c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
-            elif not c.overrides:  # the config as given
-                c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
-                fitting += [c] if c.fits else []
-            else:
-                batch.append(c)
-        for c, found_verdict in zip(batch, verdicts(batch, lengths)):
-            c.verdict, c.note, c.peak_bytes, c.usable_bytes = found_verdict
-            if c.fits:
-                fitting.append(c)
-            elif c.size and c.verdict == "does not fit":
-                failed[c.family] = min(c.size, failed.get(c.family, c.size))
-    fitting = sorted(fitting, key=found.index)[:top]
-    return PlanResult(found, given, fitting, lengths, rates, skipped)
+    fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given)
+    others = []  # the fastest that fits of each profile that trains something else
+    for name in dict.fromkeys(c.cfg.memory_profile.name for c in found if c.changes_math):
+        others += check_fastest([c for c in found if c.changes_math and c.cfg.memory_profile.name == name], 1, lengths, given)
+    others.sort(key=lambda c: c.step.seconds)
+    return PlanResult(found, given, fitting, lengths, rates, skipped, others)
