@@ -50,7 +50,8 @@ class MicroBatch:
     Attributes:
         rows: rows of the batch.
         length: tokens per row, padding included.
-        tokens: real tokens (what a user's data holds; tokens/s counts these).
+        tokens: the pairs' tokens, chosen + rejected, whatever the layout computes (a shared prompt counts twice,
+            as in the data): what tokens/s counts, so that layouts compare on the same work.
         attention: query-key score entries the attention kernel computes, over all rows (per layer and head).
         masked: the forward builds a 4D mask of ``rows x length x length`` (padding, packing or a shared prefix).
     """
@@ -86,7 +87,7 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
         >>> micro_batch("packed", c, r, p, False).attention, micro_batch("packed", c, r, p, True).attention  # 16^2; 15+6+10+10
         (256, 41)
         >>> micro_batch("shared", c, r, p, False)   # rows of 2+3+1 and 3+1+1 tokens, padded to 6
-        MicroBatch(rows=2, length=6, tokens=11, attention=72, masked=True)
+        MicroBatch(rows=2, length=6, tokens=16, attention=72, masked=True)
         >>> micro_batch("shared", c, r, p, True).attention  # (15 + 6 - 3) + (10 + 10 - 6)
         32
         >>> micro_batch("padded", [4], [4], [1], False).attention  # no padding, no mask: is_causal, 2 x 10
@@ -100,9 +101,9 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
     else:
         rows_of = [n for c, r, _ in pairs for n in (c, r)]
         needed = sum(causal(n) for n in rows_of)
-    tokens = sum(rows_of)
+    tokens = sum(c + r for c, r, _ in pairs)  # the data's tokens, whichever layout: what tokens/s compares
     if layout.startswith("packed"):
-        rows, length = 1, tokens
+        rows, length = 1, sum(rows_of)
         masked = len(rows_of) > 1 or layout == "packed+shared"
     else:
         rows, length = len(rows_of), max(rows_of)
@@ -308,7 +309,8 @@ class StepTime:
             traffic, their kernels' fixed cost; ``optimizer``: the step's traffic; ``offload``: host-device
             copies; ``communication``: the collectives.
         flops: matmul and attention FLOPs of the step (the slowest rank's).
-        tokens, computed_tokens: real and computed (padding included) tokens per step over all ranks.
+        tokens, computed_tokens: the pairs' tokens (chosen + rejected) and the tokens computed (padding included, a
+            shared prompt once) per step over all ranks.
         pairs: pairs per step over all ranks.
         micro_batches: the slowest rank's forwards per step (the mean over the steps timed).
     """
