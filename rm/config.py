@@ -87,6 +87,18 @@ class HardwareConfig:
     bf16: bool = False  # device computes in bfloat16 natively
     gpus_per_node: int = 1
     host_ram_gib: int = MISSING  # RAM of one node
+    # Rates the step-time model reads (python -m rm.plan; rm/plan/steptime.py). null on a CPU: measured on this
+    # machine by a short micro-benchmark, cached per machine (rm/plan/constants.py). A CUDA profile states its
+    # card's datasheet figures, each with its source in a comment, until benchmarks/gpu_constants.py measures them.
+    peak_bf16_tflops: Optional[float] = None  # dense bf16 matmul, TFLOP/s
+    peak_fp32_tflops: Optional[float] = None  # fp32 matmul without TF32 (torch's default), TFLOP/s
+    memory_gbps: Optional[float] = None  # device memory bandwidth, GB/s
+    link_gbps: Optional[float] = None  # between two devices of a node, one direction, GB/s (DDP/ZeRO collectives)
+    inter_node_gbps: Optional[float] = None  # per device between nodes, one direction, GB/s; null: link_gbps
+    host_link_gbps: Optional[float] = None  # host <-> one device, one direction, GB/s (ZeRO-Offload's copies)
+    host_memory_gbps: Optional[float] = None  # host RAM bandwidth of a node, GB/s (ZeRO-Offload's CPU Adam)
+    kernel_us: Optional[float] = None  # fixed cost of one op (dispatch and launch), microseconds; CPU null: measured
+    rates_source: str = ""  # where the rates above come from, in words; rm.plan prints it
     # What a cluster job asks for (hydra/launcher=submitit_slurm reads these):
     nodes: int = 1
     time_limit_min: int = 1440
@@ -202,6 +214,16 @@ class EstimateOutput:
 
 
 @dataclass
+class PlanOutput:
+    """What ``python -m rm.plan`` searches and prints (rm/plan/__main__.py)."""
+
+    json: bool = False  # plan.json=true: print JSON instead of a table, nothing else on stdout
+    top: int = 5  # candidates printed, fastest first
+    steps: int = 32  # optimizer steps of the run whose micro-batches are timed (the run's first ones)
+    stand_in_pairs: int = 2048  # pairs of synthetic stand-in data where the configured data cannot be read here
+
+
+@dataclass
 class SweepConfig:
     """How a job of a multirun (``-m``) ends when it fails for a reason other than a refusal.
 
@@ -244,6 +266,7 @@ class RunConfig:
     train: TrainConfig = MISSING
     preflight: PreflightConfig = MISSING
     estimate: EstimateOutput = field(default_factory=EstimateOutput)
+    plan: PlanOutput = field(default_factory=PlanOutput)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
 

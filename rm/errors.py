@@ -3,7 +3,7 @@
 Every failure a user can cause or meet (a bad key, a bad row, a full disk, a run that will
 not fit) is raised as a subclass of :class:`RmError` whose message names the key, file, row
 or path and the fix. The entry points (``rm.train``, ``rm.estimate``, ``rm.score``,
-``rm.export``, ``rm.gpu_report``) end through :func:`report`, which prints that message
+``rm.export``, ``rm.gpu_report``, ``rm.plan``) end through :func:`report`, which prints that message
 without a traceback and returns the documented exit code:
 
 ==== =====================================================================

@@ -21,7 +21,7 @@ from transformers import get_scheduler
 
 from rm.config import RunConfig
 from rm.data.audit import format_audit, write_audit
-from rm.data.batching import StepBatches, steps_per_epoch
+from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
 from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
@@ -271,17 +271,6 @@ def rebuild_base(run: Run) -> torch.nn.Module:
     set_seed(run.cfg.train.seed)
     return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.numerics.frozen, False,
                        run.cfg.memory_profile.quantize_base, init_device(run.cfg, run.plan, run.engine))
-
-
-def total_training_steps(cfg: RunConfig, num_pairs: int) -> int:
-    per_epoch = steps_per_epoch(num_pairs, cfg.train.global_batch_size)
-    if per_epoch == 0:
-        raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is larger than the {num_pairs} usable training pairs"
-        )
-    if cfg.train.max_steps > 0:
-        return cfg.train.max_steps
-    return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
 
 
 def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int) -> str:

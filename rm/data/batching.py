@@ -15,19 +15,39 @@ the tokenised dataset, never its token ids.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Optional, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
-import datasets
 import torch
 
-from rm.data.tokenise import pair_lengths
+if TYPE_CHECKING:  # the planner cuts micro-batches from token lengths alone: datasets takes seconds to import
+    import datasets
 
 
 def steps_per_epoch(num_pairs: int, global_batch_size: int) -> int:
     """Whole optimizer steps one pass over ``num_pairs`` pairs gives."""
     return num_pairs // global_batch_size
+
+
+def total_training_steps(cfg, num_pairs: int) -> int:
+    """The optimizer steps a run of ``cfg`` (``rm.config.RunConfig``) takes over ``num_pairs`` training pairs:
+    ``train.max_steps``, else ``train.num_train_epochs`` epochs, at least one.
+
+    Raises:
+        ConfigError: the global batch is larger than the training set.
+    """
+    from rm.errors import ConfigError
+
+    per_epoch = steps_per_epoch(num_pairs, cfg.train.global_batch_size)
+    if per_epoch == 0:
+        raise ConfigError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is larger than the {num_pairs} usable training pairs"
+        )
+    if cfg.train.max_steps > 0:
+        return cfg.train.max_steps
+    return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
 
 
 @lru_cache(maxsize=2)
@@ -200,6 +220,8 @@ class StepBatches:
             shared_tokens: Per pair, the tokens of its row once the prompt is shared (``train.share_prefix``):
                 then both the grouping and the budget count these.
         """
+        from rm.data.tokenise import pair_lengths
+
         sort_lengths = pair_tokens = None
         if shared_tokens is not None:
             sort_lengths, pair_tokens = shared_tokens, shared_tokens

@@ -1,0 +1,180 @@
+"""The hardware's rates for the step-time model: a CUDA profile's datasheet figures, or a CPU's measured ones.
+
+A CPU reaches a fraction of its peak that depends on the size of the product and on the op, so its rates are
+measured on it (:func:`measure_cpu`, a few hundred milliseconds): matmul FLOP/s in fp32 and bf16 at three widths
+a reward model's projections have (the rate at a model's width is interpolated between them), the attention
+kernel's FLOP/s (SDPA with a mask, as the padded, packed and prefix-shared layouts call it), memory bandwidth
+(a large copy) and the fixed cost of one op through autograd, forward and backward. Each figure is the best of a
+few repeats: other jobs on the machine only slow a repeat down. The result is cached per machine, keyed by the
+CPU model, the core count, torch's version and threads, under ``$RM_CACHE/speed`` (default ``~/.cache/rm``).
+
+A CUDA profile's figures are its card's datasheet peaks (``conf/hardware/*.yaml`` names the source of each),
+not achieved rates: until ``benchmarks/gpu_constants.py`` measures a card, its predictions are optimistic in
+absolute terms; rankings between layouts lean on the ratios, which are the datasheet's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from rm.config import HardwareConfig
+from rm.errors import ConfigError
+from rm.plan.steptime import Rates
+
+GB = 1e9
+# Bumped when what is measured changes: older cache entries are then measured again.
+BENCHMARK_VERSION = 1
+WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-class hidden sizes
+TOKENS = 512  # rows of each measured product: a micro-batch's tokens
+PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps", "host_memory_gbps")
+
+
+def cache_dir() -> Path:
+    """Where measured rates are kept: ``$RM_CACHE/speed``, else ``~/.cache/rm/speed``."""
+    root = os.environ.get("RM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "rm")
+    return Path(root) / "speed"
+
+
+def machine_key() -> str:
+    """The machine's CPU model, cores, torch version and threads: what the measured rates depend on."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    safe = "".join(ch if ch.isalnum() else "-" for ch in model).strip("-")
+    return f"{safe}_{os.cpu_count()}cores_torch{torch.__version__}_{torch.get_num_threads()}threads_v{BENCHMARK_VERSION}"
+
+
+def _best(fn, seconds: float = 0.015, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timings of ``fn``, each looping for about ``seconds``."""
+    fn()  # warm-up: first-call allocations and kernel selection
+    best = float("inf")
+    for _ in range(repeats):
+        start, calls = time.perf_counter(), 0
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds:
+                break
+        best = min(best, elapsed / calls)
+    return best
+
+
+def measure_cpu() -> Dict:
+    """Measure this CPU's rates (the figures :func:`cpu_rates` caches).
+
+    Returns:
+        ``{"matmul": {dtype: [[width, FLOP/s], ...]}, "attention": {dtype: [[width, FLOP/s]]}, "memory": bytes/s,
+        "kernel_seconds": s}``.
+    """
+    import torch
+
+    out: Dict = {"matmul": {}, "attention": {}}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).removeprefix("torch.")
+        table = []
+        for width in WIDTHS:
+            a = torch.randn(TOKENS, width, dtype=dtype)
+            b = torch.randn(width, 4 * width, dtype=dtype)  # a projection up to the MLP's width
+            table.append([width, 2 * TOKENS * width * 4 * width / _best(lambda: a @ b)])
+        out["matmul"][name] = table
+        # SDPA with a boolean mask over 8 heads of 64 at 512 tokens: 4 x 8 x 64 x 512^2 FLOPs
+        heads, dim, length = 8, 64, 512
+        q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype) for _ in range(3))
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        seconds = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        out["attention"][name] = [[heads * dim, 4 * heads * dim * length * length / seconds]]
+    src = torch.randn(16 * 2**20 // 4)  # 16 MiB, beyond the caches of a small CPU
+    dst = torch.empty_like(src)
+    out["memory"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+    # A chain of small ops through autograd: each costs its dispatch forward and its backward node's.
+    x = torch.ones(8, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(50):
+            y = y * 1.0001
+        y.sum().backward()
+
+    out["kernel_seconds"] = _best(chain) / (3 * 50)  # the model counts a backward as two forwards' kernels
+    return out
+
+
+def cpu_rates(refresh: bool = False) -> Dict:
+    """This machine's measured rates, from the cache or measured now and cached."""
+    path = cache_dir() / f"{machine_key()}.json"
+    if not refresh:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            pass
+    measured = measure_cpu()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(measured, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return measured
+
+
+def _given(hw: HardwareConfig) -> Dict[str, Optional[float]]:
+    return {key: getattr(hw, key) for key in PROFILE_KEYS}
+
+
+def rates_for(hw: HardwareConfig, device: str) -> Rates:
+    """The rates a run's hardware profile gives (``hw`` resolved: ``hardware=auto`` detected).
+
+    A CPU measures what its profile leaves null; a CUDA profile must state every rate.
+
+    Raises:
+        ConfigError: a CUDA profile without a rate, naming each missing key.
+    """
+    given = _given(hw)
+    if device == "cpu":
+        measured = cpu_rates()
+        memory = given["memory_gbps"] * GB if given["memory_gbps"] else measured["memory"]
+        matmul = dict(measured["matmul"])
+        for name, key in (("float32", "peak_fp32_tflops"), ("bfloat16", "peak_bf16_tflops")):
+            if given[key]:
+                matmul[name] = [[1, given[key] * 1e12]]
+        # Processes on one machine talk through its memory (gloo over shared memory); the host is the device.
+        link = given["link_gbps"] * GB if given["link_gbps"] else memory / 2
+        return Rates(matmul=matmul, attention=measured["attention"], memory=memory, link=link,
+                     inter_node=hw.inter_node_gbps * GB if hw.inter_node_gbps else link,
+                     host_link=given["host_link_gbps"] * GB if given["host_link_gbps"] else memory,
+                     host_memory=given["host_memory_gbps"] * GB if given["host_memory_gbps"] else memory,
+                     kernel_seconds=hw.kernel_us * 1e-6 if hw.kernel_us is not None else measured["kernel_seconds"],
+                     source=hw.rates_source or "measured on this machine (rm.plan's CPU micro-benchmark)")
+    missing = [f"hardware.{key}" for key, value in given.items() if not value]
+    if missing:
+        raise ConfigError(f"hardware={hw.name} states no {', '.join(missing)}: rm.plan needs the card's rates. Use a "
+                          f"named profile (hardware=h100_80g, ...), or give them, e.g. hardware.peak_bf16_tflops=989.5 "
+                          f"(benchmarks/gpu_constants.py measures them on the card)")
+    peak = {"float32": [[1, given["peak_fp32_tflops"] * 1e12]], "bfloat16": [[1, given["peak_bf16_tflops"] * 1e12]]}
+    link = given["link_gbps"] * GB
+    return Rates(matmul=peak, attention=peak, memory=given["memory_gbps"] * GB, link=link,
+                 inter_node=hw.inter_node_gbps * GB if hw.inter_node_gbps else link,
+                 host_link=given["host_link_gbps"] * GB, host_memory=given["host_memory_gbps"] * GB,
+                 kernel_seconds=(hw.kernel_us or 0.0) * 1e-6, source=hw.rates_source or f"hardware={hw.name} as given")
+
+
+def describe(rates: Rates) -> List[str]:
+    """The rates in words, for the table's header."""
+    mm = ", ".join(f"{d} {max(r for _, r in t) / 1e12:.3g}" for d, t in rates.matmul.items())
+    return [f"rates ({rates.source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
+            f"link {rates.link / GB:.3g} GB/s; host link {rates.host_link / GB:.3g} GB/s"
+            + (f"; {rates.kernel_seconds * 1e6:.1f} us an op" if rates.kernel_seconds else "")]

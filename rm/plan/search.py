@@ -1,0 +1,351 @@
+"""The layout space of a run, each candidate's memory verdict and predicted step time: what ``python -m rm.plan``
+prints, and what a validation benchmark calls (:func:`plan`).
+
+The knobs varied change where and when the same sums are computed, not the sums: the micro-batch at the same
+global batch (accumulation follows), gradient checkpointing, ``train.group_by_length``, ``train.packing`` (with
+and without a token budget), ``train.share_prefix``, the ZeRO stage and, for a full fine-tune, ZeRO-Offload
+(``memory_profile=offload`` trains what ``full`` trains). A knob set on the command line stays as set. Where the
+memory profile is not, the other profiles are candidates too, marked as changing what trains (LoRA trains
+adapters, 8-bit AdamW and QLoRA round differently).
+
+Each candidate passes :func:`rm.validate.validate` (combinations it refuses, such as packing under DeepSpeed,
+are skipped). Its verdict is the memory estimate ``rm.train`` decides by (:func:`rm.memory.terms.estimate_run`
+at the largest micro-batches the data forms, every rank). Tracing costs about a second a shape, so the
+candidates are checked fastest first, until ``plan.top`` fit (and, apart, until one of each profile that changes
+what trains fits): a slower one is left unchecked, and one whose layout already failed at a smaller micro-batch
+(both accumulating, so activations only grow) is inferred not to fit; each is marked so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, replace
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig
+from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
+from rm.plan.steptime import MASK_SKIPPING, Rates, StepTime, predict_step_seconds
+
+KNOBS = ("train.micro_batch_size", "train.gradient_checkpointing", "train.group_by_length", "train.packing",
+         "train.max_tokens_per_micro_batch", "train.share_prefix")
+PROFILES = ("full", "offload", "8bit", "lora", "qlora")
+# Token budgets tried with packing, in pairs of data.max_length sequences (the least rm.validate allows is 1).
+BUDGET_PAIRS = (1, 2, 4, 8)
+
+
+@dataclass
+class Candidate:
+    """One layout: the overrides that make it from the config as given, its verdict and predicted step.
+
+    Attributes:
+        overrides: what to add to the command line (empty: the config as given).
+        changes_math: it trains something else than the config as given (another memory profile's weights,
+            optimizer or rounding), not only another layout.
+        verdict: ``fits``, ``does not fit``, ``does not fit (inferred)``, ``unchecked`` (slower than those
+            printed) or ``cannot be estimated``.
+        note: why, where the verdict needs one.
+    """
+
+    overrides: List[str]
+    changes_math: bool = False
+    verdict: str = "unchecked"
+    note: str = ""
+    peak_bytes: Optional[int] = None
+    usable_bytes: Optional[int] = None
+    step: Optional[StepTime] = None
+    cfg: Optional[RunConfig] = field(default=None, repr=False)
+    plan: object = field(default=None, repr=False)
+    family: Tuple = field(default=(), repr=False)
+    size: int = 0  # the micro-batch (accumulating), what the family's verdicts are ordered by; 0: not ordered
+    signature: int = field(default=0, repr=False)  # the micro-batches it forms (equal: the same batches)
+
+    @property
+    def fits(self) -> bool:
+        return self.verdict == "fits"
+
+    @property
+    def headroom_bytes(self) -> Optional[int]:
+        return None if self.peak_bytes is None else self.usable_bytes - self.peak_bytes
+
+    def to_dict(self) -> Dict:
+        step = self.step.to_dict() if self.step else None
+        return {"overrides": self.overrides, "changes_math": self.changes_math, "verdict": self.verdict,
+                "note": self.note, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes,
+                "headroom_bytes": self.headroom_bytes, "step": step}
+
+
+@dataclass
+class PlanResult:
+    """Every candidate, fastest predicted first; ``given``: the config as given; ``top``: the fastest that fit and
+    train what it trains."""
+
+    candidates: List[Candidate]
+    given: Candidate
+    top: List[Candidate]
+    lengths: PairLengths
+    rates: Rates
+    skipped: int  # combinations rm.validate refuses
+    other_profiles: List[Candidate] = field(default_factory=list)  # per profile that changes what trains, its fastest fit
+
+    def to_dict(self) -> Dict:
+        return {"lengths": self.lengths.source, "stand_in": self.lengths.stand_in, "rates": self.rates.to_dict(),
+                "given": self.given.to_dict(), "top": [c.to_dict() for c in self.top],
+                "other_profiles": [c.to_dict() for c in self.other_profiles],
+                "candidates": [c.to_dict() for c in self.candidates], "refused_by_validation": self.skipped}
+
+
+def set_keys(overrides: Sequence[str]) -> set:
+    """The keys (and groups) a command line sets: ``train.packing=true`` -> ``train.packing``."""
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o}
+
+
+def group_option(group: str, name: str):
+    """A config group's option read from ``conf/<group>/<name>.yaml`` into its schema (no Hydra composition)."""
+    from omegaconf import OmegaConf
+
+    from rm.config import GROUPS
+
+    values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
+    values.pop("defaults", None)
+    return GROUPS[group](**values)
+
+
+def _math(profile: MemoryProfileConfig) -> tuple:
+    """What a profile trains and how it rounds: ``offload`` trains what ``full`` does, elsewhere."""
+    return profile.use_lora, profile.quantize_base, profile.optimizer
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
+    """The training-layout knobs' combinations (values of :data:`KNOBS`), the user's kept."""
+    t = cfg.train
+
+    def values(key, options):
+        return [getattr(t, key.split(".")[1])] if key in fixed else options
+
+    out = []
+    for ckpt in values("train.gradient_checkpointing", [True, False]):
+        for share in values("train.share_prefix", [False, True]):
+            for packing in values("train.packing", [False, True]):
+                budgets = [0]
+                if packing:
+                    budgets = values("train.max_tokens_per_micro_batch",
+                                     [0] + [k * 2 * cfg.data.max_length for k in BUDGET_PAIRS if k < per_rank])
+                for budget in budgets:
+                    micros = values("train.micro_batch_size", _divisors(per_rank)) if not budget else [t.micro_batch_size]
+                    for micro in micros:
+                        # grouping changes nothing where a step is one micro-batch of pairs
+                        matters = budget or micro < per_rank
+                        for group in values("train.group_by_length", [True, False]) if matters else [t.group_by_length]:
+                            out.append({"micro_batch_size": micro, "gradient_checkpointing": ckpt,
+                                        "group_by_length": group, "packing": packing,
+                                        "max_tokens_per_micro_batch": budget, "share_prefix": share})
+    return out
+
+
+def _engines(cfg: RunConfig, fixed: set, world: int) -> List[Tuple[List[str], MemoryProfileConfig, DistributedConfig, bool]]:
+    """(overrides, profile, distributed, changes_math) of each memory profile and distribution tried."""
+    profile_fixed = any(k == "memory_profile" or k.startswith("memory_profile.") for k in fixed)
+    # distributed.num_processes says how many processes, not how they share the work
+    dist_fixed = bool(fixed & {"distributed", "distributed.strategy", "distributed.zero_stage", "distributed.offload_params"})
+    profiles = [(cfg.memory_profile.name, cfg.memory_profile)] if profile_fixed else \
+        [(name, cfg.memory_profile if name == cfg.memory_profile.name else group_option("memory_profile", name))
+         for name in PROFILES]
+    out = []
+    for name, profile in profiles:
+        pick = [] if name == cfg.memory_profile.name else [f"memory_profile={name}"]
+        changes = _math(profile) != _math(cfg.memory_profile)
+        if dist_fixed:
+            dists = [([], cfg.distributed)]
+        elif world == 1:  # one process: ZeRO shards nothing; DeepSpeed only where offload needs it (auto picks it)
+            dists = [([], cfg.distributed)] if cfg.distributed.name == "auto" else \
+                [(["distributed=auto"], group_option("distributed", "auto"))]
+        else:
+            dists = [([] if cfg.distributed.name == "ddp" else ["distributed=ddp"], group_option("distributed", "ddp"))]
+            for stage in (1, 2, 3):
+                extra = ["distributed=zero2", "distributed.zero_stage=1"] if stage == 1 else [f"distributed=zero{stage}"]
+                dists.append((extra, group_option("distributed", "zero3" if stage == 3 else "zero2")))
+                if stage == 1:
+                    dists[-1] = (extra, replace(dists[-1][1], zero_stage=1))
+            if profile.offload_optimizer:
+                dists.append((["distributed=zero3_offload"], group_option("distributed", "zero3_offload")))
+        for extra, dist in dists:
+            out.append((pick + extra, profile, dist, changes))
+    return out
+
+
+def _knob_overrides(cfg: RunConfig, knobs: Dict) -> List[str]:
+    return [f"train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items()
+            if getattr(cfg.train, k) != v]
+
+
+def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple) -> Tuple[List[Candidate], int]:
+    """Every candidate that passes validation (not yet timed or checked), and how many did not.
+
+    Args:
+        world: :func:`rm.validate.resolve_world_size`'s answer for ``cfg``.
+    """
+    from rm.validate import ConfigError, validate
+
+    fixed = set_keys(overrides)
+    per_rank = cfg.train.global_batch_size // world[0]
+    out, skipped = [], 0
+    for extra, profile, dist, changes in _engines(cfg, fixed, world[0]):
+        for knobs in _layouts(cfg, fixed, per_rank):
+            c_cfg = replace(cfg, memory_profile=profile, distributed=dist, train=replace(cfg.train, **knobs))
+            try:
+                c_plan = validate(c_cfg, *world)
+            except ConfigError:
+                skipped += 1
+                continue
+            family = (tuple(extra), *(v for k, v in knobs.items() if k != "micro_batch_size"))
+            accumulating = not knobs["max_tokens_per_micro_batch"] and knobs["micro_batch_size"] < per_rank
+            out.append(Candidate(overrides=extra + _knob_overrides(cfg, knobs), changes_math=changes, cfg=c_cfg,
+                                 plan=c_plan, family=family, size=knobs["micro_batch_size"] if accumulating else 0))
+    return out, skipped
+
+
+def verdict(candidate: Candidate, lengths: PairLengths) -> None:
+    """The memory verdict ``rm.train`` would reach for this candidate on these lengths, filled in place."""
+    from rm.memory.terms import cannot_fit, estimate_run
+
+    c_cfg, c_plan = candidate.cfg, candidate.plan
+    if cannot_fit(c_cfg, c_plan):
+        candidate.verdict, candidate.note = "does not fit", "weights, gradients and optimizer states alone"
+        return
+    shapes = memory_shapes(c_cfg, c_plan, lengths)
+    try:
+        ranks = [estimate_run(c_cfg, c_plan, s, rank=r if len(shapes) > 1 else None) for r, s in enumerate(shapes)]
+    except ValueError as err:  # an attention implementation the trace cannot run
+        candidate.verdict, candidate.note = "cannot be estimated", str(err)
+        return
+    worst = max(ranks, key=lambda e: e.peak_bytes)
+    candidate.peak_bytes, candidate.usable_bytes = worst.peak_bytes, worst.usable_bytes
+    candidate.verdict = "fits" if worst.fits else "does not fit"
+
+
+_JOBS: List[Tuple[Candidate, PairLengths]] = []  # what forked workers of verdicts() read (inherited, not pickled)
+
+
+def _verdict_job(index: int) -> Tuple:
+    c, lengths = _JOBS[index]
+    verdict(c, lengths)
+    return c.verdict, c.note, c.peak_bytes, c.usable_bytes
+
+
+def verdicts(batch: List[Candidate], lengths: PairLengths) -> List[Tuple]:
+    """:func:`verdict` of each candidate, ``(verdict, note, peak, usable)``: two at a time in forked workers where a
+    second core and fork allow, as :func:`rm.memory.suggest.estimate_each` shares its traces."""
+    global _JOBS
+    import multiprocessing
+    import os
+
+    import torch
+
+    _JOBS = [(c, lengths) for c in batch]
+    try:
+        forkable = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
+        if len(batch) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
+            return [_verdict_job(i) for i in range(len(batch))]
+        with multiprocessing.get_context("fork").Pool(2) as pool:
+            return pool.map(_verdict_job, range(len(batch)), chunksize=1)
+    finally:
+        _JOBS = []
+
+
+def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate) -> List[Candidate]:
+    """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
+    layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
+    verdict from ``given``."""
+    failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
+    fitting: List[Candidate] = []
+    queue = list(queue)
+    order = list(queue)
+    while queue and len(fitting) < top:
+        batch = []
+        while queue and len(batch) < max(2, top - len(fitting)):
+            c = queue.pop(0)
+            if c.size and c.family in failed and failed[c.family] <= c.size:
+                c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
+            elif not c.overrides:  # the config as given
+                c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
+                fitting += [c] if c.fits else []
+            else:
+                batch.append(c)
+        for c, found_verdict in zip(batch, verdicts(batch, lengths)):
+            c.verdict, c.note, c.peak_bytes, c.usable_bytes = found_verdict
+            if c.fits:
+                fitting.append(c)
+            elif c.size and c.verdict == "does not fit":
+                failed[c.family] = min(c.size, failed.get(c.family, c.size))
+    return sorted(fitting, key=order.index)[:top]
+
+
+class _Timer:
+    """Step shapes per batching (shared by every candidate that batches alike) and each candidate's prediction."""
+
+    def __init__(self, lengths: PairLengths, rates: Rates, steps: int):
+        self.lengths, self.rates, self.steps, self.shapes = lengths, rates, steps, {}
+
+    def __call__(self, c: Candidate) -> StepTime:
+        from rm.data.shapes import layout_of
+
+        t, p = c.cfg.train, c.plan
+        key = (layout_of(t.packing, t.share_prefix), p.micro_batch_size, p.world_size, t.global_batch_size, t.seed,
+               t.group_by_length, t.max_tokens_per_micro_batch, c.cfg.model.attn_implementation in MASK_SKIPPING)
+        if key not in self.shapes:
+            shapes = step_micro_batches(self.lengths, *key[:7], steps=self.steps, skips_masked=key[7])
+            self.shapes[key] = shapes, hash(tuple(mb for step in shapes for rank in step for mb in rank))
+        shapes, c.signature = self.shapes[key]
+        return predict_step_seconds(c.cfg, p, shapes, self.rates)
+
+
+def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLengths] = None,
+         rates: Optional[Rates] = None, top: Optional[int] = None) -> PlanResult:
+    """The layout space of ``cfg``: each candidate's predicted step time, and the memory verdict of the fastest
+    until ``top`` (default ``plan.top``) fit.
+
+    Args:
+        cfg: the typed run config as composed.
+        overrides: the command line it was composed from; a knob set there is kept.
+        lengths: the data's lengths (default: :func:`rm.plan.lengths.data_lengths` of ``cfg``).
+        rates: the hardware's (default: :func:`rm.plan.constants.rates_for` of the resolved hardware).
+
+    Raises:
+        ConfigError: ``cfg`` itself does not validate, or ``plan.*`` is out of range.
+    """
+    from rm.errors import ConfigError
+    from rm.plan.constants import rates_for
+    from rm.validate import resolve_world_size, validate
+
+    top = cfg.plan.top if top is None else top
+    bad = [f"plan.{key}={getattr(cfg.plan, key)} must be >= 1" for key in ("top", "steps", "stand_in_pairs")
+           if getattr(cfg.plan, key) < 1]
+    if bad:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(bad))
+    world = resolve_world_size(cfg, launched=False)
+    given_plan = validate(cfg, *world)
+    rates = rates or rates_for(given_plan.hardware, given_plan.device)
+    lengths = lengths or data_lengths(cfg)
+    timer = _Timer(lengths, rates, cfg.plan.steps)
+    found, skipped = candidates(cfg, overrides, world)
+    given = Candidate([], cfg=cfg, plan=given_plan)
+    for c in found + [given]:
+        c.step = timer(c)
+    found.sort(key=lambda c: (c.step.seconds, c.changes_math, len(c.overrides)))
+    # Layouts that form the very same micro-batches (packing one pair, grouping micro-batches of one): the
+    # fewest overrides stand for them.
+    unique: Dict[Tuple, Candidate] = {}
+    for c in sorted(found, key=lambda c: len(c.overrides)):
+        unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
+    found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
+    verdict(given, lengths)  # first, in this process: later traces (and forked workers) start warm
+    fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given)
+    others = []  # the fastest that fits of each profile that trains something else
+    for name in dict.fromkeys(c.cfg.memory_profile.name for c in found if c.changes_math):
+        others += check_fastest([c for c in found if c.changes_math and c.cfg.memory_profile.name == name], 1, lengths, given)
+    others.sort(key=lambda c: c.step.seconds)
+    return PlanResult(found, given, fitting, lengths, rates, skipped, others)

@@ -1,0 +1,445 @@
+"""The step-time model: seconds per optimizer step from FLOPs, memory traffic and communication.
+
+Pure arithmetic on plain values (no torch, no config tree but in :func:`predict_step_seconds`), each term a
+function with a hand-computed example. For one micro-batch of ``N`` computed tokens (padding included) and
+``S`` attention score entries (query-key pairs the kernel computes, all rows), on a model of ``L`` layers,
+``H`` query heads of ``d`` dimensions, ``P_t`` trained and ``P_f`` frozen matmul weights (embedding excluded,
+adapters and reward head included):
+
+    forward   = 2 N (P_t + P_f)  +  4 L H d S
+    backward  = 2 N (2 P_t + P_f)  +  2 x 4 L H d S      (a frozen weight computes only its input's gradient)
+    recompute = forward, under gradient checkpointing
+    seconds   = matmul FLOPs / matmul rate + attention FLOPs / attention rate
+              + elementwise bytes / memory bandwidth + kernels x per-kernel overhead
+
+and once per step the optimizer's traffic over memory bandwidth (host memory and the host link when
+ZeRO-Offload steps on the CPU), and the collectives' bytes over the link (ring all-reduce ``2 (n-1)/n`` of the
+bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model: communication behind the
+backward and prefetching are not credited, so it errs slow where a run overlaps well.
+
+``S`` follows the layout and the kernel (:func:`micro_batch`). SDPA and eager attention compute the whole
+``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and the causal
+triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so they
+compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
+each answer against prefix + itself).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+# The kernels that skip fully masked blocks (varlen or block-sparse); the others compute the square under a mask.
+MASK_SKIPPING = ("flash_attention_2", "flex_attention")
+
+
+def causal(n: int) -> int:
+    """Query-key pairs of one causal sequence of ``n`` tokens.
+
+    >>> causal(4)
+    10
+    """
+    return n * (n + 1) // 2
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """What one forward computes.
+
+    Attributes:
+        rows: rows of the batch.
+        length: tokens per row, padding included.
+        tokens: the pairs' tokens, chosen + rejected, whatever the layout computes (a shared prompt counts twice,
+            as in the data): what tokens/s counts, so that layouts compare on the same work.
+        attention: query-key score entries the attention kernel computes, over all rows (per layer and head).
+        masked: the forward builds a 4D mask of ``rows x length x length`` (padding, packing or a shared prefix).
+    """
+
+    rows: int
+    length: int
+    tokens: int
+    attention: int
+    masked: bool
+
+    @property
+    def computed(self) -> int:
+        """Tokens the matmuls compute, padding included."""
+        return self.rows * self.length
+
+
+def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], prefix: Sequence[int],
+                skips_masked: bool) -> MicroBatch:
+    """The shape and attention work of one micro-batch of pairs, as the run's collator lays it out.
+
+    Args:
+        layout: ``padded`` (two rows a pair, padded to the longest), ``packed`` (one row of every sequence),
+            ``shared`` (a row a pair: prompt + chosen answer + rejected answer, padded to the longest) or
+            ``packed+shared`` (one row of those).
+        chosen, rejected: per pair, its sides' token lengths.
+        prefix: per pair, the tokens both sides share at their start (the prompt).
+        skips_masked: the attention kernel skips masked blocks (:data:`MASK_SKIPPING`).
+
+    Example: pairs (chosen 5, rejected 3, prompt 2) and (4, 4, 3).
+        >>> c, r, p = [5, 4], [3, 4], [2, 3]
+        >>> micro_batch("padded", c, r, p, False)   # 4 rows of 5, a mask: 4 x 5^2
+        MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True)
+        >>> micro_batch("packed", c, r, p, False).attention, micro_batch("packed", c, r, p, True).attention  # 16^2; 15+6+10+10
+        (256, 41)
+        >>> micro_batch("shared", c, r, p, False)   # rows of 2+3+1 and 3+1+1 tokens, padded to 6
+        MicroBatch(rows=2, length=6, tokens=16, attention=72, masked=True)
+        >>> micro_batch("shared", c, r, p, True).attention  # (15 + 6 - 3) + (10 + 10 - 6)
+        32
+        >>> micro_batch("padded", [4], [4], [1], False).attention  # no padding, no mask: is_causal, 2 x 10
+        20
+    """
+    pairs = list(zip(chosen, rejected, prefix))
+    if layout in ("shared", "packed+shared"):
+        rows_of = [c + r - p for c, r, p in pairs]
+        # every token sees what it would see in its own sequence: each side's triangle, the prompt's counted once
+        needed = sum(causal(c) + causal(r) - causal(p) for c, r, p in pairs)
+    else:
+        rows_of = [n for c, r, _ in pairs for n in (c, r)]
+        needed = sum(causal(n) for n in rows_of)
+    tokens = sum(c + r for c, r, _ in pairs)  # the data's tokens, whichever layout: what tokens/s compares
+    if layout.startswith("packed"):
+        rows, length = 1, sum(rows_of)
+        masked = len(rows_of) > 1 or layout == "packed+shared"
+    else:
+        rows, length = len(rows_of), max(rows_of)
+        masked = layout == "shared" or min(rows_of) < length
+    if skips_masked:
+        attention = needed
+    else:
+        attention = rows * length * length if masked else rows * causal(length)
+    return MicroBatch(rows, length, tokens, attention, masked)
+
+
+@dataclass(frozen=True)
+class ModelWork:
+    """The per-token and per-entry work of one model, as plain numbers (:func:`model_work`).
+
+    Attributes:
+        trained: matmul weights that train (adapters, the reward head; everything in a full fine-tune).
+        frozen: matmul weights that do not (a LoRA base).
+        attention_width: layers x query heads x head dimension: the attention FLOPs of one score entry are
+            4 x this (``Q K^T`` and ``P V``, 2 FLOPs a multiply-add each).
+        elementwise: elements one token reads and writes in the elementwise ops of all layers' forwards
+            (norms, RoPE, residual adds, SiLU and gating), each read once and written once.
+        kernels: kernels one forward launches, all layers.
+        width: the hidden size, which the CPU's measured matmul rate is looked up at.
+    """
+
+    trained: int
+    frozen: int
+    attention_width: int
+    elementwise: int
+    kernels: int
+    width: int
+
+
+def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
+               lora_rank: Optional[int] = None, lora_targets: Sequence[str] = (), bias: bool = False) -> ModelWork:
+    """The work of a Mistral/Llama/Qwen2 reward model (one score per position).
+
+    Elementwise elements per token and layer: two RMSNorms (read h, write h), RoPE on q and k (read and write
+    q + kv), two residual adds (read 2h, write h), SiLU (read i, write i) and the gate product (read 2i, write i):
+    ``10 h + 2 (q + kv) + 5 i``. Kernels per layer: 30, and 4 more for each LoRA-wrapped linear (dropout, A, B,
+    the scaled add).
+
+    Example (the tiny model: hidden 128, intermediate 256, 2 layers, 4 heads, 2 KV heads of 32):
+    a layer's projections hold 128x128 + 2 x 128x64 + 128x128 + 3 x 128x256 = 147,456 weights, the head 128;
+    elementwise 10 x 128 + 2 x (128 + 64) + 5 x 256 = 2,944 elements a layer.
+        >>> w = model_work(128, 256, 2, 4, 2, 32)
+        >>> w.trained, w.frozen, w.attention_width, w.elementwise
+        (295040, 0, 256, 5888)
+        >>> lora = model_work(128, 256, 2, 4, 2, 32, lora_rank=8, lora_targets=["q_proj", "v_proj"])
+        >>> lora.trained, lora.frozen  # 2 x (8 x (128+128) + 8 x (128+64)) + 128
+        (7296, 294912)
+    """
+    q, kv = heads * head_dim, kv_heads * head_dim
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+              "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
+    base = layers * sum(i * o for i, o in shapes.values())
+    head = hidden
+    if lora_rank is None:
+        trained, frozen = base + head, 0
+    else:
+        adapters = layers * sum(lora_rank * (shapes[t][0] + shapes[t][1]) for t in lora_targets if t in shapes)
+        trained, frozen = adapters + head, base
+    elementwise = layers * (10 * hidden + 2 * (q + kv) + 5 * intermediate)
+    kernels = layers * (30 + 4 * len([t for t in lora_targets if t in shapes]))
+    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden)
+
+
+def micro_batch_flops(mb: MicroBatch, work: ModelWork, checkpointing: bool) -> Dict[str, int]:
+    """Matmul and attention FLOPs of one micro-batch's forward, backward and recomputation.
+
+    Example: 20 computed tokens, 100 entries, 1,000 trained and 10,000 frozen weights, attention width 8:
+    forward 2 x 20 x 11,000 = 440,000 matmul and 4 x 8 x 100 = 3,200 attention; backward 2 x 20 x 12,000 =
+    480,000 and 6,400; checkpointing recomputes the forward.
+        >>> mb = MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True)
+        >>> micro_batch_flops(mb, ModelWork(1000, 10000, 8, 0, 0, 64), checkpointing=True)
+        {'matmul': 1360000, 'attention': 12800, 'forward': 443200, 'backward': 486400, 'recompute': 443200}
+    """
+    n = mb.computed
+    fwd_mm = 2 * n * (work.trained + work.frozen)
+    bwd_mm = 2 * n * (2 * work.trained + work.frozen)
+    fwd_att = 4 * work.attention_width * mb.attention
+    bwd_att = 2 * fwd_att
+    again = 1 if checkpointing else 0
+    return {"matmul": fwd_mm * (1 + again) + bwd_mm, "attention": fwd_att * (1 + again) + bwd_att,
+            "forward": fwd_mm + fwd_att, "backward": bwd_mm + bwd_att, "recompute": again * (fwd_mm + fwd_att)}
+
+
+def ring_allreduce_bytes(nbytes: float, n: int) -> float:
+    """Bytes each device sends in a ring all-reduce: ``2 (n - 1) / n`` of the buffer.
+
+    >>> ring_allreduce_bytes(100, 4), ring_allreduce_bytes(100, 1)
+    (150.0, 0.0)
+    """
+    return 2 * (n - 1) / n * nbytes
+
+
+def shard_collective_bytes(nbytes: float, n: int) -> float:
+    """Bytes each device sends in a reduce-scatter or an all-gather of a ``nbytes`` buffer: ``(n - 1) / n``.
+
+    >>> shard_collective_bytes(100, 4)
+    75.0
+    """
+    return (n - 1) / n * nbytes
+
+
+def communication_bytes(strategy: str, zero_stage: int, n: int, micro_batches: int, grad_bytes: float,
+                        trained_weight_bytes: float, all_weight_bytes: float, checkpointing: bool) -> Dict[str, float]:
+    """Bytes one device sends per optimizer step, by collective.
+
+    - DDP: one all-reduce of the gradients per step (the engine skips it while accumulating);
+    - ZeRO-1: the same all-reduce at the step's boundary, then an all-gather of the updated trained weights;
+    - ZeRO-2: an all-reduce of each micro-batch's gradients (it reduces every backward), then the all-gather;
+    - ZeRO-3: per micro-batch, an all-gather of every weight for the forward, the backward and a recomputation,
+      and a reduce-scatter of the gradients.
+
+    Example: 4 devices, 2 micro-batches, 100 bytes of gradients, 100 of trained weights, 1,000 of weights.
+        >>> communication_bytes("ddp", 0, 4, 2, 100, 100, 1000, False)
+        {'all_reduce': 150.0}
+        >>> communication_bytes("deepspeed", 2, 4, 2, 100, 100, 1000, False)
+        {'all_reduce': 300.0, 'all_gather': 75.0}
+        >>> communication_bytes("deepspeed", 3, 4, 2, 100, 100, 1000, True)
+        {'all_gather': 4500.0, 'reduce_scatter': 150.0}
+    """
+    if n <= 1:
+        return {}
+    if strategy != "deepspeed":
+        return {"all_reduce": ring_allreduce_bytes(grad_bytes, n)}
+    if zero_stage == 3:
+        gathers = 2 + (1 if checkpointing else 0)
+        return {"all_gather": micro_batches * gathers * shard_collective_bytes(all_weight_bytes, n),
+                "reduce_scatter": micro_batches * shard_collective_bytes(grad_bytes, n)}
+    reductions = micro_batches if zero_stage == 2 else 1
+    return {"all_reduce": reductions * ring_allreduce_bytes(grad_bytes, n),
+            "all_gather": shard_collective_bytes(trained_weight_bytes, n)}
+
+
+def adamw_traffic_bytes(elements: int, grad_bytes: int, state_bytes: float, weight_bytes: int,
+                        master_bytes: int = 0) -> int:
+    """Bytes an AdamW step reads and writes for ``elements`` trained weights: the gradient read, both moments
+    read and written, the weight read and written, and a master copy read and written (its result then written
+    to the weight).
+
+    Example: fp32 torch AdamW, 1,000 weights: (4 + 4 x 4 + 2 x 4) x 1,000; DeepSpeed bf16 with fp32 master
+    and moments: (4 + 16 + 2 + 2 x 4) x 1,000, the fp32 gradient partition read.
+        >>> adamw_traffic_bytes(1000, 4, 4, 4), adamw_traffic_bytes(1000, 4, 4, 2, master_bytes=4)
+        (28000, 30000)
+    """
+    weight_rw = weight_bytes + (2 * master_bytes if master_bytes else weight_bytes)
+    return int(elements * (grad_bytes + 4 * state_bytes + weight_rw))
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What the hardware achieves (:mod:`rm.plan.constants` gives them, with their source).
+
+    Attributes:
+        matmul: FLOP/s of matmuls per compute dtype (``float32``, ``bfloat16``), as ``[(width, FLOP/s), ...]``
+            sorted by width: a CPU measures several widths, a datasheet gives one figure for all.
+        attention: FLOP/s of the attention kernel per compute dtype, same form.
+        memory: device memory bytes/s. link, inter_node, host_link, host_memory: bytes/s (one direction).
+        kernel_seconds: the fixed cost of one kernel launch (dispatch included), seconds.
+        source: where the figures come from, in words.
+    """
+
+    matmul: Dict[str, List]
+    attention: Dict[str, List]
+    memory: float
+    link: float
+    inter_node: float
+    host_link: float
+    host_memory: float
+    kernel_seconds: float = 0.0
+    source: str = ""
+
+    @staticmethod
+    def at(table: List, width: int) -> float:
+        """The rate at ``width``, interpolated in log-width between measured widths, clamped at the ends.
+
+        >>> Rates.at([(128, 1e9), (512, 3e9)], 256), Rates.at([(128, 1e9)], 4096)
+        (2000000000.0, 1000000000.0)
+        """
+        points = sorted(table)
+        if width <= points[0][0]:
+            return float(points[0][1])
+        for (w0, r0), (w1, r1) in zip(points, points[1:]):
+            if width <= w1:
+                f = math.log(width / w0) / math.log(w1 / w0)
+                return float(r0 + f * (r1 - r0))
+        return float(points[-1][1])
+
+    def to_dict(self) -> Dict:
+        return asdict(self)
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds of one optimizer step, by term (the slowest rank's micro-batches).
+
+    Attributes:
+        seconds: the step.
+        compute, elementwise, kernels: the micro-batches' matmul and attention time, their elementwise
+            traffic, their kernels' fixed cost; ``optimizer``: the step's traffic; ``offload``: host-device
+            copies; ``communication``: the collectives.
+        flops: matmul and attention FLOPs of the step (the slowest rank's).
+        tokens, computed_tokens: the pairs' tokens (chosen + rejected) and the tokens computed (padding included, a
+            shared prompt once) per step over all ranks.
+        pairs: pairs per step over all ranks.
+        micro_batches: the slowest rank's forwards per step (the mean over the steps timed).
+    """
+
+    seconds: float
+    compute: float
+    elementwise: float
+    kernels: float
+    optimizer: float
+    offload: float
+    communication: float
+    flops: float
+    tokens: float
+    computed_tokens: float
+    pairs: int
+    micro_batches: float
+    bytes: Dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def pairs_per_second(self) -> float:
+        return self.pairs / self.seconds
+
+    def to_dict(self) -> Dict:
+        out = asdict(self)
+        out.update(tokens_per_second=self.tokens_per_second, pairs_per_second=self.pairs_per_second)
+        return out
+
+
+def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, rates: Rates, dtype: str,
+                        act_bytes: int) -> Dict[str, float]:
+    """Seconds of one micro-batch's forward and backward, by term.
+
+    The elementwise traffic is the forward's, again in the backward (each op reads its output's gradient and its
+    saved input, writes its input's gradient: about twice the forward), once more when recomputed; the 4D mask,
+    where one is built, is written once (a byte a score entry) and read by every layer. Kernels: the forward's,
+    twice that in the backward, again when recomputed.
+
+    Example: 1e9 FLOP/s for matmuls and attention, 1e9 bytes/s, 1 microsecond a kernel; the micro-batch and model
+    of :func:`micro_batch_flops` with 10 elementwise elements a token and 10 kernels, fp32, checkpointing (4 passes:
+    forward, twice in the backward, recompute): (1,360,000 + 12,800) FLOPs in 1,372,800 ns; 20 tokens x 10 x 4
+    bytes x 4 + a mask of 4 x 5^2 bytes x 4 = 3,600 bytes in 3,600 ns; 10 kernels x 4 in 40 us.
+        >>> r = Rates({"float32": [(64, 1e9)]}, {"float32": [(64, 1e9)]}, 1e9, 1, 1, 1, 1, kernel_seconds=1e-6)
+        >>> mb = MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True)
+        >>> s = micro_batch_seconds(mb, ModelWork(1000, 10000, 8, 10, 10, 64), True, r, "float32", 4)
+        >>> round(s["compute"] * 1e9), round(s["elementwise"] * 1e9), round(s["kernels"] * 1e6)
+        (1372800, 3600, 40)
+    """
+    flops = micro_batch_flops(mb, work, checkpointing)
+    again = 1 if checkpointing else 0
+    compute = flops["matmul"] / Rates.at(rates.matmul[dtype], work.width) + \
+        flops["attention"] / Rates.at(rates.attention[dtype], work.width)
+    elementwise = mb.computed * work.elementwise * act_bytes * (1 + 2 + again)
+    if mb.masked:  # a byte a score entry, for each pass
+        elementwise += mb.rows * mb.length * mb.length * (1 + 2 + again)
+    kernels = work.kernels * (1 + 2 + again)
+    return {"compute": compute, "elementwise": elementwise / rates.memory, "kernels": kernels * rates.kernel_seconds,
+            "flops": flops["matmul"] + flops["attention"]}
+
+
+def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch]]], rates: Rates) -> StepTime:
+    """Predicted seconds of one optimizer step of a validated config, averaged over the steps given.
+
+    Args:
+        cfg: the typed run config (``rm.config.RunConfig``): model, LoRA, memory profile, checkpointing.
+        plan: its :class:`rm.validate.Plan` (world size, strategy, ZeRO stage, precision, micro-batches).
+        steps: per optimizer step, per rank, that rank's micro-batches (:func:`rm.plan.lengths.step_micro_batches`).
+        rates: the hardware's rates (:func:`rm.plan.constants.rates_for`).
+
+    Returns:
+        A :class:`StepTime`: the slowest rank's micro-batches (ranks wait for each other at every step) plus the
+        optimizer step, offload copies and collectives.
+    """
+    from rm.memory.terms import parameter_counts
+    from rm.precision import BYTES
+
+    m, profile, numerics = cfg.model, cfg.memory_profile, plan.numerics
+    lora = cfg.lora if profile.use_lora else None
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    work = model_work(m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
+                      m.num_key_value_heads, head_dim, lora.r if lora else None, lora.target_modules if lora else ())
+    dtype = "float32" if numerics.compute == "float32" else "bfloat16"  # fp16 runs at the bf16 rate
+    act_bytes = BYTES[numerics.compute]
+    ckpt = cfg.train.gradient_checkpointing
+
+    per_step = []
+    for ranks in steps:
+        timed = []
+        for micro_batches in ranks:
+            parts = [micro_batch_seconds(mb, work, ckpt, rates, dtype, act_bytes) for mb in micro_batches]
+            timed.append({k: sum(p[k] for p in parts) for k in ("compute", "elementwise", "kernels", "flops")}
+                         | {"count": len(micro_batches)})
+        slowest = max(timed, key=lambda t: t["compute"] + t["elementwise"] + t["kernels"])
+        slowest["tokens"] = sum(mb.tokens for r in ranks for mb in r)
+        slowest["computed"] = sum(mb.computed for r in ranks for mb in r)
+        per_step.append(slowest)
+    mean = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+
+    # The optimizer step, on the device or (ZeRO-Offload) on the host, and the collectives.
+    counts = parameter_counts(m, lora)
+    n, deepspeed = plan.world_size, plan.strategy == "deepspeed"
+    trained_bytes = numerics.weight_bytes if (lora is None or numerics.master) else 4  # accelerate keeps adapters fp32
+    frozen_bytes = numerics.frozen_bytes if lora else numerics.weight_bytes
+    elements = math.ceil(counts.trainable / n) if deepspeed else counts.trainable
+    state_bytes = 1 if profile.optimizer == "adamw_8bit" else numerics.state_bytes
+    # DeepSpeed steps its fp32 master partition with an fp32 copy of the gradient partition
+    traffic = adamw_traffic_bytes(elements, 4 if deepspeed else trained_bytes, state_bytes, trained_bytes,
+                                  4 if numerics.master else 0)
+    procs_per_node = max(1, min(n, plan.hardware.gpus_per_node))
+    offload = 0.0
+    if profile.offload_optimizer:
+        optimizer = traffic / (rates.host_memory / procs_per_node)  # CPU Adam; the node's RAM shared by its processes
+        offload = 2 * elements * trained_bytes / rates.host_link  # gradients down, updated weights up
+    else:
+        optimizer = traffic / rates.memory
+    weights_bytes = counts.trainable * trained_bytes + (counts.total - counts.trainable) * frozen_bytes
+    micro_batches = mean["count"]
+    if deepspeed and plan.zero_stage == 3 and cfg.distributed.offload_params:  # every shard crosses the host link
+        offload += micro_batches * (2 + (1 if ckpt else 0)) * weights_bytes / n / rates.host_link
+    sent = communication_bytes(plan.strategy, plan.zero_stage, n, round(micro_batches), counts.trainable * trained_bytes,
+                               counts.trainable * trained_bytes, weights_bytes, ckpt)
+    nodes = math.ceil(n / plan.hardware.gpus_per_node)
+    bandwidth = rates.link if nodes <= 1 else rates.inter_node
+    communication = sum(sent.values()) / bandwidth
+    seconds = mean["compute"] + mean["elementwise"] + mean["kernels"] + optimizer + offload + communication
+    return StepTime(seconds=seconds, compute=mean["compute"], elementwise=mean["elementwise"], kernels=mean["kernels"],
+                    optimizer=optimizer, offload=offload, communication=communication, flops=mean["flops"],
+                    tokens=mean["tokens"], computed_tokens=mean["computed"], pairs=cfg.train.global_batch_size,
+                    micro_batches=micro_batches, bytes={"optimizer": traffic, **sent})

@@ -1,0 +1,154 @@
+"""rm.plan: the step-time model's arithmetic by hand, the search's rules, and the command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rm.plan.steptime import MicroBatch, Rates, micro_batch, micro_batch_flops, model_work
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = model_work(128, 256, 2, 4, 2, 32)  # conf/model/tiny.yaml: 295,040 matmul weights, attention width 2 x 4 x 32 = 256
+# Two pairs: (chosen 5, rejected 3, prompt 2) and (chosen 4, rejected 4, prompt 3).
+C, R, P = [5, 4], [3, 4], [2, 3]
+
+
+def test_padded_packed_and_shared_flops_by_hand():
+    """Full fine-tune, no checkpointing: matmuls 2 N P forward + 4 N P backward = 6 N P, P = 295,040; attention
+    4 x 256 x S forward, twice that backward = 3,072 S.
+
+    - padded: 4 rows of 5 (N = 20), a mask (rows 3 and 4 are shorter), so SDPA computes 4 x 5^2 = 100 entries;
+    - packed: one row of 16, the block-diagonal mask dense: 16^2 = 256 entries; a kernel that skips masked
+      blocks computes the four triangles 15 + 6 + 10 + 10 = 41;
+    - shared: rows of 2+3+1 = 6 and 3+1+1 = 5, padded to 6 (N = 12): 2 x 36 = 72 entries; skipping masked blocks,
+      each side's triangle with the prompt's once: (15 + 6 - 3) + (10 + 10 - 6) = 32.
+    """
+    padded, packed, shared = (micro_batch(layout, C, R, P, False) for layout in ("padded", "packed", "shared"))
+    assert (padded.computed, padded.tokens, padded.attention) == (20, 16, 100)
+    assert (packed.computed, packed.tokens, packed.attention) == (16, 16, 256)
+    assert (shared.computed, shared.tokens, shared.attention) == (12, 16, 72)  # the data's 16 tokens, 12 computed
+    assert micro_batch("packed", C, R, P, True).attention == 41
+    assert micro_batch("shared", C, R, P, True).attention == 32
+    assert micro_batch("packed+shared", C, R, P, True).attention == 32  # one row of both pairs: the same triangles
+
+    flops = {name: micro_batch_flops(mb, TINY, checkpointing=False) for name, mb in
+             (("padded", padded), ("packed", packed), ("shared", shared))}
+    assert flops["padded"]["matmul"] == 6 * 20 * 295_040 == 35_404_800
+    assert flops["padded"]["attention"] == 3_072 * 100
+    assert flops["packed"]["matmul"] == 6 * 16 * 295_040
+    assert flops["packed"]["attention"] == 3_072 * 256
+    assert flops["shared"]["matmul"] == 6 * 12 * 295_040
+    assert flops["shared"]["attention"] == 3_072 * 72
+
+
+def test_checkpointing_and_lora_backward_by_hand():
+    """Checkpointing adds one forward (2 N P + 4 x 256 x S). Under LoRA (r 8 on q and v: 2 x (8 x 256 + 8 x 192)
+    + 128 = 7,296 trained, 294,912 frozen), the frozen weights' backward computes input gradients only:
+    backward = 2 N (2 x 7,296 + 294,912) instead of 4 N (7,296 + 294,912)."""
+    mb = MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True)
+    plain, again = micro_batch_flops(mb, TINY, False), micro_batch_flops(mb, TINY, True)
+    assert again["matmul"] - plain["matmul"] == 2 * 20 * 295_040
+    assert again["attention"] - plain["attention"] == 4 * 256 * 100
+    lora = model_work(128, 256, 2, 4, 2, 32, lora_rank=8, lora_targets=["q_proj", "v_proj"])
+    assert (lora.trained, lora.frozen) == (7_296, 294_912)
+    assert micro_batch_flops(mb, lora, False)["backward"] == 2 * 20 * (2 * 7_296 + 294_912) + 2 * 4 * 256 * 100
+
+
+def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
+    """The CPU micro-benchmark runs once; the next plan reads its cache (keyed by CPU, cores and torch)."""
+    from rm.plan import constants
+
+    calls = []
+    fake = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]}, "attention": {"float32": [[256, 1e9]],
+            "bfloat16": [[256, 1e9]]}, "memory": 1e10, "kernel_seconds": 1e-6}
+    monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "measure_cpu", lambda: calls.append(1) or fake)
+    assert constants.cpu_rates() == fake and constants.cpu_rates() == fake
+    assert len(calls) == 1
+    assert list((tmp_path / "speed").glob("*.json"))
+
+
+def test_a_cuda_profile_without_rates_names_the_key(tiny_cfg):
+    from dataclasses import replace
+
+    from rm.errors import ConfigError
+    from rm.plan.constants import rates_for
+
+    hw = replace(tiny_cfg("hardware=h100_80g").hardware, memory_gbps=None)
+    with pytest.raises(ConfigError, match="hardware.memory_gbps"):
+        rates_for(hw, "cuda")
+    assert rates_for(replace(hw, memory_gbps=3350), "cuda").memory == 3350e9
+
+
+def test_hub_data_gets_a_synthetic_stand_in_that_says_so(tiny_cfg):
+    from rm.plan.lengths import readable_here, stand_in_lengths
+
+    cfg = tiny_cfg("data=hh_helpful")
+    assert "on the Hub" in readable_here(cfg)
+    lengths = stand_in_lengths(64, 32, readable_here(cfg))
+    assert lengths.stand_in and "stand-in" in lengths.source and len(lengths.chosen) == 32
+    assert lengths.chosen.max() <= 64 and (lengths.prefix <= lengths.chosen).all()
+
+
+def _rates() -> Rates:
+    table = {"float32": [[128, 1e10]], "bfloat16": [[128, 1e10]]}
+    return Rates(table, table, memory=1e10, link=1e9, inter_node=1e9, host_link=1e9, host_memory=1e10,
+                 kernel_seconds=1e-6, source="test")
+
+
+def test_user_set_knobs_stay_and_candidates_pass_validation(tiny_cfg):
+    """A knob on the command line is never varied; packing never meets DeepSpeed (rm.validate refuses it); the top
+    candidates are checked by the memory estimator, fastest first."""
+    from rm.plan.lengths import PairLengths
+    from rm.plan.search import plan
+
+    fixed = ["train.gradient_checkpointing=false", "memory_profile=full"]
+    cfg = tiny_cfg(*fixed, "distributed.num_processes=2")
+    lengths = PairLengths.of([20, 30, 12, 40] * 8, [25, 10, 12, 33] * 8, [10, 5, 6, 20] * 8)
+    result = plan(cfg, fixed + ["distributed.num_processes=2"], lengths=lengths, rates=_rates(), top=2)
+    assert result.top and all(c.fits for c in result.top)
+    seconds = [c.step.seconds for c in result.candidates]
+    assert seconds == sorted(seconds)
+    for c in result.candidates:
+        assert c.cfg.train.gradient_checkpointing is False and c.cfg.memory_profile.name == "full"
+        assert not any(o.startswith(("train.gradient_checkpointing", "memory_profile")) for o in c.overrides)
+        assert not (c.cfg.train.packing and c.plan.strategy == "deepspeed")
+    assert any(c.plan.strategy == "deepspeed" for c in result.candidates) == _deepspeed_installed()
+    assert any(c.cfg.train.share_prefix for c in result.candidates)  # not set by the user: varied
+
+
+def _deepspeed_installed() -> bool:
+    import importlib.machinery
+
+    return importlib.machinery.PathFinder.find_spec("deepspeed") is not None
+
+
+def _run(*args, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RM_CACHE": str(tmp_path)}
+    return subprocess.run([sys.executable, "-m", "rm.plan", *args], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_prints_json_whose_top_candidate_fits(tmp_path):
+    proc = _run("experiment=tiny", "model.tokenizer=words", "data.synthetic_train_size=128", "data.synthetic_test_size=16",
+                "train.global_batch_size=8", "train.packing=false", "plan.json=true", "plan.top=2", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)  # nothing else on stdout
+    assert out["top"] and out["top"][0]["verdict"] == "fits"
+    assert out["top"][0]["headroom_bytes"] >= 0 and out["top"][0]["step"]["tokens_per_second"] > 0
+    assert "data=synthetic" in out["lengths"]
+    # memory_profile is not set: the others are tried, listed apart, each marked as training something else
+    assert not any(c["changes_math"] for c in out["top"])
+    assert out["other_profiles"] and all(c["changes_math"] and c["verdict"] == "fits" for c in out["other_profiles"])
+    assert all("train.packing" not in " ".join(c["overrides"]) for c in out["candidates"])
+
+
+def test_cli_bad_plan_key_exits_2_without_traceback(tmp_path):
+    proc = _run("experiment=tiny", "plan.top=0", tmp_path=tmp_path)
+    assert proc.returncode == 2
+    assert "plan.top=0" in proc.stderr and "Traceback" not in proc.stderr
