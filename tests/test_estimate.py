@@ -42,6 +42,26 @@ def test_estimate_matches_measured_peak_within_1_percent(tmp_path, profile, phas
     assert estimate == pytest.approx(measured, rel=0.01), (estimate, measured)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("phase_overrides,phase", [
+    (["train.eval_batch_size=1"], "forward/backward"),
+    (["train.eval_batch_size=64"], "evaluation"),
+])
+def test_qlora_estimate_matches_measured_peak(tmp_path, monkeypatch, fresh_accelerator_state, precision, phase_overrides,
+                                             phase):
+    """The 4-bit base through bitsandbytes on the CPU against the trace's stand-in (rm.memory.trace._as_4bit_linears):
+    under bf16-mixed PEFT casts each adapter output to fp32 before the sum on a CPU, which the trace must follow."""
+    pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
+    overrides = [*FAST_TINY, "memory_profile=qlora", f"train.precision={precision}", "hardware.bf16=true",
+                 "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true", *phase_overrides]
+    rm_train.train(compose(overrides), tmp_path / "run", overrides)
+    memory = json.loads((tmp_path / "run" / "memory.json").read_text())
+    estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
+    assert memory["estimate"]["peak_phase"] == phase
+    assert -0.02 <= estimate / measured - 1 <= 0.05, (estimate, measured)
+
+
 @pytest.mark.parametrize("precision,per_param", [("bf16-mixed", (4, 4, 8)), ("bf16-true", (2, 2, 4)), ("32-true", (4, 4, 8))])
 def test_mistral_7b_model_states_by_hand(precision, per_param):
     """Mistral-7B as a reward model: 7,241,732,096 (causal LM) - 131,072,000 (lm_head) + 4,096 (score)

@@ -135,7 +135,10 @@ class TracedModel:
                 gradient_checkpointing=self.gradient_checkpointing, fp32_head=self.fp32_head, pad_token_id=0,
             )
         if profile.quantize_base != "none":
-            _as_4bit_linears(model, getattr(torch, self.numerics.frozen))
+            # On CUDA under autocast PEFT keeps the adapter's output in autocast's dtype; elsewhere it casts it to
+            # the 4-bit layer's output dtype (torch.is_autocast_enabled() asks about CUDA only).
+            cast_lora_output = not (self.device == "cuda" and self.numerics.autocast is not None)
+            _as_4bit_linears(model, getattr(torch, self.numerics.frozen), cast_lora_output)
         return model
 
 
@@ -155,26 +158,45 @@ class _Dequantised4bitMatmul(torch.autograd.Function):
         return grad @ weight.to(grad.dtype, copy=True), None, None, None
 
 
-def _as_4bit_linears(model: torch.nn.Module, compute_dtype: torch.dtype) -> None:
+def _as_4bit_linears(model: torch.nn.Module, compute_dtype: torch.dtype, cast_lora_output: bool) -> None:
     """Make the decoder's linears compute as bitsandbytes' ``Linear4bit`` does (``forward``): in the dtype of the
     input (fp32 from the fp32 norms ``prepare_model_for_kbit_training`` leaves, whatever ``bnb_4bit_compute_dtype``
     says), the weight dequantised inside the matmul (a transient of the weight's size; autocast casts both inside),
     the output cast back to the input's dtype: under autocast fp32, not autocast's bf16 (measured: a QLoRA
-    evaluation under bf16-mixed 28% above the trace that ran plain linears, 8% with the configured compute dtype)."""
+    evaluation under bf16-mixed 28% above the trace that ran plain linears, 8% with the configured compute dtype).
+
+    A targeted linear's LoRA wrapper runs as PEFT's 4-bit one does (peft/tuners/lora/bnb.py, ``Linear4bit.forward``),
+    not as its plain one: the base output cloned, and with ``cast_lora_output`` the adapter's output cast to the base
+    output's dtype before the sum (measured: a bf16-mixed QLoRA evaluation on the CPU held the fp32 cast of each
+    adapter output beside its sum, 8% above the trace that added autocast's bf16 output)."""
     names = set(ALL_LINEAR)  # the decoder's linears, which bitsandbytes quantises (not the reward head)
 
-    def forward(module, x, wrapped):
+    def forward(module, x):
         # Linear4bit.set_compute_type: an fp32 or bf16 input sets the compute dtype (over bnb_4bit_compute_dtype)
         dtype = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else compute_dtype
-        out = _Dequantised4bitMatmul.apply(x.to(dtype), module.weight, module.bias, dtype).to(x.dtype)
-        # PEFT's LoRA wrapper of a 4-bit linear clones its output "defensively" (peft/tuners/lora/bnb.py)
-        return out.clone() if wrapped else out
+        return _Dequantised4bitMatmul.apply(x.to(dtype), module.weight, module.bias, dtype).to(x.dtype)
+
+    def lora_forward(layer, x, *args, **kwargs):
+        result = layer.base_layer(x, *args, **kwargs).clone()  # PEFT clones a 4-bit output "defensively"
+        for name in layer.active_adapters:
+            if name not in layer.lora_A.keys():
+                continue
+            lora_a, lora_b = layer.lora_A[name], layer.lora_B[name]
+            if cast_lora_output:
+                x = x.to(lora_a.weight.dtype)
+            output = lora_b(lora_a(layer.lora_dropout[name](x))) * layer.scaling[name]
+            if cast_lora_output:
+                output = output.to(result.dtype)  # the uncast output is freed before the sum, as in PEFT
+            result = result + output
+        return result
 
     for name, module in model.named_modules():
         parts = name.split(".")
-        wrapped = parts[-1] == "base_layer"  # PEFT wraps a targeted linear's base
-        if isinstance(module, torch.nn.Linear) and parts[-1 - wrapped] in names:
-            module.forward = functools.partial(forward, module, wrapped=wrapped)
+        if isinstance(module, torch.nn.Linear) and parts[-1] in names:
+            module.forward = functools.partial(forward, module)
+        elif parts[-1] in names and isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
+            module.base_layer.forward = functools.partial(forward, module.base_layer)  # PEFT's wrapper of a target
+            module.forward = functools.partial(lora_forward, module)
 
 
 @dataclass(frozen=True)
