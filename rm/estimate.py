@@ -15,30 +15,22 @@ from rm.memory.suggest import format_suggestions, suggestions
 
 
 def main() -> None:
-    import contextlib
     import json
-    import logging
     import sys
 
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rm.cli import without_bitsandbytes, without_run_dir
+    from rm.cli import answer_only_on_stdout, without_bitsandbytes, without_run_dir
     from rm.config import to_run_config
-    from rm.errors import boundary, run_hydra_app
+    from rm.errors import run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
 
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
-        # stdout carries the answer alone (a table, or JSON for `| python -m json.tool`): logs and library
-        # warnings (bitsandbytes, DeepSpeed, Hydra's console handler writes to stdout) go to stderr.
-        answer = sys.stdout
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
-                handler.setStream(sys.stderr)
-        with boundary(), contextlib.redirect_stdout(sys.stderr):
+        with answer_only_on_stdout() as answer:
             from rm.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
 
             cfg = to_run_config(raw)

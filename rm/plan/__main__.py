@@ -54,29 +54,22 @@ def format_plan(result, label: str) -> str:
 
 
 def main() -> None:
-    import contextlib
     import json
-    import logging
     import sys
 
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rm.cli import without_bitsandbytes, without_run_dir
+    from rm.cli import answer_only_on_stdout, without_bitsandbytes, without_run_dir
     from rm.config import to_run_config
-    from rm.errors import boundary, run_hydra_app
+    from rm.errors import run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
 
     @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
-        # stdout carries the answer alone; logs and library warnings go to stderr.
-        answer = sys.stdout
-        for handler in logging.getLogger().handlers:
-            if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
-                handler.setStream(sys.stderr)
-        with boundary(), contextlib.redirect_stdout(sys.stderr):
+        with answer_only_on_stdout() as answer:
             from rm.memory.report import estimate_label
             from rm.plan.search import plan
 
