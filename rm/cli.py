@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from typing import List, Optional
 
@@ -46,21 +45,3 @@ def without_bitsandbytes() -> None:
     importable here; ``rm.validate`` still finds it installed on the path.
     """
     sys.modules.setdefault("bitsandbytes", None)
-
-
-
-@contextlib.contextmanager
-def answer_only_on_stdout():
-    """For commands whose stdout is their answer (a table, or JSON for ``| python -m json.tool``): inside, logs,
-    library warnings and prints go to stderr (Hydra's console handler writes to stdout), errors pass through
-    :func:`rm.errors.boundary`; yields the real stdout to print the answer on."""
-    import logging
-
-    from rm.errors import boundary
-
-    answer = sys.stdout
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
-            handler.setStream(sys.stderr)
-    with boundary(), contextlib.redirect_stdout(sys.stderr):
-        yield answer

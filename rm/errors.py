@@ -35,7 +35,7 @@ import os
 import re
 import sys
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from typing import Callable, Optional
 
 from rm.launch_env import launch_env
@@ -267,3 +267,16 @@ def run_hydra_app(main: Callable[[], object]) -> None:
             record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
             raise SystemExit(2) from None
         raise
+
+
+@contextmanager
+def answer_only_on_stdout():
+    """For commands whose stdout is their answer (a table, or JSON for ``| python -m json.tool``): inside, logs,
+    library warnings and prints go to stderr (Hydra's console handler writes to stdout), errors pass through
+    :func:`boundary`; yields the real stdout to print the answer on."""
+    answer = sys.stdout
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
+    with boundary(), redirect_stdout(sys.stderr):
+        yield answer
