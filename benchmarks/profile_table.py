@@ -2,6 +2,7 @@
 
     python benchmarks/profile_table.py                 # about 10 minutes on 2 CPU cores
     python benchmarks/profile_table.py --steps 4 --out /tmp/table.md
+    python benchmarks/profile_table.py --rows docs/memory_profiles.rows.jsonl --measure qlora   # one profile again
 
 Every profile trains the same ~50M-parameter Mistral-architecture model (random init, the
 word-level tokenizer, synthetic pairs) for the same steps in a fresh process. Peak memory is counted two ways:
@@ -35,7 +36,9 @@ WHERE = {
     "lora": "frozen base in device memory; adapters + head, their grads and AdamW states (<1%)",
     "8bit": "weights and grads as full; AdamW states in 8 bits (2 bytes/param + block scales)",
     "offload": "weights and grads in device memory; fp32 AdamW states and the step on the CPU (DeepSpeed CPU Adam)",
+    "qlora": "base in 4 bits (NF4, bitsandbytes; 0.5 byte/param + block scales), fp32 norms; adapters + head as lora",
 }
+PROFILES = ["none", *WHERE]
 
 
 def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
@@ -66,6 +69,7 @@ def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
         "peak_rss_mib": usage.ru_maxrss / 1024,
         "step_time_s": sum(times) / len(times) if times else float("nan"),
         "wall_s": time.perf_counter() - start,
+        "load_average": os.getloadavg()[0],  # beside the step time: other processes slow it, not the memory
     }
 
 
@@ -85,14 +89,14 @@ def render(rows: list, steps: int) -> str:
         "Step times come from separate runs without counting (counting slows these steps 5-8x).",
         "On a GPU the same split decides device memory; every profile's estimate against an H100: memory_calibration_gpu.md.",
         "",
-        "| profile | what lives where | peak tensors (MiB) | vs `full` | peak RSS (MiB) | step time (s) |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| profile | what lives where | peak tensors (MiB) | vs `full` | peak RSS (MiB) | step time (s) | load average |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows[1:]:
         tensors, ratio = f"{r['peak_tensor_mib']:.0f}", f"{r['peak_tensor_mib'] / full:.2f}x"
-        lines.append(
-            f"| `{r['profile']}` | {WHERE[r['profile']]} | {tensors} | {ratio} | {r['peak_rss_mib']:.0f} | {r['step_time_s']:.2f} |"
-        )
+        load = f"{r['load_average']:.1f}" if "load_average" in r else "not recorded"
+        lines.append(f"| `{r['profile']}` | {WHERE[r['profile']]} | {tensors} | {ratio} | {r['peak_rss_mib']:.0f} "
+                     f"| {r['step_time_s']:.2f} | {load} |")
     lines += [
         "",
         "On a CPU `offload` moves nothing off the device (the device is the CPU, so its row counts the CPU-side fp32",
@@ -109,13 +113,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", default=str(ROOT / "docs" / "memory_profiles.md"))
     parser.add_argument("--rows", help="render the table from the JSON rows an earlier run printed, without running")
+    parser.add_argument("--measure", nargs="*", choices=PROFILES, default=None,
+                        help="with --rows: measure these profiles again and put them in the rows file")
     args = parser.parse_args()
+    rows = []
     if args.rows:
         rows = [json.loads(line) for line in Path(args.rows).read_text().splitlines() if line.startswith("{")]
-    else:
-        rows = []
+    if not args.rows or args.measure:
+        measure = args.measure or PROFILES
+        rows = [r for r in rows if r["profile"] not in measure]
         with tempfile.TemporaryDirectory() as tmp:
-            for profile in ["none", "full", "lora", "8bit", "offload"]:
+            for profile in measure:
                 # Counting tensors dispatches every operator through Python (5-8x slower here), so the
                 # step time comes from a second, untracked run.
                 row = run(profile, args.steps, Path(tmp), track_memory=True)
@@ -123,6 +131,9 @@ def main() -> None:
                     row["step_time_s"] = run(profile, args.steps, Path(tmp), track_memory=False)["step_time_s"]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
+        rows.sort(key=lambda r: PROFILES.index(r["profile"]))
+        if args.rows:
+            Path(args.rows).write_text("".join(json.dumps(r) + "\n" for r in rows))
     Path(args.out).write_text(render(rows, args.steps))
     print(f"wrote {args.out}")
 

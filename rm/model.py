@@ -119,6 +119,8 @@ def build_model(
             **({"device_map": "cpu"} if quantization is not None and not torch.cuda.is_available() else {}),
         )
         model.config.pad_token_id = pad_token_id
+        if quantization is not None:
+            keep_4bit_weights_on_load(model)
     else:
         config = _config_from_shape(model_cfg, pad_token_id)
         # Build directly in the target dtype: casting afterwards briefly holds two copies.
@@ -135,6 +137,25 @@ def build_model(
     model.config.use_cache = False
     model.train()
     return model
+
+
+def keep_4bit_weights_on_load(model: torch.nn.Module) -> None:
+    """Make a checkpoint's ``load_state_dict`` keep each 4-bit layer's frozen weight as loaded here.
+
+    Why: a module's state dict holds a 4-bit weight with its quantisation state as extra keys (``weight.absmax``,
+    ``weight.quant_map``, ...), which ``load_state_dict`` does not take back (transformers' quantiser does, at
+    ``from_pretrained``), and bitsandbytes repacks the weight in place at a CPU evaluation (another layout, same
+    values). The frozen base is rebuilt from the same weights at every start, so the saved copy is passed over.
+    """
+    def keep(module, state_dict, prefix, *args):
+        for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+            del state_dict[key]
+        if prefix + "weight" in state_dict:
+            state_dict[prefix + "weight"] = module.weight
+
+    for module in model.modules():
+        if type(module).__name__ == "Linear4bit":  # bitsandbytes' class, without importing bitsandbytes here
+            module.register_load_state_dict_pre_hook(keep)
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
