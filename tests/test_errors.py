@@ -170,6 +170,7 @@ def test_printing_clis_exit_2_on_what_hydra_cannot_compose(tmp_path, module, ove
 @pytest.mark.reliability("Entry points", "`rm.gpu_report` with an invalid key (`train.adam_beta1=1.5`)",
                          "each profile's line says why it cannot run, then `no memory profile can run this config` "
                          "naming the key; exit 2")
+@pytest.mark.slow  # rm.gpu_report estimates every profile before it answers
 def test_gpu_report_config_error_exits_2(tmp_path):
     code, out = _run("rm.gpu_report", "experiment=tiny", "train.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
     assert code == 2 and "no memory profile can run this config" in out and "train.adam_beta1=1.5 must be in [0, 1)" in out

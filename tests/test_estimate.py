@@ -42,7 +42,7 @@ def test_estimate_matches_measured_peak_within_1_percent(tmp_path, profile, phas
     assert estimate == pytest.approx(measured, rel=0.01), (estimate, measured)
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("precision", [pytest.param("32-true", marks=pytest.mark.slow), "bf16-mixed"])
 @pytest.mark.parametrize("phase_overrides,phase", [
     (["train.eval_batch_size=1"], "forward/backward"),
     (["train.eval_batch_size=64"], "evaluation"),
@@ -309,6 +309,7 @@ def test_zero2_partition_holds_whole_parameters_on_each_side_of_a_boundary():
     assert zero_partition_numels([16, 8, 8], 4) == [16, 16, 8, 8]
 
 
+@pytest.mark.slow  # the GPU grid's first points trained on the CPU: two minutes on 2 cores
 def test_gpu_calibration_dry_run_writes_its_table(tmp_path):
     """`--device cuda --dry-run`: the GPU grid's first points, on the CPU with the tiny model, through the real CLI."""
     out = tmp_path / "gpu.md"

@@ -59,7 +59,8 @@ def test_help_does_not_load_torch(cli, tmp_path):
     assert proc.stdout.strip().endswith("NO TORCH"), proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("cli", ["rm.estimate", "rm.gpu_report"])
+# rm.gpu_report estimates every profile (a minute on 2 cores): slow; rm.estimate runs the same code path here.
+@pytest.mark.parametrize("cli", ["rm.estimate", pytest.param("rm.gpu_report", marks=pytest.mark.slow)])
 def test_commands_that_only_print_leave_no_run_directory(cli, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(CONF_DIR.parent)}
     proc = subprocess.run([sys.executable, "-m", cli, "experiment=tiny"], capture_output=True, text=True, timeout=300,

@@ -165,6 +165,7 @@ def test_summary_table_shows_what_differs_and_why_jobs_did_not_train():
     assert math.isclose(records[0]["eval_accuracy"], 0.9)
 
 
+@pytest.mark.slow  # parallel jobs on 2 cores; the basic launcher's sweeps run in the default suite
 def test_joblib_launcher_runs_jobs_in_parallel_processes(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     proc = multirun(["hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "train.max_steps=2", "train.seed=1,2"], tmp_path)
