@@ -399,6 +399,7 @@ def _model_shape_errors(m) -> List[str]:
                       "--no-build-isolation (CUDA only), or use model.attn_implementation=sdpa")
     if m.pretrained:
         errors += _pretrained_errors(m.pretrained)
+        errors += _pretrained_tokenizer_errors(m.pretrained, m.tokenizer)
         errors += _pretrained_shape_errors(m)
     return errors
 
@@ -434,6 +435,19 @@ def _pretrained_shape_errors(m) -> List[str]:
     return [f"model.pretrained={m.pretrained} has another shape than model={m.name}, by which the memory estimate sizes "
             f"it: " + ", ".join(f"{key} {config[key]} there, {ours[key]} here" for key in differ)
             + f". Add: {fix} (and model.name=<yours>), or choose the model group of that architecture"]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _pretrained_tokenizer_errors(pretrained: str, tokenizer: Optional[str]) -> List[str]:
+    """The tokenizer comes from a local ``model.pretrained`` unless ``model.tokenizer`` names one: it must be there
+    (a directory of weights alone, such as a saved random init, has none)."""
+    path = Path(pretrained).expanduser()
+    if tokenizer or not (path / "config.json").is_file() or any((path / f).is_file() for f in TOKENIZER_FILES):
+        return []
+    return [f"model.pretrained={pretrained} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): name one with "
+            "model.tokenizer=<directory or Hub id>"]
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

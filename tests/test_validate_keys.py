@@ -19,8 +19,8 @@ from tests.conftest import FAST_TINY
                          "`model.num_key_value_heads=3 must divide model.num_attention_heads=4`")
 @pytest.mark.reliability("Configuration", "`model.attn_implementation=flash_attention_2` without flash-attn",
                          "names the key and the install command (`pip install flash-attn`)")
-@pytest.mark.reliability("Configuration", "`model.pretrained` an empty or non-model directory, or a path that does not exist",
-                         "`is a directory without config.json` / `holds config.json but no weights` / `no such directory, and not a Hub id`")
+@pytest.mark.reliability("Configuration", "`model.pretrained` an empty or non-model directory, a directory of weights without a tokenizer (a saved random init), or a path that does not exist",
+                         "`is a directory without config.json` / `holds config.json but no weights` / `holds no tokenizer ... name one with model.tokenizer=` / `no such directory, and not a Hub id`")
 @pytest.mark.parametrize("overrides,needle", [
     (["train.adam_beta1=1.5"], "train.adam_beta1=1.5 must be in [0, 1)"),
     (["train.adam_beta2=-0.1"], "train.adam_beta2=-0.1 must be in [0, 1)"),
@@ -38,6 +38,7 @@ from tests.conftest import FAST_TINY
     (["model.attn_implementation=flash_attention_2"], "needs flash-attn: pip install flash-attn"),
     (["model.pretrained=EMPTY"], "is a directory without config.json"),
     (["model.pretrained=CONFIG_ONLY"], "holds config.json but no weights"),
+    (["model.pretrained=WEIGHTS_ONLY"], "holds no tokenizer (none of tokenizer.json"),
     (["model.pretrained=/no/such/model/dir"], "no such directory, and not a Hub id"),
 ])
 def test_each_bad_value_is_rejected_naming_its_key(tiny_cfg, tmp_path, overrides, needle):
@@ -45,7 +46,11 @@ def test_each_bad_value_is_rejected_naming_its_key(tiny_cfg, tmp_path, overrides
         pytest.skip("flash-attn is installed")
     (tmp_path / "config_only").mkdir()
     (tmp_path / "config_only" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
-    overrides = [o.replace("EMPTY", str(tmp_path)).replace("CONFIG_ONLY", str(tmp_path / "config_only")) for o in overrides]
+    (tmp_path / "weights_only").mkdir()
+    (tmp_path / "weights_only" / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    (tmp_path / "weights_only" / "model.safetensors").write_bytes(b"")
+    overrides = [o.replace("EMPTY", str(tmp_path)).replace("CONFIG_ONLY", str(tmp_path / "config_only"))
+                 .replace("WEIGHTS_ONLY", str(tmp_path / "weights_only")) for o in overrides]
     with pytest.raises(ConfigError) as err:
         validate(tiny_cfg(*overrides), 1)
     assert needle in str(err.value), str(err.value)
@@ -59,6 +64,7 @@ def test_a_pretrained_directory_must_match_the_model_group(tiny_cfg, tmp_path):
     model_dir = tmp_path / "qwen_small"
     model_dir.mkdir()
     (model_dir / "model.safetensors").write_bytes(b"")  # only its presence is checked here
+    (model_dir / "tokenizer.json").write_text("{}")  # the same
     shape = {"model_type": "qwen2", "vocab_size": 4096, "hidden_size": 384, "intermediate_size": 256,
              "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "tie_word_embeddings": False}
     (model_dir / "config.json").write_text(json.dumps(shape))
