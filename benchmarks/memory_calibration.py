@@ -541,6 +541,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1, help="with --random: the seed of random.Random")
     parser.add_argument("--memtracker", type=int, default=0, metavar="K",
                         help="with --random: run the first K points (and one multi-process point) again under PyTorch's MemTracker")
+    parser.add_argument("--profiles", nargs="*", choices=PROFILE_COLOURS, default=None,
+                        help="with --random: draw memory profiles from these (default: full lora 8bit offload; the "
+                             "default draw is what earlier seeds used, so they stay reproducible)")
     parser.add_argument("--point-timeout", type=int, default=900, help="with --random: seconds before a point counts as failed")
     args = parser.parse_args()
     if args.random_recompute:
@@ -829,7 +832,8 @@ def finish_error_plot(fig, ax, path: Path, band, xlabel: str, title: str, legend
 PRECISIONS_DRAWN = [("32-true", ["train.precision=32-true"]),
                     ("bf16-mixed", ["train.precision=bf16-mixed", "hardware.bf16=true"]),
                     ("bf16-true", ["train.precision=bf16-true", "hardware.bf16=true"])]
-RANDOM_PROFILES = ["full", "lora", "8bit", "offload"]  # qlora needs CUDA
+RANDOM_PROFILES = ["full", "lora", "8bit", "offload"]  # the default draw; --profiles qlora draws QLoRA (slow on a CPU)
+PROFILE_COLOURS = [*RANDOM_PROFILES, "qlora"]
 RANDOM_LAYOUTS = {  # name -> (processes, overrides)
     "1 process": (1, ["distributed=auto"]),
     "DDP": (2, ["distributed=ddp"]),
@@ -869,7 +873,7 @@ def draw_shape(rng) -> dict:
             "intermediate_size": intermediate, "vocab_size": vocab}
 
 
-def draw_point(rng) -> dict:
+def draw_point(rng, profiles=RANDOM_PROFILES) -> dict:
     """One run configuration, every choice independent; validated by the caller."""
     shape = draw_shape(rng)
     layout = rng.choice(list(RANDOM_LAYOUTS))
@@ -879,7 +883,7 @@ def draw_point(rng) -> dict:
     budget = 0
     if packing and rng.random() < 0.6:
         budget = rng.choice([2, 3, 4, 6]) * max_length
-    return {"shape": shape, "profile": rng.choice(RANDOM_PROFILES), "layout": layout, "precision": precision,
+    return {"shape": shape, "profile": rng.choice(profiles), "layout": layout, "precision": precision,
             "micro": rng.randint(1, 4), "accumulation": rng.randint(1, 4), "max_length": max_length,
             "checkpointing": rng.random() < 0.5, "packing": packing, "max_tokens": budget,
             "share_prefix": rng.random() < 0.3,
@@ -918,7 +922,7 @@ def point_cost(p: dict, cfg) -> tuple:
     return counts.total, (8 if p["checkpointing"] else 6) * non_embedding * tokens * weight
 
 
-def draw_valid_points(n: int, seed: int):
+def draw_valid_points(n: int, seed: int, profiles=RANDOM_PROFILES):
     """``n`` points the project's validation accepts; the refused draws counted by reason."""
     import random
     import re
@@ -929,7 +933,7 @@ def draw_valid_points(n: int, seed: int):
     rng = random.Random(seed)
     points, redrawn = [], {}
     while len(points) < n:
-        p = draw_point(rng)
+        p = draw_point(rng, profiles)
         nproc = RANDOM_LAYOUTS[p["layout"]][0]
         cfg = compose(random_overrides(p))
         try:
@@ -1055,9 +1059,11 @@ def random_main(args) -> None:
     """``--random N --seed S``: draw, run, and write docs/memory_calibration_random.{json,md,png} after every point."""
     out = Path(args.out or RANDOM_DOC)
     results = out.with_suffix(".json")
+    profiles = args.profiles or RANDOM_PROFILES
     command = f"python benchmarks/memory_calibration.py --random {args.random} --seed {args.seed}" + (
-        f" --memtracker {args.memtracker}" if args.memtracker else "")
-    points, redrawn = draw_valid_points(args.random, args.seed)
+        f" --memtracker {args.memtracker}" if args.memtracker else "") + (
+        f" --profiles {' '.join(profiles)}" if args.profiles else "")
+    points, redrawn = draw_valid_points(args.random, args.seed, profiles)
     tracked = set(range(min(args.memtracker, len(points))))
     if args.memtracker and not any(RANDOM_LAYOUTS[points[i]["layout"]][0] > 1 for i in tracked):
         multi = [i for i, p in enumerate(points) if RANDOM_LAYOUTS[p["layout"]][0] > 1]
@@ -1195,12 +1201,12 @@ def plot_random(rows: list, path: Path) -> None:
 
     markers = dict(zip(RANDOM_LAYOUTS, "os^vDP"))
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for profile in RANDOM_PROFILES:
+    for profile in PROFILE_COLOURS:
         for layout, marker in markers.items():
             pts = [(m, e) for r in rows if "errors_per_rank_pct" in r and r["point"]["profile"] == profile
                    and r["point"]["layout"] == layout for m, e in zip(r["measured_per_rank_mib"], r["errors_per_rank_pct"])]
             if pts:
-                ax.scatter(*zip(*pts), marker=marker, s=22, color=f"C{RANDOM_PROFILES.index(profile)}",
+                ax.scatter(*zip(*pts), marker=marker, s=22, color=f"C{PROFILE_COLOURS.index(profile)}",
                            label=f"{profile}, {layout}")
     finish_error_plot(fig, ax, path, (RANDOM_MISS_UNDER, RANDOM_MISS_OVER, "target"),
                       "measured peak of live tensor bytes, each rank (MiB)",

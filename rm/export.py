@@ -45,7 +45,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rm.errors import ConfigError, StorageError, boundary
-from rm.model import last_token_index, sequence_rewards
+from rm.model import evaluate_4bit_as_trained, last_token_index, sequence_rewards
 from rm.precision import Precision
 from rm.tokenizer import write_tokenizer_compat_fields
 
@@ -273,7 +273,9 @@ def adapter_base_model(directory: Path, base_model: Union[torch.nn.Module, str, 
     pad_token_id = AutoTokenizer.from_pretrained(directory).pad_token_id
     with _without_adapter(Path(name)) as path:
         # Hub checkpoints default to two labels and, for Mistral/Llama, no pad id.
-        return AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=pad_token_id)
+        # A 4-bit base (QLoRA) evaluates as it trained (rm.model.evaluate_4bit_as_trained)
+        return evaluate_4bit_as_trained(
+            AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, pad_token_id=pad_token_id))
 
 
 @contextmanager

@@ -156,6 +156,20 @@ def keep_4bit_weights_on_load(model: torch.nn.Module) -> None:
     for module in model.modules():
         if type(module).__name__ == "Linear4bit":  # bitsandbytes' class, without importing bitsandbytes here
             module.register_load_state_dict_pre_hook(keep)
+    evaluate_4bit_as_trained(model)
+
+
+def evaluate_4bit_as_trained(model: torch.nn.Module) -> torch.nn.Module:
+    """Turn off bitsandbytes' CPU inference kernel in every 4-bit layer, so that evaluation computes as training does.
+
+    Why: on a CPU with AVX512-BF16 bitsandbytes evaluates a 4-bit layer through a bf16 kernel after repacking its
+    weight in place, which needs out_features divisible by 32 (an intermediate size of 504 fails the evaluation with
+    "N must be divisible by block_n") and scores in bf16 what trained in fp32.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -190,29 +190,32 @@ def rewards_of(model, tokenizer, texts):
 
 def test_qlora_adapter_and_merged_bundles_match_rm_score(qlora, pairs, tmp_path):
     """Both exports of a QLoRA run, loaded by plain transformers, give rm.score's rewards: the adapter on its
-    4-bit base (bitsandbytes needed), and the merged bundle (no quantisation left: plain transformers alone).
-    The merge itself is exact up to fp32 rounding against the adapter on the 4-bit base computed through the
-    dequantised weights; bitsandbytes' CPU inference kernel (AVX512-BF16 machines) computes in bf16 instead, which is
-    the merge error the README states."""
+    4-bit base (bitsandbytes needed) computed through the dequantised weights, as it trained and as rm scores it
+    (rm.model.evaluate_4bit_as_trained), and the merged bundle (no quantisation left: plain transformers alone),
+    which is the same model up to fp32 rounding. bitsandbytes' own CPU inference kernel (AVX512-BF16 machines)
+    computes in bf16 instead: a consumer that keeps it differs by about 5e-3, the figure the README states."""
     import bitsandbytes as bnb
+    from bitsandbytes.functional import has_avx512bf16
 
     merged, texts = qlora / "merged", texts_of(pairs)
     assert "quantization_config" in json.loads((qlora / "config.json").read_text())  # the base trained on
     assert "quantization_config" not in json.loads((merged / "config.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(qlora)
-    adapter = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
     want = rm_score(qlora, [{"text": t} for t in texts], tmp_path)
+    adapter = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
+    layers = [m for m in adapter.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers
+    for layer in layers:  # the dequantising path training took, instead of the bf16 inference kernel
+        layer.support_avx512bf16_for_cpu = False
     assert close(rewards_of(adapter, tokenizer, texts), want)
     plain = AutoModelForSequenceClassification.from_pretrained(merged).eval()
     merged_rewards = rm_score(merged, [{"text": t} for t in texts], tmp_path)
     assert close(rewards_of(plain, tokenizer, texts), merged_rewards)
-    # A fresh load: the first inference forward repacks the 4-bit weights for the bf16 kernel, for good.
-    fresh = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
-    layers = [m for m in fresh.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    assert layers
-    for layer in layers:  # the dequantising path training took, instead of the bf16 inference kernel
-        layer.support_avx512bf16_for_cpu = False
-    assert close(rewards_of(fresh, tokenizer, texts), merged_rewards)
+    assert close(merged_rewards, want)  # the merge: exact up to fp32 rounding
+    if has_avx512bf16():  # a fresh load keeps the kernel: bf16 rewards, near but not equal
+        fresh = AutoModelForSequenceClassification.from_pretrained(qlora).eval()
+        kernel = torch.as_tensor(rewards_of(fresh, tokenizer, texts), dtype=torch.float32)
+        assert 0 < float((kernel - want).abs().max()) < 2e-2
 
 
 def test_a_merge_that_cannot_dequantise_says_why(qlora, tmp_path):
