@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 import types
 from contextlib import nullcontext
@@ -14,6 +13,7 @@ from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
+from filelock import FileLock
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
@@ -52,22 +52,24 @@ def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
     """A model built from ``model_cfg``'s shape at the current seed, saved once in :func:`random_init_cache`.
 
     Keyed by the shape and ``torch.initial_seed()`` (what ``set_seed`` set), so that a run, its resume and the
-    export's rebuilt base load the same weights; written under a temporary name and renamed, so that processes
-    starting together never read a half-written one.
+    export's rebuilt base load the same weights; built by one process at a time (a file lock beside it) and written
+    under a temporary name and renamed, so that no process reads a half-written one.
     """
     config = _config_from_shape(model_cfg, pad_token_id)
     key = hashlib.sha256(f"{config.to_json_string()}|{torch.initial_seed()}".encode()).hexdigest()[:16]
     path = random_init_cache() / f"{model_cfg.model_type}-{key}"
-    if not (path / "config.json").is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # One process builds and saves; the others started beside it wait, then load what it wrote (measured: two ranks
+    # saving at once let one read a config.json transformers did not recognise).
+    with FileLock(str(path) + ".lock"):
+        if (path / "config.json").is_file():
+            return path
         with torch.random.fork_rng(devices=[]):  # the run's own draws go on as if nothing was drawn here
             model = AutoModelForSequenceClassification.from_config(config, attn_implementation=model_cfg.attn_implementation)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
         model.save_pretrained(tmp, safe_serialization=True)
-        try:
-            os.rename(tmp, path)
-        except OSError:  # another process saved it first: the same weights
-            shutil.rmtree(tmp, ignore_errors=True)
+        del model
+        os.rename(tmp, path)
         log.info("saved the random init of model=%s to %s to load it quantised", model_cfg.name, path)
     return path
 
