@@ -1022,6 +1022,7 @@ def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: b
 
         lines = [line for line in err.strip().splitlines() if line.strip()]
         errors = [line for line in lines if re.search(r"\w+(Error|Exception): |\] - error: |timed out after", line)]
+        errors = [line for line in errors if "ChildFailedError" not in line] or errors  # the rank's own, not torchrun's
         out["failed"] = ((errors or lines or [f"exit {rc}"])[-1])[:300]
         return out
     out.update(point_result(json.loads(memory_file.read_text()), memtracker))
