@@ -123,6 +123,7 @@ def build_model(
         model.config.pad_token_id = pad_token_id
         if quantization is not None:
             keep_4bit_weights_on_load(model)
+            evaluate_4bit_as_trained(model)
     else:
         config = _config_from_shape(model_cfg, pad_token_id)
         # Build directly in the target dtype: casting afterwards briefly holds two copies.
@@ -158,7 +159,6 @@ def keep_4bit_weights_on_load(model: torch.nn.Module) -> None:
     for module in model.modules():
         if type(module).__name__ == "Linear4bit":  # bitsandbytes' class, without importing bitsandbytes here
             module.register_load_state_dict_pre_hook(keep)
-    evaluate_4bit_as_trained(model)
 
 
 def evaluate_4bit_as_trained(model: torch.nn.Module) -> torch.nn.Module:
