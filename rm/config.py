@@ -174,6 +174,10 @@ class TrainConfig:
     # (0: micro_batch_size pairs each); activations follow this budget; must be 0 or >= 2 x data.max_length
     share_prefix: bool = False  # one sequence per pair, prompt + chosen end + rejected end: the shared prompt is
     # computed once (same rewards and gradient); a 4D mask of rows x T x T (sdpa/eager) per micro-batch
+    layout: str = "auto"  # auto: the fastest layout that fits, as rm.plan predicts it for this data and hardware
+    # (rm/plan/auto.py), over the knobs micro_batch_size, gradient_checkpointing, group_by_length, packing,
+    # max_tokens_per_micro_batch and share_prefix that are left at their default here and not set on the command
+    # line; given: every knob as configured. Neither changes what trains: the same pairs, gradients and updates.
     learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

@@ -120,6 +120,15 @@ class RunDir:
         """:func:`rm.checkpoint.save_checkpoint` into this directory (every process calls it)."""
         return save_checkpoint(engine, self.path, step, keep, fingerprint, train_state)
 
+    def saved_fingerprint(self) -> Optional[Dict]:
+        """The settings fingerprint (:func:`rm.resume.fingerprint`) of the newest checkpoint that has one, unverified:
+        what a resumed ``train.layout=auto`` run takes its layout from (every checkpoint of a run has the same)."""
+        for _, path in reversed(list_checkpoints(self.path, complete=False)):
+            found = checkpoint_state(path).get("fingerprint")
+            if found:
+                return found
+        return None
+
     def restore(self, engine, cfg: RunConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
         """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
         loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).

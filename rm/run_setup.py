@@ -1,8 +1,8 @@
 """Everything a training run holds before its first step, built once into one :class:`Run`.
 
 The order keeps a refused run from touching an earlier run's files: settings and memory first
-(:mod:`rm.preflight`), then the engine, the tokenizer and the data (each checked before anything is
-written), the memory verdict at the data's own micro-batches, then the model, and last the checkpoint
+(:mod:`rm.preflight`), then the tokenizer and the data (each checked before anything is written), the layout
+``train.layout=auto`` picks for that data (:mod:`rm.plan.auto`), the engine, the memory verdict at the data's own micro-batches, then the model, and last the checkpoint
 to resume from.
 """
 
@@ -30,6 +30,8 @@ from rm.lost_updates import LostUpdateProbe
 from rm.memory.terms import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
 from rm.metrics import MetricsLog
+from rm.plan.auto import LayoutChoice, choose_layout
+from rm.plan.lengths import lengths_of
 from rm.model import (build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled,
                       quantization_state_tensors)
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
@@ -50,7 +52,8 @@ class Run:
     """A training run as :func:`setup` builds it: what the loop, the checkpoints and the export read.
 
     Attributes:
-        cfg: the config as composed; never changed. What the run resolved is in ``plan``.
+        cfg: the config as composed, with the layout ``train.layout=auto`` chose (:mod:`rm.plan.auto`); never changed
+            after that. What the run resolved is in ``plan``.
         plan: the values derived and resolved once (``rm.validate``, ``rm.preflight``).
         estimate: the pre-flight memory estimate sized at the largest micro-batch this data forms
             (:func:`rm.preflight.data_preflight`; ``None`` with ``preflight=off``).
@@ -89,15 +92,12 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     """Validate, estimate, and build everything the loop needs; restore a checkpoint with ``train.resume``.
 
     Args:
-        cfg: the typed config; read, never changed.
+        cfg: the typed config; read, never changed (``train.layout=auto``'s choice is a new config, ``Run.cfg``).
         directory: the run directory, entered (locked and accepted on the main process).
         overrides: the Hydra overrides ``cfg`` came from (:func:`rm.preflight.preflight`).
         cleanup: undoes the memory monitor's dispatch mode however the run ends.
     """
-    t = cfg.train
     plan, estimate = plan_run(cfg, overrides)
-    engine = _start_engine(cfg, plan, directory)
-    run_dir = directory.path
 
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
     # back, so its checkpoints meet the tokenizer they were trained with.
@@ -108,6 +108,17 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # The exported model's readers must see the tokens training saw, on texts like the run's own.
     check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64])))
+    # train.layout=auto picks the layout by this data's lengths, before the engine (DeepSpeed's config holds the
+    # micro-batch) and the model (checkpointing) are built; every rank computes the same choice from the same data.
+    lengths = lengths_of(train_set, [eval_set, *extra_eval_sets.values()], f"data={cfg.data.name}")
+    cfg, plan, layout = choose_layout(cfg, plan, overrides, lengths,
+                                      pinned=directory.saved_fingerprint() if resuming else None)
+    if layout is not None:
+        log.info("%s", layout.describe())
+        overrides = [*overrides, *layout.changed]  # what the pre-flight composes its suggestions with
+    t = cfg.train
+    engine = _start_engine(cfg, plan, directory)
+    run_dir = directory.path
     total_steps = total_training_steps(cfg, len(train_set))
     # rows are prefix + both suffixes: the budget, the grouping and the estimate count those tokens
     shared = log_prefix_sharing(train_set) if t.share_prefix else None
@@ -145,7 +156,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     monitor = MemoryMonitor(engine.device, track_cpu_tensors=t.track_memory).start()
     cleanup.callback(monitor.stop)
     model = _build_model(cfg, plan, engine, tokenizer.pad_token_id, monitor, total_steps)
-    log.info(summary(cfg, plan, engine, total_steps, len(train_set)))
+    log.info(summary(cfg, plan, engine, total_steps, len(train_set), layout))
     watch_lost_updates(health, engine, cfg, total_steps)
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
@@ -273,7 +284,8 @@ def rebuild_base(run: Run) -> torch.nn.Module:
                        run.cfg.memory_profile.quantize_base, init_device(run.cfg, run.plan, run.engine))
 
 
-def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int) -> str:
+def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int,
+            layout: Optional[LayoutChoice] = None) -> str:
     trainable, total = count_parameters(engine.unwrapped_model())
     t = cfg.train
     states = "CPU (ZeRO-Offload)" if cfg.memory_profile.offload_optimizer else plan.device
@@ -292,6 +304,11 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
         f"schedule         {total_steps} steps = {total_steps * t.global_batch_size / num_pairs:.2f} epochs of {num_pairs:,} pairs,"
         f" lr {t.learning_rate:g} {t.lr_scheduler_type}, warmup {t.warmup_ratio:g}",
         f"gradient ckpt    {'on' if t.gradient_checkpointing else 'off'}",
+        f"layout           {layout_of(t.packing, t.share_prefix)}"
+        + (f", token budget {t.max_tokens_per_micro_batch}" if t.max_tokens_per_micro_batch else "")
+        + (", grouped by length" if t.group_by_length else "")
+        + (f"; train.layout=auto: {' '.join(layout.changed) or 'as configured'} ({layout.reason})" if layout else
+           "; train.layout=given"),
     ]
     return "run summary\n  " + "\n  ".join(lines)
 

@@ -35,6 +35,7 @@ CHOICES = {
     "data.on_malformed": ON_MALFORMED,
     "train.precision": ("auto", *PRECISION_NAMES, *PRECISION_ALIASES),
     "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
+    "train.layout": ("auto", "given"),
     "preflight.mode": ("error", "warn", "off"),
     "sweep.on_failure": ("raise", "continue"),
     "health.on_nonfinite": ("stop", "skip"),

@@ -42,6 +42,8 @@ FAST_TINY = [
     # experiment=tiny shares prefixes (the fastest on a CPU); the tests of the other layouts need it off,
     # and tests/test_prefix_sharing.py turns it on where it is tested.
     "train.share_prefix=false",
+    # Each test names the layout it tests; train.layout=auto (the default) is tested in tests/test_plan.py.
+    "train.layout=given",
 ]
 
 

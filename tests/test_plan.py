@@ -152,3 +152,73 @@ def test_cli_bad_plan_key_exits_2_without_traceback(tmp_path):
     proc = _run("experiment=tiny", "plan.top=0", tmp_path=tmp_path)
     assert proc.returncode == 2
     assert "plan.top=0" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# train.layout=auto (rm.plan.auto): the run's own choice among the layouts that do not change what trains.
+
+# Multi-turn-like pairs: long shared prompts, short answers, so sharing the prompt clearly computes less.
+MULTI_TURN = ([220, 150, 90, 60] * 16, [200, 160, 95, 50] * 16, [180, 130, 80, 40] * 16)
+
+
+def _auto(tiny_cfg, *overrides, pinned=None, rates=None):
+    from rm.plan import auto
+    from rm.plan.lengths import PairLengths
+    from rm.validate import validate
+
+    cfg = tiny_cfg("train.layout=auto", *overrides)  # the knobs FAST_TINY sets stay free unless passed here
+    plan = validate(cfg, 1)
+    lengths = PairLengths.of(*MULTI_TURN)
+    if rates is not None:
+        import rm.plan.constants as constants
+
+        original = constants.rates_for
+        constants.rates_for = lambda hw, device: rates
+        try:
+            return cfg, auto.choose_layout(cfg, plan, list(overrides), lengths, pinned=pinned)
+        finally:
+            constants.rates_for = original
+    return cfg, auto.choose_layout(cfg, plan, list(overrides), lengths, pinned=pinned)
+
+
+def test_auto_layout_varies_only_the_users_unset_layout_knobs(tiny_cfg):
+    """On long shared prompts the choice shares them; what trains (profile, precision, batch, lr, distribution) and
+    every knob set on the command line or away from its schema default stays as it was."""
+    from rm.plan.auto import user_knobs
+    from rm.plan.search import KNOBS
+
+    cfg, (chosen, plan, choice) = _auto(tiny_cfg, "train.gradient_checkpointing=true", "train.global_batch_size=16",
+                                        rates=_rates())
+    assert "train.gradient_checkpointing" in user_knobs(cfg, ["train.gradient_checkpointing=true"])
+    assert choice.changed and chosen.train.share_prefix and not cfg.train.share_prefix
+    assert chosen.train.gradient_checkpointing is True
+    assert choice.seconds < choice.given_seconds
+    for key in ("learning_rate", "global_batch_size", "precision", "seed", "max_steps"):
+        assert getattr(chosen.train, key) == getattr(cfg.train, key)
+    assert (chosen.memory_profile, chosen.distributed, chosen.model) == (cfg.memory_profile, cfg.distributed, cfg.model)
+    assert plan.micro_batch_size == chosen.train.micro_batch_size
+    assert all(o.split("=")[0] in KNOBS for o in choice.changed)
+
+    _, (kept, _, choice) = _auto(tiny_cfg, "train.share_prefix=false", rates=_rates())
+    assert kept.train.share_prefix is False and "train.share_prefix=false" in choice.kept
+
+
+def test_auto_layout_given_and_resumed_runs(tiny_cfg):
+    """train.layout=given changes nothing; a resumed run takes its checkpoint's layout, whatever is fastest now."""
+    cfg, (same, plan, choice) = _auto(tiny_cfg, "train.layout=given", rates=_rates())
+    assert same is cfg and choice is None
+    pinned = {"train.share_prefix": False, "train.packing": True, "train.max_tokens_per_micro_batch": 0,
+              "train.group_by_length": False, "train.micro_batch_size": 2, "train.gradient_checkpointing": True}
+    cfg, (resumed, plan, choice) = _auto(tiny_cfg, pinned=pinned, rates=_rates())
+    assert resumed.train.packing and not resumed.train.share_prefix and plan.micro_batch_size == 2
+    assert "resumed" in choice.reason
+
+
+def test_auto_layout_never_picks_what_does_not_fit(tiny_cfg):
+    """With a device too small for any faster layout's activations, the layout as configured stays (the pre-flight
+    then decides about it); with room, the same call picks a faster one."""
+    from dataclasses import replace
+
+    _, (_, _, roomy) = _auto(tiny_cfg, rates=_rates())
+    assert roomy.changed
+    cfg, (chosen, _, choice) = _auto(tiny_cfg, "hardware.device_memory_gib=0.0005", rates=_rates())
+    assert chosen is cfg and not choice.changed and "fits" in choice.reason

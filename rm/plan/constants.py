@@ -1,8 +1,9 @@
 """The hardware's rates for the step-time model: a CUDA profile's datasheet figures, or a CPU's measured ones.
 
 A CPU reaches a fraction of its peak that depends on the size of the product and on the op, so its rates are
-measured on it (:func:`measure_cpu`, a few hundred milliseconds): matmul FLOP/s in fp32 and bf16 at three widths
-a reward model's projections have (the rate at a model's width is interpolated between them), the attention
+measured on it (:func:`measure_cpu`, a few seconds): matmul FLOP/s in fp32 and bf16 at three widths a reward
+model's projections have and three micro-batch sizes (the rate of a model's width and micro-batch is interpolated
+between them), the attention
 kernel's FLOP/s (SDPA with a mask, as the padded, packed and prefix-shared layouts call it), memory bandwidth
 (a large copy) and the fixed cost of one op through autograd, forward and backward. Each figure is the best of a
 few repeats: other jobs on the machine only slow a repeat down. The result is cached per machine, keyed by the
@@ -28,9 +29,11 @@ from rm.plan.steptime import Rates
 
 GB = 1e9
 # Bumped when what is measured changes: older cache entries are then measured again.
-BENCHMARK_VERSION = 1
+BENCHMARK_VERSION = 2
 WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-class hidden sizes
-TOKENS = 512  # rows of each measured product: a micro-batch's tokens
+# Rows of each measured product: a micro-batch's tokens. A product's rate on a CPU grows with its rows as well as its
+# width (measured: width 256 reached ~35 GFLOP/s at 512 rows and ~100 in training micro-batches of ~8,000 tokens).
+TOKENS = (256, 1024, 4096)
 PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps", "host_memory_gbps")
 
 
@@ -86,9 +89,10 @@ def measure_cpu() -> Dict:
         name = str(dtype).removeprefix("torch.")
         table = []
         for width in WIDTHS:
-            a = torch.randn(TOKENS, width, dtype=dtype)
             b = torch.randn(width, 4 * width, dtype=dtype)  # a projection up to the MLP's width
-            table.append([width, 2 * TOKENS * width * 4 * width / _best(lambda: a @ b)])
+            for rows in TOKENS:
+                a = torch.randn(rows, width, dtype=dtype)
+                table.append([width, rows, 2 * rows * width * 4 * width / _best(lambda: a @ b)])
         out["matmul"][name] = table
         # SDPA with a boolean mask over 8 heads of 64 at 512 tokens: 4 x 8 x 64 x 512^2 FLOPs
         heads, dim, length = 8, 64, 512
@@ -174,7 +178,7 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
 
 def describe(rates: Rates) -> List[str]:
     """The rates in words, for the table's header."""
-    mm = ", ".join(f"{d} {max(r for _, r in t) / 1e12:.3g}" for d, t in rates.matmul.items())
+    mm = ", ".join(f"{d} {max(entry[-1] for entry in t) / 1e12:.3g}" for d, t in rates.matmul.items())
     return [f"rates ({rates.source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
             f"link {rates.link / GB:.3g} GB/s; host link {rates.host_link / GB:.3g} GB/s"
             + (f"; {rates.kernel_seconds * 1e6:.1f} us an op" if rates.kernel_seconds else "")]

@@ -72,18 +72,25 @@ def data_lengths(cfg: RunConfig) -> PairLengths:
     if why is not None:
         return stand_in_lengths(cfg.data.max_length, cfg.plan.stand_in_pairs, why)
     from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs
-    from rm.data.collator import common_prefix_length
-    from rm.data.tokenise import pair_lengths
     from rm.tokenizer import run_tokenizer
 
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     train, evaluation, _ = build_datasets(cfg.data, tokenizer)
     extra = build_extra_eval_sets(cfg.data, tokenizer)
+    return lengths_of(train, [evaluation, *extra.values()],
+                      f"data={cfg.data.name}: {len(train):,} training pairs, tokenised as the run tokenises them")
+
+
+def lengths_of(train, eval_sets: Sequence, source: str) -> PairLengths:
+    """The lengths of tokenised pair sets (``chosen_input_ids``/``rejected_input_ids`` columns); ``None`` eval sets
+    are passed over."""
+    from rm.data.collator import common_prefix_length
+    from rm.data.tokenise import pair_lengths
+
     chosen, rejected = pair_lengths(train)
     prefix = [common_prefix_length(c, r) for c, r in zip(train["chosen_input_ids"], train["rejected_input_ids"])]
-    evals = tuple(pair_lengths(ds) for ds in [evaluation, *extra.values()] if ds is not None)
-    return PairLengths.of(chosen, rejected, prefix, eval=evals,
-                          source=f"data={cfg.data.name}: {len(chosen):,} training pairs, tokenised as the run tokenises them")
+    evals = tuple(pair_lengths(ds) for ds in eval_sets if ds is not None)
+    return PairLengths.of(chosen, rejected, prefix, eval=evals, source=source)
 
 
 def stand_in_lengths(max_length: int, pairs: int, why: str, seed: int = 0) -> PairLengths:

@@ -182,15 +182,17 @@ def _knob_overrides(cfg: RunConfig, knobs: Dict) -> List[str]:
             if getattr(cfg.train, k) != v]
 
 
-def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple) -> Tuple[List[Candidate], int]:
+def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
+               fixed: Optional[set] = None) -> Tuple[List[Candidate], int]:
     """Every candidate that passes validation (not yet timed or checked), and how many did not.
 
     Args:
         world: :func:`rm.validate.resolve_world_size`'s answer for ``cfg``.
+        fixed: the keys (and groups) that stay as they are; default: those ``overrides`` set.
     """
     from rm.validate import ConfigError, validate
 
-    fixed = set_keys(overrides)
+    fixed = set_keys(overrides) if fixed is None else fixed
     per_rank = cfg.train.global_batch_size // world[0]
     out, skipped = [], 0
     for extra, profile, dist, changes in _engines(cfg, fixed, world[0]):
@@ -236,9 +238,9 @@ def _verdict_job(index: int) -> Tuple:
     return c.verdict, c.note, c.peak_bytes, c.usable_bytes
 
 
-def verdicts(batch: List[Candidate], lengths: PairLengths) -> List[Tuple]:
+def verdicts(batch: List[Candidate], lengths: PairLengths, workers: int = 2) -> List[Tuple]:
     """:func:`verdict` of each candidate, ``(verdict, note, peak, usable)``: two at a time in forked workers where a
-    second core and fork allow, as :func:`rm.memory.suggest.estimate_each` shares its traces."""
+    second core and fork allow (and ``workers`` is 2), as :func:`rm.memory.suggest.estimate_each` shares its traces."""
     global _JOBS
     import multiprocessing
     import os
@@ -248,7 +250,7 @@ def verdicts(batch: List[Candidate], lengths: PairLengths) -> List[Tuple]:
     _JOBS = [(c, lengths) for c in batch]
     try:
         forkable = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
-        if len(batch) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
+        if workers < 2 or len(batch) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
             return [_verdict_job(i) for i in range(len(batch))]
         with multiprocessing.get_context("fork").Pool(2) as pool:
             return pool.map(_verdict_job, range(len(batch)), chunksize=1)
@@ -256,17 +258,18 @@ def verdicts(batch: List[Candidate], lengths: PairLengths) -> List[Tuple]:
         _JOBS = []
 
 
-def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate) -> List[Candidate]:
+def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate,
+                  workers: int = 2) -> List[Candidate]:
     """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
     layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
-    verdict from ``given``."""
+    verdict from ``given``. ``workers``: 1 checks them in this process (a training process forks nothing)."""
     failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
     fitting: List[Candidate] = []
     queue = list(queue)
     order = list(queue)
     while queue and len(fitting) < top:
         batch = []
-        while queue and len(batch) < max(2, top - len(fitting)):
+        while queue and len(batch) < max(workers, top - len(fitting)):
             c = queue.pop(0)
             if c.size and c.family in failed and failed[c.family] <= c.size:
                 c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
@@ -275,7 +278,7 @@ def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given:
                 fitting += [c] if c.fits else []
             else:
                 batch.append(c)
-        for c, found_verdict in zip(batch, verdicts(batch, lengths)):
+        for c, found_verdict in zip(batch, verdicts(batch, lengths, workers)):
             c.verdict, c.note, c.peak_bytes, c.usable_bytes = found_verdict
             if c.fits:
                 fitting.append(c)

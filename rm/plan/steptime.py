@@ -256,13 +256,26 @@ def adamw_traffic_bytes(elements: int, grad_bytes: int, state_bytes: float, weig
     return int(elements * (grad_bytes + 4 * state_bytes + weight_rw))
 
 
+def _interpolate(points: Sequence, x: float) -> float:
+    """``y`` at ``x`` from ``(x, y)`` points, linear in ``log x``, clamped at the ends."""
+    points = sorted(points)
+    if x <= points[0][0]:
+        return float(points[0][1])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1:
+            f = math.log(x / x0) / math.log(x1 / x0)
+            return float(y0 + f * (y1 - y0))
+    return float(points[-1][1])
+
+
 @dataclass(frozen=True)
 class Rates:
     """What the hardware achieves (:mod:`rm.plan.constants` gives them, with their source).
 
     Attributes:
         matmul: FLOP/s of matmuls per compute dtype (``float32``, ``bfloat16``), as ``[(width, FLOP/s), ...]``
-            sorted by width: a CPU measures several widths, a datasheet gives one figure for all.
+            (a datasheet gives one figure for all) or ``[(width, rows, FLOP/s), ...]`` (a CPU measures products of
+            several sizes: a micro-batch of 256 tokens reaches a fraction of the rate 4,096 tokens do).
         attention: FLOP/s of the attention kernel per compute dtype, same form.
         memory: device memory bytes/s. link, inter_node, host_link, host_memory: bytes/s (one direction).
         kernel_seconds: the fixed cost of one kernel launch (dispatch included), seconds.
@@ -280,20 +293,22 @@ class Rates:
     source: str = ""
 
     @staticmethod
-    def at(table: List, width: int) -> float:
-        """The rate at ``width``, interpolated in log-width between measured widths, clamped at the ends.
+    def at(table: List, width: int, rows: Optional[int] = None) -> float:
+        """The rate of a product of ``rows`` x ``width`` tokens by weights, from a table of ``[width, rate]`` (one
+        figure per width: a datasheet's, or attention's) or ``[width, rows, rate]`` (a CPU's matmuls, whose rate
+        grows with both sides of the product), interpolated in log-width and log-rows, clamped at the ends.
 
         >>> Rates.at([(128, 1e9), (512, 3e9)], 256), Rates.at([(128, 1e9)], 4096)
         (2000000000.0, 1000000000.0)
+        >>> grid = [(128, 256, 1e9), (128, 1024, 3e9), (512, 256, 5e9), (512, 1024, 7e9)]
+        >>> Rates.at(grid, 256, 512), Rates.at(grid, 128, 4096)
+        (4000000000.0, 3000000000.0)
         """
-        points = sorted(table)
-        if width <= points[0][0]:
-            return float(points[0][1])
-        for (w0, r0), (w1, r1) in zip(points, points[1:]):
-            if width <= w1:
-                f = math.log(width / w0) / math.log(w1 / w0)
-                return float(r0 + f * (r1 - r0))
-        return float(points[-1][1])
+        if len(table[0]) == 2:
+            return _interpolate(table, width)
+        rows = rows or max(entry[1] for entry in table)  # no size given: the largest product measured
+        widths = sorted({entry[0] for entry in table})
+        return _interpolate([(w, _interpolate([(n, r) for tw, n, r in table if tw == w], rows)) for w in widths], width)
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -364,7 +379,7 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     """
     flops = micro_batch_flops(mb, work, checkpointing)
     again = 1 if checkpointing else 0
-    compute = flops["matmul"] / Rates.at(rates.matmul[dtype], work.width) + \
+    compute = flops["matmul"] / Rates.at(rates.matmul[dtype], work.width, mb.computed) + \
         flops["attention"] / Rates.at(rates.attention[dtype], work.width)
     elementwise = mb.computed * work.elementwise * act_bytes * (1 + 2 + again)
     if mb.masked:  # a byte a score entry, for each pass
