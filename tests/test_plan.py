@@ -211,6 +211,9 @@ def test_auto_layout_given_and_resumed_runs(tiny_cfg):
     cfg, (resumed, plan, choice) = _auto(tiny_cfg, pinned=pinned, rates=_rates())
     assert resumed.train.packing and not resumed.train.share_prefix and plan.micro_batch_size == 2
     assert "resumed" in choice.reason
+    # A GPU whose profile states no rates (hardware=auto on an unnamed card): nothing to rank by, nothing changes.
+    cfg, (same, _, choice) = _auto(tiny_cfg, "hardware=h100_80g", "hardware.memory_gbps=null")
+    assert same is cfg and not choice.changed and "hardware.memory_gbps" in choice.reason
 
 
 def test_auto_layout_never_picks_what_does_not_fit(tiny_cfg):

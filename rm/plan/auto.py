@@ -76,6 +76,7 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
     Returns:
         ``(cfg, plan, choice)``; ``cfg`` and ``plan`` unchanged and ``choice`` ``None`` with ``train.layout=given``.
     """
+    from rm.errors import ConfigError
     from rm.plan.constants import rates_for
     from rm.validate import validate
 
@@ -97,8 +98,12 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
         fixed.add("train.micro_batch_size")
         base = replace(cfg, train=replace(cfg.train, micro_batch_size=plan.micro_batch_size))
     # The memory profile and the distribution stay as they are: they change what trains, or how the ranks share it.
+    try:
+        rates = rates_for(plan.hardware, plan.device)
+    except ConfigError as err:  # a CUDA profile that states no rates: nothing to rank layouts by
+        return cfg, plan, LayoutChoice((), kept, None, None, f"the layout as configured: {err}")
     found, _ = candidates(base, (), world, fixed=fixed | {"memory_profile", "distributed"})
-    timer = _Timer(lengths, rates_for(plan.hardware, plan.device), cfg.plan.steps)
+    timer = _Timer(lengths, rates, cfg.plan.steps)
     given = Candidate([], cfg=base, plan=plan)
     given.step = timer(given)
     for c in found:

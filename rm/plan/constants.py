@@ -118,21 +118,33 @@ def measure_cpu() -> Dict:
 
 def cpu_rates(refresh: bool = False) -> Dict:
     """This machine's measured rates, from the cache or measured now and cached."""
+    from filelock import FileLock, Timeout
+
     path = cache_dir() / f"{machine_key()}.json"
-    if not refresh:
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            pass
-    measured = measure_cpu()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(measured, indent=1))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: measured again next time
-    return measured
+        # The ranks of one run measure once and read the same figures: train.layout=auto must choose alike on each.
+        lock = FileLock(str(path) + ".lock", timeout=120)
+        lock.acquire()
+    except (OSError, Timeout):
+        lock = None  # a read-only cache: measured here, again next time
+    try:
+        if not refresh:
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                pass
+        measured = measure_cpu()
+        try:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(measured, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+        return measured
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def _given(hw: HardwareConfig) -> Dict[str, Optional[float]]:
