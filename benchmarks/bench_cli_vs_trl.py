@@ -28,9 +28,10 @@ average printed beside each trainer says how idle it was. The default run should
   ``config.json`` as a ``Qwen2Tokenizer``, which re-splits this BPE's text, and rm refuses such a pair), random init from seed 0, saved with ``save_pretrained``; both trainers
   load that directory (rm: ``model.pretrained=<dir>``), so both start from the same weights.
 * **rm** runs as ``python -m rm.train data=local data.train_files=[...] model.pretrained=<dir> ...`` in a subprocess,
-  once with the README's CPU recommendation (``train.share_prefix=true train.group_by_length=true
-  train.micro_batch_size=2``) and once with the schema's default layout (``train.share_prefix=false``,
-  group_by_length, micro-batches of 4). **TRL** runs ``RewardTrainer`` in a subprocess of this script, configured as
+  with no layout flags (``train.layout=auto`` picks them), with the README's CPU recommendation
+  (``train.share_prefix=true train.group_by_length=true train.micro_batch_size=2``) and with the schema's default
+  layout pinned (``train.layout=given``: no prefix sharing, group_by_length, micro-batches of 4); the last two
+  without gradient checkpointing, as TRL runs. **TRL** runs ``RewardTrainer`` in a subprocess of this script, configured as
   bench_vs_trl.py does: 8 pairs per step, max length 512, AdamW lr 1e-3 with linear decay after 3 warm-up steps,
   clipping at 1, fp32, no gradient checkpointing, no dropout, the same threads (``OMP_NUM_THREADS`` for both).
 
@@ -82,8 +83,11 @@ SHAPE = {"model_type": "llama", "hidden_size": 384, "intermediate_size": 1024, "
          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": MAX_LENGTH,
          "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
 RM_LAYOUTS = {  # name: the layout overrides on top of the shared rm command line
-    "rm, README CPU setting": ["train.share_prefix=true", "train.group_by_length=true", "train.micro_batch_size=2"],
-    "rm, default layout": ["train.share_prefix=false"],
+    # What a new user runs: every layout knob left to train.layout=auto (checkpointing included).
+    "rm, no layout flags": [],
+    "rm, README CPU setting": ["train.share_prefix=true", "train.group_by_length=true", "train.micro_batch_size=2",
+                               "train.gradient_checkpointing=false"],
+    "rm, schema defaults (train.layout=given)": ["train.layout=given", "train.gradient_checkpointing=false"],
 }
 TRL = "TRL RewardTrainer"
 
@@ -320,7 +324,7 @@ def rm_command(data: dict, steps: int, run_dir: Path, layout: list[str]) -> list
         "model=llama3_8b", "model.name=bench_llama_3x384", f"model.pretrained={data['model_dir']}",
         f"model.tokenizer={data['tokenizer_dir']}",
         f"model.vocab_size={data['vocab']}", *shape,
-        "hardware=cpu", "memory_profile=full", "train.precision=32-true", "train.gradient_checkpointing=false",
+        "hardware=cpu", "memory_profile=full", "train.precision=32-true",
         f"train.max_steps={steps}", f"train.global_batch_size={PAIRS_PER_STEP}", f"train.eval_batch_size={EVAL_BATCH}",
         f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
         # rm takes a ratio and rounds warm-up steps up: half a step under WARMUP_STEPS rounds to exactly WARMUP_STEPS.

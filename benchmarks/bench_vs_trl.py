@@ -99,7 +99,8 @@ def variants(setup: Setup) -> dict:
         f"rm prefix-shared + packed, flex_attention (budget {budget} tokens)": [
             f"train.micro_batch_size={m}", "train.share_prefix=true", "train.packing=true",
             f"train.max_tokens_per_micro_batch={budget}", "model.attn_implementation=flex_attention"]}
-    return {
+    ckpt = f"train.gradient_checkpointing={str(setup.checkpointing).lower()}"
+    pinned = {  # each row's layout as given, none left to train.layout=auto
         "rm padded": [f"train.micro_batch_size={m}", "train.group_by_length=false"],
         f"rm padded + group_by_length (micro-batch {small})": [f"train.micro_batch_size={small}", "train.group_by_length=true"],
         f"rm packed (budget {budget} tokens)": [f"train.micro_batch_size={m}", "train.packing=true",
@@ -110,6 +111,9 @@ def variants(setup: Setup) -> dict:
             f"train.micro_batch_size={small}", "train.share_prefix=true", "train.group_by_length=true"],
         **flex,
     }
+    # What a new user runs: no layout flag at all, checkpointing included.
+    return {"rm, no layout flags (train.layout=auto)": [],
+            **{name: ["train.layout=given", ckpt, *layout] for name, layout in pinned.items()}}
 
 
 VARIANTS = variants(SETUP)
@@ -227,14 +231,14 @@ def rm_overrides(variant_overrides, setup: Setup = None):
     lora = ["memory_profile=lora", "lora=r16"] if setup.lora else []
     # The pairs are token ids made here (make_pairs): the tokenizer only gives the pad id, so the word-level one is
     # used rather than training the default BPE on texts the run never reads.
-    return ["experiment=tiny", f"hardware={setup.hardware}", "model.tokenizer=words", *setup.shape, *lora,
+    # model=tiny's groups without experiment=tiny, whose layout settings would count as the user's
+    return ["model=tiny", "data=synthetic", *(lora or ["memory_profile=full"]), f"hardware={setup.hardware}",
+            "model.tokenizer=words", *setup.shape,
             f"data.max_length={MAX_LENGTH}", f"train.max_steps={setup.steps}", f"train.global_batch_size={setup.pairs_per_step}",
             "train.eval_batch_size=8", f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
             f"train.warmup_ratio={WARMUP / setup.steps}", "train.max_grad_norm=1.0", f"train.precision={setup.precision}",
-            f"train.gradient_checkpointing={str(setup.checkpointing).lower()}",
             "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={logging}", "preflight.mode=off",
-            # experiment=tiny shares prefixes (the CPU demo's default): off unless the variant turns it on.
-            "train.share_prefix=false", *variant_overrides]
+            *variant_overrides]
 
 
 def run_rm(data, variant_overrides, workdir: Path):
