@@ -214,6 +214,9 @@ def test_auto_layout_given_and_resumed_runs(tiny_cfg):
     # A GPU whose profile states no rates (hardware=auto on an unnamed card): nothing to rank by, nothing changes.
     cfg, (same, _, choice) = _auto(tiny_cfg, "hardware=h100_80g", "hardware.memory_gbps=null")
     assert same is cfg and not choice.changed and "hardware.memory_gbps" in choice.reason
+    # A GPU with its datasheet rates: packing and prefix sharing stay as configured (masked attention unmeasured).
+    cfg, (gpu, _, choice) = _auto(tiny_cfg, "hardware=h100_80g")
+    assert (gpu.train.share_prefix, gpu.train.packing) == (cfg.train.share_prefix, cfg.train.packing)
 
 
 def test_auto_layout_never_picks_what_does_not_fit(tiny_cfg):
