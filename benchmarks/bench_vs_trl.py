@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import resource
 import subprocess
@@ -272,6 +273,26 @@ def run_rm(data, variant_overrides, workdir: Path):
         return train_set, eval_set, {"data": "bench_vs_trl", "policies": {}, "splits": splits}
 
     rm.run_setup.build_datasets = same_pairs  # where the trainer's setup looks it up
+    # Tokens the model computes, padding included (a shared prompt once): the compute ceiling's denominator.
+    import rm.trainer
+
+    computed, moved = [0], rm.trainer.to_device
+
+    def counting(batch, keys, device):
+        if "margin" in keys:  # a training micro-batch (evaluation moves its batches elsewhere)
+            computed[0] += batch["input_ids"].numel()
+        return moved(batch, keys, device)
+
+    rm.trainer.to_device = counting
+    chosen = []  # what train.layout=auto logged it chose
+
+    class Choice(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("train.layout=auto: "):
+                chosen.append(record.getMessage().removeprefix("train.layout=auto: "))
+
+    logging.getLogger("rm.train").addHandler(Choice())
+    logging.getLogger("rm.train").setLevel(logging.INFO)
     result = rm_train.train(cfg, workdir / "run")
     windows = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     windows = [w for w in windows if w["event"] == "train"]
@@ -285,6 +306,7 @@ def run_rm(data, variant_overrides, workdir: Path):
         eval_loss, eval_accuracy = evaluate(model, data["eval"])
     memory = json.loads((workdir / "run" / "memory.json").read_text())["measured"]
     return {"real_tokens": round(tokens), "train_s": seconds, "steps": sum(n for _, n in timed),
+            "computed_tokens_per_step": computed[0] / result["step"], "layout": chosen[0] if chosen else None,
             "final_train_loss": windows[-1]["loss"], "eval_loss": eval_loss, "eval_accuracy": eval_accuracy,
             "peak_allocated_gib": memory.get("peak_allocated_bytes", 0) / 2**30 if "cuda" in memory["method"] else None}
 
@@ -342,6 +364,14 @@ def run_trl(data, workdir: Path):
         gradient_checkpointing_kwargs={"use_reentrant": False} if SETUP.checkpointing else None,
         max_length=MAX_LENGTH, seed=42, dataloader_num_workers=0, disable_dropout=True,
     )
+    computed = [0]
+
+    def count(module, args, kwargs):  # tokens TRL's forwards compute in training, padding included
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if module.training and ids is not None:
+            computed[0] += ids.numel()
+
+    model.register_forward_pre_hook(count, with_kwargs=True)
     trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[Clock()],
                             peft_config=peft)
     Clock.trainer = trainer
@@ -352,7 +382,7 @@ def run_trl(data, workdir: Path):
     end_time, end_tokens = Clock.marks[-1]
     peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     return {"real_tokens": int(end_tokens - start_tokens), "train_s": end_time - start_time,
-            "steps": out.global_step - SETUP.skip_steps, "final_train_loss": losses[-1], "eval_loss": eval_loss,
+            "steps": out.global_step - SETUP.skip_steps, "computed_tokens_per_step": computed[0] / out.global_step, "final_train_loss": losses[-1], "eval_loss": eval_loss,
             "eval_accuracy": eval_accuracy, "peak_allocated_gib": peak}
 
 
@@ -428,17 +458,19 @@ def table(results) -> str:
     trl = results["TRL RewardTrainer"]
     gpu = any(r.get("mfu") is not None for r in results.values())
     memory = "peak allocated (GiB)" if gpu else "peak RSS (MiB)"
-    lines = [f"| trainer | pairs/s | real tokens/s | x TRL | step time (s) | {memory} | x TRL | final train loss "
-             f"| eval loss | eval accuracy |{' MFU |' if gpu else ''} load avg |",
-             f"|---|---|---|---|---|---|---|---|---|---|{'---|' if gpu else ''}---|"]
+    lines = [f"| trainer | pairs/s | real tokens/s | x TRL | compute ceiling | step time (s) | {memory} | x TRL "
+             f"| final train loss | eval loss | eval accuracy |{' MFU |' if gpu else ''} load avg |",
+             f"|---|---|---|---|---|---|---|---|---|---|---|{'---|' if gpu else ''}---|"]
     num = lambda v, f: format(v, f) if v is not None else "n/a"  # noqa: E731
     for name, r in results.items():
         if "error" in r:
-            lines.append(f"| {name} | failed: {r['error'][:120]} |" + " |" * (9 + gpu))
+            lines.append(f"| {name} | failed: {r['error'][:120]} |" + " |" * (10 + gpu))
             continue
         mem, base = (r["peak_allocated_gib"], trl.get("peak_allocated_gib")) if gpu else (r["peak_rss_mib"], trl["peak_rss_mib"])
+        # TRL's computed tokens per step over this trainer's: the speed-up computing less alone would give
+        ceiling = trl.get("computed_tokens_per_step", 0) / r["computed_tokens_per_step"] if r.get("computed_tokens_per_step") else None
         lines.append(f"| {name} | {r['pairs_per_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} "
-                     f"| {r['step_s']:.3f} | {num(mem, ',.2f' if gpu else ',.0f')} | {num(mem / base if mem and base else None, '.2f')} "
+                     f"| {num(ceiling, '.2f')} | {r['step_s']:.3f} | {num(mem, ',.2f' if gpu else ',.0f')} | {num(mem / base if mem and base else None, '.2f')} "
                      f"| {r['final_train_loss']:.4f} | {num(r['eval_loss'], '.4f')} | {num(r['eval_accuracy'], '.3f')} |"
                      f"{' ' + num(100 * r['mfu'] if r.get('mfu') else None, '.1f') + '% |' if gpu else ''} {r['load']:.2f} |")
     return "\n".join(lines)
@@ -493,7 +525,9 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
         print(f"    {r['pairs_per_s']:.2f} pairs/s, {r['tokens_per_s']:,.0f} real tokens/s, {r['step_s']:.3f} s/step, "
               f"peak RSS {r['peak_rss_mib']:,.0f} MiB" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
               + (f", eval accuracy {r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else ""), flush=True)
-    return f"### {name} data\n\n{about}.\n\n{table(results)}\n"
+    picked = [f"`{r['layout']}`" for r in results.values() if r.get("layout")]
+    note = f"\n\nThe no-layout-flags row chose: {'; '.join(picked)}." if picked else ""
+    return f"### {name} data\n\n{about}.\n\n{table(results)}{note}\n"
 
 
 def main() -> None:
