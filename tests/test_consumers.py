@@ -55,6 +55,51 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def qlora(tmp_path_factory):
+    """A QLoRA run of the tiny model on the CPU: its random init saved, loaded in 4-bit NF4, adapters and head
+    trained; final/ holds the 4-bit base with the adapter, final/merged the adapter folded into the dequantised base."""
+    pytest.importorskip("bitsandbytes")
+    from rm.config import to_run_config
+
+    run_dir, cache = tmp_path_factory.mktemp("qlora"), tmp_path_factory.mktemp("rm_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RM_CACHE", str(cache))
+        rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + [
+            "memory_profile=qlora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3"])), run_dir)
+    return run_dir / "final"
+
+
+def rewards_of(model, tokenizer, texts):
+    with torch.no_grad():
+        return model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
+
+
+def four_bit_as_trained(monkeypatch):
+    """Every bitsandbytes ``Linear4bit`` built from here on computes through its dequantised weight, as training did:
+    what a consumer of a QLoRA adapter bundle gets on a GPU, on a CPU without AVX512-BF16, or after setting
+    ``support_avx512bf16_for_cpu = False`` on each 4-bit layer (README, "Use your reward model"). A CPU with
+    AVX512-BF16 otherwise scores in bf16, about 5e-3 away (test_qlora_adapter_and_merged_bundles_match_rm_score)."""
+    import bitsandbytes.nn.modules
+
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: False)
+
+
+@pytest.fixture
+def bundle(request, kind, monkeypatch):
+    """The exported directory of ``kind``: ``full``, ``adapter``, ``merged`` (LoRA), ``qlora-adapter`` (the adapter on
+    its 4-bit base), ``qlora-merged`` (folded into the dequantised base). The QLoRA run starts only when asked for."""
+    if not kind.startswith("qlora"):
+        return request.getfixturevalue("runs")[kind]
+    final = request.getfixturevalue("qlora")
+    if kind == "qlora-adapter":
+        four_bit_as_trained(monkeypatch)
+    return final / "merged" if kind == "qlora-merged" else final
+
+
+BUNDLES = ["full", "merged", "adapter", "qlora-merged", "qlora-adapter"]
+
+
+@pytest.fixture(scope="module")
 def pairs():
     """Synthetic HH pairs of spread lengths, split into prompt and completion at the last assistant turn."""
     rows = generate_pairs(40, seed=3, split="test")
@@ -101,12 +146,12 @@ def close(got, want):
     return torch.allclose(torch.as_tensor(got, dtype=torch.float32), want, atol=TOL, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["full", "merged", "adapter"])
+@pytest.mark.parametrize("kind", BUNDLES)
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_plain_transformers_and_pipeline_match_rm_score(runs, pairs, tmp_path, kind, side):
+def test_plain_transformers_and_pipeline_match_rm_score(bundle, pairs, tmp_path, kind, side):
     """The README's transformers snippet as written (the adapter loads through transformers' PEFT
     integration, onto the base its adapter_config.json names), and ``pipeline(function_to_apply="none")``."""
-    bundle, texts = runs[kind], texts_of(pairs)
+    texts = texts_of(pairs)
     want = rm_score(bundle, [{"text": t} for t in texts], tmp_path)
     scope = {"texts": texts}
     snippet = readme_snippet("transformers").replace(PLACEHOLDER, str(bundle))
@@ -121,10 +166,11 @@ def test_plain_transformers_and_pipeline_match_rm_score(runs, pairs, tmp_path, k
     assert close(default, torch.sigmoid(want[:3]))
 
 
-def test_peft_auto_class_loads_the_adapter_offline(runs, pairs, tmp_path):
+@pytest.mark.parametrize("kind", ["adapter", "qlora-adapter"])
+def test_peft_auto_class_loads_the_adapter_offline(bundle, pairs, tmp_path, kind):
     from peft import AutoPeftModelForSequenceClassification
 
-    bundle, texts = runs["adapter"], texts_of(pairs)
+    texts = texts_of(pairs)
     assert Path(json.loads((bundle / "adapter_config.json").read_text())["base_model_name_or_path"]).is_dir()
     model = AutoPeftModelForSequenceClassification.from_pretrained(bundle).eval()
     tokenizer = AutoTokenizer.from_pretrained(bundle)
@@ -133,7 +179,8 @@ def test_peft_auto_class_loads_the_adapter_offline(runs, pairs, tmp_path):
     assert close(got, rm_score(bundle, [{"text": t} for t in texts], tmp_path))
 
 
-def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(runs, pairs, tmp_path):
+@pytest.mark.parametrize("kind", ["adapter", "qlora-adapter"])
+def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(bundle, pairs, tmp_path, kind):
     """The whole run directory moved elsewhere: the adapter bundle holds its random-init base, so transformers'
     Auto class and ``pipeline`` load it from its new place as they do in place, and so does rm.score; PEFT's
     ``AutoPeftModel*`` follow adapter_config.json's path as written, which ``python -m rm.export`` points at
@@ -144,8 +191,8 @@ def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(runs, pairs
 
     from rm.export import main as export_main, rehome
 
-    run_dir, texts = runs["adapter"].parent, texts_of(pairs)
-    want = rm_score(runs["adapter"], [{"text": t} for t in texts], tmp_path)
+    run_dir, texts = bundle.parent, texts_of(pairs)
+    want = rm_score(bundle, [{"text": t} for t in texts], tmp_path)
     moved = tmp_path / "moved" / "run"
     shutil.move(run_dir, moved)
     try:
@@ -166,26 +213,6 @@ def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(runs, pairs
     finally:
         shutil.move(moved, run_dir)
         rehome(run_dir / "final")
-
-
-@pytest.fixture(scope="module")
-def qlora(tmp_path_factory):
-    """A QLoRA run of the tiny model on the CPU: its random init saved, loaded in 4-bit NF4, adapters and head
-    trained; final/ holds the 4-bit base with the adapter, final/merged the adapter folded into the dequantised base."""
-    pytest.importorskip("bitsandbytes")
-    from rm.config import to_run_config
-
-    run_dir, cache = tmp_path_factory.mktemp("qlora"), tmp_path_factory.mktemp("rm_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RM_CACHE", str(cache))
-        rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + [
-            "memory_profile=qlora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3"])), run_dir)
-    return run_dir / "final"
-
-
-def rewards_of(model, tokenizer, texts):
-    with torch.no_grad():
-        return model(**tokenizer(texts, padding=True, return_tensors="pt")).logits[:, 0]
 
 
 def test_qlora_adapter_and_merged_bundles_match_rm_score(qlora, pairs, tmp_path):
@@ -249,14 +276,13 @@ def policy(tmp_path_factory, runs):
     return path
 
 
-@pytest.mark.parametrize("kind", ["full", "merged", "adapter"])
-def test_trl_grpo_reward_path_matches_rm_score(runs, pairs, policy, tmp_path, kind):
+@pytest.mark.parametrize("kind", BUNDLES)
+def test_trl_grpo_reward_path_matches_rm_score(bundle, pairs, policy, tmp_path, kind):
     """TRL's GRPOTrainer built by the README's snippet, rewards from its own ``_calculate_rewards``:
     plain-text prompts (prompt + completion) and conversational ones (rendered by the bundle's chat
     template); it tokenises with add_special_tokens=False and right padding, in fp32 here (bf16=False)."""
     import datasets
 
-    bundle = runs[kind]
     scope = {"dataset": datasets.Dataset.from_list([{"prompt": p["prompt"]} for p in pairs])}
     snippet = readme_snippet("trl").replace(PLACEHOLDER, str(bundle)).replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(policy)))
     snippet = snippet.replace('output_dir="grpo"', f'output_dir={str(tmp_path / "grpo")!r}')
@@ -333,7 +359,8 @@ def _openrlhf_path():
 
 
 @pytest.mark.slow
-def test_rewardbench_command_matches_rm_score_under_transformers_4(runs, pairs, tmp_path):
+@pytest.mark.parametrize("kind", ["merged", "qlora-merged"])
+def test_rewardbench_command_matches_rm_score_under_transformers_4(bundle, pairs, tmp_path, kind):
     """The README's ``rewardbench`` command line, run by RewardBench's own ``main`` offline on a local JSON
     file (``--dataset FILE --load_json``): it renders the conversations with the chat template and always pads
     on the left; rm.score scores the same conversations as messages. Its environment has transformers 4.51:
@@ -344,7 +371,6 @@ def test_rewardbench_command_matches_rm_score_under_transformers_4(runs, pairs, 
     assert command[:3] == ["rewardbench", "--model", "outputs/<date>/<time>/final/merged"]
     assert "--not_quantized" in command and command[command.index("--torch_dtype") + 1] == "float32"
     python = _rewardbench_python()
-    bundle = runs["merged"]
     (tmp_path / "merged").symlink_to(bundle)  # relative: RewardBench writes results/<--model>_outputs.jsonl
     used = [{"prompt": p["prompt"].split("\n\nHuman: ", 1)[1].rsplit("\n\nAssistant:", 1)[0],
              "chosen": p["chosen"].strip(), "rejected": p["rejected"].strip()}
@@ -368,24 +394,27 @@ def test_rewardbench_command_matches_rm_score_under_transformers_4(runs, pairs, 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["merged", "adapter", "qlora-merged", "qlora-adapter"])
 @pytest.mark.parametrize("side", ["right", "left"])
-def test_openrlhf_reward_model_matches_rm_score(runs, pairs, tmp_path, side):
+def test_openrlhf_reward_model_matches_rm_score(bundle, pairs, tmp_path, kind, side):
     """OpenRLHF's PPO feeds the reward model token ids: the prompt tokenised with add_special_tokens=False
     and the policy's generated tokens. For a response cut at max length that is the text's ids, and the
     rewards match. A response that ends with the policy's EOS is read at that EOS: a different token,
-    so a different reward; the README names this and the one-line fix."""
+    so a different reward; the README names this and the one-line fix. OpenRLHF builds its own model class with
+    ``from_pretrained``, so an adapter bundle loads as in plain transformers (its base with the adapter); in its own
+    process, a 4-bit base computes as trained only if told (``four_bit_as_trained``, as in :func:`four_bit_as_trained`)."""
     snippet = readme_snippet("openrlhf")  # the flags the README gives are the ones driven here
     assert "--reward.model_name_or_path outputs/<date>/<time>/final/merged" in snippet
     assert snippet.count("--ds.value_head_prefix score") == 2 and "--reward.remote_url" in snippet
     target = _openrlhf_path()
-    bundle, texts = runs["merged"], texts_of(pairs)
+    texts = texts_of(pairs)
     tokenizer = AutoTokenizer.from_pretrained(bundle)
     rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
     def openrlhf(rows, normalize):
         spec = tmp_path / "spec.json"
         spec.write_text(json.dumps({"rows": rows, "padding_side": side, "pad_token_id": tokenizer.pad_token_id,
-                                    "normalize_reward": normalize}))
+                                    "normalize_reward": normalize, "four_bit_as_trained": kind == "qlora-adapter"}))
         proc = subprocess.run([sys.executable, str(REPO / "tests/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
                               capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(target)})
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -407,7 +436,8 @@ def test_openrlhf_reward_model_matches_rm_score(runs, pairs, tmp_path, side):
     assert not close(with_eos, want)
     # The fix the README gives: OpenRLHF's reward server (--reward.remote_url) scores the texts.
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"texts": texts, "padding_side": side, "normalize_reward": False}))
+    spec.write_text(json.dumps({"texts": texts, "padding_side": side, "normalize_reward": False,
+                                "four_bit_as_trained": kind == "qlora-adapter"}))
     proc = subprocess.run([sys.executable, str(REPO / "tests/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(target)})
     assert proc.returncode == 0, proc.stderr[-3000:]

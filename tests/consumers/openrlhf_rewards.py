@@ -12,7 +12,9 @@ PPO loop calls it: ``model(input_ids, attention_mask)``, the reward read at the 
 mask. With ``"texts"`` instead of ``"rows"``, the texts go through OpenRLHF's reward server
 instead (``openrlhf.cli.serve_rm.RewardModelProxy.get_reward``, what ``--reward.remote_url``
 calls), which tokenises them with ``add_special_tokens=False``. OpenRLHF accepts only bf16 and fp16 weights, where no two implementations agree to 1e-4,
-so its dtype helper is given fp32 too; the model code is OpenRLHF's, unchanged. INPUT holds ``{"rows": [[ids...]], "padding_side": ..., "normalize_reward": bool}``.
+so its dtype helper is given fp32 too; the model code is OpenRLHF's, unchanged. INPUT holds ``{"rows": [[ids...]],
+"padding_side": ..., "normalize_reward": bool, "four_bit_as_trained": bool}``; the last turns off bitsandbytes' bf16
+CPU inference kernel in 4-bit layers (a QLoRA adapter bundle's base), so that they compute as training did.
 """
 
 import importlib.machinery
@@ -59,6 +61,10 @@ def serve_rm_rewards(bundle: str, spec: dict) -> list:
 
 def main(bundle: str, input_path: str) -> None:
     spec = json.loads(open(input_path).read())
+    if spec.get("four_bit_as_trained"):
+        import bitsandbytes.nn.modules
+
+        bitsandbytes.nn.modules.has_avx512bf16 = lambda: False  # read by each Linear4bit as it is built
     if "texts" in spec:
         print(json.dumps({"rewards": serve_rm_rewards(bundle, spec)}))
         return
