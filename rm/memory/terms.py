@@ -224,6 +224,9 @@ class Estimate:
     # max_memory_allocated is compared with) and in peak_bytes: bitsandbytes' paged 8-bit optimizer states on CUDA,
     # in managed memory (measured: an H100's used memory exceeded reserved + context by the states' size).
     outside_allocator: int = 0
+    # QLoRA from a shape (no model.pretrained) with no saved random init: what building it holds on this device before
+    # the 4-bit load (:func:`random_init_build_bytes`) where this rank builds it on a CPU device; 0 otherwise.
+    random_init_build: int = 0
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -296,6 +299,36 @@ def nf4_bytes(numel: int) -> int:
     """
     blocks = math.ceil(numel / 64)
     return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / 256) + 16 * 4 + 4 + 256 * 4
+
+
+def random_init_build_bytes(m: ModelConfig) -> int:
+    """Bytes a process holds while it builds a shape's random init to save it for QLoRA (``rm.model.saved_random_init``,
+    when ``model.pretrained`` is null): the whole model in fp32 (transformers' ``from_config`` in the default dtype),
+    its parameters and RoPE's two buffers (``inv_freq`` and ``original_inv_freq``, head_dim / 2 fp32 each). Nothing
+    else of the run exists yet; the model is freed once saved, before the 4-bit load (measured to the byte on a
+    38.5M-parameter Llama shape: 154,098,048 bytes).
+
+    The tiny model (361,216 parameters, head_dim 32): 4 x 361,216 + 2 x 16 x 4 = 1,444,864 + 128.
+        >>> from rm.config import ModelConfig
+        >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+        >>> random_init_build_bytes(m)
+        1444992
+    """
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    return 4 * parameter_counts(m, None).total + 2 * 4 * math.ceil(head_dim / 2)
+
+
+def random_init_builders(world_size: int, nodes: int) -> List[int]:
+    """The ranks that build a random init when none is saved: local rank 0 of each node (torchrun numbers a node's
+    processes consecutively); the others wait for it. Several nodes on one shared cache build it once, under a file
+    lock: the estimate counts it on each node's first rank, whichever gets there first.
+
+    >>> random_init_builders(1, 1), random_init_builders(2, 1), random_init_builders(8, 2)
+    ([0], [0], [0, 4])
+    """
+    per_node = math.ceil(world_size / max(nodes, 1))
+    return list(range(0, world_size, per_node))
 
 
 def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persistence: int, n: int) -> int:
@@ -637,7 +670,8 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     return act, inputs, evaluation, accumulating
 
 
-def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None, rank: Optional[int] = None) -> Estimate:
+def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None, rank: Optional[int] = None,
+                 random_init_cached: bool = False) -> Estimate:
     """The estimate for a validated config, on the plan's hardware and micro-batch.
 
     Args:
@@ -645,6 +679,9 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
             (:func:`rm.data.shapes.data_shapes`, what ``rm.train`` decides by), or ``None`` for the worst case
             the config allows (:func:`worst_case_shapes`, what ``python -m rm.estimate`` reports).
         rank: the process whose ZeRO partitions to count; ``None``: the largest partition of any rank.
+        random_init_cached: QLoRA from a shape only: its random init is saved already (``rm.model.random_init_saved``,
+            which ``rm.train`` asks before it builds anything), so the run does not build it first. ``False``, the
+            default, counts the build, a first run's peak (:func:`random_init_build_bytes`).
     """
     shapes = shapes or worst_case_shapes(cfg, plan)
     later = shapes.after_first_step
@@ -665,15 +702,23 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
         if later is not None:  # else a one-step run
             phases.append((later, False, False))
     # Each phase at its longest micro-batch and, where that one is unpadded, at its longest padded one too.
-    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording)
+    build = 0 if random_init_cached or cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained else \
+        random_init_build_bytes(cfg.model)
+    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
+                             random_init=build)
                 for phase, first, recording in phases for shape in phase.variants()), key=lambda e: e.peak_bytes)
 
 
 def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool,
-                 recording: bool = False) -> Estimate:
+                 recording: bool = False, random_init: int = 0) -> Estimate:
     """:func:`estimate_run` at one set of shapes; ``first_step``: no optimizer states during the backward;
-    ``recording``: the run's first micro-batch, where ZeRO-3 records its module trace."""
+    ``recording``: the run's first micro-batch, where ZeRO-3 records its module trace; ``random_init``: the bytes of
+    building QLoRA's random init, where the run builds one (:func:`random_init_build_bytes`)."""
     t = trace_free_terms(cfg, plan, rank)
+    # The random init is built on the host, before anything else of the run exists: on a CPU device, a phase of its
+    # own on each rank that builds it; on a GPU, host RAM.
+    builds_here = rank is None or rank in random_init_builders(plan.world_size, plan.hardware.nodes)
+    build = random_init if plan.device == "cpu" and builds_here else 0
     states = t.before_first_step if first_step else t.states  # alive through the backward
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.
@@ -706,13 +751,15 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         "evaluation": t.weights + t.states + kept_gradients + t.gathered + evaluation,
         "load": t.weights + (ddp_broadcast_bytes(t.weights, max(t.counts.tensors) * max(
             plan.numerics.weight_bytes, plan.numerics.frozen_bytes)) if ddp_buckets else 0),
+        "random-init build": build,
     }
     phase = max(phases, key=phases.get)
     # Paged 8-bit states live in CUDA managed memory: on the device, but not in torch's allocator.
     paged = plan.device == "cuda" and cfg.memory_profile.optimizer == "adamw_8bit"
-    held_states = {"forward/backward": states, "load": 0}.get(phase, t.states)
+    held_states = {"forward/backward": states, "load": 0, "random-init build": 0}.get(phase, t.states)
     outside = held_states if paged else 0
-    allocated = phases[phase] + t.overhead - outside
+    # The engine's buffers are made when it wraps the model: after the build.
+    allocated = phases[phase] + (0 if phase == "random-init build" else t.overhead) - outside
     reserve, context, communication, device_assumed = device_terms(plan, activations, backward_temporaries,
                                                                    full_gradients=not cfg.memory_profile.use_lora)
     usable, headroom = usable_bytes(plan)
@@ -722,10 +769,10 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         evaluation=evaluation, temporaries=backward_temporaries, overhead=t.overhead, allocated_bytes=allocated,
         allocator_reserve=reserve, cuda_context=context, communication=communication, peak_bytes=peak, peak_phase=phase,
         usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
-        host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
+        host_ram_bytes_per_node=t.host + random_init, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
         precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
-        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank, outside_allocator=outside,
+        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank, outside_allocator=outside, random_init_build=build,
     )
 
 
