@@ -269,12 +269,14 @@ def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lor
     if fp32_head:
         keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
     model = apply_memory_profile(model, profile, lora_cfg)
-    if numerics.master is not None and numerics.weights != "float32" and profile.quantize_base == "none":
-        # DeepSpeed's bf16/fp16 casts every parameter (PEFT's fp32 adapters, the fp32 head) to its compute dtype at
-        # initialize (engine.py, _cast_module_mixed_precision; buffers such as RoPE's stay fp32): cast them here,
-        # so that the model traced for the estimate is the one DeepSpeed trains.
+    if numerics.master is not None and numerics.weights != "float32":
+        # DeepSpeed's bf16/fp16 casts every floating-point parameter (PEFT's fp32 adapters, the fp32 head; under QLoRA
+        # the embedding and norms prepare_model_for_kbit_training made fp32, not bitsandbytes' packed uint8 weights)
+        # to its compute dtype at initialize (engine.py, _cast_module_mixed_precision; buffers such as RoPE's stay
+        # fp32): cast them here, so that the model traced for the estimate is the one DeepSpeed trains.
         for param in model.parameters():
-            param.data = param.data.to(numerics.dtype("weights"))
+            if param.dtype.is_floating_point:
+                param.data = param.data.to(numerics.dtype("weights"))
     return model
 
 
