@@ -72,6 +72,47 @@ def long_pairs(path: Path, pairs: int = 64) -> Path:
     return path
 
 
+def rank_errors(proc) -> str:
+    """What a failed run said, for its error line: torchrun's summary (stderr) and then each rank's own log (stdout),
+    where rm writes a rank's traceback and error: torchrun's ChildFailedError names no cause."""
+    return f"{proc.stderr or ''}\n{proc.stdout or ''}"
+
+
+def random_init_env(cache: Path) -> dict:
+    """The environment of a run whose QLoRA random init lives in ``cache`` (``$RM_CACHE``), not the user's cache:
+    whether the run finds it saved is the point's choice, not what earlier runs left."""
+    return {**os.environ, "RM_CACHE": str(cache)}
+
+
+def prepare_random_init(overrides: list, cache: Path, saved: bool):
+    """QLoRA from a shape (no ``model.pretrained``): the run builds the shape's fp32 random init before it loads it in
+    4 bits unless it finds it saved (``rm.model.saved_random_init``), a first run's peak which the estimate counts
+    (``rm.memory.terms.random_init_build_bytes``). ``saved``: save it into ``cache`` first, as rm does (the pad id of
+    the tokenizer the run builds, the run's seed), so that the point measures every later run; else the run builds it.
+    Returns "saved" or "built" (whether the run finds it), or ``None`` for a point without a random init."""
+    from rm.config import compose
+
+    cfg = compose(overrides)
+    if cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained:
+        return None
+    if not saved:
+        return "built"
+    from accelerate.utils import set_seed
+
+    from rm.data.build import train_pairs
+    from rm.model import random_init_saved, saved_random_init
+    from rm.tokenizer import run_tokenizer
+
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {"RM_CACHE": str(cache)}):
+        pad = run_tokenizer(cfg.model, train_pairs(cfg.data)).pad_token_id
+        set_seed(cfg.train.seed)  # as rm.run_setup does before the model is built: the init's key
+        saved_random_init(cfg.model, pad)
+        assert random_init_saved(cfg.model, pad)
+    return "saved"
+
+
 def point(model: str, profile: str, checkpointing: bool, length: int, workdir: Path, distributed: str = "auto",
           nproc: int = 1, accumulation: int = 2, extra=(), data=None, repeats: int = 1) -> dict:
     """Train 2 steps with live-tensor tracking and return estimate vs measurement (the worst rank's error).
@@ -138,7 +179,7 @@ def _run_point(model, profile, checkpointing, length, workdir, distributed, npro
                   "--master_port", str(free_port()), "-m", "rm.train"]
     proc = subprocess.run([*launch, *overrides], cwd=ROOT, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SystemExit(f"{model} {profile} {distributed} x{nproc} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{model} {profile} {distributed} x{nproc} failed:\n{rank_errors(proc)[-4000:]}")
     memory = json.loads((run_dir / "memory.json").read_text())
     ranks = memory.get("measured_per_rank") or [memory["measured"]]
     return memory["estimate"]["peak_bytes"], {"ranks": ranks, "phase": memory["estimate"]["peak_phase"]}
@@ -254,7 +295,7 @@ def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardwa
     return overrides
 
 
-def data_sized_estimate(overrides: list, world_size: int = 1):
+def data_sized_estimate(overrides: list, world_size: int = 1, random_init_cached: bool = False):
     """The estimate ``rm.train`` decides by for these overrides (sized by the data's micro-batches, every rank's peak
     in ``rank_peak_bytes``), computed the way its setup computes it, on ``world_size`` processes as torchrun would
     start them, without a device or a launch: what ``--recompute`` compares with a saved measurement."""
@@ -279,7 +320,8 @@ def data_sized_estimate(overrides: list, world_size: int = 1):
                              world_size=plan.world_size, rank=0, seed=t.seed, group_by_length=t.group_by_length,
                              max_tokens=t.max_tokens_per_micro_batch, shared_tokens=shared)
     steps = total_training_steps(cfg, len(train_set))
-    return data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, steps, train_set, shared, [eval_set]))
+    return data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, steps, train_set, shared, [eval_set]),
+                          random_init_cached=random_init_cached)
 
 
 def random_recompute(path: Path, out=None) -> None:
@@ -295,7 +337,8 @@ def random_recompute(path: Path, out=None) -> None:
                 continue
             p, stem = row["point"], Path(tmp) / f"p{row['index']}"
             write_random_pairs(stem, p["data"], p["max_length"])
-            est = data_sized_estimate(random_overrides(p, str(stem)), RANDOM_LAYOUTS[p["layout"]][0])
+            est = data_sized_estimate(random_overrides(p, str(stem)), RANDOM_LAYOUTS[p["layout"]][0],
+                                      random_init_cached=row.get("random_init") == "saved")
             per_rank = [b / 2**20 for b in (est.rank_peak_bytes or [est.peak_bytes])]
             errors = [100 * (e - m) / m for e, m in zip(per_rank, row["measured_per_rank_mib"])]
             before = row["errors_per_rank_pct"]
@@ -545,6 +588,9 @@ def main() -> None:
                         help="with --random: draw memory profiles from these (default: full lora 8bit offload; the "
                              "default draw is what earlier seeds used, so they stay reproducible)")
     parser.add_argument("--point-timeout", type=int, default=900, help="with --random: seconds before a point counts as failed")
+    parser.add_argument("--random-init", choices=["saved", "built"], default="saved",
+                        help="with --random, QLoRA points: the shape's random init is saved before the run (every later "
+                             "run of the shape: default), or the run builds it (its first run, whose peak may be the build)")
     args = parser.parse_args()
     if args.random_recompute:
         return random_recompute(Path(args.random_recompute).resolve(), args.out)
@@ -995,8 +1041,10 @@ def short_form(p: dict) -> str:
             f"{PRECISIONS_DRAWN[p['precision']][0]} | {' '.join(opts)}")
 
 
-def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: bool = False) -> dict:
-    """Train the point (2 steps, live-tensor tracking); with ``memtracker`` under PyTorch's MemTracker as well."""
+def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: bool = False,
+                     random_init_saved_first: bool = True) -> dict:
+    """Train the point (2 steps, live-tensor tracking); with ``memtracker`` under PyTorch's MemTracker as well.
+    ``random_init_saved_first``: a QLoRA point's random init is saved before the run (:func:`prepare_random_init`)."""
     stem = workdir / f"p{i}"
     if not Path(f"{stem}.jsonl").exists():
         write_random_pairs(stem, p["data"], p["max_length"])
@@ -1009,13 +1057,18 @@ def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: b
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                   "--master_port", str(free_port()), *target]
     start = time.perf_counter()
+    cache = workdir / (f"rm_cache_p{i}" + ("_memtracker" if memtracker else ""))
+    random_init = prepare_random_init(overrides, cache, saved=random_init_saved_first)
     try:
-        proc = subprocess.run([*launch, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-        rc, err = proc.returncode, proc.stderr
+        proc = subprocess.run([*launch, *overrides], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env=random_init_env(cache))
+        rc, err = proc.returncode, rank_errors(proc)
     except subprocess.TimeoutExpired as e:
         rc, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
         err += f"\ntimed out after {timeout} s"
     out = {"wall_s": round(time.perf_counter() - start, 1), "load_after": round(os.getloadavg()[0], 2)}
+    if random_init is not None:
+        out["random_init"] = random_init
     memory_file = run_dir / "memory.json"
     if rc != 0 or not memory_file.is_file():
         import re
@@ -1063,7 +1116,8 @@ def random_main(args) -> None:
     profiles = args.profiles or RANDOM_PROFILES
     command = f"python benchmarks/memory_calibration.py --random {args.random} --seed {args.seed}" + (
         f" --memtracker {args.memtracker}" if args.memtracker else "") + (
-        f" --profiles {' '.join(profiles)}" if args.profiles else "")
+        f" --profiles {' '.join(profiles)}" if args.profiles else "") + (
+        f" --random-init {args.random_init}" if args.random_init != "saved" else "")
     points, redrawn = draw_valid_points(args.random, args.seed, profiles)
     tracked = set(range(min(args.memtracker, len(points))))
     if args.memtracker and not any(RANDOM_LAYOUTS[points[i]["layout"]][0] > 1 for i in tracked):
@@ -1077,9 +1131,11 @@ def random_main(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for i, p in enumerate(points):
             row = {"index": i, "point": p, "short": short_form(p), "overrides": random_overrides(p)}
-            row.update(run_random_point(i, p, Path(tmp), args.point_timeout))
+            saved = args.random_init == "saved"
+            row.update(run_random_point(i, p, Path(tmp), args.point_timeout, random_init_saved_first=saved))
             if i in tracked:
-                row["memtracker_run"] = run_random_point(i, p, Path(tmp), args.point_timeout, memtracker=True)
+                row["memtracker_run"] = run_random_point(i, p, Path(tmp), args.point_timeout, memtracker=True,
+                                                         random_init_saved_first=saved)
             loads.append(row["load_after"])
             rows.append(row)
             status = row.get("failed") or " ".join(f"{e:+.2f}%" for e in row["errors_per_rank_pct"]) + (" MISS" if is_miss(row) else "")
@@ -1087,7 +1143,8 @@ def random_main(args) -> None:
             meta = {"seed": args.seed, "n": args.random, "command": command, "redrawn": redrawn,
                     "precisions_drawn": PRECISIONS_DRAWN, "max_params": RANDOM_MAX_PARAMS, "max_flops": RANDOM_MAX_FLOPS,
                     "bf16_weight": RANDOM_BF16_WEIGHT, "elapsed_s": round(time.perf_counter() - start), "load_min_max": [min(loads), max(loads)],
-                    "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "complete": i + 1 == len(points)}
+                    "cpu_count": os.cpu_count(), "date": time.strftime("%Y-%m-%d"), "complete": i + 1 == len(points),
+                    "random_init": args.random_init}
             results.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
             write_random_doc(out, meta, rows)
             plot_random(rows, out.with_suffix(".png"))
@@ -1131,6 +1188,7 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         f"is one over {meta['max_params'] / 1e6:.0f}M parameters or {meta['max_flops']:.1e} training FLOPs (time on 2 cores; a bf16",
         f"point's FLOPs count {meta.get('bf16_weight', 1)}x, as CPU bf16 matmuls are that much slower);",
         "the overrides of every point are in the JSON beside this file (`POINT_DATA` stands for the point's own JSONL).",
+        *(random_init_note(meta["random_init"]) if meta.get("random_init") and any(r.get("random_init") for r in rows) else []),
         "",
         "Redrawn: " + ("; ".join(f"{n} x {reason}" for reason, n in sorted(meta["redrawn"].items(), key=lambda kv: -kv[1]))
                        or "none") + ".",
@@ -1169,6 +1227,19 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
                          f"{' / '.join('-' if a is None else f'{a:.2f}' for a in mt)} | {ratio} | rank 0: {top} |")
     lines += ["", f"![error vs measured]({out.with_suffix('.png').name})", ""]
     out.write_text("\n".join(lines))
+
+
+def random_init_note(mode: str) -> list:
+    """How the QLoRA points met their shape's random init (``--random-init``), in the doc's words."""
+    if mode == "saved":
+        return ["QLoRA points build no weights: each shape's fp32 random init was saved before its run (into an empty",
+                "`RM_CACHE` of the point's own, as `rm.model.saved_random_init` saves it), so the runs are those after a",
+                "shape's first, and their estimates count no build. A first run builds it on local rank 0 before",
+                "anything else exists (`rm.memory.terms.random_init_build_bytes`: the fp32 model, exact to the byte),",
+                "its peak where that is larger: `--random-init built` measures those."]
+    return ["QLoRA points are each shape's first run: it finds no saved random init (an empty `RM_CACHE` of the",
+            "point's own), builds the fp32 model on local rank 0 and saves it before the 4-bit load; the estimate",
+            "counts that build on that rank (`rm.memory.terms.random_init_build_bytes`)."]
 
 
 def option_table(rows: list) -> list:

@@ -6,6 +6,7 @@ import hashlib
 import logging
 import os
 import tempfile
+import time
 import types
 from contextlib import nullcontext
 from pathlib import Path
@@ -14,9 +15,11 @@ from typing import Iterable, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from filelock import FileLock
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
+from rm.launch_env import launch_env
 from rm.precision import Numerics
 
 HEAD = "score"  # the one-output reward head of transformers' *ForSequenceClassification decoders
@@ -48,26 +51,58 @@ def random_init_cache() -> Path:
     return Path(os.environ.get("RM_CACHE", Path.home() / ".cache" / "rm")) / "random_init"
 
 
-def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
-    """A model built from ``model_cfg``'s shape at the current seed, saved once in :func:`random_init_cache`.
-
-    Keyed by the shape and ``torch.initial_seed()`` (what ``set_seed`` set), so that a run, its resume and the
-    export's rebuilt base load the same weights; built by one process at a time (a file lock beside it) and written
-    under a temporary name and renamed, so that no process reads a half-written one.
-    """
+def random_init_path(model_cfg: ModelConfig, pad_token_id: int) -> Path:
+    """Where :func:`saved_random_init` keeps the shape's random init at the current seed (``torch.initial_seed()``,
+    what ``set_seed`` set): keyed by the shape and the seed, so that a run, its resume and the export's rebuilt base
+    load the same weights."""
     config = _config_from_shape(model_cfg, pad_token_id)
     key = hashlib.sha256(f"{config.to_json_string()}|{torch.initial_seed()}".encode()).hexdigest()[:16]
-    path = random_init_cache() / f"{model_cfg.model_type}-{key}"
+    return random_init_cache() / f"{model_cfg.model_type}-{key}"
+
+
+def random_init_saved(model_cfg: ModelConfig, pad_token_id: int) -> bool:
+    """Whether :func:`saved_random_init` will find the init saved (a run that finds none builds it first: the memory
+    estimate counts that, ``rm.memory.terms.random_init_build_bytes``)."""
+    return (random_init_path(model_cfg, pad_token_id) / "config.json").is_file()
+
+
+# How long a process that is not local rank 0 waits for local rank 0 to save the random init (a 7B shape takes
+# minutes on a CPU); torchrun stops the waiting processes sooner if local rank 0 fails.
+RANDOM_INIT_WAIT_S = 3600
+
+
+def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
+    """A model built from ``model_cfg``'s shape at the current seed, saved once at :func:`random_init_path`.
+
+    The process of local rank 0 builds it (one per node; the memory estimate counts the fp32 model there) under a
+    file lock, which serialises runs sharing the cache; it writes under a temporary name and renames, so that no
+    process reads a half-written one. The other processes of the launch wait for it and load what it wrote.
+    """
+    path = random_init_path(model_cfg, pad_token_id)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # One process builds and saves; the others started beside it wait, then load what it wrote (measured: two ranks
-    # saving at once let one read a config.json transformers did not recognise).
+    if launch_env().local_rank != 0:
+        deadline = time.monotonic() + RANDOM_INIT_WAIT_S
+        while not (path / "config.json").is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"waited {RANDOM_INIT_WAIT_S} s for local rank 0 to save the random init of "
+                                   f"model={model_cfg.name} at {path}")
+            time.sleep(0.1)
+        return path
+    config = _config_from_shape(model_cfg, pad_token_id)
     with FileLock(str(path) + ".lock"):
         if (path / "config.json").is_file():
             return path
         with torch.random.fork_rng(devices=[]):  # the run's own draws go on as if nothing was drawn here
             model = AutoModelForSequenceClassification.from_config(config, attn_implementation=model_cfg.attn_implementation)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-        model.save_pretrained(tmp, safe_serialization=True)
+        # Written here, not with save_pretrained, which writes nothing on a process whose torch.distributed rank is
+        # not 0 (transformers' should_save_on_this_rank): when rank 1 took the lock first it renamed an empty
+        # directory into place and failed to load it ("Unrecognized model ... config.json"; local rank 0 of a second
+        # node is such a process too). The files are save_pretrained's, byte for byte (tests/test_profiles.py).
+        config.architectures = [type(model).__name__]
+        config.dtype = "float32"
+        config.save_pretrained(tmp)
+        save_file(model.state_dict(), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del model
         os.rename(tmp, path)
         log.info("saved the random init of model=%s to %s to load it quantised", model_cfg.name, path)
@@ -234,12 +269,14 @@ def build_reward_model(model_cfg: ModelConfig, profile: MemoryProfileConfig, lor
     if fp32_head:
         keep_head_in_fp32(model)  # before PEFT copies the head, so that its trained copy is fp32 too
     model = apply_memory_profile(model, profile, lora_cfg)
-    if numerics.master is not None and numerics.weights != "float32" and profile.quantize_base == "none":
-        # DeepSpeed's bf16/fp16 casts every parameter (PEFT's fp32 adapters, the fp32 head) to its compute dtype at
-        # initialize (engine.py, _cast_module_mixed_precision; buffers such as RoPE's stay fp32): cast them here,
-        # so that the model traced for the estimate is the one DeepSpeed trains.
+    if numerics.master is not None and numerics.weights != "float32":
+        # DeepSpeed's bf16/fp16 casts every floating-point parameter (PEFT's fp32 adapters, the fp32 head; under QLoRA
+        # the embedding and norms prepare_model_for_kbit_training made fp32, not bitsandbytes' packed uint8 weights)
+        # to its compute dtype at initialize (engine.py, _cast_module_mixed_precision; buffers such as RoPE's stay
+        # fp32): cast them here, so that the model traced for the estimate is the one DeepSpeed trains.
         for param in model.parameters():
-            param.data = param.data.to(numerics.dtype("weights"))
+            if param.dtype.is_floating_point:
+                param.data = param.data.to(numerics.dtype("weights"))
     return model
 
 

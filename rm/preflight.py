@@ -95,13 +95,16 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
     return plan, refuse_or_warn(cfg, plan, overrides, est, table)
 
 
-def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes: Sequence["BatchShapes"]) -> Optional[Estimate]:
+def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes: Sequence["BatchShapes"],
+                   random_init_cached: bool = False) -> Optional[Estimate]:
     """The run's verdict: each rank's estimate sized at the largest micro-batch and evaluation forward its data
     forms (:func:`rm.data.shapes.data_shapes`), and the largest of them; refuses, warns or passes as
     :func:`preflight` does. Every rank computes every rank's estimate, so all reach the same verdict.
 
     Args:
         shapes: per rank, in rank order.
+        random_init_cached: QLoRA from a shape: every process found its random init saved, so none builds it
+            (:func:`rm.memory.terms.estimate_run`).
 
     Returns:
         The largest rank's data-aware estimate, with every rank's peak in ``rank_peak_bytes`` (``memory.json``'s),
@@ -112,7 +115,8 @@ def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes:
     """
     if cfg.preflight.mode == "off":
         return None
-    ranks = [estimate_run(cfg, plan, s, rank=r if len(shapes) > 1 else None) for r, s in enumerate(shapes)]
+    ranks = [estimate_run(cfg, plan, s, rank=r if len(shapes) > 1 else None, random_init_cached=random_init_cached)
+             for r, s in enumerate(shapes)]
     est = dataclasses.replace(max(ranks, key=lambda e: e.peak_bytes), rank_peak_bytes=[e.peak_bytes for e in ranks])
     worst = worst_case_shapes(cfg, plan).train
     train = est.shapes["train"]  # BatchShapes.to_dict

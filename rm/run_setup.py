@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from accelerate.utils import set_seed
 from transformers import get_scheduler
 
@@ -33,7 +34,7 @@ from rm.metrics import MetricsLog
 from rm.plan.auto import LayoutChoice, choose_layout
 from rm.plan.lengths import lengths_of
 from rm.model import (build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled,
-                      quantization_state_tensors)
+                      quantization_state_tensors, random_init_saved)
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.precision import SHORT
@@ -131,7 +132,8 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     # sized at the micro-batches this data forms, not at the worst case the config allows.
     if estimate is not None:
         evaluated = [eval_set, *extra_eval_sets.values()]
-        estimate = data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, total_steps, train_set, shared, evaluated))
+        estimate = data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, total_steps, train_set, shared, evaluated),
+                                  random_init_cached=random_init_cached_everywhere(cfg, tokenizer.pad_token_id))
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     directory.replace_earlier()
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
@@ -170,6 +172,21 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
                train_set=train_set, eval_set=eval_set, extra_eval_sets=extra_eval_sets, collator=collator,
                train_collator=train_collator, model=model, health=health, metrics=metrics, monitor=monitor,
                batches=batches, total_steps=total_steps, state=state)
+
+
+def random_init_cached_everywhere(cfg: RunConfig, pad_token_id: int) -> bool:
+    """QLoRA from a shape: whether every process finds the shape's random init saved, so that none builds it
+    (``rm.model.saved_random_init``; the estimate counts the build otherwise). A collective where several processes
+    run, which every rank reaches before any of them builds: all ranks decide on the same answer, and none can see
+    an init another rank saved after it looked."""
+    if cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained:
+        return True  # nothing to build
+    cached = random_init_saved(cfg.model, pad_token_id)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        everywhere = [None] * dist.get_world_size()
+        dist.all_gather_object(everywhere, cached)
+        cached = all(everywhere)
+    return cached
 
 
 def run_shapes(cfg: RunConfig, batches: StepBatches, total_steps: int, train_set, shared: Optional[Sequence[int]],

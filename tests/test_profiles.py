@@ -219,6 +219,45 @@ def test_qlora_base_from_a_shape_is_saved_once_and_loaded_in_4bit(tiny_cfg, tmp_
     assert len([p for p in (tmp_path / "random_init").iterdir() if p.is_dir()]) == 2  # another seed, another init
 
 
+def test_random_init_is_written_where_transformers_would_write_nothing(tiny_cfg, tmp_path, monkeypatch):
+    """save_pretrained writes no file on a process whose torch.distributed rank is not 0: when rank 1 of a QLoRA run
+    from a shape took the lock first it renamed an empty directory into the cache and failed to load it ("Unrecognized
+    model"). rm writes the files itself, byte for byte what save_pretrained writes on rank 0."""
+    from transformers import PreTrainedModel
+
+    from rm.model import _config_from_shape, saved_random_init
+
+    cfg = tiny_cfg("memory_profile=qlora")
+    set_seed(cfg.train.seed)
+    with torch.random.fork_rng(devices=[]):
+        reference = AutoModelForSequenceClassification.from_config(_config_from_shape(cfg.model, 0))
+    reference.save_pretrained(tmp_path / "reference")
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(PreTrainedModel, "should_save_on_this_rank", lambda self, is_main_process: False)
+    path = saved_random_init(cfg.model, 0)
+    for name in ("config.json", "model.safetensors"):
+        assert (path / name).read_bytes() == (tmp_path / "reference" / name).read_bytes(), name
+
+
+def test_only_local_rank_0_builds_the_random_init(tiny_cfg, tmp_path, monkeypatch):
+    """The other processes of a launch wait for local rank 0's init (the estimate counts the build on that rank
+    alone) and load the same one; with none coming they stop, naming where they waited."""
+    import rm.model
+
+    monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    monkeypatch.setattr(rm.model, "RANDOM_INIT_WAIT_S", 0.3)
+    cfg = tiny_cfg("memory_profile=qlora")
+    set_seed(cfg.train.seed)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(TimeoutError, match="local rank 0 .* at " + str(tmp_path)):
+        rm.model.saved_random_init(cfg.model, 0)
+    assert not rm.model.random_init_saved(cfg.model, 0)  # it built nothing
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    built = rm.model.saved_random_init(cfg.model, 0)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rm.model.saved_random_init(cfg.model, 0) == built and rm.model.random_init_saved(cfg.model, 0)
+
+
 @pytest.mark.slow
 def test_qlora_trains_and_exports_on_the_cpu(tiny_cfg, tmp_path, monkeypatch):
     """The whole run on a CPU: 4-bit base, adapters and head train, the export reloads with the same rewards."""

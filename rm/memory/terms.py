@@ -224,6 +224,9 @@ class Estimate:
     # max_memory_allocated is compared with) and in peak_bytes: bitsandbytes' paged 8-bit optimizer states on CUDA,
     # in managed memory (measured: an H100's used memory exceeded reserved + context by the states' size).
     outside_allocator: int = 0
+    # QLoRA from a shape (no model.pretrained) with no saved random init: what building it holds on this device before
+    # the 4-bit load (:func:`random_init_build_bytes`) where this rank builds it on a CPU device; 0 otherwise.
+    random_init_build: int = 0
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -272,7 +275,7 @@ class TraceFreeTerms:
 def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int, adapter_bytes: int = 4) -> Tuple[int, int, List[str]]:
     """Device bytes of the weights, bytes per trained element, and what is not calibrated.
 
-    The base sits in the weight dtype (under QLoRA: 4-bit NF4 linear layers, the rest in fp32); LoRA adapters and the head
+    The base sits in the weight dtype (under QLoRA: 4-bit NF4 linear layers, the rest as the adapters); LoRA adapters and the head
     copy PEFT trains (``modules_to_save``) in ``adapter_bytes`` (fp32, but DeepSpeed's bf16/fp16 casts them to its
     compute dtype), the original head in the weight dtype.
     """
@@ -281,8 +284,11 @@ def weight_bytes(m: ModelConfig, profile, counts: ParameterCounts, wbytes: int, 
     base_bytes, uncalibrated = counts.base * wbytes, []
     if profile.quantize_base == "nf4":
         linears = [i * o for i, o, _ in _linear_shapes(m).values()]
-        # prepare_model_for_kbit_training casts every weight that is not 4-bit (embedding, norms, head) to fp32.
-        base_bytes = (counts.base - m.num_hidden_layers * sum(linears)) * 4 + m.num_hidden_layers * sum(map(nf4_bytes, linears))
+        # prepare_model_for_kbit_training casts every weight that is not 4-bit (embedding, norms, head) to fp32, and
+        # DeepSpeed's bf16/fp16 casts them to its dtype as it does the adapters (measured: a ZeRO-1 bf16-mixed point
+        # whose 50k-word embedding the estimate held in fp32 was 31% over).
+        base_bytes = ((counts.base - m.num_hidden_layers * sum(linears)) * adapter_bytes
+                      + m.num_hidden_layers * sum(map(nf4_bytes, linears)))
     return base_bytes + (counts.trainable - m.hidden_size) * adapter_bytes + m.hidden_size * wbytes, adapter_bytes, uncalibrated
 
 
@@ -296,6 +302,138 @@ def nf4_bytes(numel: int) -> int:
     """
     blocks = math.ceil(numel / 64)
     return math.ceil(numel / 2) + blocks + 4 * math.ceil(blocks / 256) + 16 * 4 + 4 + 256 * 4
+
+
+# bitsandbytes' code books, made once a process at its first 4-bit quantisation and kept: the 256-entry dynamic map
+# and two 16-entry NF4 tables, fp32 (measured: a loaded model's live bytes exceed its weights and buffers by 1,152).
+BNB_CODE_BOOK_BYTES = 1024 + 2 * 64
+
+
+def _rope_buffer_bytes(m: ModelConfig) -> int:
+    """RoPE's ``inv_freq`` and ``original_inv_freq``: head_dim / 2 fp32 each, alive from the model's construction."""
+    return 2 * 4 * math.ceil((m.head_dim or m.hidden_size // m.num_attention_heads) / 2)
+
+
+def one_at_a_time_cast_bytes(numels: List[int], before: int, after: int, held: int = 0) -> int:
+    """The peak while tensors change dtype one after another (``param.data = param.data.to(dtype)``): the tensor being
+    cast is held in both dtypes, those before it in the new one, those after it in the old. ``held``: what else is alive.
+
+    An embedding of 100 elements and a norm of 10, from bf16 to fp32: 6 x 100 + 2 x 10 = 620 at the embedding, then
+    4 x 100 + 6 x 10 = 460:
+        >>> one_at_a_time_cast_bytes([100, 10], 2, 4)
+        620
+    """
+    peak, done, rest = 0, 0, before * sum(numels)
+    for n in numels:
+        rest -= before * n
+        peak = max(peak, done + (before + after) * n + rest)
+        done += after * n
+    return held + peak
+
+
+def _checkpoint_tensors(m: ModelConfig) -> List[Tuple[str, int, bool]]:
+    """(state-dict name, numel, quantised to 4 bits) of every weight of the shape's sequence-classification model."""
+    h, tensors = m.hidden_size, [("model.embed_tokens.weight", m.vocab_size * m.hidden_size, False),
+                                 ("model.norm.weight", m.hidden_size, False), ("score.weight", m.hidden_size, False)]
+    for i in range(m.num_hidden_layers):
+        for name, (fan_in, fan_out, bias) in _linear_shapes(m).items():
+            module = f"model.layers.{i}.{'mlp' if name in ('gate_proj', 'up_proj', 'down_proj') else 'self_attn'}.{name}"
+            tensors += [(f"{module}.weight", fan_in * fan_out, True)] + ([(f"{module}.bias", fan_out, False)] if bias else [])
+        tensors += [(f"model.layers.{i}.input_layernorm.weight", h, False),
+                    (f"model.layers.{i}.post_attention_layernorm.weight", h, False)]
+    return tensors
+
+
+def quantising_load_bytes(m: ModelConfig, load_bytes: int, disk_bytes: int = 4) -> int:
+    """The peak of ``from_pretrained`` loading a checkpoint in 4-bit NF4 on the CPU (transformers 5 with bitsandbytes),
+    simulated tensor by tensor in the order it loads them, the checkpoint's sorted names (measured to within 1.2 KB on
+    four shapes, fp32 and bf16). Each tensor is read in the checkpoint's dtype (``disk_bytes``: rm saves random inits
+    in fp32; a pretrained checkpoint's dtype is not known before it loads, fp32 bounds it) and cast to the load dtype,
+    both held until the cast is done; a 4-bit weight is then quantised from its load-dtype copy, beside its NF4 bytes
+    and two fp32 copies of its block scales. What is loaded stays: NF4 bytes (:func:`nf4_bytes`), the rest in the load
+    dtype; RoPE's buffers exist from the start.
+
+    One layer, hidden 64, intermediate 128, one 64-wide head, vocabulary 256, in fp32. In name order the embedding
+    (16,384: 65,536 bytes) and a layer norm (256) come first, then the MLP's three 8,192-weight linears (down, gate,
+    up; NF4 5,320 bytes each, 128 blocks), then the attention's four of 4,096. The peak is at ``up_proj``, quantised
+    from its fp32 copy (32,768) beside its NF4 bytes (5,320) and two copies of its block scales (2 x 4 x 128), with
+    RoPE's buffers (256), bitsandbytes' code books (1,152), the embedding, the norm and the two other MLP weights' NF4
+    bytes held: 77,840 + 39,112 = 116,952 (the attention weights, loaded later, are half the size).
+        >>> from rm.config import ModelConfig
+        >>> m = ModelConfig(name="t", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        ...                 num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+        >>> quantising_load_bytes(m, 4)
+        116952
+    """
+    loaded = peak = _rope_buffer_bytes(m) + BNB_CODE_BOOK_BYTES  # the code books: a bound from the first weight on
+    cast = load_bytes if load_bytes != disk_bytes else 0
+    for _, numel, four_bit in sorted(_checkpoint_tensors(m)):
+        transient = disk_bytes * numel + cast * numel
+        if four_bit:
+            transient = max(transient, load_bytes * numel + nf4_bytes(numel) + 2 * 4 * math.ceil(numel / 64))
+        peak = max(peak, loaded + transient)
+        loaded += nf4_bytes(numel) if four_bit else load_bytes * numel
+    return peak
+
+
+def kbit_cast_bytes(m: ModelConfig, lora: LoraConfig, load_bytes: int, deepspeed_bytes: Optional[int]) -> int:
+    """The peaks of QLoRA's two casts of every weight that is not 4-bit, each one tensor at a time
+    (:func:`one_at_a_time_cast_bytes`), in the model's parameter order, beside the NF4 weights and RoPE's buffers.
+    ``prepare_model_for_kbit_training`` casts the embedding, norms, q/k/v biases and head from the load dtype to fp32
+    (peft/utils/other.py; nothing to cast when it loaded in fp32); DeepSpeed's bf16/fp16 (``deepspeed_bytes``) casts
+    those and PEFT's fp32 adapters and head copy to its dtype (engine.py, ``_cast_module_mixed_precision``).
+    Measured on a 50k-word ZeRO-1 bf16-mixed point: 37.16 MiB at DeepSpeed's cast, the run's peak."""
+    shapes, h = _linear_shapes(m), m.hidden_size
+    layer, layer_trained = [], []
+    for name, (fan_in, fan_out, bias) in shapes.items():
+        layer += [fan_out] if bias else []
+        layer_trained += ([fan_out] if bias else []) + ([lora.r * fan_in, lora.r * fan_out] if name in lora.target_modules else [])
+    base = [m.vocab_size * h] + (layer + [h, h]) * m.num_hidden_layers + [h, h]
+    trained = [m.vocab_size * h] + (layer_trained + [h, h]) * m.num_hidden_layers + [h, h, h]  # + PEFT's head copy
+    held = m.num_hidden_layers * sum(nf4_bytes(i * o) for i, o, _ in shapes.values()) + _rope_buffer_bytes(m) + BNB_CODE_BOOK_BYTES
+    prepare = one_at_a_time_cast_bytes(base, load_bytes, 4, held) if load_bytes != 4 else 0
+    deepspeed = one_at_a_time_cast_bytes(trained, 4, deepspeed_bytes, held) if deepspeed_bytes else 0
+    return max(prepare, deepspeed)
+
+
+def qlora_load_bytes(cfg: RunConfig, plan: Plan) -> int:
+    """QLoRA's model building, before the engine exists: the 4-bit load on a CPU (:func:`quantising_load_bytes`; on a
+    GPU its host side is not the device's) and the casts after it (:func:`kbit_cast_bytes`), in the dtypes the plan
+    loads the base in (``numerics.frozen``) and DeepSpeed's half precision trains in."""
+    numerics = plan.numerics
+    half = numerics.master is not None and numerics.weight_bytes < 4
+    casts = kbit_cast_bytes(cfg.model, cfg.lora, numerics.frozen_bytes, numerics.weight_bytes if half else None)
+    return max(casts, quantising_load_bytes(cfg.model, numerics.frozen_bytes) if plan.device == "cpu" else 0)
+
+
+def random_init_build_bytes(m: ModelConfig) -> int:
+    """Bytes a process holds while it builds a shape's random init to save it for QLoRA (``rm.model.saved_random_init``,
+    when ``model.pretrained`` is null): the whole model in fp32 (transformers' ``from_config`` in the default dtype),
+    its parameters and RoPE's two buffers (``inv_freq`` and ``original_inv_freq``, head_dim / 2 fp32 each). Nothing
+    else of the run exists yet; the model is freed once saved, before the 4-bit load (measured to the byte on a
+    38.5M-parameter Llama shape: 154,098,048 bytes).
+
+    The tiny model (361,216 parameters, head_dim 32): 4 x 361,216 + 2 x 16 x 4 = 1,444,864 + 128.
+        >>> from rm.config import ModelConfig
+        >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+        >>> random_init_build_bytes(m)
+        1444992
+    """
+    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
+    return 4 * parameter_counts(m, None).total + 2 * 4 * math.ceil(head_dim / 2)
+
+
+def random_init_builders(world_size: int, nodes: int) -> List[int]:
+    """The ranks that build a random init when none is saved: local rank 0 of each node (torchrun numbers a node's
+    processes consecutively); the others wait for it. Several nodes on one shared cache build it once, under a file
+    lock: the estimate counts it on each node's first rank, whichever gets there first.
+
+    >>> random_init_builders(1, 1), random_init_builders(2, 1), random_init_builders(8, 2)
+    ([0], [0], [0, 4])
+    """
+    per_node = math.ceil(world_size / max(nodes, 1))
+    return list(range(0, world_size, per_node))
 
 
 def zero3_weight_bytes(weights: int, counts: ParameterCounts, wbytes: int, persistence: int, n: int) -> int:
@@ -637,7 +775,8 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     return act, inputs, evaluation, accumulating
 
 
-def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None, rank: Optional[int] = None) -> Estimate:
+def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = None, rank: Optional[int] = None,
+                 random_init_cached: bool = False) -> Estimate:
     """The estimate for a validated config, on the plan's hardware and micro-batch.
 
     Args:
@@ -645,6 +784,9 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
             (:func:`rm.data.shapes.data_shapes`, what ``rm.train`` decides by), or ``None`` for the worst case
             the config allows (:func:`worst_case_shapes`, what ``python -m rm.estimate`` reports).
         rank: the process whose ZeRO partitions to count; ``None``: the largest partition of any rank.
+        random_init_cached: QLoRA from a shape only: its random init is saved already (``rm.model.random_init_saved``,
+            which ``rm.train`` asks before it builds anything), so the run does not build it first. ``False``, the
+            default, counts the build, a first run's peak (:func:`random_init_build_bytes`).
     """
     shapes = shapes or worst_case_shapes(cfg, plan)
     later = shapes.after_first_step
@@ -665,15 +807,24 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
         if later is not None:  # else a one-step run
             phases.append((later, False, False))
     # Each phase at its longest micro-batch and, where that one is unpadded, at its longest padded one too.
-    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording)
+    build = 0 if random_init_cached or cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained else \
+        random_init_build_bytes(cfg.model)
+    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
+                             random_init=build)
                 for phase, first, recording in phases for shape in phase.variants()), key=lambda e: e.peak_bytes)
 
 
 def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool,
-                 recording: bool = False) -> Estimate:
+                 recording: bool = False, random_init: int = 0) -> Estimate:
     """:func:`estimate_run` at one set of shapes; ``first_step``: no optimizer states during the backward;
-    ``recording``: the run's first micro-batch, where ZeRO-3 records its module trace."""
+    ``recording``: the run's first micro-batch, where ZeRO-3 records its module trace; ``random_init``: the bytes of
+    building QLoRA's random init, where the run builds one (:func:`random_init_build_bytes`)."""
     t = trace_free_terms(cfg, plan, rank)
+    # The random init is built on the host, before anything else of the run exists: on a CPU device, a phase of its
+    # own on each rank that builds it; on a GPU, host RAM.
+    builds_here = rank is None or rank in random_init_builders(plan.world_size, plan.hardware.nodes)
+    build = random_init if plan.device == "cpu" and builds_here else 0
+    kbit_load = qlora_load_bytes(cfg, plan) if cfg.memory_profile.quantize_base == "nf4" else 0
     states = t.before_first_step if first_step else t.states  # alive through the backward
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.
@@ -706,13 +857,17 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         "evaluation": t.weights + t.states + kept_gradients + t.gathered + evaluation,
         "load": t.weights + (ddp_broadcast_bytes(t.weights, max(t.counts.tensors) * max(
             plan.numerics.weight_bytes, plan.numerics.frozen_bytes)) if ddp_buckets else 0),
+        "random-init build": build,
+        "4-bit load": kbit_load,
     }
     phase = max(phases, key=phases.get)
     # Paged 8-bit states live in CUDA managed memory: on the device, but not in torch's allocator.
     paged = plan.device == "cuda" and cfg.memory_profile.optimizer == "adamw_8bit"
-    held_states = {"forward/backward": states, "load": 0}.get(phase, t.states)
+    before_engine = ("random-init build", "4-bit load")
+    held_states = {"forward/backward": states, "load": 0, **{p: 0 for p in before_engine}}.get(phase, t.states)
     outside = held_states if paged else 0
-    allocated = phases[phase] + t.overhead - outside
+    # The engine's buffers are made when it wraps the model: after the model is built.
+    allocated = phases[phase] + (0 if phase in before_engine else t.overhead) - outside
     reserve, context, communication, device_assumed = device_terms(plan, activations, backward_temporaries,
                                                                    full_gradients=not cfg.memory_profile.use_lora)
     usable, headroom = usable_bytes(plan)
@@ -722,10 +877,10 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         evaluation=evaluation, temporaries=backward_temporaries, overhead=t.overhead, allocated_bytes=allocated,
         allocator_reserve=reserve, cuda_context=context, communication=communication, peak_bytes=peak, peak_phase=phase,
         usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
-        host_ram_bytes_per_node=t.host, params_total=t.counts.total, params_trainable=t.counts.trainable,
+        host_ram_bytes_per_node=t.host + random_init, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
         precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
-        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank, outside_allocator=outside,
+        sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank, outside_allocator=outside, random_init_build=build,
     )
 
 
