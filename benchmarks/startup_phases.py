@@ -19,6 +19,8 @@ import time
 from collections import defaultdict
 
 START = time.perf_counter()
+# Libraries a run needs only for some settings (LoRA, 4-bit, DeepSpeed) or at its end (plots): which were imported.
+OPTIONAL = ("peft", "bitsandbytes", "deepspeed", "matplotlib", "accelerate", "scipy", "sklearn")
 spent = defaultdict(float)
 calls = defaultdict(int)
 order = []
@@ -101,6 +103,8 @@ def main() -> None:
     for label, seconds in rows:
         print(f"  {label:<52} {seconds:7.2f} s", file=sys.stderr)
     print(f"  {'in-process total':<52} {end - START:7.2f} s", file=sys.stderr)
+    loaded = [name for name in OPTIONAL if name in sys.modules]
+    print(f"  imported of {', '.join(OPTIONAL)}: {', '.join(loaded) or 'none'}", file=sys.stderr)
     sys.exit(code)
 
 

@@ -60,18 +60,28 @@ def key(fields: Dict[str, Any]) -> str:
 
 
 def read_json(path: Path) -> Optional[Any]:
-    """The JSON value stored at ``path``, or None when it is absent, unreadable or not JSON."""
+    """The JSON value stored at ``path`` by :func:`write_json`, or None when it is absent, unreadable, not JSON, or
+    not the value written (its checksum differs: a corrupt entry is computed again, never used)."""
     try:
-        return json.loads(path.read_text())
+        stored = json.loads(path.read_text())
+        if isinstance(stored, dict) and stored.get("sha256") == _checksum(stored.get("value")):
+            return stored["value"]
+        log.debug("cache entry %s fails its checksum: computed again", path)
     except (OSError, ValueError) as err:
         if not isinstance(err, FileNotFoundError):
             log.debug("cache entry %s unreadable (%s): computed again", path, err)
-        return None
+    return None
 
 
-def write_json(path: Path, value: Any) -> None:
-    """Store ``value`` at ``path`` as JSON, atomically; a failed write leaves nothing and raises nothing."""
-    _atomic(path, lambda tmp: Path(tmp, "value").write_text(json.dumps(value)), lambda tmp: Path(tmp, "value"))
+def write_json(path: Path, value: Any) -> bool:
+    """Store ``value`` at ``path`` as JSON with its checksum, atomically; a failed write leaves nothing and raises
+    nothing (returns False)."""
+    text = json.dumps({"value": value, "sha256": _checksum(value)})
+    return _atomic(path, lambda tmp: Path(tmp, "value").write_text(text), lambda tmp: Path(tmp, "value"))
+
+
+def _checksum(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
 def write_dir(path: Path, fill: Callable[[Path], None]) -> bool:
