@@ -376,7 +376,12 @@ class AccelerateEngine:
         self.accelerator.load_state(str(directory))
 
     def unwrapped_model(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.model)
+        """What ``accelerator.unwrap_model`` gives for the models this engine prepares (one process, or DDP), without
+        its test for a DeepSpeed engine, which imports deepspeed (a second or more) into every run."""
+        model = self.model
+        while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        return model
 
     def model_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """None: every process holds the whole model, whose own state dict is the one to save."""

@@ -11,6 +11,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 from rm.data.collator import PairCollator
+from rm.data.tokenise import pair_lengths
 from rm.diagnostics import PairScores, pair_diagnostics
 from rm.loss import bradley_terry_loss
 from rm.model import pair_rewards
@@ -22,7 +23,7 @@ def evaluate(
 ) -> Tuple[Dict[str, float], PairScores]:
     """Pairwise accuracy, mean reward margin, loss and the diagnostics of :mod:`rm.diagnostics` over ``eval_set``.
 
-    Each process scores a strided share of the pairs; sums are reduced across
+    Each process scores a strided share of the pairs, shortest first; sums are reduced across
     processes, so the result covers every pair exactly once. A tie counts as wrong.
     Every process runs the same number of forward passes (one with nothing left
     scores pair 0 and discards it), because under ZeRO-3 each forward gathers
@@ -39,7 +40,12 @@ def evaluate(
     """
     was_training = model.training
     model.eval()
-    indices = list(range(engine.process_index, len(eval_set), engine.num_processes))
+    # Each process scores its share shortest pair first, so that a batch pads to lengths like its own: in data order
+    # most batches hold one pair near max_length (the demo's eval forwards: 57% padding in data order, 11% sorted). Every
+    # pair's rewards go to its own index, so the result is the same up to float rounding (a row padded to another
+    # length rounds differently in its last bits, as in rm.score's batches).
+    longer = [max(c, r) for c, r in zip(*pair_lengths(eval_set))]
+    indices = sorted(range(engine.process_index, len(eval_set), engine.num_processes), key=lambda i: longer[i])
     per_rank = -(-len(eval_set) // engine.num_processes)
     sums = torch.zeros(4, dtype=torch.float64, device=engine.device)  # pairs, correct, margin, loss
     # Rows: chosen reward, rejected reward, chosen length, rejected length. The strided shares are

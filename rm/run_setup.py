@@ -8,6 +8,7 @@ to resume from.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -18,12 +19,12 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from accelerate.utils import set_seed
-from transformers import get_scheduler
+from torch.optim.lr_scheduler import LambdaLR
 
 from rm.config import RunConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
-from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs
+from rm.data.build import build_datasets, build_extra_eval_sets, split_identity, train_pairs
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.health import HealthMonitor
@@ -103,7 +104,8 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
     # back, so its checkpoints meet the tokenizer they were trained with.
     resuming = directory.resuming
-    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data), saved=directory.tokenizer_dir if resuming else None)
+    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data), saved=directory.tokenizer_dir if resuming else None,
+                              texts_identity=split_identity(cfg.data, "train"))
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
@@ -257,10 +259,38 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
         model,
         lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon,
                                   t.kahan_summation),
-        lambda opt: get_scheduler(
-            t.lr_scheduler_type, opt, num_warmup_steps=warmup_steps(cfg, total_steps), num_training_steps=total_steps
-        ),
+        lambda opt: lr_schedule(t.lr_scheduler_type, opt, warmup_steps(cfg, total_steps), total_steps),
     )
+
+
+def lr_schedule(kind: str, optimizer: torch.optim.Optimizer, warmup: int, total: int) -> LambdaLR:
+    """transformers' ``get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)`` for the
+    three ``train.lr_scheduler_type`` values rm accepts: the same ``LambdaLR`` over a ``functools.partial`` (so a
+    checkpoint of either loads in the other), the same factor at every step (``tests/test_startup_cache.py`` holds
+    them equal). Not imported from ``transformers.optimization``, which imports ``transformers.trainer_utils`` and
+    with it PEFT and bitsandbytes (which compiles its CPU ops as it loads) into every run, LoRA or not."""
+    return LambdaLR(optimizer, functools.partial(lr_factor, kind=kind, warmup=warmup, total=total))
+
+
+def lr_factor(step: int, *, kind: str, warmup: int, total: int) -> float:
+    """The learning rate's factor after ``step`` optimizer steps: linear warmup from 0 over ``warmup`` steps, then
+    ``linear`` decay to 0 at ``total``, half a ``cosine`` period to 0 at ``total``, or ``constant_with_warmup``.
+
+    >>> [round(lr_factor(s, kind="cosine", warmup=2, total=6), 3) for s in range(7)]
+    [0.0, 0.5, 1.0, 0.854, 0.5, 0.146, 0.0]
+    >>> [lr_factor(s, kind="linear", warmup=1, total=3) for s in range(4)], lr_factor(5, kind="constant_with_warmup", warmup=2, total=3)
+    ([0.0, 1.0, 0.5, 0.0], 1.0)
+    """
+    if step < warmup:
+        return float(step) / float(max(1, warmup))
+    if kind == "constant_with_warmup":
+        return 1.0
+    if kind == "linear":
+        return max(0.0, float(total - step) / float(max(1, total - warmup)))
+    if kind == "cosine":  # transformers' num_cycles=0.5: pi x 0.5 x 2 x progress, which is pi x progress exactly
+        progress = float(step - warmup) / float(max(1, total - warmup))
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+    raise ValueError(f"train.lr_scheduler_type={kind!r}: rm schedules linear, cosine or constant_with_warmup")
 
 
 def warmup_steps(cfg: RunConfig, total_steps: int) -> int:
@@ -357,7 +387,10 @@ def log_prefix_sharing(train_set) -> list:
     Returns:
         Per training pair, prefix + chosen suffix + rejected suffix tokens: what the token budget counts.
     """
-    chosen, rejected = train_set["chosen_input_ids"], train_set["rejected_input_ids"]
+    # Both columns read once as Python lists (Arrow's own conversion): iterating the dataset's columns goes through
+    # its row formatter, seconds for the demo's 16,000 pairs.
+    arrow = train_set.with_format("arrow")
+    chosen, rejected = arrow["chosen_input_ids"].to_pylist(), arrow["rejected_input_ids"].to_pylist()
     prefix = [common_prefix_length(c, r) for c, r in zip(chosen, rejected)]
     both = sum(len(c) + len(r) for c, r in zip(chosen, rejected))
     shared = both - sum(prefix)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Mapping, Option
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from rm import cache
 from rm.errors import ConfigError, StorageError, is_storage_failure
 
 if TYPE_CHECKING:  # transformers and the config schema are imported where used: training a BPE needs neither
@@ -55,7 +56,7 @@ __all__ = [
     "SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "MIN_BPE_VOCAB", "VOCABULARY", "TOKENIZER_PROBES", "tokenizer_kind",
     "config_errors", "run_tokenizer", "training_texts", "save_tokenizer", "build_tokenizer", "train_bpe_tokenizer",
     "train_byte_level_bpe", "build_word_level_tokenizer", "text_only", "check_tokenizer_fits",
-    "check_consumers_tokenize_alike", "write_tokenizer_compat_fields",
+    "check_consumers_tokenize_alike", "write_tokenizer_compat_fields", "cached_bpe", "tokenizer_identity",
 ]
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,8 @@ def config_errors(model_cfg: ModelConfig) -> List[str]:
 TrainPairs = Callable[[Any], Mapping[str, Sequence[str]]]
 
 
-def run_tokenizer(model_cfg: ModelConfig, train_pairs: TrainPairs, saved: Optional[Path] = None):
+def run_tokenizer(model_cfg: ModelConfig, train_pairs: TrainPairs, saved: Optional[Path] = None,
+                  texts_identity: Optional[Mapping[str, Any]] = None):
     """The tokenizer a run of these settings uses: :func:`build_tokenizer`, given the train split's texts
     (:func:`training_texts`), which only ``model.tokenizer=bpe`` reads, and the directory a resumed run saved it in.
 
@@ -156,8 +158,11 @@ def run_tokenizer(model_cfg: ModelConfig, train_pairs: TrainPairs, saved: Option
         train_pairs: the train split after normalisation (:func:`rm.data.build.train_pairs`), read only where a
             BPE is trained.
         saved: the run directory's tokenizer (a resumed run), read back instead of trained again.
+        texts_identity: what the train split's texts depend on (:func:`rm.data.build.split_identity`): a BPE
+            trained on the same texts before is read from ``$RM_CACHE/tokenizer`` instead of trained again
+            (:func:`cached_bpe`); None: trained.
     """
-    return build_tokenizer(model_cfg, texts=lambda: training_texts(train_pairs), saved=saved)
+    return build_tokenizer(model_cfg, texts=lambda: training_texts(train_pairs), saved=saved, texts_identity=texts_identity)
 
 
 def training_texts(train_pairs: TrainPairs) -> List[str]:
@@ -183,7 +188,7 @@ def save_tokenizer(tokenizer, directory: Path) -> None:
 
 
 def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterable[str]]] = None,
-                    saved: Optional[Path] = None):
+                    saved: Optional[Path] = None, texts_identity: Optional[Mapping[str, Any]] = None):
     """Load or make the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
 
     ``model.tokenizer=bpe`` (:func:`tokenizer_kind`) trains a byte-level BPE of at most
@@ -211,9 +216,9 @@ def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterabl
     elif kind == "bpe":
         if texts is None:
             raise ValueError("model.tokenizer=bpe is trained on the run's texts: pass texts (rm.tokenizer.run_tokenizer does)")
-        tokenizer = train_bpe_tokenizer(texts(), model_cfg.vocab_size)
-        log.info("tokenizer: byte-level BPE trained on the training texts: %d tokens (model.vocab_size=%d)",
-                 len(tokenizer), model_cfg.vocab_size)
+        tokenizer, entry = cached_bpe(texts, model_cfg.vocab_size, texts_identity)
+        log.info("tokenizer: byte-level BPE trained on the training texts%s: %d tokens (model.vocab_size=%d)",
+                 f" (read from the cache {entry})" if entry else "", len(tokenizer), model_cfg.vocab_size)
     elif kind == "words":
         tokenizer = build_word_level_tokenizer()
     else:
@@ -257,6 +262,51 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
         (False, ['Ġhello'])
     """
     return _wrap(train_byte_level_bpe(texts, vocab_size), model_max_length)
+
+
+# The rm modules that make a BPE from its texts: this one and every module it imports at any depth
+# (tests/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
+TOKENIZER_SOURCES = ("rm.tokenizer", "rm.config", "rm.errors", "rm.cli", "rm.launch_env", "rm.cache")
+
+
+def cached_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, texts_identity: Optional[Mapping[str, Any]],
+               model_max_length: int = 2048) -> Tuple["PreTrainedTokenizerFast", Optional[Path]]:
+    """:func:`train_bpe_tokenizer` on ``texts()``, or the ``tokenizers`` model trained before on texts of the same
+    identity (``$RM_CACHE/tokenizer``, :mod:`rm.cache`; keyed also by ``vocab_size``, this module's source and the
+    ``tokenizers`` version), wrapped as training wraps it. Training is deterministic (:func:`train_bpe_tokenizer`),
+    so the cached model is the one training would give.
+
+    Returns:
+        The tokenizer, and the cache entry it was read from (None: trained here).
+    """
+    entry = None
+    if texts_identity is not None:
+        entry = cache.cache_root() / "tokenizer" / f"{cache.key({'texts': dict(texts_identity), 'vocab_size': vocab_size, 'rm': cache.source_digest(TOKENIZER_SOURCES), 'libraries': cache.versions('tokenizers')})}.json"
+        stored = cache.read_json(entry)
+        if isinstance(stored, str):
+            try:
+                return _wrap(Tokenizer.from_str(stored), model_max_length), entry
+            except Exception as err:  # noqa: BLE001  (an unreadable entry is trained again)
+                log.debug("cache entry %s unreadable (%s): trained again", entry, err)
+    trained = train_byte_level_bpe(texts(), vocab_size)
+    if entry is not None:
+        cache.write_json(entry, trained.to_str())
+    return _wrap(trained, model_max_length), None
+
+
+def tokenizer_identity(tokenizer) -> Optional[str]:
+    """sha256 of everything that decides the ids ``tokenizer(text)`` gives and how rm's data checks read them: the
+    ``tokenizers`` pipeline (normaliser, pre-tokenizer, vocabulary and merges, post-processor), the special tokens,
+    the chat template and the class. None for a tokenizer without a ``tokenizers`` backend (a slow one): its data
+    is not cached."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    fields = {"class": type(tokenizer).__name__, "backend": backend.to_str(), "special": tokenizer.special_tokens_map,
+              "pad_token_id": tokenizer.pad_token_id, "unk_token_id": tokenizer.unk_token_id,
+              "chat_template": tokenizer.chat_template, "padding_side": tokenizer.padding_side,
+              "add_bos_token": getattr(tokenizer, "add_bos_token", None), "add_eos_token": getattr(tokenizer, "add_eos_token", None)}
+    return cache.key(fields)
 
 
 def train_byte_level_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:

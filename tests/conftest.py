@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,26 @@ def tiny_cfg():
         return to_run_config(compose_run(FAST_TINY + list(overrides)))
 
     return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache(tmp_path_factory):
+    """rm's disk cache (``rm.cache``) for the whole session is a temporary directory, never the user's ``~/.cache/rm``
+    (fixtures shared by several tests, built before any test's own, use it)."""
+    before = os.environ.get("RM_CACHE")
+    os.environ["RM_CACHE"] = str(tmp_path_factory.mktemp("rm_cache_session"))
+    yield
+    if before is None:
+        os.environ.pop("RM_CACHE", None)
+    else:
+        os.environ["RM_CACHE"] = before
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path_factory, monkeypatch):
+    """Each test starts with an empty cache: what it tests is computed, not read from an earlier test's entry
+    (tests/test_startup_cache.py tests the cache itself)."""
+    monkeypatch.setenv("RM_CACHE", str(tmp_path_factory.mktemp("rm_cache")))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -215,7 +215,7 @@ def test_one_tracker_counts_a_run_and_a_timeline_alike():
         counted.mark("x")
 
 
-def test_trace_where_checkpointing_recomputes_through_the_module_call(monkeypatch):
+def test_trace_where_checkpointing_recomputes_through_the_module_call(monkeypatch, tmp_path):
     """transformers 5.17 (the GPU machine's) checkpoints a layer's whole ``__call__``, so the layer's hooks fire a
     second time when the backward recomputes it; 5.24 checkpoints ``forward`` inside the call. Every checkpointed
     estimate failed on that machine ("max() arg is an empty sequence") until the phase marks kept their first
@@ -239,6 +239,7 @@ def test_trace_where_checkpointing_recomputes_through_the_module_call(monkeypatc
     monkeypatch.setattr(MistralDecoderLayer, "forward", getattr(MistralDecoderLayer.forward, "__wrapped__", MistralDecoderLayer.forward))
     monkeypatch.setattr(MistralDecoderLayer, "__call__", call_517)
     _trace.cache_clear()
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "patched"))  # traced again, not read from the disk cache
     try:
         got = measure_layer(model, 4, 32)
     finally:

@@ -261,13 +261,14 @@ def test_a_run_refused_without_a_trace_is_refused_by_the_full_estimate(overrides
         assert not estimate_run(cfg, plan).fits
 
 
-def test_candidates_estimated_in_forked_processes_equal_the_estimates_made_here():
+def test_candidates_estimated_in_forked_processes_equal_the_estimates_made_here(monkeypatch, tmp_path):
     from rm.memory.trace import _trace
 
     jobs = [planned(["memory_profile=lora", f"train.micro_batch_size={m}", "train.global_batch_size=16"]) for m in (1, 2, 4)]
     jobs.append(planned(["memory_profile=full", "model.attn_implementation=eager"]))
     forked = estimate_each(jobs)
-    _trace.cache_clear()  # what the workers traced stays in them: trace everything again here
+    _trace.cache_clear()  # what the workers traced stays in them: trace everything again here,
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "here"))  # not read from the disk cache they wrote
     assert forked == [estimate_run(cfg, plan) for cfg, plan in jobs]
 
 

@@ -1,13 +1,25 @@
-"""Turn the ``data`` group into tokenised train and eval sets."""
+"""Turn the ``data`` group into tokenised train and eval sets.
+
+A split tokenised once is kept on disk under ``$RM_CACHE/data`` (:mod:`rm.cache`) with its counts and the lines
+its loading logged, keyed by its rows' content (a local file's bytes, the synthetic generator's settings), every
+``data`` setting, the tokenizer as it tokenises (:func:`rm.tokenizer.tokenizer_identity`), the rm source that does
+the work (:data:`DATA_SOURCES`) and the libraries' versions: a later run of the same data reads the same token ids
+and counts instead of loading, normalising and tokenising again. ``datasets``' own cache of ``map`` results cannot
+stand in: the normalise and tokenise maps count what they drop while they run (``rm.data.load.map_counting``), and a
+hit there would skip the counting. Hub data is read again each time (its revision is not known before it loads).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from dataclasses import replace
-from typing import Any, Callable, Dict, Tuple
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import datasets
 
+from rm import cache
 from rm.config import DataConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
@@ -16,8 +28,19 @@ from rm.data.normalise import CHARS_PER_TOKEN_BOUND, max_chars_for, normalise_pa
 from rm.data.synthetic import generate_pairs
 from rm.data.tokenise import pair_lengths, tokenize_pairs
 from rm.errors import DataError
+from rm.tokenizer import tokenizer_identity
 
 log = logging.getLogger(__name__)
+
+# The rm modules that load, normalise and tokenise a split: this one and every module it imports at any depth
+# (tests/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
+DATA_SOURCES = ("rm.data.build", "rm.data.audit", "rm.data.counts", "rm.data.load", "rm.data.normalise",
+                "rm.data.synthetic", "rm.data.tokenise", "rm.tokenizer", "rm.config", "rm.errors", "rm.cli",
+                "rm.launch_env", "rm.cache")
+# The libraries whose code reads, renders (chat templates) and tokenises the rows.
+DATA_LIBRARIES = ("datasets", "pyarrow", "tokenizers", "transformers", "jinja2")
+# Settings that name where the rows are, not what they hold: their content digest stands in for them.
+_LOCATION_KEYS = ("name", "train_files", "eval_files", "extra_eval_files")
 
 
 def _raw_split(data_cfg: DataConfig, split: str) -> datasets.Dataset:
@@ -56,7 +79,8 @@ def _normalised_split(data_cfg: DataConfig, tokenizer, split: str):
 
 
 def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.Dataset, PairCounts]:
-    """Load, normalise and tokenise one split; log what was dropped and why.
+    """Load, normalise and tokenise one split, or read it from the disk cache (module doc); log what was dropped
+    and why.
 
     Returns:
         The tokenised dataset (``chosen_input_ids``, ``rejected_input_ids``,
@@ -67,14 +91,18 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
             ``data.truncation=error``; the message starts with the data and split
             and names the row), or no usable pair left.
     """
-    pairs, norm_counts = _normalised_split(data_cfg, tokenizer, split)
-    try:
-        tokenised, counts = tokenize_pairs(
-            pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
-            identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates, counts=norm_counts,
-        )
-    except DataError as err:
-        raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
+    entry = split_cache_entry(data_cfg, tokenizer, split)
+    cached = _read_split(entry) if entry is not None else None
+    if cached is None:
+        with _logged() as lines:
+            tokenised, counts = _tokenised_split(data_cfg, tokenizer, split)
+        if entry is not None:
+            _write_split(entry, tokenised, counts, lines)
+    else:
+        tokenised, counts, lines = cached
+        for name, level, message in lines:  # what loading the split logged (its format, a column it ignores)
+            logging.getLogger(name).log(level, "%s", message)
+        log.info("data %s [%s]: tokenised pairs read from the cache %s", data_cfg.name, split, entry)
     log.info("data %s [%s]: %s", data_cfg.name, split, counts.format())
     if counts.capped:
         log.warning("data %s [%s]: %d pair(s) with a side over %s characters (data.max_length=%d x %d), cut to their last "
@@ -89,6 +117,87 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     if len(tokenised) == 0:
         raise DataError(f"data {data_cfg.name} [{split}]: no usable pairs left ({counts.format()}{reasons})")
     return tokenised, counts
+
+
+def _tokenised_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.Dataset, PairCounts]:
+    pairs, norm_counts = _normalised_split(data_cfg, tokenizer, split)
+    try:
+        return tokenize_pairs(
+            pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
+            identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates, counts=norm_counts,
+        )
+    except DataError as err:
+        raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
+
+
+def split_identity(data_cfg: DataConfig, split: str) -> Optional[Dict[str, Any]]:
+    """What a split's normalised pairs depend on: its rows' content, every ``data`` setting, the rm source and the
+    libraries that read them; None where the content is not known before loading (hub data), or a file cannot be
+    read (the build then reports it as it always does). What :func:`split_cache_entry` and the cache of the
+    tokenizer trained on the train split's texts (:func:`rm.tokenizer.run_tokenizer`) are keyed by."""
+    settings = {k: v for k, v in asdict(data_cfg).items() if k not in _LOCATION_KEYS}
+    if data_cfg.source == "synthetic":  # the generator's settings are among the settings, its code among the sources
+        content: Any = "synthetic"
+    elif data_cfg.source == "local":
+        try:
+            files = expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")
+            content = [cache.file_digest(Path(f)) for f in files]
+        except Exception:  # noqa: BLE001  (no cache; loading the split says what is wrong with its files)
+            return None
+    else:
+        return None
+    return {"split": split, "content": content, "settings": settings, "rm": cache.source_digest(DATA_SOURCES),
+            "libraries": cache.versions(*DATA_LIBRARIES)}
+
+
+def split_cache_entry(data_cfg: DataConfig, tokenizer, split: str) -> Optional[Path]:
+    """Where the tokenised split is cached: keyed by :func:`split_identity` and the tokenizer; None: not cached."""
+    identity, tokens = split_identity(data_cfg, split), tokenizer_identity(tokenizer)
+    if identity is None or tokens is None:
+        return None
+    return cache.cache_root() / "data" / cache.key({**identity, "tokenizer": tokens})
+
+
+def _read_split(entry: Path) -> Optional[Tuple[datasets.Dataset, PairCounts, List]]:
+    """The tokenised split, its counts and log lines kept in ``entry``, or None (absent, or its files are not the
+    ones written: computed again)."""
+    meta = cache.read_json(entry / "entry.json")
+    try:
+        if meta is None or any(cache.file_digest(entry / name) != digest for name, digest in meta["files"].items()):
+            return None
+        # In memory, as the freshly tokenised split is: the run does not depend on the entry staying on disk.
+        tokenised = datasets.load_from_disk(str(entry), keep_in_memory=True)
+        return tokenised, PairCounts.from_json(meta["counts"]), [tuple(line) for line in meta["logs"]]
+    except Exception as err:  # noqa: BLE001  (an unreadable entry is computed again)
+        log.debug("cache entry %s unreadable (%s): tokenised again", entry, err)
+        return None
+
+
+def _write_split(entry: Path, tokenised: datasets.Dataset, counts: PairCounts, lines: List) -> None:
+    def fill(tmp: Path) -> None:
+        tokenised.save_to_disk(str(tmp))
+        files = {p.name: cache.file_digest(p) for p in sorted(tmp.iterdir())}
+        if not cache.write_json(tmp / "entry.json", {"files": files, "counts": counts.to_json(), "logs": lines}):
+            raise OSError("entry.json not written")
+
+    cache.write_dir(entry, fill)
+
+
+@contextlib.contextmanager
+def _logged() -> Iterator[List]:
+    """The lines ``rm.data``'s loggers emit inside, as ``(logger, level, message)``: a cache hit logs them again."""
+    lines: List = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append((record.name, record.levelno, record.getMessage()))
+
+    handler, logger = Keep(), logging.getLogger("rm.data")
+    logger.addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
 
 
 def train_pairs(data_cfg: DataConfig) -> Callable[[Any], datasets.Dataset]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any
 
@@ -95,6 +95,23 @@ class PairCounts:
 
     def copy(self) -> PairCounts:
         return copy.deepcopy(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """The counts as JSON values (what the tokenised-data cache keeps beside the pairs, ``rm.data.build``).
+
+        >>> counts = PairCounts(rows=3, truncated=1)
+        >>> counts.drop(Drop.TOO_LONG)
+        >>> PairCounts.from_json(counts.to_json()) == counts
+        True
+        """
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "dropped": {reason.value: n for reason, n in self.dropped.items()}, "empty_sides": dict(self.empty_sides)}
+
+    @classmethod
+    def from_json(cls, value: dict[str, Any]) -> PairCounts:
+        """The counts :meth:`to_json` gave. Raises (KeyError, TypeError, ValueError) where ``value`` is not such counts."""
+        return cls(**{**value, "dropped": Counter({Drop(reason): n for reason, n in value["dropped"].items()}),
+                      "empty_sides": Counter(value["empty_sides"])})
 
     def format(self) -> str:
         """The counts in one line, what a run logs per split and ``rm.score`` prints.

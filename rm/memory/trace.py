@@ -50,6 +50,12 @@ kernel and CUDA's flash / memory-efficient kernels all keep the output and an fp
 log-sum-exp of ``B*H*T`` (CUDA's efficient kernel pads ``T`` to 32).
 ``flash_attention_2`` cannot be traced.
 
+Each trace is kept in memory for the process and on disk under ``$RM_CACHE/trace`` (:mod:`rm.cache`), keyed by its
+arguments (the model's shape, profile, LoRA settings, numerics, checkpointing, attention, device, micro-batch shape),
+the versions of the libraries whose code it runs and the source of the rm modules it runs (:data:`TRACE_SOURCES`):
+a run of a shape traced before, in any process, reads a few integers instead of tracing (seconds for a tiny model,
+a minute for a 7B LoRA shape), and the estimate is the same number.
+
 Public API: :class:`TracedModel`, :class:`LayerMemory`, :func:`measure_layer`,
 :func:`estimate_activations`, :func:`inference_peak_bytes`.
 """
@@ -60,16 +66,26 @@ import contextlib
 import functools
 import gc
 import warnings
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Dict, Tuple
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from rm import cache
 from rm.config import ALL_LINEAR, LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.memory.storage import StorageTracker
 from rm.precision import Numerics
 
 _SUPPORTED_ATTN = ("sdpa", "eager")
+
+# The rm modules a trace runs: this one, and every module it imports at any depth (tests/test_startup_cache.py holds
+# the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
+TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.model", "rm.loss", "rm.precision", "rm.prefix_sharing",
+                 "rm.data.collator", "rm.config", "rm.cache")
+# The libraries whose code a trace runs: the model's (transformers), the adapters' (peft), the kernels' saved tensors
+# (torch), ZeRO-3's linear (deepspeed). Another version of any of them is a miss.
+TRACE_LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
 
 Items = Tuple[Tuple[str, Any], ...]
 
@@ -419,9 +435,41 @@ def _mark_phases(model, tracker: StorageTracker) -> list:
     return handles
 
 
+@functools.lru_cache(maxsize=1)
+def _environment() -> Dict[str, Any]:
+    """What every trace depends on besides its arguments: the code it runs, rm's and the libraries'."""
+    return {"rm": cache.source_digest(TRACE_SOURCES), "libraries": cache.versions(*TRACE_LIBRARIES)}
+
+
+def _entry(kind: str, traced: TracedModel, *args) -> Path:
+    return cache.cache_root() / "trace" / f"{cache.key({'kind': kind, 'traced': asdict(traced), 'args': list(args), **_environment()})}.json"
+
+
+def _stored_trace(value: Any) -> "Optional[_Trace]":
+    """A cached :class:`_Trace`, or None where the entry does not hold one (a corrupt entry is traced again)."""
+    if not isinstance(value, dict) or set(value) != {f.name for f in fields(_Trace)} or type(value["num_layers"]) is not int:
+        return None
+    marks = [value[name] for name in ("at", "peak", "grads_at", "peak_with_grads")]
+    if not all(isinstance(m, dict) and all(type(v) is int for v in m.values()) for m in marks):
+        return None
+    return _Trace(**value)
+
+
 @functools.lru_cache(maxsize=256)
 def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accumulating: bool = False,
            packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> _Trace:
+    """:func:`_run_trace`, read from the disk cache where this trace was run before (module doc)."""
+    args = (num_layers, batch, seq_len, accumulating, packed, shared_prefix, padded)
+    path = _entry("train_step", traced, *args)
+    trace = _stored_trace(cache.read_json(path))
+    if trace is None:
+        trace = _run_trace(traced, *args)
+        cache.write_json(path, asdict(trace))
+    return trace
+
+
+def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accumulating: bool = False,
+               packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> _Trace:
     """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases.
 
     ``packed``: one row of ``seq_len`` tokens holding several sequences (``train.packing``): no
@@ -641,7 +689,8 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
 
 
 def clear_cache() -> None:
-    """Forget cached traces (they hold only a few integers each)."""
+    """Forget the traces this process holds (a few integers each); the disk cache keeps its own (a fresh
+    ``RM_CACHE`` directory traces everything again)."""
     _trace.cache_clear()
     inference_peak_bytes.cache_clear()
 
@@ -651,8 +700,19 @@ def inference_peak_bytes(traced: TracedModel, batch: int, seq_len: int) -> int:
     """Peak bytes above the weights of one scoring forward under ``torch.no_grad`` (evaluation), padded rows.
 
     Nothing is kept for backward, so each layer's output replaces the last and the peak does not
-    grow with depth: a 2-layer trace gives it for any number of layers.
+    grow with depth: a 2-layer trace gives it for any number of layers. Read from the disk cache where this
+    forward was traced before (module doc).
     """
+    path = _entry("inference", traced, batch, seq_len)
+    stored = cache.read_json(path)
+    if type(stored) is int:
+        return stored
+    peak = _run_inference_trace(traced, batch, seq_len)
+    cache.write_json(path, peak)
+    return peak
+
+
+def _run_inference_trace(traced: TracedModel, batch: int, seq_len: int) -> int:
     from rm.model import pair_rewards
 
     tracker = StorageTracker()
