@@ -74,8 +74,13 @@ def _session_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_cache(tmp_path_factory, monkeypatch):
     """Each test starts with an empty cache: what it tests is computed, not read from an earlier test's entry
-    (tests/test_startup_cache.py tests the cache itself)."""
-    monkeypatch.setenv("RM_CACHE", str(tmp_path_factory.mktemp("rm_cache")))
+    (tests/test_startup_cache.py tests the cache itself). The machine's measured rates (``rm.plan.constants``, a few
+    seconds to measure, read by every train.layout=auto run) are the session's: one machine, measured once."""
+    fresh = tmp_path_factory.mktemp("rm_cache")
+    speed = Path(os.environ["RM_CACHE"]) / "speed"
+    speed.mkdir(parents=True, exist_ok=True)
+    (fresh / "speed").symlink_to(speed, target_is_directory=True)
+    monkeypatch.setenv("RM_CACHE", str(fresh))
 
 
 def pytest_collection_modifyitems(config, items):
