@@ -82,7 +82,7 @@ _SUPPORTED_ATTN = ("sdpa", "eager")
 # The rm modules a trace runs: this one, and every module it imports at any depth (tests/test_startup_cache.py holds
 # the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
 TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.model", "rm.loss", "rm.precision", "rm.prefix_sharing",
-                 "rm.data.collator", "rm.config", "rm.cache")
+                 "rm.data.collator", "rm.config", "rm.cache", "rm.launch_env")
 # The libraries whose code a trace runs: the model's (transformers), the adapters' (peft), the kernels' saved tensors
 # (torch), ZeRO-3's linear (deepspeed). Another version of any of them is a miss.
 TRACE_LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
