@@ -72,6 +72,16 @@ def long_pairs(path: Path, pairs: int = 64) -> Path:
     return path
 
 
+def failure_line(text: str, rc) -> str:
+    """The line that says why a run failed: the last error line, a rank's own before torchrun's ChildFailedError."""
+    import re
+
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\w+(Error|Exception): |\] - error: |timed out after", line)]
+    errors = [line for line in errors if "ChildFailedError" not in line] or errors
+    return ((errors or lines or [f"exit {rc}"])[-1])[:300]
+
+
 def rank_errors(proc) -> str:
     """What a failed run said, for its error line: torchrun's summary (stderr) and then each rank's own log (stdout),
     where rm writes a rank's traceback and error: torchrun's ChildFailedError names no cause."""
@@ -535,6 +545,103 @@ def precision_rows(tmp: Path, saved=()) -> list:
     return rows
 
 
+# memory_profile=qlora (4-bit NF4 base, LoRA, prepare_model_for_kbit_training's fp32 casts) on the small model:
+# (precision, checkpointing, processes, random init). One process at max_length 128 as the bf16 rows, two (DDP) at
+# 64 on the long pairs as the 2-process rows. "saved": the shape's random init is saved before the run (every run
+# after a shape's first); "built": the run builds it first (its first run), on local rank 0.
+QLORA_GRID = [("32-true", False, 1, "saved"), ("32-true", True, 1, "saved"), ("bf16-mixed", False, 1, "saved"),
+              ("bf16-mixed", True, 1, "saved"), ("32-true", False, 2, "saved"), ("32-true", True, 2, "built")]
+QLORA_MODEL = "small (13M)"
+
+
+def qlora_overrides(precision: str, checkpointing: bool, nproc: int, data: Path) -> list:
+    """A QLORA_GRID point's ``rm.train`` overrides (no run directory)."""
+    extra = PRECISION_MODES.get(precision, ["train.precision=32-true"])
+    if nproc == 1:
+        return run_overrides(QLORA_MODEL, "qlora", checkpointing, 128, "auto", 1, 2, extra)
+    return run_overrides(QLORA_MODEL, "qlora", checkpointing, 64, "ddp", nproc, 2, extra,
+                         ["data=local", f"data.train_files=[{data}]", f"data.eval_files=[{data}]"])
+
+
+def qlora_rows(tmp: Path, saved=()) -> list:
+    """Run QLORA_GRID; each rank's peak against that rank's own estimate (``rank_peak_bytes``). Points in ``saved``
+    are kept (a run stopped part-way goes on where it stopped)."""
+    data = long_pairs(tmp / "long_pairs.jsonl")
+    kept = {(r["precision"], r["checkpointing"], r["nproc"], r["random_init"]): r for r in saved}
+    rows = []
+    for precision, checkpointing, nproc, random_init in QLORA_GRID:
+        row = kept.get((precision, checkpointing, nproc, random_init))
+        if row is None:
+            run_dir = tmp / f"qlora{len(rows)}"
+            overrides = qlora_overrides(precision, checkpointing, nproc, data)
+            cache = tmp / ("rm_cache" if random_init == "saved" else f"rm_cache_{run_dir.name}")
+            assert prepare_random_init(overrides, cache, saved=random_init == "saved") == random_init
+            launch = [sys.executable, "-m", "rm.train"] if nproc == 1 else [
+                sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
+                str(free_port()), "-m", "rm.train"]
+            start = time.perf_counter()
+            proc = subprocess.run([*launch, *overrides, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True,
+                                  text=True, env=random_init_env(cache))
+            if proc.returncode != 0:
+                raise SystemExit(f"qlora {precision} x{nproc} failed:\n{rank_errors(proc)[-4000:]}")
+            result = point_result(json.loads((run_dir / "memory.json").read_text()))
+            row = {"model": QLORA_MODEL, "profile": "qlora", "precision": precision, "checkpointing": checkpointing,
+                   "nproc": nproc, "random_init": random_init, "max_length": 128 if nproc == 1 else 64,
+                   "distributed": "auto" if nproc == 1 else "ddp", "wall_s": round(time.perf_counter() - start, 1),
+                   "load_after": round(os.getloadavg()[0], 2), **result}
+            worst_rank(row)
+            print(json.dumps(row), flush=True)
+        rows.append(row)
+        RESULTS.write_text(json.dumps({**json.loads(RESULTS.read_text()), "qlora": rows}, indent=1) + "\n")
+    return rows
+
+
+def recompute_qlora(rows) -> None:
+    """The QLoRA rows against the estimator as it is now, each rank against its own estimate, sized by the data as
+    ``rm.train`` sizes it (the same synthetic or long pairs, written again), in place."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = long_pairs(Path(tmp) / "long_pairs.jsonl")
+        for r in rows:
+            est = data_sized_estimate(qlora_overrides(r["precision"], r["checkpointing"], r["nproc"], data), r["nproc"],
+                                      random_init_cached=r["random_init"] == "saved")
+            per_rank = est.rank_peak_bytes or [est.peak_bytes]
+            r["estimate_mib"], r["phase"] = est.peak_bytes / 2**20, est.peak_phase
+            r["estimate_per_rank_mib"] = [b / 2**20 for b in per_rank]
+            r["errors_per_rank_pct"] = [100 * (e - m) / m for e, m in zip(r["estimate_per_rank_mib"], r["measured_per_rank_mib"])]
+            worst_rank(r)
+
+
+def worst_rank(r: dict) -> None:
+    """``error_pct`` and ``measured_mib`` of the rank whose error is largest (the plot's marker), in place."""
+    worst = max(range(len(r["errors_per_rank_pct"])), key=lambda i: abs(r["errors_per_rank_pct"][i]))
+    r["error_pct"], r["measured_mib"] = r["errors_per_rank_pct"][worst], r["measured_per_rank_mib"][worst]
+
+
+def qlora_section(rows) -> list:
+    """The doc's QLoRA table."""
+    errors = [e for r in rows for e in r["errors_per_rank_pct"]]
+    fmt = lambda xs: " / ".join(f"{x:.2f}" for x in xs)  # noqa: E731
+    lines = [
+        "", "## QLoRA (`memory_profile=qlora`), CPU", "",
+        f"The small model with a 4-bit NF4 base (bitsandbytes' CPU backend), `--part qlora` ({len(rows)} points; `--recompute`",
+        "re-estimates them as `rm.train` does, sized by the data). One process at `max_length=128` as the bf16 rows,",
+        "two (DDP) at 64 on the long pairs as the 2-process rows. The model is built from its shape: rm saves the",
+        "shape's fp32 random init once and loads it in 4 bits. `saved`: the init was saved before the run (every run",
+        "after a shape's first); `built`: the run builds it first, on local rank 0, which the estimate counts on that",
+        "rank (`random-init build`). Each rank against its own estimate; target within +5% / -2% on every rank.",
+        f"Largest over **{max(errors):+.2f}%**, largest under **{min(errors):+.2f}%**.", "",
+        "| model | precision | grad. checkpointing | processes | random init | max_length | estimate per rank (MiB) "
+        "| measured per rank (MiB) | error per rank | peak phase |",
+        "| --- | --- | --- | ---: | --- | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        errs = " / ".join(f"{e:+.2f}%" for e in r["errors_per_rank_pct"])
+        miss = " **MISS**" if max(r["errors_per_rank_pct"]) > 5 or min(r["errors_per_rank_pct"]) < -2 else ""
+        lines.append(f"| {r['model']} | `{r['precision']}` | {'on' if r['checkpointing'] else 'off'} | {r['nproc']} | "
+                     f"{r['random_init']} | {r['max_length']} | {fmt(r['estimate_per_rank_mib'])} | "
+                     f"{fmt(r['measured_per_rank_mib'])} | {errs}{miss} | {r['phase']} |")
+    return lines
+
+
 def run_parts(args, models, tmp: Path, rows, zero_rows, multi_rows):
     """Measure the parts ``--part`` asks for; the others stay as saved."""
     if args.part in ("all", "single", "zero"):
@@ -559,9 +666,9 @@ def run_parts(args, models, tmp: Path, rows, zero_rows, multi_rows):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny and small models only")
-    parser.add_argument("--part", choices=["all", "single", "zero", "multi", "precision"], default="all",
+    parser.add_argument("--part", choices=["all", "single", "zero", "multi", "precision", "qlora"], default="all",
                         help="single: one-process grid (with the ZeRO rows); zero: the one-process ZeRO rows; multi: the "
-                             "2-process layouts; precision: the bf16-mixed and bf16-true points; the other parts are kept "
+                             "2-process layouts; precision: the bf16-mixed and bf16-true points; qlora: the QLoRA points; the other parts are kept "
                              "from docs/memory_calibration.json")
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="with --part multi: measure only these layouts")
     parser.add_argument("--accumulation", nargs="*", type=int, help="with --part multi: measure only these accumulations")
@@ -609,25 +716,29 @@ def main() -> None:
         return write_shared_section(out, shared_points(models))
     saved = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {}
     rows, zero_rows, multi_rows = saved.get("single", []), saved.get("zero", []), saved.get("multi", [])
-    bf16_rows = saved.get("precision", [])
+    bf16_rows, q_rows = saved.get("precision", []), saved.get("qlora", [])
     start = time.perf_counter()
     if args.recompute:
         recompute(rows + zero_rows + multi_rows + bf16_rows)
+        recompute_qlora(q_rows)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             rows, zero_rows, multi_rows = run_parts(args, models, Path(tmp), rows, zero_rows, multi_rows)
             if args.part in ("all", "precision"):
                 bf16_rows = precision_rows(Path(tmp), bf16_rows)
+            if args.part in ("all", "qlora"):
+                q_rows = qlora_rows(Path(tmp), [] if args.part == "all" else q_rows)
     elapsed = time.perf_counter() - start
-    RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows}, indent=1) + "\n")
-    write_doc(out, rows, zero_rows, multi_rows, args, elapsed, bf16_rows)
+    RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows,
+                                   "qlora": q_rows}, indent=1) + "\n")
+    write_doc(out, rows, zero_rows, multi_rows, args, elapsed, bf16_rows, q_rows)
     if args.part == "all":
         write_shared_section(out, shared_points(models))
-    plot(rows + zero_rows + multi_rows, out.with_suffix(".png"))
+    plot(rows + zero_rows + multi_rows + q_rows, out.with_suffix(".png"))
     print(f"wrote {out}")
 
 
-def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16_rows=()) -> None:
+def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16_rows=(), q_rows=()) -> None:
     worst = max((abs(r["error_pct"]) for r in rows), default=0.0)
     load = os.getloadavg()
     lines = [
@@ -669,6 +780,8 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16
               for h in HEADER],
             *(row_line(r).replace(f"| {r['model']} |", f"| {r['model']} | `{r['precision']}` |", 1) for r in bf16_rows),
         ]
+    if q_rows:
+        lines += qlora_section(q_rows)
     if multi_rows:
         worst_multi = max(abs(e) for r in multi_rows for e in r["errors_per_rank_pct"])
         lowest = min(e for r in multi_rows for e in r["errors_per_rank_pct"])
@@ -711,7 +824,8 @@ PROVENANCE = [
     "2026-11-23); the one-process ZeRO rows and every 2-process ZeRO-1/2 row (with and without optimizer offload)",
     "after rm set `reduce_scatter: false` (2026-11-24, load 5-9); the 2-process ZeRO-3 rows after DeepSpeed's ZeRO-3",
     "sizing changed (2026-11-23, load 8-9); the DDP rows in the session before (load 7-11). Load changes timings, not",
-    "live-tensor counts. Every estimate is recomputed with the estimator as committed (`--recompute`).",
+    "live-tensor counts. The QLoRA rows from `--part qlora` (2026-11-27, load 12-14). Every estimate is recomputed with the",
+    "estimator as committed (`--recompute`).",
     "",
 ]
 
@@ -1071,12 +1185,7 @@ def run_random_point(i: int, p: dict, workdir: Path, timeout: int, memtracker: b
         out["random_init"] = random_init
     memory_file = run_dir / "memory.json"
     if rc != 0 or not memory_file.is_file():
-        import re
-
-        lines = [line for line in err.strip().splitlines() if line.strip()]
-        errors = [line for line in lines if re.search(r"\w+(Error|Exception): |\] - error: |timed out after", line)]
-        errors = [line for line in errors if "ChildFailedError" not in line] or errors  # the rank's own, not torchrun's
-        out["failed"] = ((errors or lines or [f"exit {rc}"])[-1])[:300]
+        out["failed"] = failure_line(err, rc)
         return out
     out.update(point_result(json.loads(memory_file.read_text()), memtracker))
     return out

@@ -79,3 +79,39 @@ def test_each_rank_is_compared_with_its_own_estimate():
     del estimate["rank_peak_bytes"]
     row = mc.point_result({"estimate": estimate, "measured": measured[0], "measured_per_rank": measured})
     assert [round(e, 2) for e in row["errors_per_rank_pct"]] == [15.0, 4.55] and mc.is_miss(row)
+
+
+def test_a_failed_point_records_the_ranks_own_error():
+    """torchrun's summary (stderr) names no cause; rm logs a rank's traceback and error to its log (stdout). The seed-7
+    QLoRA draw recorded six two-process points as 'ChildFailedError' while rank 1's log said why."""
+    import subprocess
+
+    mc = _bench()
+    proc = subprocess.CompletedProcess([], 1, stdout="[rm.train][ERROR] - Traceback (most recent call last):\n"
+                                       "ValueError: Unrecognized model in /cache/random_init/mistral-fe53.\n"
+                                       "this is a bug in rm, not a problem with your settings or data\n",
+                                       stderr="torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                                              "  exitcode  : 1 (pid: 29593)\n")
+    assert mc.failure_line(mc.rank_errors(proc), 1) == "ValueError: Unrecognized model in /cache/random_init/mistral-fe53."
+
+
+def test_a_qlora_point_finds_its_random_init_saved_or_builds_it(tmp_path):
+    """--random-init saved (the default) saves the point's init where its run looks, keyed as rm keys it (the pad id of
+    the tokenizer the run builds, the run's seed); built leaves the point's own cache empty. Other profiles have none."""
+    from unittest import mock
+
+    from accelerate.utils import set_seed
+
+    from rm.config import compose
+    from rm.model import random_init_saved
+
+    mc = _bench()
+    overrides = ["experiment=tiny", "memory_profile=qlora", "data.synthetic_train_size=16", "data.synthetic_test_size=4"]
+    assert mc.prepare_random_init(overrides, tmp_path / "built", saved=False) == "built"
+    assert mc.prepare_random_init(overrides, tmp_path / "saved", saved=True) == "saved"
+    assert mc.prepare_random_init(["experiment=tiny", "memory_profile=lora"], tmp_path / "lora", saved=True) is None
+    cfg = compose(overrides)
+    set_seed(cfg.train.seed)
+    for cache, saved in (("saved", True), ("built", False)):
+        with mock.patch.dict("os.environ", mc.random_init_env(tmp_path / cache)):
+            assert random_init_saved(cfg.model, 0) is saved
