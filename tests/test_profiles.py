@@ -269,3 +269,64 @@ def test_qlora_trains_and_exports_on_the_cpu(tiny_cfg, tmp_path, monkeypatch):
     trace = losses(tmp_path / "run")
     assert trace[-1] < trace[0], trace
     assert (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+
+
+def test_qlora_trains_as_lora_on_its_dequantised_base(tiny_cfg, tmp_path, monkeypatch):
+    """memory_profile=qlora is LoRA on the NF4 round trip of its base and nothing else: the same trainable tensors
+    (adapters and the ``score`` head, fp32), the same initial adapters at the same seed, and, in training mode with
+    dropout, the same rewards and gradients as memory_profile=lora on a plain fp32 copy of the dequantised weights.
+    So an accuracy gap between lora and qlora comes from the 4-bit weights (README, QLoRA), not from how rm wraps,
+    casts or computes them (a bf16 compute dtype, a frozen head or bitsandbytes' bf16 kernel would fail this)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import dequantize_4bit
+
+    from rm.model import build_reward_model, saved_random_init
+    from rm.precision import Precision
+
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
+    qcfg = tiny_cfg("memory_profile=qlora")
+    numerics = Precision.of("32-true").numerics(deepspeed=False)
+
+    def build(cfg):
+        set_seed(cfg.train.seed)
+        return build_reward_model(cfg.model, cfg.memory_profile, cfg.lora, numerics=numerics, gradient_checkpointing=False,
+                                  fp32_head=False, pad_token_id=0)
+
+    qlora = build(qcfg)
+    set_seed(qcfg.train.seed)
+    plain = AutoModelForSequenceClassification.from_pretrained(saved_random_init(qcfg.model, 0), num_labels=1)
+    state = plain.state_dict()
+    layers = {name: m for name, m in qlora.get_base_model().named_modules() if isinstance(m, bnb.nn.Linear4bit)}
+    assert len(layers) == 14  # every linear layer of the 2 blocks
+    for name, layer in layers.items():
+        state[name.replace(".base_layer", "") + ".weight"] = dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+    plain.load_state_dict(state)
+    plain.save_pretrained(tmp_path / "dequantised")
+    lora = build(tiny_cfg("memory_profile=lora", f"model.pretrained={tmp_path / 'dequantised'}"))
+
+    trainable = {n: p for n, p in qlora.named_parameters() if p.requires_grad}
+    assert trainable.keys() == {n for n, p in lora.named_parameters() if p.requires_grad}
+    assert any(n.endswith("score.modules_to_save.default.weight") for n in trainable)
+    assert {p.dtype for p in trainable.values()} == {torch.float32}
+    for name, param in lora.named_parameters():
+        if param.requires_grad:
+            assert torch.equal(param, trainable[name]), name  # the same initial adapters and head
+            if "lora_B" in name:  # B starts at zero: give the adapters an output, the same in both
+                with torch.no_grad():
+                    param.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+                    trainable[name].copy_(param)
+    torch.manual_seed(0)
+    ids = torch.randint(1, qcfg.model.vocab_size, (8, 24))
+    mask = torch.ones_like(ids)
+    mask[4:, 17:] = 0
+    rewards = {}
+    for name, model in (("qlora", qlora), ("lora", lora)):
+        model.train()
+        torch.manual_seed(1)  # the same dropout masks
+        chosen, rejected = pair_rewards(model, ids, mask)
+        bradley_terry_loss(chosen, rejected).backward()
+        rewards[name] = torch.cat([chosen, rejected]).detach()
+    assert torch.allclose(rewards["qlora"], rewards["lora"], rtol=0, atol=1e-6), rewards
+    for name, param in lora.named_parameters():
+        if param.requires_grad:
+            assert torch.allclose(trainable[name].grad, param.grad, rtol=1e-5, atol=1e-7), name
