@@ -23,6 +23,7 @@ SMALL_RUN = [
     # Plain pairs: a prefix-shared run's estimate sizes its rows for pairs without a common prompt, so its
     # measured peak sits below the estimate by more than the 2% this sweep checks.
     "train.share_prefix=false",
+    "train.layout=given",  # the refusals above are this layout's; train.layout=auto is tested in tests/test_plan.py
 ]
 
 
