@@ -129,6 +129,10 @@ def test_qlora_load_and_cast_terms_equal_the_bytes_counted_while_the_model_is_bu
     from rm.model import build_reward_model, fp32_head_enabled, saved_random_init
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    # The estimate is of a fresh process: bitsandbytes keeps its dynamic code book once made, and an earlier test in
+    # this process (an 8-bit optimizer, another load) may have made it already.
+    import bitsandbytes.functional
+    monkeypatch.setattr(bitsandbytes.functional, "name2qmap", {})
     cfg = compose(["experiment=tiny", "hardware=cpu", "hardware.bf16=true", "memory_profile=qlora", "model.vocab_size=50304",
                    "model.num_hidden_layers=1", "model.intermediate_size=512", *overrides])
     plan = validate(cfg, world, "given" if world == 1 else f"WORLD_SIZE={world} from the launcher")
