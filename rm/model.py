@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from filelock import FileLock
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
+from rm.cache import cache_root
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.precision import Numerics
 
@@ -45,7 +46,7 @@ def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):
 
 def random_init_cache() -> Path:
     """Where random-init models saved for quantisation live: ``$RM_CACHE/random_init`` (default ``~/.cache/rm``)."""
-    return Path(os.environ.get("RM_CACHE", Path.home() / ".cache" / "rm")) / "random_init"
+    return cache_root() / "random_init"
 
 
 def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
