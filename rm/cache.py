@@ -85,11 +85,12 @@ def _checksum(value: Any) -> str:
 
 
 def write_dir(path: Path, fill: Callable[[Path], None]) -> bool:
-    """Make the directory ``path`` by ``fill(tmp)`` in a temporary directory beside it, then one rename.
+    """Make the directory ``path`` by ``fill(tmp)`` in a temporary directory beside it, then rename it into place.
+    A directory already there (an entry found corrupt, or one another process has just written from the same
+    inputs) is moved aside first and removed.
 
     Returns:
-        Whether ``path`` now holds this process's entry (False: the write failed, or another process's
-        entry was there first, which is kept: both were computed from the same inputs).
+        Whether ``path`` now holds this process's entry (False: the write failed).
     """
     return _atomic(path, fill, lambda tmp: tmp)
 
@@ -100,7 +101,15 @@ def _atomic(path: Path, fill: Callable[[Path], None], result: Callable[[Path], P
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
         fill(tmp)
-        os.replace(result(tmp), path)  # a file over any old one; a directory only where none is yet
+        try:
+            os.replace(result(tmp), path)  # a file over any old one; a directory where none is, or an empty one
+        except OSError:
+            if not path.is_dir():
+                raise
+            aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.old.", dir=path.parent))
+            os.replace(path, aside / "entry")
+            os.replace(result(tmp), path)
+            shutil.rmtree(aside, ignore_errors=True)
         return True
     except Exception as err:  # noqa: BLE001  (the cache never fails a run: it is only a shortcut)
         log.debug("cache entry %s not written (%s)", path, err)

@@ -18,6 +18,7 @@ from filelock import FileLock
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
+from rm.cache import cache_root
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.launch_env import launch_env
 from rm.precision import Numerics
@@ -48,7 +49,7 @@ def _config_from_shape(model_cfg: ModelConfig, pad_token_id: int):
 
 def random_init_cache() -> Path:
     """Where random-init models saved for quantisation live: ``$RM_CACHE/random_init`` (default ``~/.cache/rm``)."""
-    return Path(os.environ.get("RM_CACHE", Path.home() / ".cache" / "rm")) / "random_init"
+    return cache_root() / "random_init"
 
 
 def random_init_path(model_cfg: ModelConfig, pad_token_id: int) -> Path:

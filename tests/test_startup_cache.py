@@ -265,6 +265,7 @@ def test_a_corrupt_split_entry_is_tokenised_again(tokenised, damage):
         arrow.unlink()
     assert same(build_split(cfg, WORDS, "train"), computed)
     assert tokenised == ["train", "train"]
+    assert same(build_split(cfg, WORDS, "train"), computed) and tokenised == ["train", "train"]  # the entry was repaired
 
 
 def test_hub_data_is_not_cached():
