@@ -420,8 +420,7 @@ def random_init_build_bytes(m: ModelConfig) -> int:
         >>> random_init_build_bytes(m)
         1444992
     """
-    head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
-    return 4 * parameter_counts(m, None).total + 2 * 4 * math.ceil(head_dim / 2)
+    return 4 * parameter_counts(m, None).total + _rope_buffer_bytes(m)
 
 
 def random_init_builders(world_size: int, nodes: int) -> List[int]:
