@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -58,6 +59,9 @@ LAYOUTS = {
     "shared+packed budget 1024": ["train.share_prefix=true", "train.packing=true",
                                   "train.max_tokens_per_micro_batch=1024", "train.group_by_length=false"],
 }
+# Each configuration runs at least --steps steps, more when predicted fast: about SECONDS_MEASURED of steps, at most
+# MAX_STEPS (16 steps of a 0.1 s configuration are 1.6 s, which one burst of another process's work skews by 30%).
+SECONDS_MEASURED, MAX_STEPS = 6.0, 64
 LAYOUT_DEFAULTS = ["train.micro_batch_size=4", "train.group_by_length=true", "train.packing=false",
                    "train.max_tokens_per_micro_batch=0", "train.share_prefix=false", "train.gradient_checkpointing=false"]
 GROUPS = [
@@ -86,6 +90,7 @@ class Point:
     error: str = ""
     load: List[float] = field(default_factory=list)
     auto: bool = False
+    steps: int = 0
 
 
 def merged(*parts: List[str]) -> List[str]:
@@ -147,7 +152,7 @@ def measure(overrides: List[str], processes: int, steps: int, logging: int, work
                str(free_port()), "-m", "rm.train", *args, f"distributed.num_processes={processes}"]
     else:
         cmd = [sys.executable, "-m", "rm.train", *args]
-    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
+    proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         tail = [line for line in proc.stderr.splitlines() if line.strip()][-3:]
         raise RuntimeError(f"exit {proc.returncode}: {' | '.join(tail)}")
@@ -188,6 +193,8 @@ def build_points(smoke: bool, lengths_cache: Dict) -> List[Point]:
         base = merged(COMMON, MODELS[model], DATA[data], extra, LAYOUT_DEFAULTS)
         layouts = dict(list(LAYOUTS.items())[:2] if smoke else LAYOUTS) | more
         for name, layout in layouts.items():
+            if procs > 1 and "train.micro_batch_size=8" in layout:  # 8 pairs a step: 4 a process at most
+                name, layout = name.replace("mb8", "mb4"), merged(layout, ["train.micro_batch_size=4"])
             points.append(Point(g, model, data, procs, name, merged(base, layout)))
         pick = auto_pick(base, procs, lengths_cache)
         picked = merged(base, pick)
@@ -206,21 +213,22 @@ def write_doc(points: List[Point], out: Path, command: str, started: str, steps:
     median_error = statistics.median(errors) if errors else float("nan")
     lines = ["# rm.plan's step-time model against measured step times (CPU)", "",
              f"```\n{command}\n```", "",
-             f"Measured {started} on this 2-core CPU, {steps} steps a configuration (the median of the logged windows "
-             "after the first), fp32, 8 pairs per optimizer step, max length 256, 1,024 synthetic training pairs. "
+             f"Measured {started} on this 2-core CPU, {steps} to {MAX_STEPS} steps a configuration (about "
+             f"{SECONDS_MEASURED:.0f} s of steps, the steps column; the median of the 4-step windows after the first), fp32, 8 pairs per optimizer step, max length 256, 1,024 synthetic training pairs. "
              "The load column is the 1-minute load average before and after each run (its own threads included). "
              "Predicted: `rm.plan.steptime.predict_step_seconds` with this machine's measured rates. "
              "GPU constants are not validated here: no GPU measured them.", "",
              f"**{len(ok)} configurations measured: Spearman rank correlation {rho:.3f}, median absolute error "
              f"{100 * median_error:.1f}%.**", "",
-             "| group | model | data | procs | layout | predicted s/step | measured s/step | error | load |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| group | model | data | procs | layout | steps | predicted s/step | measured s/step | error | load |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
         err = f"{100 * (p.predicted - p.measured) / p.measured:+.1f}%" if p.measured and p.predicted else p.error
         lines.append(f"| {p.group} | {p.model} | {p.data} | {p.processes} | {p.layout}{' (auto pick)' if p.auto else ''} "
-                     f"| {p.predicted:.3f} | {p.measured:.3f} | {err} | {'/'.join(f'{x:.2f}' for x in p.load)} |"
+                     f"| {p.steps or steps} | {p.predicted:.3f} | {p.measured:.3f} | {err} | {'/'.join(f'{x:.2f}' for x in p.load)} |"
                      if p.measured else
-                     f"| {p.group} | {p.model} | {p.data} | {p.processes} | {p.layout} | {p.predicted or float('nan'):.3f} "
+                     f"| {p.group} | {p.model} | {p.data} | {p.processes} | {p.layout} | {p.steps or steps} "
+                     f"| {p.predicted or float('nan'):.3f} "
                      f"| failed | {p.error} | |")
     lines += ["", "## The pick against the fastest measured, per group", "",
               "| group | model | data | procs | auto pick | its measured s/step | fastest measured | pick / fastest |",
@@ -253,11 +261,14 @@ def main() -> None:
     points = build_points(args.smoke, lengths_cache)
     for p in points:
         p.predicted = predict(p.overrides, p.processes, steps, lengths_cache)
+        if not args.smoke:  # fast configurations run more steps: a few seconds of steps, not a noise burst's length
+            p.steps = min(MAX_STEPS, max(steps, logging * math.ceil(SECONDS_MEASURED / (logging * p.predicted))))
+            p.predicted = predict(p.overrides, p.processes, p.steps, lengths_cache)
     with tempfile.TemporaryDirectory(prefix="plan-validation-") as work:
         for i, p in enumerate(points, 1):
             before = os.getloadavg()[0]
             try:
-                p.measured = measure(p.overrides, p.processes, steps, logging, Path(work))
+                p.measured = measure(p.overrides, p.processes, p.steps or steps, logging, Path(work))
             except (RuntimeError, subprocess.TimeoutExpired) as err:
                 p.error = str(err)
             p.load = [before, os.getloadavg()[0]]

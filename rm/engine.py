@@ -389,6 +389,10 @@ class AccelerateEngine:
         return None
 
     def end(self) -> None:
+        # Every rank past its last collective before any tears its process group down: a gloo group destroyed
+        # while a peer still holds it can leave that peer's destructor waiting for good (seen once, 2 CPU
+        # processes: rank 0 stuck in ~ProcessGroupGloo after rank 1 had exited).
+        self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
 
 

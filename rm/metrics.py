@@ -10,6 +10,7 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import torch
 
+from rm.data.batching import rows_at
 from rm.data.collator import PairCollator
 from rm.data.tokenise import pair_lengths
 from rm.diagnostics import PairScores, pair_diagnostics
@@ -56,9 +57,9 @@ def evaluate(
         chunk = indices[start : start + batch_size]
         if not chunk:
             with engine.autocast():
-                pair_rewards(model, *(collator(eval_set.select([0]))[k].to(engine.device) for k in ("input_ids", "attention_mask")))
+                pair_rewards(model, *(collator(rows_at(eval_set, [0]))[k].to(engine.device) for k in ("input_ids", "attention_mask")))
             continue
-        batch = collator(eval_set.select(chunk))
+        batch = collator(rows_at(eval_set, chunk))
         with engine.autocast():
             chosen, rejected = pair_rewards(
                 model, batch["input_ids"].to(engine.device), batch["attention_mask"].to(engine.device)

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from rm.checkpoint import failed_ranks, raise_save_failure
 from rm.config import RunConfig
+from rm.data.batching import rows_at
 from rm.errors import StorageError
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.health import SKIP, STOP
@@ -134,7 +135,7 @@ def train_step(run: Run, micro_batches: List[List[int]]) -> StepStats:
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
     tokens = 0
     for n, indices in enumerate(micro_batches):
-        batch = run.train_collator(run.train_set.select(indices))
+        batch = run.train_collator(rows_at(run.train_set, indices))
         tokens += real_tokens(batch)
         inputs = to_device(batch, (*MODEL_INPUTS, "margin"), engine.device)
         margin = inputs.pop("margin")

@@ -26,6 +26,21 @@ if TYPE_CHECKING:  # the planner cuts micro-batches from token lengths alone: da
     import datasets
 
 
+def rows_at(dataset: "datasets.Dataset", indices: Sequence[int]) -> List[dict]:
+    """The pairs at ``indices``, in that order, as the collators take them (one dict a pair).
+
+    One Arrow take of the rows, where ``dataset.select(indices)`` builds a new dataset (an indices mapping and
+    its fingerprint) first: measured 1.8 ms against 0.09 ms for 4 pairs, a fixed cost every micro-batch paid.
+
+    Example:
+        >>> from datasets import Dataset
+        >>> rows_at(Dataset.from_dict({"chosen_input_ids": [[1], [2, 3], [4]], "margin": [0.0, 1.0, 2.0]}), [2, 0])
+        [{'chosen_input_ids': [4], 'margin': 2.0}, {'chosen_input_ids': [1], 'margin': 0.0}]
+    """
+    columns = dataset[list(indices)]
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
 def steps_per_epoch(num_pairs: int, global_batch_size: int) -> int:
     """Whole optimizer steps one pass over ``num_pairs`` pairs gives."""
     return num_pairs // global_batch_size

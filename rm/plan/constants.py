@@ -1,11 +1,13 @@
 """The hardware's rates for the step-time model: a CUDA profile's datasheet figures, or a CPU's measured ones.
 
 A CPU reaches a fraction of its peak that depends on the size of the product and on the op, so its rates are
-measured on it (:func:`measure_cpu`, a few seconds): matmul FLOP/s in fp32 and bf16 at three widths a reward
+measured on it (:func:`measure_cpu`, a few seconds): matmul FLOP/s (a projection's forward and backward) in fp32
+and bf16 at three widths a reward
 model's projections have and three micro-batch sizes (the rate of a model's width and micro-batch is interpolated
 between them), the attention
 kernel's FLOP/s (SDPA with a mask, as the padded, packed and prefix-shared layouts call it), memory bandwidth
-(a large copy) and the fixed cost of one op through autograd, forward and backward. Each figure is the best of a
+(a large copy), LoRA dropout's random draws, and the fixed costs of a real decoder's ops and of a micro-batch
+through autograd, forward and backward. Each figure is the best of a
 few repeats: other jobs on the machine only slow a repeat down. The result is cached per machine, keyed by the
 CPU model, the core count, torch's version and threads, under ``$RM_CACHE/speed`` (default ``~/.cache/rm``).
 
@@ -29,7 +31,7 @@ from rm.plan.steptime import Rates
 
 GB = 1e9
 # Bumped when what is measured changes: older cache entries are then measured again.
-BENCHMARK_VERSION = 2
+BENCHMARK_VERSION = 4
 WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-class hidden sizes
 # Rows of each measured product: a micro-batch's tokens. A product's rate on a CPU grows with its rows as well as its
 # width (measured: width 256 reached ~35 GFLOP/s at 512 rows and ~100 in training micro-batches of ~8,000 tokens).
@@ -79,8 +81,8 @@ def measure_cpu() -> Dict:
     """Measure this CPU's rates (the figures :func:`cpu_rates` caches).
 
     Returns:
-        ``{"matmul": {dtype: [[width, FLOP/s], ...]}, "attention": {dtype: [[width, FLOP/s]]}, "memory": bytes/s,
-        "kernel_seconds": s}``.
+        ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, FLOP/s]]}, "memory":
+        bytes/s, "kernel_seconds": s, "micro_batch_seconds": s, "dropout": elements/s}``.
     """
     import torch
 
@@ -89,10 +91,19 @@ def measure_cpu() -> Dict:
         name = str(dtype).removeprefix("torch.")
         table = []
         for width in WIDTHS:
-            b = torch.randn(width, 4 * width, dtype=dtype)  # a projection up to the MLP's width
+            # A projection up to the MLP's width, forward and backward as training runs it: the input's and the
+            # weight's gradients are products of other shapes, slower than the forward's on small widths
+            # (measured: 128 -> 64 at 2,048 rows, 210 GFLOP/s forward, 138 forward and backward).
+            w = torch.randn(4 * width, width, dtype=dtype, requires_grad=True)
             for rows in TOKENS:
-                a = torch.randn(rows, width, dtype=dtype)
-                table.append([width, rows, 2 * rows * width * 4 * width / _best(lambda: a @ b)])
+                x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+                grad = torch.ones(rows, 4 * width, dtype=dtype)
+
+                def linear():
+                    torch.nn.functional.linear(x, w).backward(grad)
+                    x.grad = w.grad = None
+
+                table.append([width, rows, 6 * rows * width * 4 * width / _best(linear, repeats=2)])
         out["matmul"][name] = table
         # SDPA with a boolean mask over 8 heads of 64 at 512 tokens: 4 x 8 x 64 x 512^2 FLOPs
         heads, dim, length = 8, 64, 512
@@ -103,17 +114,41 @@ def measure_cpu() -> Dict:
     src = torch.randn(16 * 2**20 // 4)  # 16 MiB, beyond the caches of a small CPU
     dst = torch.empty_like(src)
     out["memory"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
-    # A chain of small ops through autograd: each costs its dispatch forward and its backward node's.
-    x = torch.ones(8, requires_grad=True)
-
-    def chain():
-        y = x
-        for _ in range(50):
-            y = y * 1.0001
-        y.sum().backward()
-
-    out["kernel_seconds"] = _best(chain) / (3 * 50)  # the model counts a backward as two forwards' kernels
+    out.update(_fixed_costs())
+    # LoRA's dropout draws a random number an input element (PEFT drops each adapted linear's input): on a CPU the
+    # draw, not the traffic, is the cost (measured: a quarter of a medium LoRA step with dropout 0.05).
+    x = torch.randn(2**20)
+    out["dropout"] = x.numel() / _best(lambda: torch.nn.functional.dropout(x, 0.05, training=True))
     return out
+
+
+def _fixed_costs() -> Dict[str, float]:
+    """The fixed costs of a forward and backward, read off a real decoder: transformers' Llama (the layer Mistral's
+    and Qwen2's share) at a width and input so small that its matmuls cost nothing, with one and three layers. A
+    layer's fixed cost over the ops :func:`rm.plan.steptime.model_work` counts in it (forward, and a backward as
+    two forwards) gives the cost of one op; what one layer leaves over is a micro-batch's own (embedding, final
+    norm, head, the loss and autograd's setup). A chain of toy ops measured under half of it a layer.
+    """
+    import torch
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from rm.plan.steptime import LAYER_KERNELS
+
+    seconds = {}
+    for layers in (1, 3):
+        torch.manual_seed(0)
+        model = LlamaForSequenceClassification(LlamaConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, pad_token_id=0, num_labels=1))
+        ids = torch.randint(1, 128, (4, 8))
+        mask = torch.ones_like(ids)
+
+        def step():
+            model(input_ids=ids, attention_mask=mask).logits.sum().backward()
+
+        seconds[layers] = _best(step, seconds=0.1)
+    layer = max(seconds[3] - seconds[1], 0.0) / 2
+    return {"kernel_seconds": layer / (3 * LAYER_KERNELS), "micro_batch_seconds": max(seconds[1] - layer, 0.0)}
 
 
 def cpu_rates(refresh: bool = False) -> Dict:
@@ -174,6 +209,8 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
                      host_link=given["host_link_gbps"] * GB if given["host_link_gbps"] else memory,
                      host_memory=given["host_memory_gbps"] * GB if given["host_memory_gbps"] else memory,
                      kernel_seconds=hw.kernel_us * 1e-6 if hw.kernel_us is not None else measured["kernel_seconds"],
+                     micro_batch_seconds=measured["micro_batch_seconds"], dropout=measured["dropout"],
+                     shared_cores=True,
                      source=hw.rates_source or "measured on this machine (rm.plan's CPU micro-benchmark)")
     missing = [f"hardware.{key}" for key, value in given.items() if not value]
     if missing:
@@ -193,4 +230,5 @@ def describe(rates: Rates) -> List[str]:
     mm = ", ".join(f"{d} {max(entry[-1] for entry in t) / 1e12:.3g}" for d, t in rates.matmul.items())
     return [f"rates ({rates.source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
             f"link {rates.link / GB:.3g} GB/s; host link {rates.host_link / GB:.3g} GB/s"
-            + (f"; {rates.kernel_seconds * 1e6:.1f} us an op" if rates.kernel_seconds else "")]
+            + (f"; {rates.kernel_seconds * 1e6:.1f} us an op" if rates.kernel_seconds else "")
+            + (f", {rates.micro_batch_seconds * 1e3:.2f} ms a micro-batch" if rates.micro_batch_seconds else "")]

@@ -128,6 +128,7 @@ class ModelWork:
             (norms, RoPE, residual adds, SiLU and gating), each read once and written once.
         kernels: kernels one forward launches, all layers.
         width: the hidden size, which the CPU's measured matmul rate is looked up at.
+        dropout: input elements a token's LoRA dropout draws for, all layers (0 without dropout).
     """
 
     trained: int
@@ -136,16 +137,25 @@ class ModelWork:
     elementwise: int
     kernels: int
     width: int
+    dropout: int = 0
+
+
+# Ops a decoder layer's forward launches (norms, projections, RoPE, attention, the MLP, residual adds, views); the
+# CPU's measured cost of one op is a real layer's fixed cost over this (rm.plan.constants).
+LAYER_KERNELS = 30
+# Ops torch's single-tensor AdamW (the CPU path) and gradient clipping launch per trained tensor.
+OPTIMIZER_KERNELS = 10
 
 
 def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-               lora_rank: Optional[int] = None, lora_targets: Sequence[str] = (), bias: bool = False) -> ModelWork:
+               lora_rank: Optional[int] = None, lora_targets: Sequence[str] = (), bias: bool = False,
+               lora_dropout: float = 0.0) -> ModelWork:
     """The work of a Mistral/Llama/Qwen2 reward model (one score per position).
 
     Elementwise elements per token and layer: two RMSNorms (read h, write h), RoPE on q and k (read and write
     q + kv), two residual adds (read 2h, write h), SiLU (read i, write i) and the gate product (read 2i, write i):
     ``10 h + 2 (q + kv) + 5 i``. Kernels per layer: 30, and 4 more for each LoRA-wrapped linear (dropout, A, B,
-    the scaled add).
+    the scaled add). With LoRA dropout, each adapted linear draws one random number per input element.
 
     Example (the tiny model: hidden 128, intermediate 256, 2 layers, 4 heads, 2 KV heads of 32):
     a layer's projections hold 128x128 + 2 x 128x64 + 128x128 + 3 x 128x256 = 147,456 weights, the head 128;
@@ -156,6 +166,8 @@ def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads
         >>> lora = model_work(128, 256, 2, 4, 2, 32, lora_rank=8, lora_targets=["q_proj", "v_proj"])
         >>> lora.trained, lora.frozen  # 2 x (8 x (128+128) + 8 x (128+64)) + 128
         (7296, 294912)
+        >>> model_work(128, 256, 2, 4, 2, 32, 8, ["q_proj", "down_proj"], lora_dropout=0.05).dropout  # 2 x (128+256)
+        768
     """
     q, kv = heads * head_dim, kv_heads * head_dim
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
@@ -168,8 +180,10 @@ def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads
         adapters = layers * sum(lora_rank * (shapes[t][0] + shapes[t][1]) for t in lora_targets if t in shapes)
         trained, frozen = adapters + head, base
     elementwise = layers * (10 * hidden + 2 * (q + kv) + 5 * intermediate)
-    kernels = layers * (30 + 4 * len([t for t in lora_targets if t in shapes]))
-    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden)
+    adapted = [t for t in lora_targets if t in shapes] if lora_rank is not None else []
+    kernels = layers * (LAYER_KERNELS + 4 * len(adapted))
+    dropout = layers * sum(shapes[t][0] for t in adapted) if lora_dropout > 0 else 0
+    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden, dropout)
 
 
 def micro_batch_flops(mb: MicroBatch, work: ModelWork, checkpointing: bool) -> Dict[str, int]:
@@ -279,6 +293,10 @@ class Rates:
         attention: FLOP/s of the attention kernel per compute dtype, same form.
         memory: device memory bytes/s. link, inter_node, host_link, host_memory: bytes/s (one direction).
         kernel_seconds: the fixed cost of one kernel launch (dispatch included), seconds.
+        micro_batch_seconds: a micro-batch's fixed cost beyond its layers' ops (embedding, head, loss, autograd's
+            setup), seconds; 0: not measured.
+        dropout: elements/s of dropout's random draws (LoRA's, on each adapted input); 0: not measured.
+        shared_cores: the processes of one machine share its cores (a CPU): each computes at 1/n of the rates.
         source: where the figures come from, in words.
     """
 
@@ -290,6 +308,9 @@ class Rates:
     host_link: float
     host_memory: float
     kernel_seconds: float = 0.0
+    micro_batch_seconds: float = 0.0
+    dropout: float = 0.0
+    shared_cores: bool = False
     source: str = ""
 
     @staticmethod
@@ -365,7 +386,8 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     The elementwise traffic is the forward's, again in the backward (each op reads its output's gradient and its
     saved input, writes its input's gradient: about twice the forward), once more when recomputed; the 4D mask,
     where one is built, is written once (a byte a score entry) and read by every layer. Kernels: the forward's,
-    twice that in the backward, again when recomputed.
+    twice that in the backward, again when recomputed, plus the micro-batch's own fixed cost. LoRA dropout's
+    draws count with the elementwise time (forward, and again when recomputed).
 
     Example: 1e9 FLOP/s for matmuls and attention, 1e9 bytes/s, 1 microsecond a kernel; the micro-batch and model
     of :func:`micro_batch_flops` with 10 elementwise elements a token and 10 kernels, fp32, checkpointing (4 passes:
@@ -385,7 +407,9 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     if mb.masked:  # a byte a score entry, for each pass
         elementwise += mb.rows * mb.length * mb.length * (1 + 2 + again)
     kernels = work.kernels * (1 + 2 + again)
-    return {"compute": compute, "elementwise": elementwise / rates.memory, "kernels": kernels * rates.kernel_seconds,
+    draws = mb.computed * work.dropout * (1 + again) / rates.dropout if rates.dropout else 0.0
+    return {"compute": compute, "elementwise": elementwise / rates.memory + draws,
+            "kernels": kernels * rates.kernel_seconds + rates.micro_batch_seconds,
             "flops": flops["matmul"] + flops["attention"]}
 
 
@@ -409,10 +433,12 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
     lora = cfg.lora if profile.use_lora else None
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     work = model_work(m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
-                      m.num_key_value_heads, head_dim, lora.r if lora else None, lora.target_modules if lora else ())
+                      m.num_key_value_heads, head_dim, lora.r if lora else None, lora.target_modules if lora else (),
+                      lora_dropout=lora.dropout if lora else 0.0)
     dtype = "float32" if numerics.compute == "float32" else "bfloat16"  # fp16 runs at the bf16 rate
     act_bytes = BYTES[numerics.compute]
     ckpt = cfg.train.gradient_checkpointing
+    procs_per_machine = math.ceil(plan.world_size / max(plan.hardware.nodes, 1))
 
     per_step = []
     for ranks in steps:
@@ -421,6 +447,10 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
             parts = [micro_batch_seconds(mb, work, ckpt, rates, dtype, act_bytes) for mb in micro_batches]
             timed.append({k: sum(p[k] for p in parts) for k in ("compute", "elementwise", "kernels", "flops")}
                          | {"count": len(micro_batches)})
+        if rates.shared_cores:  # the machine's processes split its cores: each computes at 1/n of the rates
+            for t in timed:
+                t["compute"] *= procs_per_machine
+                t["elementwise"] *= procs_per_machine
         slowest = max(timed, key=lambda t: t["compute"] + t["elementwise"] + t["kernels"])
         slowest["tokens"] = sum(mb.tokens for r in ranks for mb in r)
         slowest["computed"] = sum(mb.computed for r in ranks for mb in r)
@@ -444,6 +474,8 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
         offload = 2 * elements * trained_bytes / rates.host_link  # gradients down, updated weights up
     else:
         optimizer = traffic / rates.memory
+    if plan.device == "cpu":  # torch's AdamW and clipping loop over the tensors there (CUDA groups them: foreach)
+        optimizer += OPTIMIZER_KERNELS * len(counts.trainable_tensors) * rates.kernel_seconds
     weights_bytes = counts.trainable * trained_bytes + (counts.total - counts.trainable) * frozen_bytes
     micro_batches = mean["count"]
     if deepspeed and plan.zero_stage == 3 and cfg.distributed.offload_params:  # every shard crosses the host link
