@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrai
 from rm.cache import cache_root
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig
 from rm.launch_env import launch_env
-from rm.precision import Numerics
+from rm.precision import Numerics, fp32_head_enabled  # noqa: F401  (callers build with it)
 
 HEAD = "score"  # the one-output reward head of transformers' *ForSequenceClassification decoders
 
@@ -455,17 +455,6 @@ def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
                                pair_ids=pair_ids, roles=roles)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
-
-
-def fp32_head_enabled(setting: Optional[bool], precision: str) -> bool:
-    """``health.fp32_head``: null (auto) means on where the run computes in fp16/bf16, where it matters.
-
-    >>> fp32_head_enabled(None, "bf16-mixed"), fp32_head_enabled(None, "32-true"), fp32_head_enabled(False, "bf16-true")
-    (True, False, False)
-    """
-    from rm.precision import Precision
-
-    return Precision.of(precision).half if setting is None else setting
 
 
 def _fp32_linear(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -228,3 +228,12 @@ def bf16_lost_update_fraction(learning_rate: float, weight_std: float) -> float:
     """
     k = math.floor(math.log2(learning_rate)) + 9
     return math.erfc(2.0**k / (weight_std * math.sqrt(2)))
+
+
+def fp32_head_enabled(setting: Optional[bool], precision: str) -> bool:
+    """``health.fp32_head``: null (auto) means on where the run computes in fp16/bf16, where it matters.
+
+    >>> fp32_head_enabled(None, "bf16-mixed"), fp32_head_enabled(None, "32-true"), fp32_head_enabled(False, "bf16-true")
+    (True, False, False)
+    """
+    return Precision.of(precision).half if setting is None else setting

@@ -719,7 +719,7 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
     """The model the run trains, as the trace builds it. flash_attention_2 and flex_attention cannot be
     traced on the CPU; SDPA's footprint stands in (it bounds flex-attention's, a BlockMask, not T x T)."""
     from rm.memory.trace import TracedModel
-    from rm.model import fp32_head_enabled
+    from rm.precision import fp32_head_enabled  # not rm.model's: a cached trace needs no transformers
 
     m = cfg.model
     if m.attn_implementation in ("flash_attention_2", "flex_attention"):

@@ -441,10 +441,12 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
     procs_per_machine = math.ceil(plan.world_size / max(plan.hardware.nodes, 1))
 
     per_step = []
+    seen: Dict[MicroBatch, Dict[str, float]] = {}  # a search predicts hundreds of layouts over the same shapes
     for ranks in steps:
         timed = []
         for micro_batches in ranks:
-            parts = [micro_batch_seconds(mb, work, ckpt, rates, dtype, act_bytes) for mb in micro_batches]
+            parts = [seen.get(mb) or seen.setdefault(mb, micro_batch_seconds(mb, work, ckpt, rates, dtype, act_bytes))
+                     for mb in micro_batches]
             timed.append({k: sum(p[k] for p in parts) for k in ("compute", "elementwise", "kernels", "flops")}
                          | {"count": len(micro_batches)})
         if rates.shared_cores:  # the machine's processes split its cores: each computes at 1/n of the rates
