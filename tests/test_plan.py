@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -228,3 +229,32 @@ def test_auto_layout_never_picks_what_does_not_fit(tiny_cfg):
     assert roomy.changed
     cfg, (chosen, _, choice) = _auto(tiny_cfg, "hardware.device_memory_gib=0.0005", rates=_rates())
     assert chosen is cfg and not choice.changed and "fits" in choice.reason
+
+
+def test_fixed_costs_lora_dropout_and_shared_cores_by_hand():
+    """A micro-batch's fixed cost is added once; LoRA dropout draws one number per adapted input element (q and v:
+    2 layers x (128 + 128) = 512 a token), forward only without checkpointing; two processes on one CPU each compute
+    at half the rates, while fixed costs stay per process."""
+    from rm.config import compose
+    from rm.plan.steptime import micro_batch_seconds, predict_step_seconds
+    from rm.validate import validate
+
+    table = {"float32": [[128, 1e9]]}
+    rates = Rates(table, table, memory=1e9, link=1e9, inter_node=1e9, host_link=1e9, host_memory=1e9,
+                  kernel_seconds=0.0, micro_batch_seconds=0.25, dropout=1e6, shared_cores=True)
+    mb = MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True)
+    lora = model_work(128, 256, 2, 4, 2, 32, lora_rank=8, lora_targets=["q_proj", "v_proj"], lora_dropout=0.1)
+    assert lora.dropout == 512
+    plain = micro_batch_seconds(mb, replace(lora, dropout=0), False, rates, "float32", 4)
+    drawn = micro_batch_seconds(mb, lora, False, rates, "float32", 4)
+    assert plain["kernels"] == 0.25
+    assert drawn["elementwise"] - plain["elementwise"] == pytest.approx(20 * 512 / 1e6)
+    assert micro_batch_seconds(mb, lora, True, rates, "float32", 4)["elementwise"] - \
+        micro_batch_seconds(mb, replace(lora, dropout=0), True, rates, "float32", 4)["elementwise"] == \
+        pytest.approx(2 * 20 * 512 / 1e6)  # recomputed under checkpointing: drawn again
+
+    overrides = ["experiment=tiny", "hardware=cpu", "train.global_batch_size=8", "train.micro_batch_size=4"]
+    one = predict_step_seconds(compose(overrides), validate(compose(overrides), 1), [[[mb]]], rates)
+    two = predict_step_seconds(compose(overrides), validate(compose(overrides), 2), [[[mb], [mb]]], rates)
+    assert two.compute == pytest.approx(2 * one.compute) and two.elementwise == pytest.approx(2 * one.elementwise)
+    assert two.kernels == one.kernels == 0.25
