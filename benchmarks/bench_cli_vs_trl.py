@@ -62,6 +62,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import re
 import os
 import platform
 import random
@@ -370,7 +371,7 @@ def check_rm_data(run_dir: Path, data: dict) -> None:
 
 
 def run_rm(name: str, layout: list[str], data: dict, args, workdir: Path) -> dict:
-    run_dir = workdir / name.replace(" ", "_").replace(",", "")
+    run_dir = workdir / re.sub(r"[^\w.=-]+", "_", name)  # Hydra's override grammar takes no parentheses or commas
     command = rm_command(data, args.steps, run_dir, layout)
     log_path = workdir / f"{run_dir.name}.out"
     start = time.perf_counter()
