@@ -19,7 +19,6 @@ Which checkpoint a resumed run loads, and what the run directory may hold, is :m
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -30,6 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from rm.cache import file_digest
 from rm.errors import NonFiniteError, StorageError, exit_code
 
 log = logging.getLogger(__name__)
@@ -46,16 +46,9 @@ class CheckpointError(StorageError):
     """A checkpoint could not be written; the previous one is intact."""
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
 
 def _manifest(directory: Path) -> Dict[str, Dict]:
-    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": file_digest(p)}
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
@@ -96,7 +89,7 @@ def damage(path: Path) -> Optional[str]:
             continue  # written before checksums: sizes were checked by is_complete
         if not file.is_file() or file.stat().st_size != entry["size"]:
             return f"{name} is missing or cut short"
-        if _sha256(file) != entry["sha256"]:
+        if file_digest(file) != entry["sha256"]:
             return f"{name} does not match its sha256 (changed or corrupted after it was written)"
     return None
 
