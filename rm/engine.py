@@ -269,7 +269,7 @@ class Engine(Protocol):
         """The state dict to save, where the model's own is incomplete (ZeRO-3 shards); every rank calls it."""
 
     def end(self) -> None:
-        """After the run's last collective."""
+        """After the run's last collective, once the caller holds no reference to the prepared model."""
 
 
 class AccelerateEngine:
@@ -389,10 +389,16 @@ class AccelerateEngine:
         return None
 
     def end(self) -> None:
-        # Every rank past its last collective before any tears its process group down: a gloo group destroyed
-        # while a peer still holds it can leave that peer's destructor waiting for good (seen once, 2 CPU
-        # processes: rank 0 stuck in ~ProcessGroupGloo after rank 1 had exited).
+        """After the run's last collective, once the caller holds no reference to the prepared (DDP) model."""
         self.accelerator.wait_for_everyone()
+        # DDP's reducer holds the process group. Freed after destroy_process_group, it would drop the group's last
+        # reference from a destructor that keeps the GIL while ~ProcessGroupGloo joins gloo's worker threads; a worker
+        # that needs the GIL then (to free a tensor whose Python object went first) never finishes. Rank 0 of a
+        # two-process CPU run hung there (2 of 18 runs; py-spy: ~ProcessGroupGloo -> thread join, from the reducer's
+        # deallocation). Freed here, while the group is still registered, the wrapper leaves the group's last
+        # reference to Python's handle, whose destructor releases the GIL first (torch's ProcessGroup binding).
+        self.model = self.unwrapped_model()
+        self.accelerator.free_memory()  # accelerate's references, then a collection: DDP holds reference cycles
         self.accelerator.end_training()
 
 

@@ -310,6 +310,7 @@ def close(run: Run, finished: bool) -> None:
     others might never reach that barrier."""
     run.metrics.close()
     if finished:
+        run.model = run.engine.unwrapped_model()  # the DDP wrapper must be gone before its process group (rm.engine)
         run.engine.end()
 
 
