@@ -10,7 +10,7 @@ import time
 import types
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -377,6 +377,7 @@ def sequence_rewards(
     ends: Optional[torch.Tensor] = None,
     pair_ids: Optional[torch.Tensor] = None,
     roles: Optional[torch.Tensor] = None,
+    segment_bounds: Optional[List[int]] = None,
 ) -> torch.Tensor:
     """One reward per row, read at its last real token (by the attention mask), in one forward pass.
 
@@ -390,7 +391,8 @@ def sequence_rewards(
 
     A packed batch (:class:`~rm.data.collator.PackedPairCollator`: one row, position ids
     restarting per sequence, no mask) is read at ``ends``; with no mask transformers keeps
-    attention within each sequence (a block-diagonal mask, or flash-attention's varlen).
+    attention within each sequence (a block-diagonal mask, or flash-attention's varlen). On a CPU,
+    SDPA takes such a row one sequence (or prefix-shared pair) at a time (:mod:`rm.attention`).
 
     A prefix-shared batch (:class:`~rm.data.collator.PrefixSharedCollator`) also gives ``pair_ids``
     and ``roles``, from which the 4D mask is built here, on the device and in the form the model's
@@ -405,6 +407,8 @@ def sequence_rewards(
         ends: packed only: ``(S,)`` position of each sequence's last token (flat index).
         pair_ids: prefix-shared only: ``(rows, T)`` pair of each token, -1 on padding.
         roles: prefix-shared only: ``(rows, T)`` prefix / chosen / rejected / pad per token.
+        segment_bounds: packed only: where the row's sequences (pairs) start, ``[0, ..., T]``, for the estimate's
+            trace, whose fake ids cannot be read; a real batch's are read off its ids.
 
     Returns:
         ``(N,)`` rewards, or ``(S,)`` when packed; differentiable.
@@ -415,11 +419,23 @@ def sequence_rewards(
     handle = reward_head(model).register_forward_hook(lambda module, args, output: caught.append(output))
     kwargs = {"attention_mask": attention_mask}
     if ends is not None:
-        kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
-        if pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
-            from rm.prefix_sharing import attn_implementation_of, model_dtype, shared_prefix_mask
+        from rm.prefix_sharing import attn_implementation_of
 
-            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation_of(model), model_dtype(model))
+        kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
+        attn_implementation = attn_implementation_of(model)
+        if pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
+            from rm.prefix_sharing import model_dtype, shared_prefix_mask
+
+            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation, model_dtype(model))
+        if attn_implementation == "sdpa" and input_ids.device.type == "cpu" and input_ids.shape[0] == 1:
+            from rm.attention import segment_bounds as bounds_of
+
+            # One SDPA call per packed sequence (or pair) instead of the row's whole square (rm.attention).
+            bounds = segment_bounds
+            if bounds is None and not _is_fake(input_ids):
+                bounds = bounds_of(position_ids if pair_ids is None else pair_ids, starts_at_zero=pair_ids is None)
+            if bounds is not None:
+                kwargs.update(segment_bounds=bounds, segments_causal=pair_ids is None)
     elif _left_padded(attention_mask):
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     try:
@@ -437,14 +453,20 @@ def sequence_rewards(
 def _left_padded(attention_mask: torch.Tensor) -> bool:
     """Whether some row starts with padding. A fake tensor (the estimate's trace) holds no values: it takes
     the right-padded path, the one rm's collators produce."""
+    return not _is_fake(attention_mask) and not bool(attention_mask[:, 0].all())
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    """A fake tensor (the estimate's trace) holds no values to read."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return not is_fake(attention_mask) and not bool(attention_mask[:, 0].all())
+    return is_fake(tensor)
 
 
 def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
                  position_ids: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
-                 pair_ids: Optional[torch.Tensor] = None, roles: Optional[torch.Tensor] = None):
+                 pair_ids: Optional[torch.Tensor] = None, roles: Optional[torch.Tensor] = None,
+                 segment_bounds: Optional[List[int]] = None):
     """Score a :class:`~rm.data.collator.PairCollator`, :class:`~rm.data.collator.PackedPairCollator`
     or :class:`~rm.data.collator.PrefixSharedCollator` batch in one forward pass (:func:`sequence_rewards`).
 
@@ -452,7 +474,7 @@ def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         ``(chosen_rewards, rejected_rewards)``, each of shape ``(B,)``.
     """
     rewards = sequence_rewards(model, input_ids, attention_mask, position_ids=position_ids, ends=ends,
-                               pair_ids=pair_ids, roles=roles)
+                               pair_ids=pair_ids, roles=roles, segment_bounds=segment_bounds)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
 

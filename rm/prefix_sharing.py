@@ -16,7 +16,8 @@ rewards are those of the unshared computation up to floating-point summation ord
 One rule, three forms, chosen by the model's ``attn_implementation``:
 
 * ``sdpa``: a boolean ``(rows, 1, T, T)`` mask, True where attention is allowed; transformers passes
-  a 4D mask to the kernel as it is;
+  a 4D mask to the kernel as it is (on a CPU, a packed row's pairs then go to SDPA one at a time, each with
+  its slice of the mask: ``rm.attention``);
 * ``eager``: the same as an additive float mask (0 allowed, the dtype's minimum elsewhere), since
   eager attention adds the mask to the scores;
 * ``flex_attention``: a ``BlockMask`` built from the rule itself (``create_block_mask``), which

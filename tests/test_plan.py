@@ -27,15 +27,19 @@ def test_padded_packed_and_shared_flops_by_hand():
     - packed: one row of 16, the block-diagonal mask dense: 16^2 = 256 entries; a kernel that skips masked
       blocks computes the four triangles 15 + 6 + 10 + 10 = 41;
     - shared: rows of 2+3+1 = 6 and 3+1+1 = 5, padded to 6 (N = 12): 2 x 36 = 72 entries; skipping masked blocks,
-      each side's triangle with the prompt's once: (15 + 6 - 3) + (10 + 10 - 6) = 32.
+      each side's triangle with the prompt's once: (15 + 6 - 3) + (10 + 10 - 6) = 32;
+    - SDPA on a CPU a segment at a time (rm.attention): packed, the four triangles (41) in 4 calls; packed+shared,
+      each pair's square 6^2 + 5^2 = 61 in 2 calls; a layout that is not packed is one call per layer as before.
     """
-    padded, packed, shared = (micro_batch(layout, C, R, P, False) for layout in ("padded", "packed", "shared"))
+    padded, packed, shared = (micro_batch(layout, C, R, P, "square") for layout in ("padded", "packed", "shared"))
     assert (padded.computed, padded.tokens, padded.attention) == (20, 16, 100)
     assert (packed.computed, packed.tokens, packed.attention) == (16, 16, 256)
     assert (shared.computed, shared.tokens, shared.attention) == (12, 16, 72)  # the data's 16 tokens, 12 computed
-    assert micro_batch("packed", C, R, P, True).attention == 41
-    assert micro_batch("shared", C, R, P, True).attention == 32
-    assert micro_batch("packed+shared", C, R, P, True).attention == 32  # one row of both pairs: the same triangles
+    assert micro_batch("packed", C, R, P, "skips").attention == 41
+    assert micro_batch("shared", C, R, P, "skips").attention == 32
+    assert micro_batch("packed+shared", C, R, P, "skips").attention == 32  # one row of both pairs: the same triangles
+    segmented = {layout: micro_batch(layout, C, R, P, "segments") for layout in ("packed", "packed+shared", "shared")}
+    assert [(mb.attention, mb.segments) for mb in segmented.values()] == [(41, 4), (61, 2), (72, 1)]
 
     flops = {name: micro_batch_flops(mb, TINY, checkpointing=False) for name, mb in
              (("padded", padded), ("packed", packed), ("shared", shared))}
@@ -258,3 +262,21 @@ def test_fixed_costs_lora_dropout_and_shared_cores_by_hand():
     two = predict_step_seconds(compose(overrides), validate(compose(overrides), 2), [[[mb], [mb]]], rates)
     assert two.compute == pytest.approx(2 * one.compute) and two.elementwise == pytest.approx(2 * one.elementwise)
     assert two.kernels == one.kernels == 0.25
+
+
+def test_each_more_segment_of_a_packed_row_costs_its_ops_in_every_pass():
+    """SDPA a segment at a time (rm.attention) launches SEGMENT_KERNELS more ops per layer and extra segment:
+    2 layers x 6 ops x 3 more segments = 36 forward ops, x 3 passes without checkpointing (x 4 with) at 1 us each."""
+    from rm.plan.steptime import SEGMENT_KERNELS, micro_batch_seconds
+
+    table = {"float32": [[128, 1e9]]}
+    rates = Rates(table, table, memory=1e9, link=1e9, inter_node=1e9, host_link=1e9, host_memory=1e9,
+                  kernel_seconds=1e-6)
+    work = model_work(128, 256, 2, 4, 2, 32)
+    one = MicroBatch(rows=1, length=16, tokens=16, attention=41, masked=True)
+    four = replace(one, segments=4)
+    assert SEGMENT_KERNELS == 6 and work.layers == 2
+    for checkpointing, passes in ((False, 3), (True, 4)):
+        extra = micro_batch_seconds(four, work, checkpointing, rates, "float32", 4)["kernels"] - \
+            micro_batch_seconds(one, work, checkpointing, rates, "float32", 4)["kernels"]
+        assert extra == pytest.approx(2 * 6 * 3 * passes * 1e-6)

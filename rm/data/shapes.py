@@ -88,6 +88,9 @@ class BatchShapes:
             the config, every micro-batch counts as a later one).
         first_step_rest: the most rows and the longest row of the first step's other micro-batches (``None``:
             the first step has one micro-batch, or the shapes are the config's).
+        segment: packed layouts, the longest sequence (packed) or pair (packed+shared) a row holds: on a CPU SDPA
+            takes a packed row one of those at a time (``rm.attention``), and the longest bounds its transients.
+            ``None``: not packed.
     """
 
     train: BatchShape
@@ -97,6 +100,7 @@ class BatchShapes:
     after_first_step: Optional[BatchShape] = None
     first_micro_batch: Optional[BatchShape] = None
     first_step_rest: Optional[BatchShape] = None
+    segment: Optional[int] = None
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -331,9 +335,13 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
     tokens = row_tokens(layout, chosen, rejected, shared)
     shortest = np.minimum(np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64))
     train, later, accumulating, first, first_rest = largest_train_batches(batches, steps, layout, tokens, shortest)
+    segment = None
+    if layout.startswith("packed"):  # its sequences (packed) or its pairs' shared rows (packed+shared)
+        segment = int(max(tokens.max(initial=0), 1)) if layout == "packed+shared" else \
+            int(max(np.max(chosen, initial=0), np.max(rejected, initial=0), 1))
     return [BatchShapes(train=shape, eval=largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size, rank),
                         accumulating=accumulating, sized_by="data", after_first_step=after,
-                        first_micro_batch=one, first_step_rest=rest)
+                        first_micro_batch=one, first_step_rest=rest, segment=segment)
             for rank, (shape, after, one, rest) in enumerate(zip(train, later, first, first_rest))]
 
 
@@ -345,7 +353,7 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
         >>> both = largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])
         >>> both  # doctest: +NORMALIZE_WHITESPACE
         BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True,
-                    sized_by='data', after_first_step=None, first_micro_batch=None, first_step_rest=None)
+                    sized_by='data', after_first_step=None, first_micro_batch=None, first_step_rest=None, segment=None)
         >>> both.train.padded
         True
     """
@@ -361,4 +369,5 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
                        accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by,
                        after_first_step=most(s.after_first_step for s in shapes),
                        first_micro_batch=most(s.first_micro_batch for s in shapes),
-                       first_step_rest=most(s.first_step_rest for s in shapes))
+                       first_step_rest=most(s.first_step_rest for s in shapes),
+                       segment=max((s.segment for s in shapes if s.segment is not None), default=None))

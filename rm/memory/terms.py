@@ -746,8 +746,9 @@ def worst_case_shapes(cfg: RunConfig, plan: Plan) -> "BatchShapes":
         accumulating = length < 2 * (t.global_batch_size // plan.world_size) * max_length
     if t.share_prefix:
         rows, length = shared_prefix_rows(plan.micro_batch_size, max_length, t.max_tokens_per_micro_batch, t.packing)
+    segment = (2 * max_length if t.share_prefix else max_length) if t.packing else None
     return BatchShapes(train=BatchShape(rows, length), eval=BatchShape(2 * t.eval_batch_size, max_length),
-                       accumulating=accumulating, sized_by="config")
+                       accumulating=accumulating, sized_by="config", segment=segment)
 
 
 def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets: bool = False) -> Tuple[Dict, int, int, bool]:
@@ -759,12 +760,19 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
 
+    from rm.plan.steptime import attention_kernel
+
     t = cfg.train
     traced = traced_model(cfg, plan)
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
+    # A packed row on a CPU: SDPA a sequence (or pair) at a time, traced with every one as long as the longest.
+    segment = shapes.segment or 0
+    if not (t.packing and attention_kernel(cfg.model.attn_implementation, plan.device) == "segments") or segment >= seq_len:
+        segment = 0
     act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
-                               packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.train.padded)
+                               packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.train.padded,
+                               segment=segment)
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
     inputs = shared_prefix_input_bytes(batch, seq_len) if t.share_prefix else 2 * batch * seq_len * 8  # packed: the ids and position ids
     evaluation = 0  # no eval set: no evaluation forward

@@ -82,7 +82,7 @@ _SUPPORTED_ATTN = ("sdpa", "eager")
 # The rm modules a trace runs: this one, and every module it imports at any depth (tests/test_startup_cache.py holds
 # the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
 TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.model", "rm.loss", "rm.precision", "rm.prefix_sharing",
-                 "rm.data.collator", "rm.config", "rm.cache", "rm.launch_env")
+                 "rm.attention", "rm.data.collator", "rm.config", "rm.cache", "rm.launch_env")
 # The libraries whose code a trace runs: the model's (transformers), the adapters' (peft), the kernels' saved tensors
 # (torch), ZeRO-3's linear (deepspeed). Another version of any of them is a miss.
 TRACE_LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
@@ -294,7 +294,7 @@ def _base(model) -> torch.nn.Module:
     return (model.get_base_model() if hasattr(model, "get_base_model") else model).model
 
 
-def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool) -> Dict[str, torch.Tensor]:
+def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool, segment: int = 0) -> Dict[str, torch.Tensor]:
     """The inputs of :func:`rm.model.pair_rewards` for a micro-batch of this layout (inside FakeTensorMode).
 
     Row per pair: every row padded, so transformers builds the (B,1,T,T) mask and SDPA repeats K/V to all
@@ -302,7 +302,8 @@ def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool) -> Dict[
     :func:`_fake_mode` is told the rows are not padded.
     Packed: one row, position ids restarting per sequence, no mask. Prefix-shared: rows of pairs with the
     per-token pair ids and roles from which the trainer builds the 4D mask inside the step. Two rewards
-    per row are read: where they are read does not change what the step keeps.
+    per row are read: where they are read does not change what the step keeps. ``segment``: a packed row
+    is split into sequences (or pairs) of this many tokens for SDPA (``rm.attention``; fake ids cannot say where).
     """
     if not (packed or shared_prefix):
         # pad id 0 never appears in the ids: the reward is read at the last position.
@@ -315,6 +316,8 @@ def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool) -> Dict[
     if shared_prefix:
         inputs["pair_ids"] = torch.zeros(rows, seq_len, dtype=torch.long)
         inputs["roles"] = torch.zeros(rows, seq_len, dtype=torch.long)
+    if packed and 0 < segment < seq_len:
+        inputs["segment_bounds"] = list(range(0, seq_len, segment)) + [seq_len]
     return inputs
 
 
@@ -457,9 +460,9 @@ def _stored_trace(value: Any) -> "Optional[_Trace]":
 
 @functools.lru_cache(maxsize=256)
 def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accumulating: bool = False,
-           packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> _Trace:
+           packed: bool = False, shared_prefix: bool = False, padded: bool = True, segment: int = 0) -> _Trace:
     """:func:`_run_trace`, read from the disk cache where this trace was run before (module doc)."""
-    args = (num_layers, batch, seq_len, accumulating, packed, shared_prefix, padded)
+    args = (num_layers, batch, seq_len, accumulating, packed, shared_prefix, padded, segment)
     path = _entry("train_step", traced, *args)
     trace = _stored_trace(cache.read_json(path))
     if trace is None:
@@ -469,7 +472,7 @@ def _trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accum
 
 
 def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, accumulating: bool = False,
-               packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> _Trace:
+               packed: bool = False, shared_prefix: bool = False, padded: bool = True, segment: int = 0) -> _Trace:
     """Run one forward+backward of a ``num_layers``-layer fake model and time-stamp its phases.
 
     ``packed``: one row of ``seq_len`` tokens holding several sequences (``train.packing``): no
@@ -487,7 +490,7 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
     model = traced.build(num_layers)
     with _fake_mode(packed, padded), _target_kernels(traced.device, traced.zero3_linear):
         _materialize_fake(model)
-        inputs = _batch(batch, seq_len, packed, shared_prefix)
+        inputs = _batch(batch, seq_len, packed, shared_prefix, segment)
         if accumulating:
             # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
             # gradient into it and frees the new one, a transient we want on the timeline.
@@ -496,7 +499,8 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
             first.backward()
             del first
         grads = [p.grad for p in model.parameters() if p.grad is not None]
-        tracker.ignore(list(model.parameters()) + list(model.buffers()) + grads + list(inputs.values()))
+        tracker.ignore(list(model.parameters()) + list(model.buffers()) + grads +
+                       [v for v in inputs.values() if isinstance(v, torch.Tensor)])
         del grads
         handles = _mark_phases(model, tracker)
         # No cyclic collection in the middle of the step: a tensor caught in a reference cycle then
@@ -539,7 +543,7 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
 
 
 def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating: bool = False, packed: bool = False,
-                  shared_prefix: bool = False, padded: bool = True) -> LayerMemory:
+                  shared_prefix: bool = False, padded: bool = True, segment: int = 0) -> LayerMemory:
     """Measure one decoder layer (and the parts outside the layers) by tracing a fake two-layer model.
 
     Args:
@@ -556,11 +560,13 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
             position ids restart per sequence and transformers builds a block-diagonal mask.
         shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
         padded: row per pair, some row is padded (:attr:`rm.data.shapes.BatchShape.padded`).
+        segment: packed on a CPU, SDPA a ``segment``-token sequence (or pair) at a time (``rm.attention``); 0: the
+            row in one call.
 
     Returns:
         A :class:`LayerMemory`; cached per distinct arguments.
     """
-    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix, padded)
+    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix, padded, segment)
     at, peak = trace.at, trace.peak
     return LayerMemory(
         saved_bytes=at["norm"] - at["layer1"],
@@ -580,7 +586,8 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
 
 
 def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_len: int, *, accumulating: bool = False,
-                         packed: bool = False, shared_prefix: bool = False, padded: bool = True) -> Dict[str, Any]:
+                         packed: bool = False, shared_prefix: bool = False, padded: bool = True,
+                         segment: int = 0) -> Dict[str, Any]:
     """Peak activation bytes of one forward+backward of the whole reward model.
 
     The step's live activations, phase by phase, for ``L = num_layers``:
@@ -591,7 +598,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     * layer 0's backward and the embedding's: as traced.
 
     Args:
-        traced, batch, seq_len, accumulating, packed, shared_prefix, padded: as for :func:`measure_layer`.
+        traced, batch, seq_len, accumulating, packed, shared_prefix, padded, segment: as for :func:`measure_layer`.
         num_layers: decoder layers of the real model.
 
     Returns:
@@ -608,7 +615,7 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
     if num_layers < 1:
         raise ValueError("num_layers must be at least 1")
     if num_layers == 1:
-        trace = _trace(traced, 1, batch, seq_len, accumulating, packed, shared_prefix, padded)
+        trace = _trace(traced, 1, batch, seq_len, accumulating, packed, shared_prefix, padded, segment)
         at, peak = trace.at, trace.peak
         phases = {
             "forward": max(peak["start"], peak["layer0"]),
@@ -636,8 +643,8 @@ def estimate_activations(traced: TracedModel, num_layers: int, batch: int, seq_l
         }
 
     layer = measure_layer(traced, batch, seq_len, accumulating=accumulating, packed=packed, shared_prefix=shared_prefix,
-                          padded=padded)
-    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix, padded)
+                          padded=padded, segment=segment)
+    trace = _trace(traced, 2, batch, seq_len, accumulating, packed, shared_prefix, padded, segment)
     at, peak = trace.at, trace.peak
     shift = (num_layers - 2) * layer.saved_bytes  # the layers the traced model lacks, all steady-state
     # Under autocast, its cache keeps each weight's cast until the forward ends: a layer holds more during the

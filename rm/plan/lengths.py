@@ -130,15 +130,15 @@ def batching(lengths: PairLengths, layout: str, micro_batch_size: int, world_siz
 
 def step_micro_batches(lengths: PairLengths, layout: str, micro_batch_size: int, world_size: int,
                        global_batch_size: int, seed: int, group_by_length: bool, max_tokens: int, steps: int,
-                       skips_masked: bool) -> List[List[List[MicroBatch]]]:
+                       kernel: str) -> List[List[List[MicroBatch]]]:
     """Per step (the run's first ``steps``), per rank, the micro-batches that rank runs (:func:`micro_batch`).
 
     Example: 4 pairs, one step of 4 on one process, micro-batches of 2 in the shuffled order (seed 0 takes pairs
     0, 1 | 3, 2), and packed into one row:
         >>> lengths = PairLengths.of([5, 4, 3, 8], [3, 4, 3, 2], [2, 3, 1, 1])
-        >>> [(m.rows, m.length) for m in step_micro_batches(lengths, "padded", 2, 1, 4, 0, False, 0, 1, False)[0][0]]
+        >>> [(m.rows, m.length) for m in step_micro_batches(lengths, "padded", 2, 1, 4, 0, False, 0, 1, "square")[0][0]]
         [(4, 5), (4, 8)]
-        >>> [(m.rows, m.length) for m in step_micro_batches(lengths, "packed", 4, 1, 4, 0, False, 0, 1, False)[0][0]]
+        >>> [(m.rows, m.length) for m in step_micro_batches(lengths, "packed", 4, 1, 4, 0, False, 0, 1, "square")[0][0]]
         [(1, 32)]
     """
     batches = batching(lengths, layout, micro_batch_size, world_size, global_batch_size, seed, group_by_length,
@@ -151,7 +151,7 @@ def step_micro_batches(lengths: PairLengths, layout: str, micro_batch_size: int,
         for rank in range(world_size):
             cut = replace(batches, rank=rank).for_step(step)
             ranks.append([micro_batch(layout, [c[i] for i in ids], [r[i] for i in ids], [p[i] for i in ids],
-                                      skips_masked) for ids in cut])
+                                      kernel) for ids in cut])
         out.append(ranks)
     return out
 

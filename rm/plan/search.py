@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
-from rm.plan.steptime import MASK_SKIPPING, Rates, StepTime, predict_step_seconds
+from rm.plan.steptime import Rates, attention_kernel, StepTime, predict_step_seconds
 
 KNOBS = ("train.micro_batch_size", "train.gradient_checkpointing", "train.group_by_length", "train.packing",
          "train.max_tokens_per_micro_batch", "train.share_prefix")
@@ -298,9 +298,9 @@ class _Timer:
 
         t, p = c.cfg.train, c.plan
         key = (layout_of(t.packing, t.share_prefix), p.micro_batch_size, p.world_size, t.global_batch_size, t.seed,
-               t.group_by_length, t.max_tokens_per_micro_batch, c.cfg.model.attn_implementation in MASK_SKIPPING)
+               t.group_by_length, t.max_tokens_per_micro_batch, attention_kernel(c.cfg.model.attn_implementation, p.device))
         if key not in self.shapes:
-            shapes = step_micro_batches(self.lengths, *key[:7], steps=self.steps, skips_masked=key[7])
+            shapes = step_micro_batches(self.lengths, *key[:7], steps=self.steps, kernel=key[7])
             self.shapes[key] = shapes, hash(tuple(mb for step in shapes for rank in step for mb in rank))
         shapes, c.signature = self.shapes[key]
         return predict_step_seconds(c.cfg, p, shapes, self.rates)

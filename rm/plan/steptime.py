@@ -17,11 +17,12 @@ ZeRO-Offload steps on the CPU), and the collectives' bytes over the link (ring a
 bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model: communication behind the
 backward and prefetching are not credited, so it errs slow where a run overlaps well.
 
-``S`` follows the layout and the kernel (:func:`micro_batch`). SDPA and eager attention compute the whole
-``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and the causal
-triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so they
-compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
-each answer against prefix + itself).
+``S`` follows the layout and the kernel (:func:`micro_batch`, :func:`attention_kernel`). SDPA and eager attention
+compute the whole ``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and
+the causal triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so
+they compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
+each answer against prefix + itself). SDPA on a CPU takes a packed row one segment at a time (``rm.attention``):
+each sequence's triangle, or each prefix-shared pair's square, for some ops more per segment.
 """
 
 from __future__ import annotations
@@ -32,6 +33,21 @@ from typing import Dict, List, Optional, Sequence
 
 # The kernels that skip fully masked blocks (varlen or block-sparse); the others compute the square under a mask.
 MASK_SKIPPING = ("flash_attention_2", "flex_attention")
+# Ops one more segment of a packed row adds to a layer's forward on a CPU (rm.attention): the slices of q, k, v and
+# the mask, the SDPA call and its share of the concatenation.
+SEGMENT_KERNELS = 6
+
+
+def attention_kernel(attn_implementation: str, device: str) -> str:
+    """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (SDPA per
+    packed segment, rm.attention on a CPU) or ``square`` (the row's whole square).
+
+    >>> attention_kernel("sdpa", "cpu"), attention_kernel("sdpa", "cuda:0"), attention_kernel("flex_attention", "cuda")
+    ('segments', 'square', 'skips')
+    """
+    if attn_implementation in MASK_SKIPPING:
+        return "skips"
+    return "segments" if attn_implementation == "sdpa" and str(device).startswith("cpu") else "square"
 
 
 def causal(n: int) -> int:
@@ -54,6 +70,7 @@ class MicroBatch:
             as in the data): what tokens/s counts, so that layouts compare on the same work.
         attention: query-key score entries the attention kernel computes, over all rows (per layer and head).
         masked: the forward builds a 4D mask of ``rows x length x length`` (padding, packing or a shared prefix).
+        segments: attention calls a layer makes (more than one: a packed row taken a segment at a time).
     """
 
     rows: int
@@ -61,6 +78,7 @@ class MicroBatch:
     tokens: int
     attention: int
     masked: bool
+    segments: int = 1
 
     @property
     def computed(self) -> int:
@@ -69,7 +87,7 @@ class MicroBatch:
 
 
 def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], prefix: Sequence[int],
-                skips_masked: bool) -> MicroBatch:
+                kernel: str) -> MicroBatch:
     """The shape and attention work of one micro-batch of pairs, as the run's collator lays it out.
 
     Args:
@@ -78,19 +96,21 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
             ``packed+shared`` (one row of those).
         chosen, rejected: per pair, its sides' token lengths.
         prefix: per pair, the tokens both sides share at their start (the prompt).
-        skips_masked: the attention kernel skips masked blocks (:data:`MASK_SKIPPING`).
+        kernel: how masked attention is computed (:func:`attention_kernel`).
 
     Example: pairs (chosen 5, rejected 3, prompt 2) and (4, 4, 3).
         >>> c, r, p = [5, 4], [3, 4], [2, 3]
-        >>> micro_batch("padded", c, r, p, False)   # 4 rows of 5, a mask: 4 x 5^2
-        MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True)
-        >>> micro_batch("packed", c, r, p, False).attention, micro_batch("packed", c, r, p, True).attention  # 16^2; 15+6+10+10
-        (256, 41)
-        >>> micro_batch("shared", c, r, p, False)   # rows of 2+3+1 and 3+1+1 tokens, padded to 6
-        MicroBatch(rows=2, length=6, tokens=16, attention=72, masked=True)
-        >>> micro_batch("shared", c, r, p, True).attention  # (15 + 6 - 3) + (10 + 10 - 6)
+        >>> micro_batch("padded", c, r, p, "square")   # 4 rows of 5, a mask: 4 x 5^2
+        MicroBatch(rows=4, length=5, tokens=16, attention=100, masked=True, segments=1)
+        >>> [micro_batch("packed", c, r, p, k).attention for k in ("square", "skips", "segments")]  # 16^2; 15+6+10+10
+        [256, 41, 41]
+        >>> micro_batch("shared", c, r, p, "square")   # rows of 2+3+1 and 3+1+1 tokens, padded to 6
+        MicroBatch(rows=2, length=6, tokens=16, attention=72, masked=True, segments=1)
+        >>> micro_batch("shared", c, r, p, "skips").attention  # (15 + 6 - 3) + (10 + 10 - 6)
         32
-        >>> micro_batch("padded", [4], [4], [1], False).attention  # no padding, no mask: is_causal, 2 x 10
+        >>> micro_batch("packed+shared", c, r, p, "segments")  # one row of 6 + 5, each pair's square: 36 + 25
+        MicroBatch(rows=1, length=11, tokens=16, attention=61, masked=True, segments=2)
+        >>> micro_batch("padded", [4], [4], [1], "square").attention  # no padding, no mask: is_causal, 2 x 10
         20
     """
     pairs = list(zip(chosen, rejected, prefix))
@@ -108,11 +128,14 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
     else:
         rows, length = len(rows_of), max(rows_of)
         masked = layout == "shared" or min(rows_of) < length
-    if skips_masked:
+    segments = len(rows_of) if kernel == "segments" and layout.startswith("packed") and len(rows_of) > 1 else 1
+    if kernel == "skips":
         attention = needed
+    elif segments > 1:  # a causal call per sequence; a pair's call takes its slice of the mask (its square)
+        attention = needed if layout == "packed" else sum(n * n for n in rows_of)
     else:
         attention = rows * length * length if masked else rows * causal(length)
-    return MicroBatch(rows, length, tokens, attention, masked)
+    return MicroBatch(rows, length, tokens, attention, masked, segments)
 
 
 @dataclass(frozen=True)
@@ -129,6 +152,7 @@ class ModelWork:
         kernels: kernels one forward launches, all layers.
         width: the hidden size, which the CPU's measured matmul rate is looked up at.
         dropout: input elements a token's LoRA dropout draws for, all layers (0 without dropout).
+        layers: decoder layers.
     """
 
     trained: int
@@ -138,6 +162,7 @@ class ModelWork:
     kernels: int
     width: int
     dropout: int = 0
+    layers: int = 1
 
 
 # Ops a decoder layer's forward launches (norms, projections, RoPE, attention, the MLP, residual adds, views); the
@@ -183,7 +208,7 @@ def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads
     adapted = [t for t in lora_targets if t in shapes] if lora_rank is not None else []
     kernels = layers * (LAYER_KERNELS + 4 * len(adapted))
     dropout = layers * sum(shapes[t][0] for t in adapted) if lora_dropout > 0 else 0
-    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden, dropout)
+    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden, dropout, layers)
 
 
 def micro_batch_flops(mb: MicroBatch, work: ModelWork, checkpointing: bool) -> Dict[str, int]:
@@ -406,7 +431,7 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     elementwise = mb.computed * work.elementwise * act_bytes * (1 + 2 + again)
     if mb.masked:  # a byte a score entry, for each pass
         elementwise += mb.rows * mb.length * mb.length * (1 + 2 + again)
-    kernels = work.kernels * (1 + 2 + again)
+    kernels = (work.kernels + work.layers * SEGMENT_KERNELS * (mb.segments - 1)) * (1 + 2 + again)
     draws = mb.computed * work.dropout * (1 + again) / rates.dropout if rates.dropout else 0.0
     return {"compute": compute, "elementwise": elementwise / rates.memory + draws,
             "kernels": kernels * rates.kernel_seconds + rates.micro_batch_seconds,

@@ -1,0 +1,81 @@
+"""SDPA one packed sequence at a time, on a CPU.
+
+A packed row (``train.packing``, with or without ``train.share_prefix``) holds several independent sequences
+(or prefix-shared pairs). Given a mask, SDPA computes the whole ``T x T`` score matrix of the row, the blocks
+between different sequences included, though the mask throws them away: a 1,024-token row of eight
+128-token sequences computes eight times the attention it needs. On a GPU, flash-attention's varlen kernel
+and flex-attention skip those blocks; a CPU has neither. Here each segment of the row gets its own SDPA call
+over its own keys (a causal one for a plain packed sequence, the segment's slice of the 4D mask for a
+prefix-shared pair), and the outputs are concatenated: the same scores and the same softmax per query, since
+a query's masked-out keys contribute nothing (``tests/test_attention.py`` checks outputs and gradients).
+
+It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
+configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the
+function is transformers' own SDPA unless the caller passes ``segment_bounds`` (only
+:func:`rm.model.sequence_rewards` does, for packed rows on a CPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+
+def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                   is_causal: Optional[bool] = None, segment_bounds: Optional[Sequence[int]] = None,
+                   segments_causal: bool = False, **kwargs):
+    """transformers' SDPA attention, one segment of the (single) row at a time when ``segment_bounds`` is given.
+
+    Args:
+        query, key, value: ``(1, heads, T, head_dim)`` (key and value with the model's key-value heads).
+        attention_mask: the row's ``(1, 1, T, T)`` mask, or None.
+        segment_bounds: ``0 = b_0 < b_1 < ... < b_n = T``: segment ``i`` is tokens ``b_i .. b_{i+1} - 1``; no
+            query attends outside its segment.
+        segments_causal: every segment is one causal sequence (plain packing), so each call takes SDPA's
+            ``is_causal`` (the triangle) instead of its slice of the mask (the square).
+
+    Returns:
+        ``(attention output (1, T, heads, head_dim), None)``, as transformers' attention functions do.
+    """
+    if segment_bounds is None or query.device.type != "cpu" or query.shape[0] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    groups = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    outputs = []
+    for start, end in zip(segment_bounds[:-1], segment_bounds[1:]):
+        mask = None if segments_causal or attention_mask is None else attention_mask[:, :, start:end, start:end]
+        outputs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
+            dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:
+    """Where a packed row's segments start and end, read off the host copy of its ids (on a CPU, a free read).
+
+    Args:
+        ids: ``(1, T)``: position ids (``starts_at_zero``: a segment starts at each 0) or pair ids (a segment
+            starts wherever the id changes).
+
+    Returns:
+        ``[0, ..., T]``, or None for a row of one segment (nothing to split).
+
+    Example:
+        >>> segment_bounds(torch.tensor([[0, 1, 2, 0, 1, 0]]), starts_at_zero=True)
+        [0, 3, 5, 6]
+        >>> segment_bounds(torch.tensor([[0, 0, 1, 1, 1, -1]]), starts_at_zero=False)
+        [0, 2, 5, 6]
+    """
+    row = ids[0]
+    starts = (row == 0) if starts_at_zero else torch.cat([row.new_ones(1, dtype=torch.bool), row[1:] != row[:-1]])
+    starts[0] = True
+    bounds = starts.nonzero().flatten().tolist() + [row.shape[0]]
+    return bounds if len(bounds) > 2 else None
+
+
+AttentionInterface.register("sdpa", segmented_sdpa)

@@ -1,0 +1,101 @@
+"""SDPA one packed segment at a time (rm.attention): the rewards and gradients of the whole-row masked SDPA.
+
+The tiny model has 4 query heads on 2 key-value heads, so the grouped-query path is the one checked.
+Speed is measured by ``benchmarks/bench_vs_trl.py`` (docs/throughput.md), not here.
+"""
+
+import pytest
+import torch
+from accelerate.utils import set_seed
+
+from rm.attention import segment_bounds, segmented_sdpa
+from rm.data.collator import PackedPairCollator, PrefixSharedCollator
+from rm.model import build_model, pair_rewards
+
+# Sequences of different lengths, one of a single token, a shared prompt on most pairs (ids < 512, the tiny vocabulary).
+PROMPT = [2, 30, 31, 32, 33, 34, 35]
+FEATURES = [
+    {"chosen_input_ids": PROMPT + [50, 51, 3], "rejected_input_ids": PROMPT + [60, 61, 62, 63, 3]},
+    {"chosen_input_ids": [70, 71, 72, 3], "rejected_input_ids": [80]},
+    {"chosen_input_ids": PROMPT, "rejected_input_ids": PROMPT + [90, 3]},
+    {"chosen_input_ids": PROMPT[:3] + [40] * 9, "rejected_input_ids": PROMPT[:3] + [41] * 2},
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    from tests.conftest import FAST_TINY, compose_run
+    from rm.config import to_run_config
+
+    cfg = to_run_config(compose_run(FAST_TINY + ["model.attn_implementation=sdpa"]))
+    set_seed(0)
+    return build_model(cfg.model, pad_token_id=0, dtype="float32", gradient_checkpointing=False)
+
+
+def rewards_and_grads(model, batch, split: bool):
+    """Rewards and the gradients of a loss that weighs every reward differently, with or without splitting."""
+    model.zero_grad(set_to_none=True)
+    if split:
+        chosen, rejected = pair_rewards(model, batch["input_ids"], position_ids=batch["position_ids"], ends=batch["ends"],
+                                        pair_ids=batch.get("pair_ids"), roles=batch.get("roles"))
+    else:  # the whole row in one SDPA call: what rm computed before rm.attention (a fake bound list is no split)
+        import rm.model as rm_model
+
+        real = rm_model._is_fake
+        rm_model._is_fake = lambda tensor: True
+        try:
+            chosen, rejected = pair_rewards(model, batch["input_ids"], position_ids=batch["position_ids"],
+                                            ends=batch["ends"], pair_ids=batch.get("pair_ids"), roles=batch.get("roles"))
+        finally:
+            rm_model._is_fake = real
+    rewards = torch.cat([chosen, rejected])
+    (rewards * torch.linspace(-1, 2, rewards.numel())).sum().backward()
+    return rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True)], ids=["packed", "packed+shared"])
+def test_one_sdpa_call_per_segment_gives_the_whole_rows_rewards_and_gradients(model, collator):
+    batch = collator(FEATURES)
+    expected, expected_grads = rewards_and_grads(model, batch, split=False)
+    calls = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape[2])
+        return original(*args, **kwargs)
+
+    torch.nn.functional.scaled_dot_product_attention = counting
+    try:
+        got, grads = rewards_and_grads(model, batch, split=True)
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+    segments = 2 * len(FEATURES) if isinstance(collator, PackedPairCollator) else len(FEATURES)
+    layers = model.config.num_hidden_layers
+    # It did split: one call per segment and layer, each over that segment's tokens only.
+    assert len(calls) == segments * layers and sum(calls) == batch["input_ids"].shape[1] * layers
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_without_bounds_it_is_transformers_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[1, :, :, 4:] = False
+    for m in (None, mask):
+        got, _ = segmented_sdpa(module, q, k, v, m, scaling=0.3)
+        expected, _ = sdpa_attention_forward(module, q, k, v, m, scaling=0.3)
+        assert torch.equal(got, expected)
+
+
+def test_segment_bounds_of_a_single_segment_is_none():
+    assert segment_bounds(torch.tensor([[0, 1, 2, 3]]), starts_at_zero=True) is None
+    assert segment_bounds(torch.tensor([[4, 4, 4]]), starts_at_zero=False) is None
+    # A pair id that comes back later is a new segment (never the case in rm's collators, but no merge either).
+    assert segment_bounds(torch.tensor([[0, 1, 0]]), starts_at_zero=False) == [0, 1, 2, 3]
