@@ -17,7 +17,7 @@ function is transformers' own SDPA unless the caller passes ``segment_bounds`` (
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -53,6 +53,26 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
             dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def block_diagonal_mask(bounds: Sequence[int], block: Callable[[int, int], torch.Tensor],
+                        device: torch.device) -> torch.Tensor:
+    """The ``(1, 1, T, T)`` boolean mask of a row whose segments see nothing of each other: ``block(start, end)``
+    on the diagonal, False elsewhere. One fill of ``T^2`` bytes plus the blocks: building the row's mask from the
+    per-token rule instead (:func:`rm.prefix_sharing.allowed`) costs several ``T^2`` passes, 0.1 s for a row of
+    3,600 tokens on one CPU thread, and segmented SDPA reads only the diagonal blocks anyway.
+
+    Example (segments of 2 and 1 tokens, causal blocks):
+        >>> block_diagonal_mask([0, 2, 3], lambda s, e: torch.ones(e - s, e - s).tril().bool(), "cpu")[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [0, 0, 1]], dtype=torch.int32)
+    """
+    length = bounds[-1]
+    mask = torch.zeros((1, 1, length, length), dtype=torch.bool, device=device)
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        mask[:, :, start:end, start:end] = block(start, end)
+    return mask
 
 
 def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:

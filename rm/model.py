@@ -423,19 +423,29 @@ def sequence_rewards(
 
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
         attn_implementation = attn_implementation_of(model)
-        if pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
-            from rm.prefix_sharing import model_dtype, shared_prefix_mask
-
-            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation, model_dtype(model))
+        bounds = None
         if attn_implementation == "sdpa" and input_ids.device.type == "cpu" and input_ids.shape[0] == 1:
             from rm.attention import segment_bounds as bounds_of
 
-            # One SDPA call per packed sequence (or pair) instead of the row's whole square (rm.attention).
             bounds = segment_bounds
             if bounds is None and not _is_fake(input_ids):
                 bounds = bounds_of(position_ids if pair_ids is None else pair_ids, starts_at_zero=pair_ids is None)
-            if bounds is not None:
-                kwargs.update(segment_bounds=bounds, segments_causal=pair_ids is None)
+        if bounds is not None:
+            # One SDPA call per packed sequence (or pair) instead of the row's whole square (rm.attention), with the
+            # row's mask built block by block (a 4D mask, which transformers passes to the kernel as it is).
+            from rm.attention import block_diagonal_mask
+            from rm.prefix_sharing import allowed
+
+            if pair_ids is None:
+                block = lambda s, e: torch.ones(e - s, e - s, dtype=torch.bool, device=input_ids.device).tril()  # noqa: E731
+            else:
+                block = lambda s, e: allowed(pair_ids[:, s:e], roles[:, s:e])  # noqa: E731
+            kwargs.update(attention_mask=block_diagonal_mask(bounds, block, input_ids.device), segment_bounds=bounds,
+                          segments_causal=pair_ids is None)
+        elif pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
+            from rm.prefix_sharing import model_dtype, shared_prefix_mask
+
+            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation, model_dtype(model))
     elif _left_padded(attention_mask):
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     try:

@@ -429,7 +429,9 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     compute = flops["matmul"] / Rates.at(rates.matmul[dtype], work.width, mb.computed) + \
         flops["attention"] / Rates.at(rates.attention[dtype], work.width)
     elementwise = mb.computed * work.elementwise * act_bytes * (1 + 2 + again)
-    if mb.masked:  # a byte a score entry, for each pass
+    if mb.segments > 1:  # the row's mask filled once (a byte an entry), its diagonal blocks read in each pass
+        elementwise += mb.length * mb.length + mb.attention * (1 + 2 + again)
+    elif mb.masked:  # a byte a score entry, for each pass
         elementwise += mb.rows * mb.length * mb.length * (1 + 2 + again)
     kernels = (work.kernels + work.layers * SEGMENT_KERNELS * (mb.segments - 1)) * (1 + 2 + again)
     draws = mb.computed * work.dropout * (1 + again) / rates.dropout if rates.dropout else 0.0
