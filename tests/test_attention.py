@@ -99,3 +99,15 @@ def test_segment_bounds_of_a_single_segment_is_none():
     assert segment_bounds(torch.tensor([[4, 4, 4]]), starts_at_zero=False) is None
     # A pair id that comes back later is a new segment (never the case in rm's collators, but no merge either).
     assert segment_bounds(torch.tensor([[0, 1, 0]]), starts_at_zero=False) == [0, 1, 2, 3]
+
+
+def test_the_block_by_block_mask_is_the_per_token_rule():
+    from rm.attention import block_diagonal_mask
+    from rm.prefix_sharing import allowed
+
+    batch = PrefixSharedCollator(packed=True)(FEATURES)
+    pair_ids, roles = batch["pair_ids"], batch["roles"]
+    bounds = segment_bounds(pair_ids, starts_at_zero=False)
+    assert len(bounds) == len(FEATURES) + 1
+    built = block_diagonal_mask(bounds, lambda s, e: allowed(pair_ids[:, s:e], roles[:, s:e]), "cpu")
+    assert torch.equal(built, allowed(pair_ids, roles))
