@@ -29,7 +29,7 @@ average printed beside each trainer says how idle it was. The default run should
   load that directory (rm: ``model.pretrained=<dir>``), so both start from the same weights.
 * **rm** runs as ``python -m rm.train data=local data.train_files=[...] model.pretrained=<dir> ...`` in a subprocess,
   with no layout flags (``train.layout=auto`` picks them), with the README's CPU recommendation
-  (``train.share_prefix=true train.group_by_length=true train.micro_batch_size=2``) and with the schema's default
+  (``train.share_prefix=true train.packing=true train.max_tokens_per_micro_batch=4096``) and with the schema's default
   layout pinned (``train.layout=given``: no prefix sharing, group_by_length, micro-batches of 4); the last two
   without gradient checkpointing, as TRL runs. **TRL** runs ``RewardTrainer`` in a subprocess of this script, configured as
   bench_vs_trl.py does: 8 pairs per step, max length 512, AdamW lr 1e-3 with linear decay after 3 warm-up steps,
@@ -86,7 +86,7 @@ SHAPE = {"model_type": "llama", "hidden_size": 384, "intermediate_size": 1024, "
 RM_LAYOUTS = {  # name: the layout overrides on top of the shared rm command line
     # What a new user runs: every layout knob left to train.layout=auto (checkpointing included).
     "rm, no layout flags": [],
-    "rm, README CPU setting": ["train.share_prefix=true", "train.group_by_length=true", "train.micro_batch_size=2",
+    "rm, README CPU setting": ["train.share_prefix=true", "train.packing=true", "train.max_tokens_per_micro_batch=4096",
                                "train.gradient_checkpointing=false"],
     "rm, schema defaults (train.layout=given)": ["train.layout=given", "train.gradient_checkpointing=false"],
 }
