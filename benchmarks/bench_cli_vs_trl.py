@@ -371,7 +371,7 @@ def check_rm_data(run_dir: Path, data: dict) -> None:
 
 
 def run_rm(name: str, layout: list[str], data: dict, args, workdir: Path) -> dict:
-    run_dir = workdir / re.sub(r"[^\w.-]+", "_", name)  # Hydra's override grammar takes no parentheses or commas
+    run_dir = workdir / re.sub(r"[^\w.-]+", "_", name)  # Hydra's override grammar takes no parentheses, commas or "=" in a value
     command = rm_command(data, args.steps, run_dir, layout)
     log_path = workdir / f"{run_dir.name}.out"
     start = time.perf_counter()
