@@ -17,7 +17,7 @@ function is transformers' own SDPA unless the caller passes ``segment_bounds`` (
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 from transformers import AttentionInterface
@@ -73,6 +73,39 @@ def block_diagonal_mask(bounds: Sequence[int], block: Callable[[int, int], torch
     for start, end in zip(bounds[:-1], bounds[1:]):
         mask[:, :, start:end, start:end] = block(start, end)
     return mask
+
+
+def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_ids: Optional[torch.Tensor] = None,
+                     roles: Optional[torch.Tensor] = None, bounds: Optional[Sequence[int]] = None) -> Optional[Dict]:
+    """The model inputs beyond ids and positions that make :func:`segmented_sdpa` take a packed row a segment at a
+    time: the row's mask (filled block by block), its ``segment_bounds`` and whether each segment is one causal
+    sequence (plain packing) or a prefix-shared pair (``pair_ids`` and ``roles`` given).
+
+    Args:
+        bounds: the segments, where the ids cannot be read (the estimate's fake tensors); otherwise read off
+            ``position_ids`` (plain packing) or ``pair_ids``.
+
+    Returns:
+        The keyword arguments, or None where the row stays one SDPA call: not on a CPU, several rows, a single
+        segment, or fake ids without ``bounds``.
+    """
+    from torch._subclasses.fake_tensor import is_fake
+
+    from rm.prefix_sharing import allowed
+
+    if input_ids.device.type != "cpu" or input_ids.shape[0] != 1:
+        return None
+    shared = pair_ids is not None
+    if bounds is None and not is_fake(input_ids):
+        bounds = segment_bounds(pair_ids if shared else position_ids, starts_at_zero=not shared)
+    if bounds is None:
+        return None
+    if shared:
+        block = lambda s, e: allowed(pair_ids[:, s:e], roles[:, s:e])  # noqa: E731
+    else:
+        block = lambda s, e: torch.ones(e - s, e - s, dtype=torch.bool, device=input_ids.device).tril()  # noqa: E731
+    return {"attention_mask": block_diagonal_mask(bounds, block, input_ids.device), "segment_bounds": list(bounds),
+            "segments_causal": not shared}
 
 
 def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:

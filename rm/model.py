@@ -423,25 +423,13 @@ def sequence_rewards(
 
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
         attn_implementation = attn_implementation_of(model)
-        bounds = None
-        if attn_implementation == "sdpa" and input_ids.device.type == "cpu" and input_ids.shape[0] == 1:
-            from rm.attention import segment_bounds as bounds_of
+        segmented = None
+        if attn_implementation == "sdpa":  # on a CPU, a packed row's SDPA one sequence (or pair) at a time
+            from rm.attention import segmented_inputs
 
-            bounds = segment_bounds
-            if bounds is None and not _is_fake(input_ids):
-                bounds = bounds_of(position_ids if pair_ids is None else pair_ids, starts_at_zero=pair_ids is None)
-        if bounds is not None:
-            # One SDPA call per packed sequence (or pair) instead of the row's whole square (rm.attention), with the
-            # row's mask built block by block (a 4D mask, which transformers passes to the kernel as it is).
-            from rm.attention import block_diagonal_mask
-            from rm.prefix_sharing import allowed
-
-            if pair_ids is None:
-                block = lambda s, e: torch.ones(e - s, e - s, dtype=torch.bool, device=input_ids.device).tril()  # noqa: E731
-            else:
-                block = lambda s, e: allowed(pair_ids[:, s:e], roles[:, s:e])  # noqa: E731
-            kwargs.update(attention_mask=block_diagonal_mask(bounds, block, input_ids.device), segment_bounds=bounds,
-                          segments_causal=pair_ids is None)
+            segmented = segmented_inputs(input_ids, position_ids, pair_ids, roles, segment_bounds)
+        if segmented:
+            kwargs.update(segmented)
         elif pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
             from rm.prefix_sharing import model_dtype, shared_prefix_mask
 
@@ -463,14 +451,9 @@ def sequence_rewards(
 def _left_padded(attention_mask: torch.Tensor) -> bool:
     """Whether some row starts with padding. A fake tensor (the estimate's trace) holds no values: it takes
     the right-padded path, the one rm's collators produce."""
-    return not _is_fake(attention_mask) and not bool(attention_mask[:, 0].all())
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    """A fake tensor (the estimate's trace) holds no values to read."""
     from torch._subclasses.fake_tensor import is_fake
 
-    return is_fake(tensor)
+    return not is_fake(attention_mask) and not bool(attention_mask[:, 0].all())
 
 
 def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,

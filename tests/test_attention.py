@@ -4,6 +4,8 @@ The tiny model has 4 query heads on 2 key-value heads, so the grouped-query path
 Speed is measured by ``benchmarks/bench_vs_trl.py`` (docs/throughput.md), not here.
 """
 
+from unittest import mock
+
 import pytest
 import torch
 from accelerate.utils import set_seed
@@ -38,16 +40,10 @@ def rewards_and_grads(model, batch, split: bool):
     if split:
         chosen, rejected = pair_rewards(model, batch["input_ids"], position_ids=batch["position_ids"], ends=batch["ends"],
                                         pair_ids=batch.get("pair_ids"), roles=batch.get("roles"))
-    else:  # the whole row in one SDPA call: what rm computed before rm.attention (a fake bound list is no split)
-        import rm.model as rm_model
-
-        real = rm_model._is_fake
-        rm_model._is_fake = lambda tensor: True
-        try:
+    else:  # the whole row in one SDPA call: what rm computed before rm.attention
+        with mock.patch("rm.attention.segmented_inputs", return_value=None):
             chosen, rejected = pair_rewards(model, batch["input_ids"], position_ids=batch["position_ids"],
                                             ends=batch["ends"], pair_ids=batch.get("pair_ids"), roles=batch.get("roles"))
-        finally:
-            rm_model._is_fake = real
     rewards = torch.cat([chosen, rejected])
     (rewards * torch.linspace(-1, 2, rewards.numel())).sum().backward()
     return rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
