@@ -107,7 +107,8 @@ def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dic
     from rm.config import compose
     from rm.plan.constants import rates_for
     from rm.plan.lengths import data_lengths, step_micro_batches
-    from rm.plan.steptime import attention_kernel, predict_step_seconds
+    from rm.hardware import attention_kernel
+    from rm.plan.steptime import predict_step_seconds
     from rm.data.shapes import layout_of
     from rm.validate import validate
 

@@ -760,7 +760,7 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
 
-    from rm.plan.steptime import attention_kernel
+    from rm.hardware import attention_kernel
 
     t = cfg.train
     traced = traced_model(cfg, plan)

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig
+from rm.hardware import attention_kernel
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
-from rm.plan.steptime import Rates, attention_kernel, StepTime, predict_step_seconds
+from rm.plan.steptime import Rates, StepTime, predict_step_seconds
 
 KNOBS = ("train.micro_batch_size", "train.gradient_checkpointing", "train.group_by_length", "train.packing",
          "train.max_tokens_per_micro_batch", "train.share_prefix")

@@ -17,7 +17,7 @@ ZeRO-Offload steps on the CPU), and the collectives' bytes over the link (ring a
 bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model: communication behind the
 backward and prefetching are not credited, so it errs slow where a run overlaps well.
 
-``S`` follows the layout and the kernel (:func:`micro_batch`, :func:`attention_kernel`). SDPA and eager attention
+``S`` follows the layout and the kernel (:func:`micro_batch`, :func:`rm.hardware.attention_kernel`). SDPA and eager attention
 compute the whole ``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and
 the causal triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so
 they compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
@@ -31,23 +31,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-# The kernels that skip fully masked blocks (varlen or block-sparse); the others compute the square under a mask.
-MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 # Ops one more segment of a packed row adds to a layer's forward on a CPU (rm.attention): the slices of q, k, v and
 # the mask, the SDPA call and its share of the concatenation.
 SEGMENT_KERNELS = 6
-
-
-def attention_kernel(attn_implementation: str, device: str) -> str:
-    """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (SDPA per
-    packed segment, rm.attention on a CPU) or ``square`` (the row's whole square).
-
-    >>> attention_kernel("sdpa", "cpu"), attention_kernel("sdpa", "cuda:0"), attention_kernel("flex_attention", "cuda")
-    ('segments', 'square', 'skips')
-    """
-    if attn_implementation in MASK_SKIPPING:
-        return "skips"
-    return "segments" if attn_implementation == "sdpa" and str(device).startswith("cpu") else "square"
 
 
 def causal(n: int) -> int:
@@ -96,7 +82,7 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
             ``packed+shared`` (one row of those).
         chosen, rejected: per pair, its sides' token lengths.
         prefix: per pair, the tokens both sides share at their start (the prompt).
-        kernel: how masked attention is computed (:func:`attention_kernel`).
+        kernel: how masked attention is computed (:func:`rm.hardware.attention_kernel`).
 
     Example: pairs (chosen 5, rejected 3, prompt 2) and (4, 4, 3).
         >>> c, r, p = [5, 4], [3, 4], [2, 3]
