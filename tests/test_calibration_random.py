@@ -5,6 +5,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -15,6 +17,7 @@ def _bench():
     return module
 
 
+@pytest.mark.slow
 def test_random_calibration_draw_is_reproducible_and_valid():
     from rm.config import compose
     from rm.validate import validate

@@ -188,6 +188,7 @@ def test_export_cli_without_a_bundle_exits_2(tmp_path):
 
 @pytest.mark.reliability("Entry points", "`RM_DEBUG=1 python -m rm.export` on a directory without a bundle",
                          "the same message and exit 2, with its traceback: rm.export ends in the shared error boundary")
+@pytest.mark.slow
 def test_export_cli_shows_the_traceback_under_rm_debug(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "rm.export", str(tmp_path)], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "RM_DEBUG": "1"})

@@ -286,6 +286,7 @@ def test_key_overrides_merge_into_the_config_as_a_fresh_compose_gives():
         assert with_overrides(cfg, base, extra) == compose([*base, *extra]), extra
 
 
+@pytest.mark.slow
 def test_estimate_cli_never_imports_bitsandbytes_and_still_accepts_its_profiles():
     """PEFT imports bitsandbytes whenever it is installed (over a second on 2 cores); the estimate runs
     none of it. Python's own import log is the witness."""
@@ -407,6 +408,7 @@ def test_gpu_calibration_dry_run_writes_its_table(tmp_path):
     assert len(table) == 3 and all("not measured" not in line for line in table), out.read_text()
 
 
+@pytest.mark.slow
 def test_gpu_report_lists_the_device_and_every_profile():
     proc = subprocess.run([sys.executable, "-m", "rm.gpu_report", "experiment=tiny"], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)

@@ -217,6 +217,7 @@ def test_lora_adapter_and_merged_model_reload_with_the_in_memory_rewards(lora_ru
         assert torch.allclose(sequence_rewards(plain, ids, mask), recorded, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_lora_bundle_holds_its_random_base_and_loads_after_the_run_moves(lora_run, tmp_path):
     """No base object, no network: the base is saved in final/ itself, so the bundle loads wherever it is moved;
     ``python -m rm.export`` then names the new place in adapter_config.json, which PEFT's Auto classes follow."""
@@ -255,6 +256,7 @@ def test_export_cli_refuses_to_merge_an_adapter_without_its_base(lora_run, tmp_p
     assert proc.returncode == 2 and "base model is not on disk" in proc.stderr, proc.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_export_cli_merges_an_adapter_onto_its_base_on_disk(tiny_cfg, tmp_path):
     """A base on disk, as with a hub checkpoint: the adapter names it, and the CLI merges and verifies."""
     cfg = tiny_cfg()

@@ -176,6 +176,7 @@ def test_two_process_zero3_offload_saves_a_loadable_model(tiny_cfg, tmp_path):
     assert verify_bundle(tmp_path / "final") <= 1e-6
 
 
+@pytest.mark.slow
 def test_measured_peaks_follow_what_each_profile_keeps(tiny_cfg, tmp_path):
     """Live tensor bytes: full keeps fp32 weights + grads + two AdamW states (16 bytes/param), 8-bit
     AdamW about 10, LoRA about 4 plus its small adapters. One pair of 32 tokens keeps activations

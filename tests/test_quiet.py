@@ -26,6 +26,7 @@ def run(code, level="WARNING"):
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_bitsandbytes_and_deepspeed_lines_are_dropped_at_their_loggers_and_kept_at_debug():
     bare = run(IMPORTS.format(first=""))
     if "kernels-community" not in bare:  # e.g. a CPU without AVX512-BF16, where bitsandbytes stays silent

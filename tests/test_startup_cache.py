@@ -304,6 +304,7 @@ def test_a_cached_bpe_tokenises_as_the_trained_one():
 
 # ---- whole runs
 
+@pytest.mark.slow
 def test_a_warm_run_trains_as_a_cold_one_and_an_unwritable_cache_fails_nothing(tmp_path, monkeypatch, caplog):
     """The same command three times: with a cache it cannot write to, with an empty one, and with the one the second
     filled. Same tokens (the data digest every checkpoint records), same estimate, same step and evaluation."""

@@ -81,7 +81,7 @@ def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
         [{k: r[k] for k in fixed} for r in recorded["records"]], "re-record: python -m tests.readme_samples --run-sweep DIR"
 
 
-@pytest.mark.parametrize("on_failure,exit_ok", [("raise", False), ("continue", True)])
+@pytest.mark.parametrize("on_failure,exit_ok", [pytest.param("raise", False, marks=pytest.mark.slow), ("continue", True)])
 def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, on_failure, exit_ok):
     # The second job asks for a data file that does not exist: it fails when its data load, not at validation.
     proc = multirun([f"sweep.on_failure={on_failure}", "train.max_steps=2",
@@ -94,6 +94,7 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, on_failure, ex
     assert "4 jobs: 2 ok, 0 refused, 2 failed" in proc.stderr + proc.stdout or not exit_ok
 
 
+@pytest.mark.slow
 def test_optuna_study_of_three_trials_counts_refusals_as_failed_trials(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
     # lora.r=32 does not fit in 0.0319 GiB (32.7 MiB; r16 needs 33.4), r4 does. The sampler's seed is
