@@ -62,10 +62,10 @@ import hashlib
 import importlib
 import inspect
 import json
-import re
 import os
 import platform
 import random
+import re
 import shutil
 import statistics
 import subprocess

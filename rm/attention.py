@@ -36,7 +36,9 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         segment_bounds: ``0 = b_0 < b_1 < ... < b_n = T``: segment ``i`` is tokens ``b_i .. b_{i+1} - 1``; no
             query attends outside its segment.
         segments_causal: every segment is one causal sequence (plain packing), so each call takes SDPA's
-            ``is_causal`` (the triangle) instead of its slice of the mask (the square).
+            ``is_causal`` (the triangle) instead of its slice of the mask (the square); a segment longer than the
+            model's ``sliding_window`` (Mistral's, passed by its attention) gets the windowed triangle instead, as
+            transformers' own mask would give it.
 
     Returns:
         ``(attention output (1, T, heads, head_dim), None)``, as transformers' attention functions do.
@@ -46,21 +48,40 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
                                       is_causal=is_causal, **kwargs)
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
+    window = kwargs.get("sliding_window")
     outputs = []
     for start, end in zip(segment_bounds[:-1], segment_bounds[1:]):
-        mask = None if segments_causal or attention_mask is None else attention_mask[:, :, start:end, start:end]
+        if segments_causal:
+            mask = windowed_causal(end - start, window, query.device) if window and end - start > window else None
+        else:
+            mask = None if attention_mask is None else attention_mask[:, :, start:end, start:end]
         outputs.append(torch.nn.functional.scaled_dot_product_attention(
             query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
             dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
+def windowed_causal(length: int, window: int, device) -> torch.Tensor:
+    """A causal mask in which a query sees only its last ``window`` keys, itself included (transformers' sliding
+    window: key ``k`` is seen from query ``q`` when ``q - window < k <= q``).
+
+    >>> windowed_causal(4, 2, "cpu").int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    """
+    ones = torch.ones(length, length, dtype=torch.bool, device=device)
+    return ones.tril() & ~ones.tril(-window)
+
+
 def block_diagonal_mask(bounds: Sequence[int], block: Callable[[int, int], torch.Tensor],
                         device: torch.device) -> torch.Tensor:
     """The ``(1, 1, T, T)`` boolean mask of a row whose segments see nothing of each other: ``block(start, end)``
     on the diagonal, False elsewhere. One fill of ``T^2`` bytes plus the blocks: building the row's mask from the
-    per-token rule instead (:func:`rm.prefix_sharing.allowed`) costs several ``T^2`` passes, 0.1 s for a row of
-    3,600 tokens on one CPU thread, and segmented SDPA reads only the diagonal blocks anyway.
+    per-token rule instead (:func:`rm.prefix_sharing.allowed`) costs several ``T^2`` passes (42 ms against 8 ms for
+    2,957 tokens in 8 pairs, one CPU thread: ``benchmarks/packed_attention.py``), and segmented SDPA reads only the
+    diagonal blocks anyway.
 
     Example (segments of 2 and 1 tokens, causal blocks):
         >>> block_diagonal_mask([0, 2, 3], lambda s, e: torch.ones(e - s, e - s).tril().bool(), "cpu")[0, 0].int()

@@ -46,7 +46,6 @@ class CheckpointError(StorageError):
     """A checkpoint could not be written; the previous one is intact."""
 
 
-
 def _manifest(directory: Path) -> Dict[str, Dict]:
     return {str(p.relative_to(directory)): {"size": p.stat().st_size, "sha256": file_digest(p)}
             for p in sorted(directory.rglob("*")) if p.is_file()}

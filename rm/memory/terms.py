@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
+from rm.hardware import attention_kernel
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
     from rm.data.shapes import BatchShapes
@@ -759,8 +760,6 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     ``buckets``: every gradient has a home before the backward (DDP's bucket views), into which each new one is
     copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
-
-    from rm.hardware import attention_kernel
 
     t = cfg.train
     traced = traced_model(cfg, plan)

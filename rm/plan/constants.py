@@ -209,7 +209,7 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
                      host_link=given["host_link_gbps"] * GB if given["host_link_gbps"] else memory,
                      host_memory=given["host_memory_gbps"] * GB if given["host_memory_gbps"] else memory,
                      kernel_seconds=hw.kernel_us * 1e-6 if hw.kernel_us is not None else measured["kernel_seconds"],
-                     micro_batch_seconds=measured.get("micro_batch_seconds", 0.0), dropout=measured.get("dropout", 0.0),
+                     micro_batch_seconds=measured["micro_batch_seconds"], dropout=measured["dropout"],
                      shared_cores=True,
                      source=hw.rates_source or "measured on this machine (rm.plan's CPU micro-benchmark)")
     missing = [f"hardware.{key}" for key, value in given.items() if not value]
