@@ -54,9 +54,11 @@ def _loss(model, ids, mask):
     return bradley_terry_loss(chosen, rejected)
 
 
-def _real_step(dtype, checkpointing, lora_r, accumulating=False, padded=True):
+def _real_step(dtype, checkpointing, lora_r, accumulating=False, padded=True, timeline=False):
     """One real training step of a right-padded batch (``padded``; else every row full); returns (peak activation
-    bytes, peak bytes with gradients, the model, ids, mask)."""
+    bytes, peak bytes with gradients, the model, ids, mask). ``accumulating``: after an earlier micro-batch's
+    backward, or (``"zeros"``) with each gradient allocated as zeros, as the trace does. ``timeline``: return the
+    tracker's live bytes after each event (activations, then gradients) instead of the peaks."""
     torch.manual_seed(0)
     groups, kwargs = factory_args(dtype, checkpointing, lora_r)
     model = build_reward_model(*groups, **kwargs, pad_token_id=0)
@@ -65,7 +67,11 @@ def _real_step(dtype, checkpointing, lora_r, accumulating=False, padded=True):
     if padded:
         ids[1, -SEQ // 4 :] = 0  # right padding on one sequence, as the collator produces it
         mask[1, -SEQ // 4 :] = 0
-    if accumulating:  # an earlier micro-batch of the same optimizer step
+    if accumulating == "zeros":
+        for p in model.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    elif accumulating:  # an earlier micro-batch of the same optimizer step
         _loss(model, ids, mask).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     tracker = StorageTracker(timeline=True)
@@ -79,6 +85,8 @@ def _real_step(dtype, checkpointing, lora_r, accumulating=False, padded=True):
         del loss
     with_grads = tracker.peak
     tracker.exclude([p.grad for p in model.parameters() if p.grad is not None])
+    if timeline:
+        return tracker.live_after_each_event(), tracker.live_after_each_event(excluded=True)
     return max(tracker.live_after_each_event()), with_grads, model, ids, mask
 
 
@@ -130,6 +138,18 @@ def test_gradient_accumulation_transient():
     first = estimate_activations(traced(torch.bfloat16, True), LAYERS, BATCH, SEQ)
     assert abs(est["peak_bytes"] - measured) / measured <= TOLERANCE
     assert est["peak_bytes"] >= first["peak_bytes"]  # equal here: the added transient is not at the peak
+
+
+@pytest.mark.parametrize("dtype,checkpointing,lora_r", [(torch.float32, False, 0), (torch.bfloat16, True, 0),
+                                                        (torch.float32, True, 8), ("bf16-mixed", False, 8)])
+def test_gradients_allocated_as_zeros_accumulate_like_a_first_backward(dtype, checkpointing, lora_r):
+    """The trace of a later micro-batch allocates the gradients instead of running a first backward (half the
+    tracing time): autograd adds into either alike, event for event, gradients included."""
+    after_backward = _real_step(dtype, checkpointing, lora_r, accumulating=True, timeline=True)
+    after_zeros = _real_step(dtype, checkpointing, lora_r, accumulating="zeros", timeline=True)
+    assert after_zeros == after_backward
+    first = _real_step(dtype, checkpointing, lora_r, timeline=True)
+    assert max(first[1]) > 0 and first != after_zeros  # a first micro-batch's new gradients stay: another timeline
 
 
 def test_tensor_accounting_agrees_with_the_allocator():

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from rm.plan.steptime import MicroBatch, Rates, micro_batch, micro_batch_flops, model_work
 
@@ -150,7 +151,59 @@ def test_cli_prints_json_whose_top_candidate_fits(tmp_path):
     # memory_profile is not set: the others are tried, listed apart, each marked as training something else
     assert not any(c["changes_math"] for c in out["top"])
     assert out["other_profiles"] and all(c["changes_math"] and c["verdict"] == "fits" for c in out["other_profiles"])
+    # another profile is offered where it is predicted faster than the pick
+    assert all(c["step"]["seconds"] < out["top"][0]["step"]["seconds"] for c in out["other_profiles"])
     assert all("train.packing" not in " ".join(c["overrides"]) for c in out["candidates"])
+
+
+def test_trace_workers_reach_the_verdicts_of_this_process(tiny_cfg, tmp_path, monkeypatch):
+    """Uncached traces go to the forkserver's workers, which write to this process's RM_CACHE as it is now; their
+    verdicts equal those traced here from nothing; once cached, they are read here and nothing is sent."""
+    from rm.memory import trace
+    from rm.plan.lengths import PairLengths
+    from rm.plan.search import Checker, candidates
+    from rm.validate import resolve_world_size
+
+    cfg = tiny_cfg("memory_profile=full")
+    lengths = PairLengths.of([20, 30, 12, 40] * 8, [25, 10, 12, 33] * 8, [10, 5, 6, 20] * 8)
+
+    def batch():
+        found, _ = candidates(cfg, ["memory_profile=full"], resolve_world_size(cfg, launched=False))
+        return [c for c in found if not c.changes_math][:4]
+
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "workers"))
+    trace.clear_cache()
+    with Checker() as checker:
+        if checker.workers < 2:
+            pytest.skip("one core or no forkserver: every verdict is computed in this process")
+        sent = checker.submit(batch(), lengths)
+        assert sent.sent == [0, 1, 2, 3]  # nothing cached yet
+        by_workers = [(c.overrides, c.verdict, c.peak_bytes) for c in checker.apply(sent)]
+        assert list((tmp_path / "workers" / "trace").glob("*.json"))
+        trace.clear_cache()
+        again = checker.submit(batch(), lengths)
+        assert again.sent == [] and [(c.overrides, c.verdict, c.peak_bytes) for c in checker.apply(again)] == by_workers
+
+    monkeypatch.setenv("RM_CACHE", str(tmp_path / "here"))
+    trace.clear_cache()
+    local = Checker(workers=1)
+    here = [(c.overrides, c.verdict, c.peak_bytes) for c in local.apply(local.submit(batch(), lengths))]
+    assert here == by_workers and all(peak for _, _, peak in here)
+
+
+def test_cached_only_raises_on_a_miss_and_reads_a_hit(tmp_path, monkeypatch):
+    from rm.memory import trace
+    from tests.test_activations import traced
+
+    monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    trace.clear_cache()
+    model = traced(torch.float32, False)
+    with trace.cached_only(), pytest.raises(trace.NotTraced):
+        trace.estimate_activations(model, 4, 2, 16)
+    traced_here = trace.estimate_activations(model, 4, 2, 16)
+    trace.clear_cache()  # from the disk now
+    with trace.cached_only():
+        assert trace.estimate_activations(model, 4, 2, 16) == traced_here
 
 
 def test_cli_bad_plan_key_exits_2_without_traceback(tmp_path):

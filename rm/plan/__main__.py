@@ -38,7 +38,8 @@ def format_plan(result, label: str) -> str:
     for i, c in enumerate(result.top, 1):
         lines.append(row(f"{i}.", c))
     if result.other_profiles:
-        lines.append("    changing what trains (another memory_profile), the fastest that fits of each:")
+        lines.append("    changing what trains (another memory_profile), the fastest that fits of each"
+                     + (", where faster than 1.:" if result.top else ":"))
         lines += [row("", c) for c in result.other_profiles]
     if not result.top:
         lines.append("    no candidate fits: try a larger device (hardware=...), more processes or a shorter data.max_length")
@@ -64,8 +65,11 @@ def main() -> None:
     from rm.config import to_run_config
     from rm.errors import answer_only_on_stdout, run_hydra_app
 
+    from rm.plan.search import Checker
+
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
+    Checker.start_server()  # the trace workers' imports, on the other core, from the first second
 
     @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:

@@ -117,7 +117,7 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
         c.step = timer(c)
     faster = sorted((c for c in found if c.step.seconds < (1 - MIN_GAIN) * given.step.seconds),
                     key=lambda c: (c.step.seconds, len(c.overrides)))
-    best = check_fastest(faster, 1, lengths, given, workers=1)
+    best = check_fastest(faster, 1, lengths, given)  # in this process: a training process forks nothing
     if not best:
         why = "no layout predicted at least 3% faster fits" if faster else "no layout is predicted at least 3% faster"
         return cfg, plan, LayoutChoice((), kept, given.step.seconds, given.step.seconds, why)

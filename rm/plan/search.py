@@ -10,15 +10,21 @@ adapters, 8-bit AdamW and QLoRA round differently).
 
 Each candidate passes :func:`rm.validate.validate` (combinations it refuses, such as packing under DeepSpeed,
 are skipped). Its verdict is the memory estimate ``rm.train`` decides by (:func:`rm.memory.terms.estimate_run`
-at the largest micro-batches the data forms, every rank). Tracing costs about a second a shape, so the
-candidates are checked fastest first, until ``plan.top`` fit (and, apart, until one of each profile that changes
-what trains fits): a slower one is left unchecked, and one whose layout already failed at a smaller micro-batch
-(both accumulating, so activations only grow) is inferred not to fit; each is marked so.
+at the largest micro-batches the data forms, every rank). Tracing costs about half a second a shape, so the
+candidates are checked fastest first, until ``plan.top`` fit, and, apart, until one of each profile that changes
+what trains fits, among its layouts predicted faster than the pick (all of them where none fits: another profile
+is worth its change for speed or for a fit). A slower one is left unchecked, and one whose layout already failed at a
+smaller micro-batch (both accumulating, so activations only grow) is inferred not to fit; each is marked so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import multiprocessing
+import os
+import signal
+import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -86,7 +92,8 @@ class PlanResult:
     lengths: PairLengths
     rates: Rates
     skipped: int  # combinations rm.validate refuses
-    other_profiles: List[Candidate] = field(default_factory=list)  # per profile that changes what trains, its fastest fit
+    # per profile that changes what trains, its fastest fit where faster than top[0] (or top is empty)
+    other_profiles: List[Candidate] = field(default_factory=list)
 
     def to_dict(self) -> Dict:
         return {"lengths": self.lengths.source, "stand_in": self.lengths.stand_in, "rates": self.rates.to_dict(),
@@ -230,44 +237,125 @@ def verdict(candidate: Candidate, lengths: PairLengths) -> None:
     candidate.verdict = "fits" if worst.fits else "does not fit"
 
 
-_JOBS: List[Tuple[Candidate, PairLengths]] = []  # what forked workers of verdicts() read (inherited, not pickled)
-
-
-def _verdict_job(index: int) -> Tuple:
-    c, lengths = _JOBS[index]
+def _verdict_job(job: Tuple[Candidate, PairLengths]) -> Tuple:
+    c, lengths = job
     verdict(c, lengths)
     return c.verdict, c.note, c.peak_bytes, c.usable_bytes
 
 
-def verdicts(batch: List[Candidate], lengths: PairLengths, workers: int = 2) -> List[Tuple]:
-    """:func:`verdict` of each candidate, ``(verdict, note, peak, usable)``: two at a time in forked workers where a
-    second core and fork allow (and ``workers`` is 2), as :func:`rm.memory.suggest.estimate_each` shares its traces."""
-    global _JOBS
-    import multiprocessing
-    import os
+def _worker_started(environ: Dict[str, str], cwd: str) -> None:
+    """A worker takes this process's environment and directory as they are now (``RM_CACHE`` included), not the
+    forkserver's from when it started."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    sys.stdout = sys.stderr  # a worker never prints the answer: stdout stays the answer's alone (plan.json=true)
 
-    import torch
 
-    _JOBS = [(c, lengths) for c in batch]
-    try:
-        forkable = "fork" in multiprocessing.get_all_start_methods() and not torch.cuda.is_initialized()
-        if workers < 2 or len(batch) < 2 or (os.cpu_count() or 1) < 2 or not forkable:
-            return [_verdict_job(i) for i in range(len(batch))]
-        with multiprocessing.get_context("fork").Pool(2) as pool:
-            return pool.map(_verdict_job, range(len(batch)), chunksize=1)
-    finally:
-        _JOBS = []
+class Checker:
+    """Memory verdicts (:func:`verdict`) of candidates: those whose traces are cached, here; the others in two worker
+    processes where a second core and a forkserver allow, else here too.
+
+    A trace is single-threaded Python (fake tensors dispatch op by op), and the first one in a process first imports
+    the model's code (about 5 s). So as the search starts, a forkserver begins those imports (:mod:`rm.plan.warm`)
+    on the other core while this process reads lengths and times layouts; the workers are forked from it, warm, at
+    the first trace that is not cached, and get their candidates pickled. A search whose traces are all cached never
+    waits for them. ``workers=1`` (a training process forks nothing), one core, no forkserver (Windows) or CUDA
+    initialised here: every verdict in this process.
+
+    Use as a context manager; :meth:`submit` starts verdicts, :meth:`apply` waits for them and fills them in.
+    """
+
+    def __init__(self, workers: int = 2):
+        cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+        able = workers >= 2 and (os.cpu_count() or 1) >= 2 and not cuda
+        self.context = multiprocessing.get_context("forkserver") if able and \
+            "forkserver" in multiprocessing.get_all_start_methods() else None
+        self.pool = None
+
+    @property
+    def workers(self) -> int:
+        return 1 if self.context is None else 2
+
+    def __enter__(self) -> "Checker":
+        if self.context is not None:
+            self.start_server(self.context)
+        return self
+
+    @staticmethod
+    def start_server(context=None) -> None:
+        """Start the forkserver's imports now (``python -m rm.plan`` does before composing its config); returns at
+        once. Without a forkserver, nothing."""
+        from multiprocessing import forkserver
+
+        if context is None and "forkserver" not in multiprocessing.get_all_start_methods():
+            return
+        (context or multiprocessing.get_context("forkserver")).set_forkserver_preload(["rm.plan.warm"])
+        forkserver.ensure_running()  # a running one is kept
+
+    def __exit__(self, *exc) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()  # the forkserver stays, idle, for this process's next search
+        elif self.context is not None:  # every trace was cached: the server's imports are no longer wanted
+            from multiprocessing import forkserver
+
+            # (the stdlib stops a forkserver only by waiting for it; its next use starts a fresh one)
+            pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+            if pid:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGTERM)
+
+    def submit(self, batch: List[Candidate], lengths: PairLengths) -> "_Submitted":
+        """Start the verdicts of ``batch``: those whose traces are cached are found here and now."""
+        from rm.memory.trace import NotTraced, cached_only
+
+        out = _Submitted(batch, [None] * len(batch))
+        for i, c in enumerate(batch):
+            try:
+                with cached_only() if self.context is not None else contextlib.nullcontext():
+                    out.results[i] = _verdict_job((c, lengths))
+            except NotTraced:
+                out.sent.append(i)
+        if out.sent:
+            if self.pool is None:  # waits for the forkserver's imports
+                self.pool = self.context.Pool(2, _worker_started, (dict(os.environ), os.getcwd()))
+            out.pending = self.pool.map_async(_verdict_job, [(batch[i], lengths) for i in out.sent], chunksize=1)
+        return out
+
+    @staticmethod
+    def apply(submitted: "_Submitted") -> List[Candidate]:
+        """Wait for verdicts :meth:`submit` started and fill them into their candidates; returns them."""
+        if submitted.sent:
+            for i, result in zip(submitted.sent, submitted.pending.get()):
+                submitted.results[i] = result
+        for c, result in zip(submitted.batch, submitted.results):
+            c.verdict, c.note, c.peak_bytes, c.usable_bytes = result
+        return submitted.batch
+
+
+@dataclass
+class _Submitted:
+    """Verdicts :meth:`Checker.submit` started: ``results`` per candidate of ``batch``, those at ``sent`` still coming
+    from the workers (``pending``)."""
+
+    batch: List[Candidate]
+    results: List[Optional[Tuple]]
+    sent: List[int] = field(default_factory=list)
+    pending: object = None
 
 
 def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate,
-                  workers: int = 2) -> List[Candidate]:
+                  checker: Optional[Checker] = None) -> List[Candidate]:
     """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
     layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
-    verdict from ``given``. ``workers``: 1 checks them in this process (a training process forks nothing)."""
+    verdict from ``given``. ``checker``: where verdicts are computed (default: in this process)."""
     failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
     fitting: List[Candidate] = []
     queue = list(queue)
     order = list(queue)
+    checker = checker or Checker(workers=1)
+    workers = checker.workers
     while queue and len(fitting) < top:
         batch = []
         while queue and len(batch) < max(workers, top - len(fitting)):
@@ -279,8 +367,7 @@ def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given:
                 fitting += [c] if c.fits else []
             else:
                 batch.append(c)
-        for c, found_verdict in zip(batch, verdicts(batch, lengths, workers)):
-            c.verdict, c.note, c.peak_bytes, c.usable_bytes = found_verdict
+        for c in checker.apply(checker.submit(batch, lengths)):
             if c.fits:
                 fitting.append(c)
             elif c.size and c.verdict == "does not fit":
@@ -302,9 +389,9 @@ class _Timer:
                t.group_by_length, t.max_tokens_per_micro_batch, attention_kernel(c.cfg.model.attn_implementation, p.device))
         if key not in self.shapes:
             shapes = step_micro_batches(self.lengths, *key[:7], steps=self.steps, kernel=key[7])
-            self.shapes[key] = shapes, hash(tuple(mb for step in shapes for rank in step for mb in rank))
-        shapes, c.signature = self.shapes[key]
-        return predict_step_seconds(c.cfg, p, shapes, self.rates)
+            self.shapes[key] = shapes, hash(tuple(mb for step in shapes for rank in step for mb in rank)), {}
+        shapes, c.signature, memo = self.shapes[key]
+        return predict_step_seconds(c.cfg, p, shapes, self.rates, memo)
 
 
 def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLengths] = None,
@@ -332,24 +419,30 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(bad))
     world = resolve_world_size(cfg, launched=False)
     given_plan = validate(cfg, *world)
-    rates = rates or rates_for(given_plan.hardware, given_plan.device)
-    lengths = lengths or data_lengths(cfg)
-    timer = _Timer(lengths, rates, cfg.plan.steps)
-    found, skipped = candidates(cfg, overrides, world)
-    given = Candidate([], cfg=cfg, plan=given_plan)
-    for c in found + [given]:
-        c.step = timer(c)
-    found.sort(key=lambda c: (c.step.seconds, c.changes_math, len(c.overrides)))
-    # Layouts that form the very same micro-batches (packing one pair, grouping micro-batches of one): the
-    # fewest overrides stand for them.
-    unique: Dict[Tuple, Candidate] = {}
-    for c in sorted(found, key=lambda c: len(c.overrides)):
-        unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
-    found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
-    verdict(given, lengths)  # first, in this process: later traces (and forked workers) start warm
-    fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given)
-    others = []  # the fastest that fits of each profile that trains something else
-    for name in dict.fromkeys(c.cfg.memory_profile.name for c in found if c.changes_math):
-        others += check_fastest([c for c in found if c.changes_math and c.cfg.memory_profile.name == name], 1, lengths, given)
+    with Checker() as checker:  # its workers' imports start now, alongside this process's work
+        rates = rates or rates_for(given_plan.hardware, given_plan.device)
+        lengths = lengths or data_lengths(cfg)
+        given = Candidate([], cfg=cfg, plan=given_plan)
+        given_verdict = checker.submit([given], lengths)
+        timer = _Timer(lengths, rates, cfg.plan.steps)
+        found, skipped = candidates(cfg, overrides, world)
+        for c in found + [given]:
+            c.step = timer(c)
+        found.sort(key=lambda c: (c.step.seconds, c.changes_math, len(c.overrides)))
+        # Layouts that form the very same micro-batches (packing one pair, grouping micro-batches of one): the
+        # fewest overrides stand for them.
+        unique: Dict[Tuple, Candidate] = {}
+        for c in sorted(found, key=lambda c: len(c.overrides)):
+            unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
+        found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
+        checker.apply(given_verdict)
+        fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given, checker)
+        # Training something else is worth suggesting for speed, or for a fit where the profile as given has none:
+        # each other profile's fastest fit, among its layouts predicted faster than the pick (any, where none fits).
+        bound = fitting[0].step.seconds if fitting else float("inf")
+        others = []
+        for name in dict.fromkeys(c.cfg.memory_profile.name for c in found if c.changes_math):
+            faster = [c for c in found if c.changes_math and c.cfg.memory_profile.name == name and c.step.seconds < bound]
+            others += check_fastest(faster, 1, lengths, given, checker)
     others.sort(key=lambda c: c.step.seconds)
     return PlanResult(found, given, fitting, lengths, rates, skipped, others)

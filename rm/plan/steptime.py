@@ -426,7 +426,31 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
             "flops": flops["matmul"] + flops["attention"]}
 
 
-def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch]]], rates: Rates) -> StepTime:
+def _slowest_rank_mean(steps, work: ModelWork, ckpt: bool, rates: Rates, dtype: str, act_bytes: int,
+                       sharing: int) -> Dict[str, float]:
+    """Per step, the slowest rank's micro-batches' time by term, its FLOPs and the step's tokens (all ranks), averaged
+    over the steps. ``sharing``: processes computing on one machine's cores (a CPU's), each at 1/n of the rates."""
+    per_step = []
+    seen: Dict[MicroBatch, Dict[str, float]] = {}
+    for ranks in steps:
+        timed = []
+        for micro_batches in ranks:
+            parts = [seen.get(mb) or seen.setdefault(mb, micro_batch_seconds(mb, work, ckpt, rates, dtype, act_bytes))
+                     for mb in micro_batches]
+            timed.append({k: sum(p[k] for p in parts) for k in ("compute", "elementwise", "kernels", "flops")}
+                         | {"count": len(micro_batches)})
+        for t in timed:
+            t["compute"] *= sharing
+            t["elementwise"] *= sharing
+        slowest = max(timed, key=lambda t: t["compute"] + t["elementwise"] + t["kernels"])
+        slowest["tokens"] = sum(mb.tokens for r in ranks for mb in r)
+        slowest["computed"] = sum(mb.computed for r in ranks for mb in r)
+        per_step.append(slowest)
+    return {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+
+
+def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch]]], rates: Rates,
+                         memo: Optional[Dict] = None) -> StepTime:
     """Predicted seconds of one optimizer step of a validated config, averaged over the steps given.
 
     Args:
@@ -434,6 +458,9 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
         plan: its :class:`rm.validate.Plan` (world size, strategy, ZeRO stage, precision, micro-batches).
         steps: per optimizer step, per rank, that rank's micro-batches (:func:`rm.plan.lengths.step_micro_batches`).
         rates: the hardware's rates (:func:`rm.plan.constants.rates_for`).
+        memo: a dict kept by the caller for these very ``steps`` and ``rates``: the micro-batches' time, per model
+            and numerics, is computed once for every config that passes it (a search times hundreds of layouts
+            over the same steps).
 
     Returns:
         A :class:`StepTime`: the slowest rank's micro-batches (ranks wait for each other at every step) plus the
@@ -453,24 +480,12 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
     ckpt = cfg.train.gradient_checkpointing
     procs_per_machine = math.ceil(plan.world_size / max(plan.hardware.nodes, 1))
 
-    per_step = []
-    seen: Dict[MicroBatch, Dict[str, float]] = {}  # a search predicts hundreds of layouts over the same shapes
-    for ranks in steps:
-        timed = []
-        for micro_batches in ranks:
-            parts = [seen.get(mb) or seen.setdefault(mb, micro_batch_seconds(mb, work, ckpt, rates, dtype, act_bytes))
-                     for mb in micro_batches]
-            timed.append({k: sum(p[k] for p in parts) for k in ("compute", "elementwise", "kernels", "flops")}
-                         | {"count": len(micro_batches)})
-        if rates.shared_cores:  # the machine's processes split its cores: each computes at 1/n of the rates
-            for t in timed:
-                t["compute"] *= procs_per_machine
-                t["elementwise"] *= procs_per_machine
-        slowest = max(timed, key=lambda t: t["compute"] + t["elementwise"] + t["kernels"])
-        slowest["tokens"] = sum(mb.tokens for r in ranks for mb in r)
-        slowest["computed"] = sum(mb.computed for r in ranks for mb in r)
-        per_step.append(slowest)
-    mean = {k: sum(s[k] for s in per_step) / len(per_step) for k in per_step[0]}
+    key = (work, ckpt, dtype, act_bytes, procs_per_machine if rates.shared_cores else 1)
+    mean = memo.get(key) if memo is not None else None
+    if mean is None:
+        mean = _slowest_rank_mean(steps, work, ckpt, rates, dtype, act_bytes, key[-1])
+        if memo is not None:
+            memo[key] = mean
 
     # The optimizer step, on the device or (ZeRO-Offload) on the host, and the collectives.
     counts = parameter_counts(m, lora)
