@@ -227,7 +227,8 @@ def write_doc(points: List[Point], out: Path, command: str, started: str, steps:
              f"Measured {started} on this 2-core CPU, {steps} to {MAX_STEPS} steps a configuration (about "
              f"{SECONDS_MEASURED:.0f} s of steps, the steps column; the median of the 4-step windows after the first), fp32, 8 pairs per optimizer step, max length 256, 1,024 synthetic training pairs. "
              "The load column is the 1-minute load average before and after each run (its own threads included). "
-             "Predicted: `rm.plan.steptime.predict_step_seconds` with this machine's measured rates. "
+             "Predicted: `rm.plan.steptime.predict_step_seconds` with this machine's rates, measured at the start of "
+             "the run (unless `--keep-rates`). "
              "GPU constants are not validated here: no GPU measured them.", "",
              f"**{len(ok)} configurations measured: Spearman rank correlation {rho:.3f}, median absolute error "
              f"{100 * median_error:.1f}%.**", "",
@@ -281,7 +282,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="one group, two layouts and the pick, 4 steps")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--recheck", type=int, default=2, help="runs more of a group's pick and fastest, where they differ")
+    parser.add_argument("--keep-rates", action="store_true",
+                        help="predict with this machine's cached rates (default: measure them again first; this "
+                             "machine's speed drifts by 20%% over hours, and the run is about the model, not the drift)")
     args = parser.parse_args()
+    if not args.keep_rates and not args.smoke:
+        from rm.plan.constants import cpu_rates
+
+        cpu_rates(refresh=True)
     steps, logging = (4, 2) if args.smoke else (args.steps, 4)
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lengths_cache: Dict = {}
@@ -316,7 +324,7 @@ def main() -> None:
             print(f"recheck group {g}: pick {pick[0].median:.3f} ({pick[0].layout}), fastest {fastest.median:.3f} "
                   f"({fastest.layout}), medians", flush=True)
     command = "python benchmarks/plan_validation.py" + (" --smoke" if args.smoke else "") + \
-        f" --recheck {args.recheck} --out {args.out}"
+        (" --keep-rates" if args.keep_rates else "") + f" --recheck {args.recheck} --out {args.out}"
     summary = write_doc(points, args.out, command, started, steps)
     print(json.dumps(summary))
 
