@@ -5,8 +5,8 @@ A packed row (``train.packing``, with or without ``train.share_prefix``) holds s
 between different sequences included, though the mask throws them away: a 1,024-token row of eight
 128-token sequences computes eight times the attention it needs. On a GPU, flash-attention's varlen kernel
 and flex-attention skip those blocks; a CPU has neither. Here each segment of the row gets its own SDPA call
-over its own keys (a causal one for a plain packed sequence, the segment's slice of the 4D mask for a
-prefix-shared pair), and the outputs are concatenated: the same scores and the same softmax per query, since
+over its own keys (a causal one for a plain packed sequence, the pair's own mask for a prefix-shared pair),
+and the outputs are concatenated: the same scores and the same softmax per query, since
 a query's masked-out keys contribute nothing (``tests/test_attention.py`` checks outputs and gradients).
 
 It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
@@ -17,26 +17,30 @@ function is transformers' own SDPA unless the caller passes ``segment_bounds`` (
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from rm.data.collator import CHOSEN, PREFIX, REJECTED
+
 
 def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                    is_causal: Optional[bool] = None, segment_bounds: Optional[Sequence[int]] = None,
-                   segments_causal: bool = False, **kwargs):
+                   segments_causal: bool = False, segment_masks: Optional[Sequence[torch.Tensor]] = None, **kwargs):
     """transformers' SDPA attention, one segment of the (single) row at a time when ``segment_bounds`` is given.
 
     Args:
         query, key, value: ``(1, heads, T, head_dim)`` (key and value with the model's key-value heads).
-        attention_mask: the row's ``(1, 1, T, T)`` mask, or None.
+        attention_mask: the row's ``(1, 1, T, T)`` mask, or None; with ``segment_bounds``, not read.
         segment_bounds: ``0 = b_0 < b_1 < ... < b_n = T``: segment ``i`` is tokens ``b_i .. b_{i+1} - 1``; no
             query attends outside its segment.
+        segment_masks: per segment, its own ``(1, 1, n, n)`` mask (a prefix-shared pair's), where the segments are
+            not causal sequences.
         segments_causal: every segment is one causal sequence (plain packing), so each call takes SDPA's
-            ``is_causal`` (the triangle) instead of its slice of the mask (the square); a segment longer than the
+            ``is_causal`` (the triangle) instead of a mask (the square); a segment longer than the
             model's ``sliding_window`` (Mistral's, passed by its attention) gets the windowed triangle instead, as
             transformers' own mask would give it.
 
@@ -50,11 +54,11 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     window = kwargs.get("sliding_window")
     outputs = []
-    for start, end in zip(segment_bounds[:-1], segment_bounds[1:]):
+    for i, (start, end) in enumerate(zip(segment_bounds[:-1], segment_bounds[1:])):
         if segments_causal:
             mask = windowed_causal(end - start, window, query.device) if window and end - start > window else None
         else:
-            mask = None if attention_mask is None else attention_mask[:, :, start:end, start:end]
+            mask = segment_masks[i]
         outputs.append(torch.nn.functional.scaled_dot_product_attention(
             query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
             dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
@@ -75,32 +79,17 @@ def windowed_causal(length: int, window: int, device) -> torch.Tensor:
     return ones.tril() & ~ones.tril(-window)
 
 
-def block_diagonal_mask(bounds: Sequence[int], block: Callable[[int, int], torch.Tensor],
-                        device: torch.device) -> torch.Tensor:
-    """The ``(1, 1, T, T)`` boolean mask of a row whose segments see nothing of each other: ``block(start, end)``
-    on the diagonal, False elsewhere. One fill of ``T^2`` bytes plus the blocks: building the row's mask from the
-    per-token rule instead (:func:`rm.prefix_sharing.allowed`) costs several ``T^2`` passes (42 ms against 8 ms for
-    2,957 tokens in 8 pairs, one CPU thread: ``benchmarks/packed_attention.py``), and segmented SDPA reads only the
-    diagonal blocks anyway.
-
-    Example (segments of 2 and 1 tokens, causal blocks):
-        >>> block_diagonal_mask([0, 2, 3], lambda s, e: torch.ones(e - s, e - s).tril().bool(), "cpu")[0, 0].int()
-        tensor([[1, 0, 0],
-                [1, 1, 0],
-                [0, 0, 1]], dtype=torch.int32)
-    """
-    length = bounds[-1]
-    mask = torch.zeros((1, 1, length, length), dtype=torch.bool, device=device)
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        mask[:, :, start:end, start:end] = block(start, end)
-    return mask
-
-
 def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_ids: Optional[torch.Tensor] = None,
                      roles: Optional[torch.Tensor] = None, bounds: Optional[Sequence[int]] = None) -> Optional[Dict]:
     """The model inputs beyond ids and positions that make :func:`segmented_sdpa` take a packed row a segment at a
-    time: the row's mask (filled block by block), its ``segment_bounds`` and whether each segment is one causal
-    sequence (plain packing) or a prefix-shared pair (``pair_ids`` and ``roles`` given).
+    time: its ``segment_bounds``, whether each segment is one causal sequence (plain packing) or a prefix-shared pair
+    (``pair_ids`` and ``roles`` given) with its own mask (``segment_masks``, from the per-token rule
+    :func:`rm.prefix_sharing.allowed`), and a stand-in for the row's mask.
+
+    The row's ``T x T`` mask is never built: segmented SDPA reads only each segment's block (the rest would be a
+    ``T^2`` fill, 9 MB and several milliseconds for a 3,000-token row, for nothing). transformers still needs a 4D
+    mask, which it passes to attention as it is (without one it would read packing off the position ids, and a
+    prefix-shared row's positions do not say it): an ``expand`` of one element, no memory.
 
     Args:
         bounds: the segments, where the ids cannot be read (the estimate's fake tensors); otherwise read off
@@ -121,12 +110,38 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
         bounds = segment_bounds(pair_ids if shared else position_ids, starts_at_zero=not shared)
     if bounds is None:
         return None
+    length = bounds[-1]
+    stand_in = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device).expand(1, 1, length, length)
+    out = {"attention_mask": stand_in, "segment_bounds": list(bounds), "segments_causal": not shared}
     if shared:
-        block = lambda s, e: allowed(pair_ids[:, s:e], roles[:, s:e])  # noqa: E731
-    else:
-        block = lambda s, e: torch.ones(e - s, e - s, dtype=torch.bool, device=input_ids.device).tril()  # noqa: E731
-    return {"attention_mask": block_diagonal_mask(bounds, block, input_ids.device), "segment_bounds": list(bounds),
-            "segments_causal": not shared}
+        row = None if is_fake(roles) else roles[0].tolist()  # fake ids (the estimate's trace): the per-token rule
+        masks = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            mask = pair_mask(row[s:e], input_ids.device) if row is not None else None
+            masks.append(mask if mask is not None else allowed(pair_ids[:, s:e], roles[:, s:e]))
+        out["segment_masks"] = masks
+    return out
+
+
+def pair_mask(roles: Sequence[int], device) -> Optional[torch.Tensor]:
+    """The ``(1, 1, n, n)`` mask of one prefix-shared pair from its roles (prompt, chosen answer, rejected answer, in
+    that order; an answer may be empty): the causal triangle less the rejected answer's view of the chosen one. What
+    :func:`rm.prefix_sharing.allowed` gives it, in two passes over ``n^2`` instead of its several. None where the
+    roles are not in that order (a row's padding): the per-token rule decides there.
+
+    >>> pair_mask([0, 1, 2, 2], "cpu")[0, 0].int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 0, 1, 1]], dtype=torch.int32)
+    """
+    prompt = next((i for i, r in enumerate(roles) if r != PREFIX), len(roles))
+    mid = next((i for i in range(prompt, len(roles)) if roles[i] != CHOSEN), len(roles))
+    if not roles or any(r != REJECTED for r in roles[mid:]):
+        return None
+    mask = torch.ones((1, 1, len(roles), len(roles)), dtype=torch.bool, device=device).tril_()
+    mask[:, :, mid:, prompt:mid] = False
+    return mask
 
 
 def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:

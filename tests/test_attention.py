@@ -97,16 +97,33 @@ def test_segment_bounds_of_a_single_segment_is_none():
     assert segment_bounds(torch.tensor([[0, 1, 0]]), starts_at_zero=False) == [0, 1, 2, 3]
 
 
-def test_the_block_by_block_mask_is_the_per_token_rule():
-    from rm.attention import block_diagonal_mask
+def test_each_pair_gets_its_block_of_the_per_token_rule_and_no_row_mask_is_built():
+    from rm.attention import segmented_inputs
     from rm.prefix_sharing import allowed
 
     batch = PrefixSharedCollator(packed=True)(FEATURES)
     pair_ids, roles = batch["pair_ids"], batch["roles"]
-    bounds = segment_bounds(pair_ids, starts_at_zero=False)
+    inputs = segmented_inputs(batch["input_ids"], batch["position_ids"], pair_ids, roles)
+    bounds = inputs["segment_bounds"]
     assert len(bounds) == len(FEATURES) + 1
-    built = block_diagonal_mask(bounds, lambda s, e: allowed(pair_ids[:, s:e], roles[:, s:e]), "cpu")
-    assert torch.equal(built, allowed(pair_ids, roles))
+    rule = allowed(pair_ids, roles)
+    for (start, end), block in zip(zip(bounds[:-1], bounds[1:]), inputs["segment_masks"]):
+        assert torch.equal(block, rule[:, :, start:end, start:end])
+    length = bounds[-1]
+    assert inputs["attention_mask"].shape == (1, 1, length, length)
+    assert inputs["attention_mask"].untyped_storage().nbytes() == 1  # a stand-in: the row's T x T never exists
+
+
+def test_a_pairs_mask_from_its_roles_is_the_per_token_rule():
+    from rm.attention import pair_mask
+    from rm.prefix_sharing import allowed
+
+    for prompt, chosen, rejected in [(0, 1, 1), (5, 1, 1), (3, 4, 2), (7, 0, 6), (1, 9, 0), (12, 3, 3)]:
+        roles = [0] * prompt + [1] * chosen + [2] * rejected
+        rule = allowed(torch.zeros(1, len(roles), dtype=torch.long), torch.tensor([roles]))
+        assert torch.equal(pair_mask(roles, "cpu"), rule), (prompt, chosen, rejected)
+    for roles in ([0, 1, 2, 1], [0, 2, 1], [-1, -1], [0, 1, -1], []):
+        assert pair_mask(roles, "cpu") is None, roles
 
 
 def test_a_segment_longer_than_mistrals_sliding_window_keeps_the_window():

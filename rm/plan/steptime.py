@@ -55,7 +55,8 @@ class MicroBatch:
         tokens: the pairs' tokens, chosen + rejected, whatever the layout computes (a shared prompt counts twice,
             as in the data): what tokens/s counts, so that layouts compare on the same work.
         attention: query-key score entries the attention kernel computes, over all rows (per layer and head).
-        masked: the forward builds a 4D mask of ``rows x length x length`` (padding, packing or a shared prefix).
+        masked: the forward builds a 4D mask of ``rows x length x length`` (padding, packing or a shared prefix), or
+            a segmented row its pairs' blocks (``attention`` entries); a segmented row of plain packing builds none.
         segments: attention calls a layer makes (more than one: a packed row taken a segment at a time).
     """
 
@@ -115,6 +116,8 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
         rows, length = len(rows_of), max(rows_of)
         masked = layout == "shared" or min(rows_of) < length
     segments = len(rows_of) if kernel == "segments" and layout.startswith("packed") and len(rows_of) > 1 else 1
+    if segments > 1 and layout == "packed":  # a causal call per sequence: no mask is built or read
+        masked = False
     if kernel == "skips":
         attention = needed
     elif segments > 1:  # a causal call per sequence; a pair's call takes its slice of the mask (its square)
@@ -415,8 +418,8 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     compute = flops["matmul"] / Rates.at(rates.matmul[dtype], work.width, mb.computed) + \
         flops["attention"] / Rates.at(rates.attention[dtype], work.width)
     elementwise = mb.computed * work.elementwise * act_bytes * (1 + 2 + again)
-    if mb.segments > 1:  # the row's mask filled once (a byte an entry), its diagonal blocks read in each pass
-        elementwise += mb.length * mb.length + mb.attention * (1 + 2 + again)
+    if mb.segments > 1:  # each pair's own mask built once (a byte an entry) and read in each pass; no row mask
+        elementwise += mb.attention * (1 + 1 + 2 + again) if mb.masked else 0
     elif mb.masked:  # a byte a score entry, for each pass
         elementwise += mb.rows * mb.length * mb.length * (1 + 2 + again)
     kernels = (work.kernels + work.layers * SEGMENT_KERNELS * (mb.segments - 1)) * (1 + 2 + again)
