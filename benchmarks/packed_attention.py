@@ -92,7 +92,6 @@ def main() -> None:
         print(f"| {count} | {row[0]['input_ids'].shape[1]:,} | {whole:.3f} | {split:.3f} | {whole / split:.2f}x |")
 
     batch = collate(pairs(8, rng))
-    bounds = segmented_inputs(batch["input_ids"], batch["position_ids"], batch["pair_ids"], batch["roles"])["segment_bounds"]
     torch.set_num_threads(1)
     per_token = median_seconds(lambda: allowed(batch["pair_ids"], batch["roles"]), args.repeats)
     blocks = median_seconds(lambda: segmented_inputs(batch["input_ids"], batch["position_ids"], batch["pair_ids"],

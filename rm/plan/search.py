@@ -20,7 +20,6 @@ smaller micro-batch (both accumulating, so activations only grow) is inferred no
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import multiprocessing
 import os
 import signal
