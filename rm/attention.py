@@ -23,8 +23,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
-from rm.data.collator import CHOSEN, PREFIX, REJECTED
-
 
 def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
@@ -101,7 +99,7 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
     """
     from torch._subclasses.fake_tensor import is_fake
 
-    from rm.prefix_sharing import allowed
+    from rm.prefix_sharing import allowed, pair_mask
 
     if input_ids.device.type != "cpu" or input_ids.shape[0] != 1:
         return None
@@ -121,27 +119,6 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
             masks.append(mask if mask is not None else allowed(pair_ids[:, s:e], roles[:, s:e]))
         out["segment_masks"] = masks
     return out
-
-
-def pair_mask(roles: Sequence[int], device) -> Optional[torch.Tensor]:
-    """The ``(1, 1, n, n)`` mask of one prefix-shared pair from its roles (prompt, chosen answer, rejected answer, in
-    that order; an answer may be empty): the causal triangle less the rejected answer's view of the chosen one. What
-    :func:`rm.prefix_sharing.allowed` gives it, in two passes over ``n^2`` instead of its several. None where the
-    roles are not in that order (a row's padding): the per-token rule decides there.
-
-    >>> pair_mask([0, 1, 2, 2], "cpu")[0, 0].int()
-    tensor([[1, 0, 0, 0],
-            [1, 1, 0, 0],
-            [1, 0, 1, 0],
-            [1, 0, 1, 1]], dtype=torch.int32)
-    """
-    prompt = next((i for i, r in enumerate(roles) if r != PREFIX), len(roles))
-    mid = next((i for i in range(prompt, len(roles)) if roles[i] != CHOSEN), len(roles))
-    if not roles or any(r != REJECTED for r in roles[mid:]):
-        return None
-    mask = torch.ones((1, 1, len(roles), len(roles)), dtype=torch.bool, device=device).tril_()
-    mask[:, :, mid:, prompt:mid] = False
-    return mask
 
 
 def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:

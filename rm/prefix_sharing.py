@@ -30,11 +30,11 @@ flash-attention 2 takes no arbitrary mask; ``rm.validate`` refuses it with ``tra
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Optional, Sequence, Union
 
 import torch
 
-from rm.data.collator import CHOSEN, REJECTED
+from rm.data.collator import CHOSEN, PREFIX, REJECTED
 
 MASKABLE = ("sdpa", "eager", "flex_attention")
 
@@ -60,6 +60,27 @@ def allowed(pair_ids: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
     same_pair = pair_ids[:, :, None] == pair_ids[:, None, :]
     rejected_sees_chosen = (roles[:, :, None] == REJECTED) & (roles[:, None, :] == CHOSEN)
     return (causal & same_pair & ~rejected_sees_chosen).unsqueeze(1)
+
+
+def pair_mask(roles: Sequence[int], device) -> Optional[torch.Tensor]:
+    """The ``(1, 1, n, n)`` mask of one prefix-shared pair from its roles (prompt, chosen answer, rejected answer, in
+    that order; an answer may be empty): the causal triangle less the rejected answer's view of the chosen one. What
+    :func:`allowed` gives it, in two passes over ``n^2`` instead of its several. None where the
+    roles are not in that order (a row's padding): the per-token rule decides there.
+
+    >>> pair_mask([0, 1, 2, 2], "cpu")[0, 0].int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 0, 1, 1]], dtype=torch.int32)
+    """
+    prompt = next((i for i, r in enumerate(roles) if r != PREFIX), len(roles))
+    mid = next((i for i in range(prompt, len(roles)) if roles[i] != CHOSEN), len(roles))
+    if not roles or any(r != REJECTED for r in roles[mid:]):
+        return None
+    mask = torch.ones((1, 1, len(roles), len(roles)), dtype=torch.bool, device=device).tril_()
+    mask[:, :, mid:, prompt:mid] = False
+    return mask
 
 
 def shared_prefix_mask(

@@ -115,8 +115,7 @@ def test_each_pair_gets_its_block_of_the_per_token_rule_and_no_row_mask_is_built
 
 
 def test_a_pairs_mask_from_its_roles_is_the_per_token_rule():
-    from rm.attention import pair_mask
-    from rm.prefix_sharing import allowed
+    from rm.prefix_sharing import allowed, pair_mask
 
     for prompt, chosen, rejected in [(0, 1, 1), (5, 1, 1), (3, 4, 2), (7, 0, 6), (1, 9, 0), (12, 3, 3)]:
         roles = [0] * prompt + [1] * chosen + [2] * rejected

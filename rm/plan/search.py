@@ -251,6 +251,15 @@ def _worker_started(environ: Dict[str, str], cwd: str) -> None:
     sys.stdout = sys.stderr  # a worker never prints the answer: stdout stays the answer's alone (plan.json=true)
 
 
+def _forkserver():
+    """The forkserver context where two trace workers can run beside this process, else None: one core, no
+    forkserver (Windows), or CUDA initialised here."""
+    cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
+    if (os.cpu_count() or 1) < 2 or cuda or "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    return multiprocessing.get_context("forkserver")
+
+
 class Checker:
     """Memory verdicts (:func:`verdict`) of candidates: those whose traces are cached, here; the others in two worker
     processes where a second core and a forkserver allow, else here too.
@@ -266,10 +275,7 @@ class Checker:
     """
 
     def __init__(self, workers: int = 2):
-        cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-        able = workers >= 2 and (os.cpu_count() or 1) >= 2 and not cuda
-        self.context = multiprocessing.get_context("forkserver") if able and \
-            "forkserver" in multiprocessing.get_all_start_methods() else None
+        self.context = _forkserver() if workers >= 2 else None
         self.pool = None
 
     @property
@@ -278,19 +284,19 @@ class Checker:
 
     def __enter__(self) -> "Checker":
         if self.context is not None:
-            self.start_server(self.context)
+            self.start_server()
         return self
 
     @staticmethod
-    def start_server(context=None) -> None:
+    def start_server() -> None:
         """Start the forkserver's imports now (``python -m rm.plan`` does before composing its config); returns at
-        once. Without a forkserver, nothing."""
+        once. Where no workers would be used (one core, no forkserver, CUDA initialised), nothing."""
         from multiprocessing import forkserver
 
-        if context is None and "forkserver" not in multiprocessing.get_all_start_methods():
-            return
-        (context or multiprocessing.get_context("forkserver")).set_forkserver_preload(["rm.plan.warm"])
-        forkserver.ensure_running()  # a running one is kept
+        context = _forkserver()
+        if context is not None:
+            context.set_forkserver_preload(["rm.plan.warm"])
+            forkserver.ensure_running()  # a running one is kept
 
     def __exit__(self, *exc) -> None:
         if self.pool is not None:
