@@ -2,6 +2,7 @@
 no module reaches itself again through its imports, so each can be read from the modules below it up."""
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "rm"
@@ -140,3 +141,10 @@ def test_the_tokenizer_imports_nothing_of_the_data():
     graph = import_graph()
     assert "rm.errors" in graph["rm.tokenizer"]  # the graph was read
     assert not {m for m in graph["rm.tokenizer"] if m == "rm.data" or m.startswith("rm.data.")}
+
+
+def test_collecting_the_suite_leaves_bitsandbytes_importable():
+    """The doctests import every rm module as the suite is collected; none of them may mark bitsandbytes as not
+    importable in this process (as the estimate-only commands do in theirs), or every bitsandbytes test after would
+    skip itself as 'not installed'."""
+    assert "bitsandbytes" not in sys.modules or sys.modules["bitsandbytes"] is not None
