@@ -6,8 +6,8 @@ not tuned on, with throughput measured by this script rather than taken from rm'
     python benchmarks/bench_cli_vs_trl.py --data multi-turn --keep /tmp/bench   # one data set; keep every file
 
 TRL comes with rm's ``bench`` extra (``pip install -e '.[bench]'``). Run it on an otherwise idle machine: the load
-average printed beside each trainer says how idle it was. The default run should take about 10 minutes on an idle
-2-core CPU (extrapolated from smoke runs, not yet timed whole).
+average printed beside each trainer says how idle it was. The default run (three turns of each rm layout) takes
+about 20 minutes on an idle 2-core CPU.
 
 ``benchmarks/bench_vs_trl.py`` calls rm's internals on token ids made by rm's own generators. Here instead:
 
@@ -50,7 +50,12 @@ What is measured:
 * **eval accuracy** on the held-out pairs after the same steps: each trainer's own (rm's ``eval_accuracy`` in
   ``metrics.jsonl``, TRL's ``evaluate()``), and this script's, scoring each saved model with plain transformers
   (``AutoModelForSequenceClassification``), each read where its trainer trains it (rm: the text's last token; TRL:
-  the EOS it appends);
+  the EOS it appends). TRL reads the training pairs in rm's order (``train_sampling_strategy="sequential"`` over
+  the pairs rm takes at each step, seed 42), so both take the same optimizer steps; beside each rm row, the eval
+  pairs on which only it or only TRL is right, and the exact sign test's p-value of that split (McNemar);
+* **turns**: each rm layout runs ``--repeat`` times (default 3), in turns whose order reverses every other turn;
+  a row is its median turn. This CPU's speed wanders by up to 10% between runs of one command, more than the 5%
+  that tells two layouts apart. TRL runs once;
 * the 1-minute load average before and after each trainer.
 """
 
@@ -62,6 +67,7 @@ import hashlib
 import importlib
 import inspect
 import json
+import math
 import os
 import platform
 import random
@@ -78,7 +84,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MAX_LENGTH, PAIRS_PER_STEP, LR, WARMUP_STEPS, EVAL_BATCH = 512, 8, 1e-3, 3, 8
+MAX_LENGTH, PAIRS_PER_STEP, LR, WARMUP_STEPS, EVAL_BATCH, SEED = 512, 8, 1e-3, 3, 8, 42
 VOCAB_SIZE = 4096
 SHAPE = {"model_type": "llama", "hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 3,
          "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": MAX_LENGTH,
@@ -330,7 +336,7 @@ def rm_command(data: dict, steps: int, run_dir: Path, layout: list[str]) -> list
         f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
         # rm takes a ratio and rounds warm-up steps up: half a step under WARMUP_STEPS rounds to exactly WARMUP_STEPS.
         f"train.warmup_ratio={(WARMUP_STEPS - 0.5) / steps}", "train.max_grad_norm=1.0", "train.weight_decay=0.0",
-        f"train.logging_steps={epoch}", "train.eval_steps=0", "train.save_steps=0",
+        f"train.logging_steps={epoch}", "train.eval_steps=0", "train.save_steps=0", f"train.seed={SEED}",
         f"hydra.run.dir={run_dir}", *layout,
     ]
 
@@ -370,8 +376,9 @@ def check_rm_data(run_dir: Path, data: dict) -> None:
                  f"{data['epoch_tokens']:,} tokens")
 
 
-def run_rm(name: str, layout: list[str], data: dict, args, workdir: Path) -> dict:
-    run_dir = workdir / re.sub(r"[^\w.-]+", "_", name)  # Hydra's override grammar takes no parentheses, commas or "=" in a value
+def run_rm(name: str, layout: list[str], data: dict, args, workdir: Path, repeat: int) -> dict:
+    # Hydra's override grammar takes no parentheses, commas or "=" in a value
+    run_dir = workdir / (re.sub(r"[^\w.-]+", "_", name) + f"-{repeat}")
     command = rm_command(data, args.steps, run_dir, layout)
     log_path = workdir / f"{run_dir.name}.out"
     start = time.perf_counter()
@@ -407,6 +414,14 @@ def run_trl(data: dict, args, workdir: Path) -> dict:
     return {**json.loads(out.read_text()), "wall_s": wall, "model_dir": str(workdir / "trl" / "final"), "append_eos": True}
 
 
+def rm_pair_order(num_pairs: int, steps: int) -> list[int]:
+    """The training pairs rm takes at steps 0 .. ``steps - 1``, in that order (one process, seed :data:`SEED`)."""
+    from rm.data.batching import micro_batches_for_step
+
+    return [i for step in range(steps)
+            for i in micro_batches_for_step(step, num_pairs, PAIRS_PER_STEP, PAIRS_PER_STEP, 1, 0, SEED)[0]]
+
+
 def trl_child(job_file: str) -> None:
     """TRL's RewardTrainer on the JSONL files, as a TRL user would run it (text columns, TRL's own tokenisation)."""
     import datasets
@@ -420,6 +435,9 @@ def trl_child(job_file: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(job["tokenizer_dir"])
     model = AutoModelForSequenceClassification.from_pretrained(job["model_dir"], num_labels=1, dtype=torch.float32)
     train = datasets.load_dataset("json", data_files=job["train_file"], split="train")
+    # The pairs of each step are rm's (train.seed=SEED), read in that order: both trainers then take the same
+    # optimizer steps, and their eval accuracies differ only by how each computes them, not by luck of the draw.
+    train = train.select(rm_pair_order(len(train), steps))
     eval_set = datasets.load_dataset("json", data_files=job["eval_file"], split="train")
 
     class StepClock(TrainerCallback):
@@ -434,7 +452,8 @@ def trl_child(job_file: str) -> None:
         per_device_eval_batch_size=EVAL_BATCH, max_steps=steps, learning_rate=LR, lr_scheduler_type="linear",
         warmup_steps=WARMUP_STEPS, max_grad_norm=1.0, weight_decay=0.0, logging_steps=epoch, save_strategy="no",
         eval_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
-        max_length=MAX_LENGTH, seed=42, dataloader_num_workers=0, disable_dropout=True,
+        max_length=MAX_LENGTH, seed=SEED, dataloader_num_workers=0, disable_dropout=True,
+        train_sampling_strategy="sequential",
     )
     trainer = RewardTrainer(model=model, args=config, train_dataset=train, eval_dataset=eval_set,
                             processing_class=tokenizer, callbacks=[StepClock()])
@@ -479,7 +498,7 @@ def bench_accuracy(model_dir: str, data: dict, append_eos: bool) -> dict[str, fl
     bundled = AutoTokenizer.from_pretrained(model_dir)
     texts = [p[side] for p in pairs for side in ("chosen", "rejected")]
     agrees = sum(bundled(t)["input_ids"] == tokenizer(t)["input_ids"] for t in texts)
-    return {"accuracy": accuracy, "bundle_tokenizer": type(bundled).__name__,
+    return {"accuracy": accuracy, "right": right, "bundle_tokenizer": type(bundled).__name__,
             "bundle_tokenizer_agrees": f"{agrees}/{len(texts)}"}
 
 
@@ -491,44 +510,87 @@ def run_dataset(kind: str, args, workdir: Path) -> str:
           f"one epoch = {data['epoch_tokens']:,} chosen + rejected tokens; tokenizer {data['vocab']} tokens; "
           f"model {data['parameters']:,} parameters; data sha256 {data['digest']} (Python {platform.python_version()})",
           flush=True)
-    results = {}
-    for name in [TRL, *RM_LAYOUTS]:
-        load_before = os.getloadavg()[0]
-        print(f"  {name}: running (1-minute load average {load_before:.2f}) ...", flush=True)
-        result = run_trl(data, args, workdir) if name == TRL else run_rm(name, RM_LAYOUTS[name], data, args, workdir)
+    def measured(name: str, result: dict, load_before: float) -> dict:
         result.update(load_before=load_before, load_after=os.getloadavg()[0])
-        result["pairs_per_s"] = data["train_pairs"] / result["window_s"]
         result["tokens_per_s"] = data["epoch_tokens"] / result["window_s"]
-        results[name] = result
         print(f"    whole command {result['wall_s']:.1f} s; second epoch {result['window_s']:.2f} s: "
-              f"{result['pairs_per_s']:.2f} pairs/s, {result['tokens_per_s']:,.0f} real tokens/s "
+              f"{data['train_pairs'] / result['window_s']:.2f} pairs/s, {result['tokens_per_s']:,.0f} real tokens/s "
               f"(self-reported {result['self_tokens_per_s']:,.0f}); eval accuracy {result['eval_accuracy']:.3f}; "
               f"load {load_before:.2f} -> {result['load_after']:.2f}", flush=True)
         if "command" in result:
             print(f"    {result['command']}", flush=True)
+        return result
+
+    load = os.getloadavg()[0]
+    print(f"  {TRL}: running (1-minute load average {load:.2f}) ...", flush=True)
+    results = {TRL: measured(TRL, run_trl(data, args, workdir), load)}
+    # rm's layouts in turns, the order reversed every other turn, so that a drift of the machine's speed over the
+    # run falls on each alike; each is reported by the median of its turns.
+    runs = {name: [] for name in RM_LAYOUTS}
+    for turn in range(args.repeat):
+        for name in list(RM_LAYOUTS)[:: 1 if turn % 2 == 0 else -1]:
+            load = os.getloadavg()[0]
+            print(f"  {name} ({turn + 1} of {args.repeat}): running (1-minute load average {load:.2f}) ...", flush=True)
+            runs[name].append(measured(name, run_rm(name, RM_LAYOUTS[name], data, args, workdir, turn), load))
+    for name, turns in runs.items():
+        result = dict(turns[0])  # its model is the one scored below; every turn trains the same steps
+        for key in ("wall_s", "window_s", "self_tokens_per_s", "load_before", "load_after"):
+            result[key] = statistics.median(t[key] for t in turns)
+        result["tokens_per_s"] = data["epoch_tokens"] / result["window_s"]
+        result["turns_tokens_per_s"] = [t["tokens_per_s"] for t in turns]
+        result["turns_eval_accuracy"] = [t["eval_accuracy"] for t in turns]
+        results[name] = result
+    for result in results.values():
+        result["pairs_per_s"] = data["train_pairs"] / result["window_s"]
     # Scored after every trainer has finished, so that it loads no trainer's machine.
     for result in results.values():
         result.update(bench_accuracy(result["model_dir"], data, result["append_eos"]))
+    for result in results.values():
+        result["against_trl"] = paired(result["right"], results[TRL]["right"])
     return table(kind, data, results, args), results
+
+
+def paired(mine: list[bool], theirs: list[bool]) -> dict:
+    """Two models' verdicts on the same eval pairs: on how many they differ each way, and the two-sided exact sign
+    test's p-value of those discordant pairs (McNemar's exact test): how likely so lopsided a split is if the two
+    are equally accurate."""
+    better = sum(a and not b for a, b in zip(mine, theirs))
+    worse = sum(b and not a for a, b in zip(mine, theirs))
+    n, k = better + worse, min(better, worse)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return {"only_this_right": better, "only_trl_right": worse, "p_value": p}
 
 
 def table(kind: str, data: dict, results: dict, args) -> str:
     trl = results[TRL]
-    lines = [f"### {kind} data, {args.steps} steps ({args.steps // 2} timed), {args.threads} threads", "",
-             "| trainer | whole command (s) | x TRL | timed epoch (s) | pairs/s | real tokens/s | x TRL "
-             "| self-reported tokens/s | eval acc (own) | eval acc (this script): all / evasive / wrong function "
+    best = max(r["tokens_per_s"] for name, r in results.items() if name != TRL)
+    lines = [f"### {kind} data, {args.steps} steps ({args.steps // 2} timed), {args.threads} threads, "
+             f"rm's rows the median of {args.repeat} turns", "",
+             "| trainer | whole command (s) | x TRL | timed epoch (s) | pairs/s | real tokens/s (each turn) | x TRL "
+             "| x fastest rm row | self-reported tokens/s | eval acc (own; each turn) "
+             "| eval acc (this script): all / evasive / wrong function | eval pairs only it / only TRL got right (p) "
              "| load before -> after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
+        turns = r.get("turns_tokens_per_s", [])
+        each = f" ({', '.join(f'{t:,.0f}' for t in turns)})" if len(turns) > 1 else ""
+        own = ", ".join(f"{a:.3f}" for a in r.get("turns_eval_accuracy", [r["eval_accuracy"]]))
+        vs = r["against_trl"]
+        versus = "-" if name == TRL else f"{vs['only_this_right']} / {vs['only_trl_right']} ({vs['p_value']:.2f})"
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {trl['wall_s'] / r['wall_s']:.2f} | {r['window_s']:.2f} | {r['pairs_per_s']:.2f} "
-            f"| {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} | {r['self_tokens_per_s']:,.0f} "
-            f"| {r['eval_accuracy']:.3f} | {' / '.join(f'{v:.3f}' for v in r['accuracy'].values())} "
+            f"| {r['tokens_per_s']:,.0f}{each} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} "
+            f"| {'-' if name == TRL else format(r['tokens_per_s'] / best, '.3f')} | {r['self_tokens_per_s']:,.0f} "
+            f"| {own} | {' / '.join(f'{v:.3f}' for v in r['accuracy'].values())} | {versus} "
             f"| {r['load_before']:.2f} -> {r['load_after']:.2f} |")
     lines += ["", "Real tokens/s: the training set's chosen + rejected tokens (one epoch) over the timed epoch, both "
-              "measured by this script. Self-reported: rm's `tokens_per_s` for that window; for TRL its own `num_tokens` "
-              "count over the same window, which includes the EOS TRL appends to every text. x TRL of the whole command "
-              "is TRL's time over the trainer's (above 1: faster than TRL).", ""]
+              "measured by this script; for rm the median turn's (whole command and load too). Self-reported: rm's "
+              "`tokens_per_s` for that window; for TRL its own `num_tokens` count over the same window, which includes "
+              "the EOS TRL appends to every text. x TRL of the whole command is TRL's time over the trainer's (above 1: "
+              "faster than TRL). TRL reads the training pairs in rm's order, so every trainer takes the same optimizer "
+              "steps; the last column counts the eval pairs on which one model of the two is right and the other wrong, "
+              "with the exact two-sided sign test's p-value (McNemar): a small p says the two are not equally accurate.",
+              ""]
     lines += [f"- {name}: the saved model directory's own tokenizer (`AutoTokenizer.from_pretrained`) is a "
               f"{r['bundle_tokenizer']} and tokenises {r['bundle_tokenizer_agrees']} eval texts as in training"
               for name, r in results.items()]
@@ -541,6 +603,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of every trainer")
     parser.add_argument("--data", nargs="+", default=["multi-turn", "single-turn"], choices=["multi-turn", "single-turn"])
     parser.add_argument("--eval-pairs", dest="eval_pairs", type=int, default=128, help="held-out pairs (a multiple of 8)")
+    parser.add_argument("--repeat", type=int, default=3, help="turns of each rm layout (TRL runs once); medians reported")
     parser.add_argument("--smoke", action="store_true", help="a few steps and eval pairs: checks that everything runs")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (data, model, run directories, logs)")
     parser.add_argument("--trl-child", dest="trl_child", help=argparse.SUPPRESS)
@@ -548,9 +611,9 @@ def main() -> None:
     if args.trl_child:
         return trl_child(args.trl_child)
     if args.smoke:
-        args.steps, args.eval_pairs = 6, 16
-    if args.steps < 2 or args.steps % 2 or args.eval_pairs % EVAL_BATCH:
-        parser.error(f"--steps must be even and at least 2, --eval-pairs a multiple of {EVAL_BATCH}")
+        args.steps, args.eval_pairs, args.repeat = 6, 16, 1
+    if args.steps < 2 or args.steps % 2 or args.eval_pairs % EVAL_BATCH or args.repeat < 1:
+        parser.error(f"--steps must be even and at least 2, --eval-pairs a multiple of {EVAL_BATCH}, --repeat at least 1")
     if args.keep and Path(args.keep).exists() and any(Path(args.keep).iterdir()):
         # rm refuses to overwrite a finished run directory, and stale files would mix with this run's.
         parser.error(f"--keep {args.keep}: give a new or empty directory")
