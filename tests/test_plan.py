@@ -176,9 +176,12 @@ def test_trace_workers_reach_the_verdicts_of_this_process(tiny_cfg, tmp_path, mo
     with Checker() as checker:
         if checker.workers < 2:
             pytest.skip("one core or no forkserver: every verdict is computed in this process")
-        sent = checker.submit(batch(), lengths)
-        assert sent.sent == [0, 1, 2, 3]  # nothing cached yet
-        by_workers = [(c.overrides, c.verdict, c.peak_bytes) for c in checker.apply(sent)]
+        first = checker.submit(batch()[:1], lengths)  # starts the workers: a thread waits for them
+        rest = checker.submit(batch()[1:], lengths)  # sent while they start
+        assert first.sent == [0] and rest.sent == [0, 1, 2]  # nothing cached yet
+        later = checker.apply(rest)  # either may be waited for first
+        by_workers = [(c.overrides, c.verdict, c.peak_bytes) for c in checker.apply(first) + later]
+        assert checker.apply(first)[0].peak_bytes == by_workers[0][2]  # applied once; again, the same
         assert list((tmp_path / "workers" / "trace").glob("*.json"))
         trace.clear_cache()
         again = checker.submit(batch(), lengths)

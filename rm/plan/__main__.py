@@ -80,6 +80,7 @@ def main() -> None:
             cfg = to_run_config(raw)
             overrides: List[str] = [o for o in HydraConfig.get().overrides.task if not o.startswith("plan.")]
             result = plan(cfg, overrides)
+            Checker.stop_server()  # this command searches once
             if cfg.plan.json:
                 text = json.dumps(result.to_dict(), indent=2)
             else:

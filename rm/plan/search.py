@@ -19,6 +19,7 @@ smaller micro-batch (both accumulating, so activations only grow) is inferred no
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import multiprocessing
 import os
@@ -267,9 +268,9 @@ class Checker:
     A trace is single-threaded Python (fake tensors dispatch op by op), and the first one in a process first imports
     the model's code (about 5 s). So as the search starts, a forkserver begins those imports (:mod:`rm.plan.warm`)
     on the other core while this process reads lengths and times layouts; the workers are forked from it, warm, at
-    the first trace that is not cached, and get their candidates pickled. A search whose traces are all cached never
-    waits for them. ``workers=1`` (a training process forks nothing), one core, no forkserver (Windows) or CUDA
-    initialised here: every verdict in this process.
+    the first trace that is not cached (a thread here waits for them, the search goes on), and get their candidates
+    pickled. A search whose traces are all cached never waits for them. ``workers=1`` (a training process forks
+    nothing), one core, no forkserver (Windows) or CUDA initialised here: every verdict in this process.
 
     Use as a context manager; :meth:`submit` starts verdicts, :meth:`apply` waits for them and fills them in.
     """
@@ -277,6 +278,8 @@ class Checker:
     def __init__(self, workers: int = 2):
         self.context = _forkserver() if workers >= 2 else None
         self.pool = None
+        self._starting: Optional[concurrent.futures.ThreadPoolExecutor] = None  # the thread that starts the pool
+        self._started: Optional[concurrent.futures.Future] = None
 
     @property
     def workers(self) -> int:
@@ -299,17 +302,28 @@ class Checker:
             forkserver.ensure_running()  # a running one is kept
 
     def __exit__(self, *exc) -> None:
+        if self._starting is not None:
+            with contextlib.suppress(Exception):  # a pool that failed to start has raised in apply() already
+                self._started.result()
+            self._starting.shutdown()
         if self.pool is not None:
             self.pool.terminate()
             self.pool.join()  # the forkserver stays, idle, for this process's next search
-        elif self.context is not None:  # every trace was cached: the server's imports are no longer wanted
-            from multiprocessing import forkserver
+        elif self.context is not None and self._starting is None:  # every trace was cached: its imports are not wanted
+            self.stop_server()
 
-            # (the stdlib stops a forkserver only by waiting for it; its next use starts a fresh one)
-            pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
-            if pid:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGTERM)
+    @staticmethod
+    def stop_server() -> None:
+        """Stop the forkserver now, if one runs; its next use starts a fresh one. Left alone, it outlives this
+        process by its own interpreter's teardown (about 1.5 s with the model's code imported), holding this
+        process's stdout and stderr open all that time: ``python -m rm.plan ... | jq`` would wait for it."""
+        from multiprocessing import forkserver
+
+        # (the stdlib stops a forkserver only by waiting for it to notice that this process has gone)
+        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        if pid:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGTERM)
 
     def submit(self, batch: List[Candidate], lengths: PairLengths) -> "_Submitted":
         """Start the verdicts of ``batch``: those whose traces are cached are found here and now."""
@@ -323,16 +337,33 @@ class Checker:
             except NotTraced:
                 out.sent.append(i)
         if out.sent:
-            if self.pool is None:  # waits for the forkserver's imports
-                self.pool = self.context.Pool(2, _worker_started, (dict(os.environ), os.getcwd()))
-            out.pending = self.pool.map_async(_verdict_job, [(batch[i], lengths) for i in out.sent], chunksize=1)
+            jobs = [(batch[i], lengths) for i in out.sent]
+            if self._starting is None:
+                # Starting the workers waits for the forkserver's imports (seconds): a thread waits, and sends them
+                # these jobs, while this process goes on with its search.
+                self._starting = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rm-plan-workers")
+                self._started = self._starting.submit(self._start, jobs, dict(os.environ), os.getcwd())
+                out.pending = self._started
+            else:
+                self._started.result()
+                out.pending = self.pool.map_async(_verdict_job, jobs, chunksize=1)
         return out
+
+    def _start(self, jobs: List[Tuple], environ: Dict[str, str], cwd: str):
+        self.pool = self.context.Pool(2, _worker_started, (environ, cwd))
+        return self.pool.map_async(_verdict_job, jobs, chunksize=1)
 
     @staticmethod
     def apply(submitted: "_Submitted") -> List[Candidate]:
-        """Wait for verdicts :meth:`submit` started and fill them into their candidates; returns them."""
+        """Wait for verdicts :meth:`submit` started and fill them into their candidates (once); returns them."""
+        if submitted.applied:
+            return submitted.batch
+        submitted.applied = True
         if submitted.sent:
-            for i, result in zip(submitted.sent, submitted.pending.get()):
+            pending = submitted.pending
+            if isinstance(pending, concurrent.futures.Future):  # the jobs that started the pool
+                pending = pending.result()
+            for i, result in zip(submitted.sent, pending.get()):
                 submitted.results[i] = result
         for c, result in zip(submitted.batch, submitted.results):
             c.verdict, c.note, c.peak_bytes, c.usable_bytes = result
@@ -347,14 +378,16 @@ class _Submitted:
     batch: List[Candidate]
     results: List[Optional[Tuple]]
     sent: List[int] = field(default_factory=list)
-    pending: object = None
+    pending: object = None  # multiprocessing's AsyncResult, or a Future of one (the jobs that start the pool)
+    applied: bool = False
 
 
 def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate,
-                  checker: Optional[Checker] = None) -> List[Candidate]:
+                  checker: Optional[Checker] = None, given_pending: Optional[_Submitted] = None) -> List[Candidate]:
     """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
     layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
-    verdict from ``given``. ``checker``: where verdicts are computed (default: in this process)."""
+    verdict from ``given``, waiting for ``given_pending`` (its verdict, submitted to ``checker``) only when it is
+    reached. ``checker``: where verdicts are computed (default: in this process)."""
     failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
     fitting: List[Candidate] = []
     queue = list(queue)
@@ -368,6 +401,8 @@ def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given:
             if c.size and c.family in failed and failed[c.family] <= c.size:
                 c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
             elif not c.overrides:  # the config as given
+                if given_pending is not None:
+                    checker.apply(given_pending)
                 c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
                 fitting += [c] if c.fits else []
             else:
@@ -440,8 +475,9 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
         for c in sorted(found, key=lambda c: len(c.overrides)):
             unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
         found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
+        # The fastest candidates' traces start beside the given config's, which is waited for only where needed.
+        fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given, checker, given_verdict)
         checker.apply(given_verdict)
-        fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given, checker)
         # Training something else is worth suggesting for speed, or for a fit where the profile as given has none:
         # each other profile's fastest fit, among its layouts predicted faster than the pick (any, where none fits).
         bound = fitting[0].step.seconds if fitting else float("inf")
