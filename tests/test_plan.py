@@ -336,3 +336,24 @@ def test_each_more_segment_of_a_packed_row_costs_its_ops_in_every_pass():
         extra = micro_batch_seconds(four, work, checkpointing, rates, "float32", 4)["kernels"] - \
             micro_batch_seconds(one, work, checkpointing, rates, "float32", 4)["kernels"]
         assert extra == pytest.approx(2 * 6 * 3 * passes * 1e-6)
+
+
+def test_stop_server_ends_the_forkserver_and_the_next_search_starts_another():
+    """The command stops its forkserver (which would outlive it, stdout held, by its own teardown); a later search
+    in the same process gets a fresh one."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    from rm.plan.search import Checker, _forkserver
+
+    if _forkserver() is None:
+        pytest.skip("one core or no forkserver: no server is started")
+    multiprocessing.get_context("forkserver").set_forkserver_preload([])  # nothing to import: this tests the server
+    forkserver.ensure_running()
+    pid = forkserver._forkserver._forkserver_pid
+    Checker.stop_server()
+    with pytest.raises(ProcessLookupError):  # ended and reaped
+        os.kill(pid, 0)
+    forkserver.ensure_running()
+    assert forkserver._forkserver._forkserver_pid != pid
+    Checker.stop_server()

@@ -319,11 +319,16 @@ class Checker:
         process's stdout and stderr open all that time: ``python -m rm.plan ... | jq`` would wait for it."""
         from multiprocessing import forkserver
 
-        # (the stdlib stops a forkserver only by waiting for it to notice that this process has gone)
-        pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+        # The stdlib's own stop (private, as is the pid) waits for that teardown; killed first, it waits for nothing,
+        # then reaps the server and forgets it, so that the next search starts a fresh one rather than find this
+        # one still dying.
+        server = forkserver._forkserver
+        pid = getattr(server, "_forkserver_pid", None)
         if pid:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
+            with contextlib.suppress(OSError, AttributeError):
+                server._stop()
 
     def submit(self, batch: List[Candidate], lengths: PairLengths) -> "_Submitted":
         """Start the verdicts of ``batch``: those whose traces are cached are found here and now."""
