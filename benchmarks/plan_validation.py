@@ -217,6 +217,18 @@ def build_points(smoke: bool, lengths_cache: Dict) -> List[Point]:
     return points
 
 
+def _rates_in_words() -> str:
+    """This machine's cached CPU rates, the figures the predictions used."""
+    from rm.plan.constants import cpu_rates, machine_key
+
+    r = cpu_rates()
+    fp32 = [entry[-1] for entry in r["matmul"]["float32"]]
+    return (f"`{machine_key()}`: fp32 projection forward + backward {min(fp32) / 1e9:.0f}-{max(fp32) / 1e9:.0f} GFLOP/s, "
+            f"masked SDPA {r['attention']['float32'][0][-1] / 1e9:.0f} GFLOP/s, copy {r['memory'] / 1e9:.0f} GB/s, "
+            f"{r['kernel_seconds'] * 1e6:.1f} us an op, {r['micro_batch_seconds'] * 1e3:.2f} ms a micro-batch, "
+            f"{r['dropout'] / 1e6:.0f} M dropout draws/s")
+
+
 def write_doc(points: List[Point], out: Path, command: str, started: str, steps: int) -> Dict:
     ok = [p for p in points if p.measured and p.predicted]
     rho = spearman([p.predicted for p in ok], [p.measured for p in ok]) if len(ok) > 2 else float("nan")
@@ -229,7 +241,7 @@ def write_doc(points: List[Point], out: Path, command: str, started: str, steps:
              "The load column is the 1-minute load average before and after each run (its own threads included). "
              "Predicted: `rm.plan.steptime.predict_step_seconds` with this machine's rates, measured at the start of "
              "the run (unless `--keep-rates`). "
-             "GPU constants are not validated here: no GPU measured them.", "",
+             "GPU constants are not validated here: no GPU measured them.", "", f"Rates: {_rates_in_words()}.", "",
              f"**{len(ok)} configurations measured: Spearman rank correlation {rho:.3f}, median absolute error "
              f"{100 * median_error:.1f}%.**", "",
              "| group | model | data | procs | layout | steps | predicted s/step | measured s/step | error | load |",
