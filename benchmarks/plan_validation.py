@@ -223,8 +223,14 @@ def _rates_in_words() -> str:
 
     r = cpu_rates()
     fp32 = [entry[-1] for entry in r["matmul"]["float32"]]
+
+    def _span(table) -> str:  # by call length, where measured per length
+        if len(table[0]) == 2:
+            return f"{table[0][-1] / 1e9:.0f} (forward only, 512 tokens)"
+        return ", ".join(f"{rate / 1e9:.0f} at {length}" for _, length, rate in table)
+
     return (f"`{machine_key()}`: fp32 projection forward + backward {min(fp32) / 1e9:.0f}-{max(fp32) / 1e9:.0f} GFLOP/s, "
-            f"masked SDPA {r['attention']['float32'][0][-1] / 1e9:.0f} GFLOP/s, copy {r['memory'] / 1e9:.0f} GB/s, "
+            f"masked SDPA forward + backward {_span(r['attention']['float32'])} GFLOP/s, copy {r['memory'] / 1e9:.0f} GB/s, "
             f"{r['kernel_seconds'] * 1e6:.1f} us an op, {r['micro_batch_seconds'] * 1e3:.2f} ms a micro-batch, "
             f"{r['dropout'] / 1e6:.0f} M dropout draws/s")
 

@@ -338,6 +338,25 @@ def test_each_more_segment_of_a_packed_row_costs_its_ops_in_every_pass():
         assert extra == pytest.approx(2 * 6 * 3 * passes * 1e-6)
 
 
+def test_attention_runs_at_the_rate_of_its_call_length():
+    """A CPU's attention rate is measured per call length: a packed row of four 64-token sequences (16,384 score
+    entries) runs at the 64-token rate, one 128-token padded row (the same entries) at the 128-token rate: 4 x 256
+    (2 layers x 4 heads x 32) x 16,384 entries x 3 (forward, backward twice) = 50,331,648 FLOPs at 1e9 and 2e9
+    FLOP/s."""
+    from rm.plan.steptime import micro_batch_seconds
+
+    grid = {"float32": [[128, 64, 1e9], [128, 128, 2e9], [128, 512, 4e9]]}
+    rates = Rates({"float32": [[128, 1e30]]}, grid, memory=1e30, link=1e9, inter_node=1e9, host_link=1e9,
+                  host_memory=1e9)
+    work = model_work(128, 256, 2, 4, 2, 32)
+    packed = MicroBatch(rows=1, length=256, tokens=256, attention=4 * 64 * 64, masked=False, segments=4)
+    padded = MicroBatch(rows=1, length=128, tokens=128, attention=128 * 128, masked=True)
+    flops = 4 * work.attention_width * 16_384 * 3
+    assert work.attention_width == 256 and flops == 50_331_648
+    assert micro_batch_seconds(packed, work, False, rates, "float32", 4)["compute"] == pytest.approx(flops / 1e9, rel=1e-6)
+    assert micro_batch_seconds(padded, work, False, rates, "float32", 4)["compute"] == pytest.approx(flops / 2e9, rel=1e-6)
+
+
 def test_stop_server_ends_the_forkserver_and_the_next_search_starts_another():
     """The command stops its forkserver (which would outlive it, stdout held, by its own teardown); a later search
     in the same process gets a fresh one."""

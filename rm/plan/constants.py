@@ -5,7 +5,8 @@ measured on it (:func:`measure_cpu`, a few seconds): matmul FLOP/s (a projection
 and bf16 at three widths a reward
 model's projections have and three micro-batch sizes (the rate of a model's width and micro-batch is interpolated
 between them), the attention
-kernel's FLOP/s (SDPA with a mask, as the padded, packed and prefix-shared layouts call it), memory bandwidth
+kernel's FLOP/s (SDPA with a mask, as the padded, packed and prefix-shared layouts call it, forward and backward, per
+length of one call), memory bandwidth
 (a large copy), LoRA dropout's random draws, and the fixed costs of a real decoder's ops and of a micro-batch
 through autograd, forward and backward. Each figure is the best of a
 few repeats: other jobs on the machine only slow a repeat down. The result is cached per machine, keyed by the
@@ -31,11 +32,12 @@ from rm.plan.steptime import Rates
 
 GB = 1e9
 # Bumped when what is measured changes: older cache entries are then measured again.
-BENCHMARK_VERSION = 4
+BENCHMARK_VERSION = 5
 WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-class hidden sizes
 # Rows of each measured product: a micro-batch's tokens. A product's rate on a CPU grows with its rows as well as its
 # width (measured: width 256 reached ~35 GFLOP/s at 512 rows and ~100 in training micro-batches of ~8,000 tokens).
 TOKENS = (256, 1024, 4096)
+ATTENTION_LENGTHS = (64, 128, 256, 512)  # tokens of one attention call measured on a CPU
 PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps", "host_memory_gbps")
 
 
@@ -81,7 +83,7 @@ def measure_cpu() -> Dict:
     """Measure this CPU's rates (the figures :func:`cpu_rates` caches).
 
     Returns:
-        ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, FLOP/s]]}, "memory":
+        ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, length, FLOP/s], ...]}, "memory":
         bytes/s, "kernel_seconds": s, "micro_batch_seconds": s, "dropout": elements/s}``.
     """
     import torch
@@ -105,12 +107,22 @@ def measure_cpu() -> Dict:
 
                 table.append([width, rows, 6 * rows * width * 4 * width / _best(linear, repeats=2)])
         out["matmul"][name] = table
-        # SDPA with a boolean mask over 8 heads of 64 at 512 tokens: 4 x 8 x 64 x 512^2 FLOPs
-        heads, dim, length = 8, 64, 512
-        q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype) for _ in range(3))
-        mask = torch.ones(length, length, dtype=torch.bool).tril()
-        seconds = _best(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
-        out["attention"][name] = [[heads * dim, 4 * heads * dim * length * length / seconds]]
+        # SDPA with a boolean mask over 8 heads of 64, forward and backward (4 x 8 x 64 x L^2 FLOPs forward, twice
+        # that backward), at the lengths one call computes: a padded row, a packed row's sequence or a shared pair.
+        # Short calls run far below long ones (measured: 35-50 GFLOP/s at 64 tokens, 85 at 128, 110 at 256-512).
+        heads, dim = 8, 64
+        table = []
+        for length in ATTENTION_LENGTHS:
+            q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, requires_grad=True) for _ in range(3))
+            mask = torch.ones(length, length, dtype=torch.bool).tril()
+            grad = torch.ones(1, heads, length, dim, dtype=dtype)
+
+            def attention():
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
+                q.grad = k.grad = v.grad = None
+
+            table.append([heads * dim, length, 3 * 4 * heads * dim * length * length / _best(attention)])
+        out["attention"][name] = table
     src = torch.randn(16 * 2**20 // 4)  # 16 MiB, beyond the caches of a small CPU
     dst = torch.empty_like(src)
     out["memory"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))

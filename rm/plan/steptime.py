@@ -304,7 +304,8 @@ class Rates:
         matmul: FLOP/s of matmuls per compute dtype (``float32``, ``bfloat16``), as ``[(width, FLOP/s), ...]``
             (a datasheet gives one figure for all) or ``[(width, rows, FLOP/s), ...]`` (a CPU measures products of
             several sizes: a micro-batch of 256 tokens reaches a fraction of the rate 4,096 tokens do).
-        attention: FLOP/s of the attention kernel per compute dtype, same form.
+        attention: FLOP/s of the attention kernel per compute dtype, same form, the middle figure the length of one
+            call (a CPU's short calls, a packed row's sequences, run well below its long ones).
         memory: device memory bytes/s. link, inter_node, host_link, host_memory: bytes/s (one direction).
         kernel_seconds: the fixed cost of one kernel launch (dispatch included), seconds.
         micro_batch_seconds: a micro-batch's fixed cost beyond its layers' ops (embedding, head, loss, autograd's
@@ -330,8 +331,9 @@ class Rates:
     @staticmethod
     def at(table: List, width: int, rows: Optional[int] = None) -> float:
         """The rate of a product of ``rows`` x ``width`` tokens by weights, from a table of ``[width, rate]`` (one
-        figure per width: a datasheet's, or attention's) or ``[width, rows, rate]`` (a CPU's matmuls, whose rate
-        grows with both sides of the product), interpolated in log-width and log-rows, clamped at the ends.
+        figure per width: a datasheet's) or ``[width, rows, rate]`` (a CPU's matmuls, whose rate grows with both
+        sides of the product; its attention, with ``rows`` the length of one call), interpolated in log-width and
+        log-rows, clamped at the ends.
 
         >>> Rates.at([(128, 1e9), (512, 3e9)], 256), Rates.at([(128, 1e9)], 4096)
         (2000000000.0, 1000000000.0)
@@ -415,8 +417,10 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     """
     flops = micro_batch_flops(mb, work, checkpointing)
     again = 1 if checkpointing else 0
+    # One attention call's length: a padded row's, or the root mean square of a segmented row's sequences or pairs.
+    call = math.isqrt(max(1, mb.attention // max(1, mb.rows * mb.segments)))
     compute = flops["matmul"] / Rates.at(rates.matmul[dtype], work.width, mb.computed) + \
-        flops["attention"] / Rates.at(rates.attention[dtype], work.width)
+        flops["attention"] / Rates.at(rates.attention[dtype], work.width, call)
     elementwise = mb.computed * work.elementwise * act_bytes * (1 + 2 + again)
     if mb.segments > 1:  # each pair's own mask built once (a byte an entry) and read in each pass; no row mask
         elementwise += mb.attention * (1 + 1 + 2 + again) if mb.masked else 0
