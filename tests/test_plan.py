@@ -357,6 +357,25 @@ def test_attention_runs_at_the_rate_of_its_call_length():
     assert micro_batch_seconds(padded, work, False, rates, "float32", 4)["compute"] == pytest.approx(flops / 2e9, rel=1e-6)
 
 
+def test_elementwise_traffic_is_priced_by_the_size_of_its_tensors():
+    """On a CPU an elementwise op's rate falls once its tensor outgrows the caches: a micro-batch of 1,024 tokens
+    (hidden-wide fp32 activations of 512 KiB) is priced at the smallest size's rate, one of 131,072 tokens (64 MiB)
+    at the largest's; traffic = tokens x elements a token x 4 bytes x 3 passes."""
+    from rm.plan.steptime import micro_batch_seconds
+
+    table = {"float32": [[128, 1e30]]}
+    rates = Rates(table, table, memory=1e12, link=1e9, inter_node=1e9, host_link=1e9, host_memory=1e9,
+                  elementwise=[(2**20, 4e10), (2**26, 1e10)])
+    work = model_work(128, 256, 2, 4, 2, 32)
+    small = MicroBatch(rows=1, length=1024, tokens=1024, attention=1, masked=False)
+    big = MicroBatch(rows=128, length=1024, tokens=131_072, attention=1, masked=False)
+    assert big.computed * work.width * 4 == 2**26
+    assert micro_batch_seconds(small, work, False, rates, "float32", 4)["elementwise"] == \
+        pytest.approx(1024 * work.elementwise * 4 * 3 / 4e10)
+    assert micro_batch_seconds(big, work, False, rates, "float32", 4)["elementwise"] == \
+        pytest.approx(131_072 * work.elementwise * 4 * 3 / 1e10)
+
+
 def test_stop_server_ends_the_forkserver_and_the_next_search_starts_another():
     """The command stops its forkserver (which would outlive it, stdout held, by its own teardown); a later search
     in the same process gets a fresh one."""

@@ -7,7 +7,7 @@ model's projections have and three micro-batch sizes (the rate of a model's widt
 between them), the attention
 kernel's FLOP/s (SDPA with a mask, as the padded, packed and prefix-shared layouts call it, forward and backward, per
 length of one call), memory bandwidth
-(a large copy), LoRA dropout's random draws, and the fixed costs of a real decoder's ops and of a micro-batch
+(a large copy), an elementwise op's by the size of the tensor it writes, LoRA dropout's random draws, and the fixed costs of a real decoder's ops and of a micro-batch
 through autograd, forward and backward. Each figure is the best of a
 few repeats: other jobs on the machine only slow a repeat down. The result is cached per machine, keyed by the
 CPU model, the core count, torch's version and threads, under ``$RM_CACHE/speed`` (default ``~/.cache/rm``).
@@ -32,12 +32,13 @@ from rm.plan.steptime import Rates
 
 GB = 1e9
 # Bumped when what is measured changes: older cache entries are then measured again.
-BENCHMARK_VERSION = 5
+BENCHMARK_VERSION = 6
 WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-class hidden sizes
 # Rows of each measured product: a micro-batch's tokens. A product's rate on a CPU grows with its rows as well as its
 # width (measured: width 256 reached ~35 GFLOP/s at 512 rows and ~100 in training micro-batches of ~8,000 tokens).
 TOKENS = (256, 1024, 4096)
 ATTENTION_LENGTHS = (64, 128, 256, 512)  # tokens of one attention call measured on a CPU
+ELEMENTWISE_MIB = (1, 4, 16, 64)  # sizes of the tensor an elementwise op writes, measured on a CPU
 PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps", "host_memory_gbps")
 
 
@@ -84,7 +85,8 @@ def measure_cpu() -> Dict:
 
     Returns:
         ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, length, FLOP/s], ...]}, "memory":
-        bytes/s, "kernel_seconds": s, "micro_batch_seconds": s, "dropout": elements/s}``.
+        bytes/s, "elementwise": [[bytes, bytes/s], ...], "kernel_seconds": s, "micro_batch_seconds": s, "dropout":
+        elements/s}``.
     """
     import torch
 
@@ -126,6 +128,13 @@ def measure_cpu() -> Dict:
     src = torch.randn(16 * 2**20 // 4)  # 16 MiB, beyond the caches of a small CPU
     dst = torch.empty_like(src)
     out["memory"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+    # An elementwise op as autograd runs it, writing a fresh output, by size: once a tensor outgrows the caches its
+    # output's fresh pages are faulted in (measured on a 2-core EPYC: 36-38 GB/s at 4-16 MiB, 6-7 at 64-256 MiB,
+    # where a copy into a reused buffer ran at 32-180).
+    out["elementwise"] = []
+    for mib in ELEMENTWISE_MIB:
+        x = torch.randn(mib * 2**20 // 4)
+        out["elementwise"].append([x.numel() * 4, 2 * x.numel() * 4 / _best(lambda: torch.nn.functional.silu(x))])
     out.update(_fixed_costs())
     # LoRA's dropout draws a random number an input element (PEFT drops each adapted linear's input): on a CPU the
     # draw, not the traffic, is the cost (measured: a quarter of a medium LoRA step with dropout 0.05).
@@ -222,6 +231,7 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
                      host_memory=given["host_memory_gbps"] * GB if given["host_memory_gbps"] else memory,
                      kernel_seconds=hw.kernel_us * 1e-6 if hw.kernel_us is not None else measured["kernel_seconds"],
                      micro_batch_seconds=measured["micro_batch_seconds"], dropout=measured["dropout"],
+                     elementwise=[] if given["memory_gbps"] else measured["elementwise"],
                      shared_cores=True,
                      source=hw.rates_source or "measured on this machine (rm.plan's CPU micro-benchmark)")
     missing = [f"hardware.{key}" for key, value in given.items() if not value]

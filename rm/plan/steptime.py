@@ -311,6 +311,9 @@ class Rates:
         micro_batch_seconds: a micro-batch's fixed cost beyond its layers' ops (embedding, head, loss, autograd's
             setup), seconds; 0: not measured.
         dropout: elements/s of dropout's random draws (LoRA's, on each adapted input); 0: not measured.
+        elementwise: bytes/s of an elementwise op that writes a fresh output, by the tensor's size, as
+            ``[(bytes, bytes/s), ...]`` (a CPU's: far below a copy's once the tensor outgrows the caches, whose
+            fresh pages are faulted in); empty (a datasheet): ``memory`` at any size.
         shared_cores: the processes of one machine share its cores (a CPU): each computes at 1/n of the rates.
         source: where the figures come from, in words.
     """
@@ -327,6 +330,7 @@ class Rates:
     dropout: float = 0.0
     shared_cores: bool = False
     source: str = ""
+    elementwise: Sequence = ()  # [(tensor bytes, bytes/s), ...] of an elementwise op; empty: ``memory`` for all
 
     @staticmethod
     def at(table: List, width: int, rows: Optional[int] = None) -> float:
@@ -346,6 +350,15 @@ class Rates:
         rows = rows or max(entry[1] for entry in table)  # no size given: the largest product measured
         widths = sorted({entry[0] for entry in table})
         return _interpolate([(w, _interpolate([(n, r) for tw, n, r in table if tw == w], rows)) for w in widths], width)
+
+    def elementwise_rate(self, tensor_bytes: int) -> float:
+        """Bytes/s of elementwise traffic over tensors of ``tensor_bytes``, interpolated in log-size.
+
+        >>> r = Rates({}, {}, 1e11, 1, 1, 1, 1, elementwise=[(2**20, 4e10), (2**26, 1e10)])
+        >>> r.elementwise_rate(2**23), Rates({}, {}, 1e11, 1, 1, 1, 1).elementwise_rate(2**23)
+        (25000000000.0, 100000000000.0)
+        """
+        return _interpolate(self.elementwise, max(1, tensor_bytes)) if self.elementwise else self.memory
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -428,7 +441,9 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
         elementwise += mb.rows * mb.length * mb.length * (1 + 2 + again)
     kernels = (work.kernels + work.layers * SEGMENT_KERNELS * (mb.segments - 1)) * (1 + 2 + again)
     draws = mb.computed * work.dropout * (1 + again) / rates.dropout if rates.dropout else 0.0
-    return {"compute": compute, "elementwise": elementwise / rates.memory + draws,
+    # priced by the size of a hidden-wide activation of this micro-batch (the norms', residuals' and RoPE's tensors)
+    traffic = rates.elementwise_rate(mb.computed * work.width * act_bytes)
+    return {"compute": compute, "elementwise": elementwise / traffic + draws,
             "kernels": kernels * rates.kernel_seconds + rates.micro_batch_seconds,
             "flops": flops["matmul"] + flops["attention"]}
 
