@@ -231,7 +231,9 @@ def _rates_in_words() -> str:
 
     return (f"`{machine_key()}`: fp32 projection forward + backward {min(fp32) / 1e9:.0f}-{max(fp32) / 1e9:.0f} GFLOP/s, "
             f"masked SDPA forward + backward {_span(r['attention']['float32'])} GFLOP/s, copy {r['memory'] / 1e9:.0f} GB/s, "
-            f"{r['kernel_seconds'] * 1e6:.1f} us an op, {r['micro_batch_seconds'] * 1e3:.2f} ms a micro-batch, "
+            + (f"an elementwise op {', '.join(f'{v / 1e9:.0f} GB/s at {b / 2**20:.0f} MiB' for b, v in r['elementwise'])}, "
+               if r.get("elementwise") else "")
+            + f"{r['kernel_seconds'] * 1e6:.1f} us an op, {r['micro_batch_seconds'] * 1e3:.2f} ms a micro-batch, "
             f"{r['dropout'] / 1e6:.0f} M dropout draws/s")
 
 
