@@ -125,7 +125,9 @@ def measure_cpu() -> Dict:
 
             table.append([heads * dim, length, 3 * 4 * heads * dim * length * length / _best(attention)])
         out["attention"][name] = table
-    src = torch.randn(16 * 2**20 // 4)  # 16 MiB, beyond the caches of a small CPU
+    # 16 MiB: beyond the caches of a small CPU, not of every one (a 2-core EPYC VM's L3 held it: 93-137 GB/s, where
+    # 64 MiB and more copied at 32); what the optimizer step and the CPU's link are priced at
+    src = torch.randn(16 * 2**20 // 4)
     dst = torch.empty_like(src)
     out["memory"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
     # An elementwise op as autograd runs it, writing a fresh output, by size: once a tensor outgrows the caches its
