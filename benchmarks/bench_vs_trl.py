@@ -293,7 +293,23 @@ def run_rm(data, variant_overrides, workdir: Path):
 
     logging.getLogger("rm.train").addHandler(Choice())
     logging.getLogger("rm.train").setLevel(logging.INFO)
-    result = rm_train.train(cfg, workdir / "run")
+    profile_to = os.environ.get("RM_BENCH_PROFILE")  # a file: where the kernels' times go (a short diagnostic run)
+    if profile_to:
+        import torch
+
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                             if torch.cuda.is_available() else [])
+        began = time.perf_counter()
+        with torch.profiler.profile(activities=activities) as prof:
+            result = rm_train.train(cfg, workdir / "run")
+        wall = time.perf_counter() - began
+        events = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in events) / 1e6
+        Path(profile_to).write_text(
+            f"{' '.join(variant_overrides)}: {wall:.2f} s wall (setup included), {busy:.2f} s of kernels on the device\n"
+            + events.table(sort_by="self_device_time_total" if activities[1:] else "self_cpu_time_total", row_limit=45))
+    else:
+        result = rm_train.train(cfg, workdir / "run")
     windows = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     windows = [w for w in windows if w["event"] == "train"]
     sizes = [w["step"] - previous for w, previous in zip(windows, [0] + [w["step"] for w in windows])]
@@ -503,12 +519,19 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
     for trainer in ["TRL RewardTrainer", *VARIANTS]:
         if args.only and trainer not in args.only and trainer != "TRL RewardTrainer":
             continue
+        env = dict(os.environ)
+        if args.profile_dir:  # a diagnostic of rm's rows: where each one's time goes, not a comparison
+            if trainer.startswith("TRL"):
+                continue
+            slug = "".join(ch if ch.isalnum() else "_" for ch in trainer).strip("_")[:60]
+            env["RM_BENCH_PROFILE"] = str(Path(args.profile_dir).resolve() / f"profile_{name}_{slug}.txt")
         out = tmp / "result.json"
         load = os.getloadavg()[0]
         print(f"  running {trainer} (1-minute load average {load:.2f}) ...", flush=True)
         done = subprocess.run([sys.executable, __file__, "--child", "trl" if trainer.startswith("TRL") else trainer,
                                "--data-file", str(path), "--out", str(out), "--threads", str(args.threads),
-                               "--steps", str(SETUP.steps), "--setup", args.setup], cwd=ROOT, capture_output=True, text=True)
+                               "--steps", str(SETUP.steps), "--setup", args.setup], cwd=ROOT, capture_output=True, text=True,
+                              env=env)
         if done.returncode:
             if trainer.startswith("TRL") or SETUP.hardware == "cpu":
                 sys.exit(f"{trainer} failed:\n{done.stderr[-4000:]}")
@@ -525,6 +548,8 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
         print(f"    {r['pairs_per_s']:.2f} pairs/s, {r['tokens_per_s']:,.0f} real tokens/s, {r['step_s']:.3f} s/step, "
               f"peak RSS {r['peak_rss_mib']:,.0f} MiB" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
               + (f", eval accuracy {r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else ""), flush=True)
+    if args.profile_dir:
+        return f"### {name} data: profiles in {args.profile_dir}\n"
     picked = [f"`{r['layout']}`" for r in results.values() if r.get("layout")]
     note = f"\n\nThe no-layout-flags row chose: {'; '.join(picked)}." if picked else ""
     return f"### {name} data\n\n{about}.\n\n{table(results)}{note}\n"
@@ -541,6 +566,8 @@ def main() -> None:
     parser.add_argument("--write-doc", action="store_true", help="write the tables into docs/throughput.md")
     parser.add_argument("--out-json", help="every result as JSON, rewritten after each trainer")
     parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table); TRL always runs")
+    parser.add_argument("--profile-dir", help="run rm's rows under torch.profiler (no TRL row) and write each one's "
+                        "kernel table here: where a step's time goes (short runs: --steps 6)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--data-file", dest="data_file", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -550,6 +577,8 @@ def main() -> None:
     if args.child:
         return child(args)
 
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     saved = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # rm itself, when this file runs as a script from anywhere
 PROFILES = ["full", "lora", "8bit", "offload"]
 HEADER = [
     "| model | profile | grad. checkpointing | max_length | estimate (MiB) | measured (MiB) | error | peak phase |",
@@ -241,6 +242,9 @@ GPU_MODELS = {  # random weights built from the shape: the GPU machine cannot do
                               "model.num_hidden_layers=16", "model.num_attention_heads=12", "model.num_key_value_heads=4",
                               "model.head_dim=128", "model.max_position_embeddings=4096"],
     "Mistral-7B shape": ["model=mistral_7b", "model.pretrained=null"],
+    "1.1B (TinyLlama shape)": ["model.vocab_size=32000", "model.hidden_size=2048", "model.intermediate_size=5632",
+                               "model.num_hidden_layers=22", "model.num_attention_heads=32", "model.num_key_value_heads=4",
+                               "model.head_dim=64", "model.max_position_embeddings=2048"],
 }
 
 
@@ -259,29 +263,45 @@ def gpu_grid() -> list:
              ("Mistral-7B shape", "lora", False, 512, 4, "bf16-mixed", ["lora=r16"]),
              ("Mistral-7B shape", "full", True, 384, 1, "bf16-true", []),
              ("Mistral-7B shape", "full", False, 384, 1, "bf16-true", []),
-             ("Mistral-7B shape", "full", True, 384, 1, "bf16-mixed", [])]
+             ("Mistral-7B shape", "full", True, 384, 1, "bf16-mixed", []),
+             # Added for the H200 (139.8 GiB): the flagship's QLoRA, a 7B full bf16-mixed run the estimate says
+             # fits with 5 GiB to spare, one it refuses (154.6 GiB predicted: it must run out of memory), and a
+             # shape none of the points above has (TinyLlama's), at micro-batches none of them uses.
+             ("Mistral-7B shape", "qlora", True, 512, 4, "bf16-mixed", ["lora=r16"]),
+             ("Mistral-7B shape", "full", False, 384, 1, "bf16-mixed", []),
+             ("Mistral-7B shape", "full", False, 384, 4, "bf16-mixed", []),
+             ("1.1B (TinyLlama shape)", "full", True, 512, 8, "bf16-mixed", []),
+             ("1.1B (TinyLlama shape)", "lora", False, 512, 6, "bf16-mixed", ["lora=r8"])]
     return grid
 
 
 def saved_random_weights(model: str, workdir: Path) -> Path:
     """The shape's random init saved as a pretrained directory, for memory_profile=qlora (which quantises
-    weights as it loads them). Built on the CPU here: this process must hold no CUDA context, whose memory
-    the device count of every point would include."""
+    weights as it loads them). Built in a child process, on the GPU when there is one (a 7B shape takes seconds
+    there, minutes on the CPU): this process must hold no CUDA context, whose memory the device count of every
+    point would include."""
+    path = workdir / f"pretrained-{model.split()[0]}"
+    if not path.is_dir():
+        subprocess.run([sys.executable, __file__, "--save-random-weights", model, str(path)], cwd=ROOT, check=True)
+    return path
+
+
+def save_random_weights(model: str, path: Path) -> None:
+    """``--save-random-weights MODEL PATH``: what :func:`saved_random_weights` runs in its child process."""
     import torch
 
     from rm.config import compose
     from rm.model import build_model
     from rm.tokenizer import build_tokenizer
 
-    path = workdir / f"pretrained-{model.split()[0]}"
-    if not path.is_dir():
-        base = [] if GPU_MODELS[model][0].startswith("model=") else ["model=tiny"]
-        cfg = compose(["experiment=tiny", *base, "model.tokenizer=words", *GPU_MODELS[model]])
-        tokenizer = build_tokenizer(cfg.model)  # saved beside the weights: a pretrained model brings its own
-        torch.manual_seed(0)
-        build_model(cfg.model, tokenizer.pad_token_id, "bfloat16", gradient_checkpointing=False).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return path
+    base = [] if GPU_MODELS[model][0].startswith("model=") else ["model=tiny"]
+    cfg = compose(["experiment=tiny", *base, "model.tokenizer=words", *GPU_MODELS[model]])
+    tokenizer = build_tokenizer(cfg.model)  # saved beside the weights: a pretrained model brings its own
+    torch.manual_seed(0)
+    device = torch.device("cuda") if torch.cuda.is_available() else None
+    build_model(cfg.model, tokenizer.pad_token_id, "bfloat16", gradient_checkpointing=False,
+                device=device).save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardware: str = "auto") -> list:
@@ -683,6 +703,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid (0-based)")
     parser.add_argument("--random-recompute", metavar="FILE",
                         help="re-estimate the measured points of a random calibration's JSON (no training)")
+    parser.add_argument("--save-random-weights", nargs=2, metavar=("MODEL", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     parser.add_argument("--share-prefix", action="store_true",
                         help="run only the train.share_prefix points and rewrite their section of the doc")
@@ -699,6 +720,8 @@ def main() -> None:
                         help="with --random, QLoRA points: the shape's random init is saved before the run (every later "
                              "run of the shape: default), or the run builds it (its first run, whose peak may be the build)")
     args = parser.parse_args()
+    if args.save_random_weights:
+        return save_random_weights(args.save_random_weights[0], Path(args.save_random_weights[1]))
     if args.random_recompute:
         return random_recompute(Path(args.random_recompute).resolve(), args.out)
     if args.random:

@@ -1,10 +1,11 @@
-"""SDPA one packed sequence at a time, on a CPU.
+"""SDPA one packed sequence at a time.
 
 A packed row (``train.packing``, with or without ``train.share_prefix``) holds several independent sequences
 (or prefix-shared pairs). Given a mask, SDPA computes the whole ``T x T`` score matrix of the row, the blocks
 between different sequences included, though the mask throws them away: a 1,024-token row of eight
-128-token sequences computes eight times the attention it needs. On a GPU, flash-attention's varlen kernel
-and flex-attention skip those blocks; a CPU has neither. Here each segment of the row gets its own SDPA call
+128-token sequences computes eight times the attention it needs (an 8,192-token row of twelve, twelve times: on a
+1B model that is more attention than all of its matmuls). flash-attention's varlen kernel and flex-attention
+skip those blocks, but SDPA, the default, has neither. Here each segment of the row gets its own SDPA call
 over its own keys (a causal one for a plain packed sequence, the pair's own mask for a prefix-shared pair),
 and the outputs are concatenated: the same scores and the same softmax per query, since
 a query's masked-out keys contribute nothing (``tests/test_attention.py`` checks outputs and gradients).
@@ -12,7 +13,9 @@ a query's masked-out keys contribute nothing (``tests/test_attention.py`` checks
 It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
 configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the
 function is transformers' own SDPA unless the caller passes ``segment_bounds`` (only
-:func:`rm.model.sequence_rewards` does, for packed rows on a CPU).
+:func:`rm.model.sequence_rewards` does, for packed rows). On a GPU a plain packed sequence's call is SDPA's
+causal one, which takes its flash kernel; finding the segments reads the row's ids on the host (one small copy
+a micro-batch).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     Returns:
         ``(attention output (1, T, heads, head_dim), None)``, as transformers' attention functions do.
     """
-    if segment_bounds is None or query.device.type != "cpu" or query.shape[0] != 1:
+    if segment_bounds is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     groups = query.shape[1] // key.shape[1]
@@ -94,14 +97,14 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
             ``position_ids`` (plain packing) or ``pair_ids``.
 
     Returns:
-        The keyword arguments, or None where the row stays one SDPA call: not on a CPU, several rows, a single
-        segment, or fake ids without ``bounds``.
+        The keyword arguments, or None where the row stays one SDPA call: several rows, a single segment, or fake
+        ids without ``bounds``.
     """
     from torch._subclasses.fake_tensor import is_fake
 
     from rm.prefix_sharing import allowed, pair_mask
 
-    if input_ids.device.type != "cpu" or input_ids.shape[0] != 1:
+    if input_ids.shape[0] != 1:
         return None
     shared = pair_ids is not None
     if bounds is None and not is_fake(input_ids):
@@ -122,7 +125,7 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
 
 
 def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:
-    """Where a packed row's segments start and end, read off the host copy of its ids (on a CPU, a free read).
+    """Where a packed row's segments start and end, read off its ids (on a GPU, a copy to the host).
 
     Args:
         ids: ``(1, T)``: position ids (``starts_at_zero``: a segment starts at each 0) or pair ids (a segment

@@ -15,15 +15,17 @@ MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 
 def attention_kernel(attn_implementation: str, device: str) -> str:
     """How the attention of a masked row is computed on this device: ``skips`` (masked blocks skipped), ``segments``
-    (a packed row's SDPA one sequence or pair at a time: ``rm.attention``, on a CPU) or ``square`` (the whole row).
-    The step-time model and the memory estimate both follow it.
+    (a packed row's SDPA one sequence or pair at a time: ``rm.attention``) or ``square`` (the whole row: eager
+    attention). The step-time model and the memory estimate both follow it.
 
     >>> attention_kernel("sdpa", "cpu"), attention_kernel("sdpa", "cuda:0"), attention_kernel("flex_attention", "cuda")
-    ('segments', 'square', 'skips')
+    ('segments', 'segments', 'skips')
+    >>> attention_kernel("eager", "cuda")
+    'square'
     """
     if attn_implementation in MASK_SKIPPING:
         return "skips"
-    return "segments" if attn_implementation == "sdpa" and str(device).startswith("cpu") else "square"
+    return "segments" if attn_implementation == "sdpa" else "square"
 
 
 def host_ram_gib() -> float:

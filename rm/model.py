@@ -424,7 +424,7 @@ def sequence_rewards(
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
         attn_implementation = attn_implementation_of(model)
         segmented = None
-        if attn_implementation == "sdpa":  # on a CPU, a packed row's SDPA one sequence (or pair) at a time
+        if attn_implementation == "sdpa":  # a packed row's SDPA one sequence (or pair) at a time
             from rm.attention import segmented_inputs
 
             segmented = segmented_inputs(input_ids, position_ids, pair_ids, roles, segment_bounds)

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
 # bash scripts/gpu_session.sh OUT_DIR [STAGE ...]      on an offline CUDA machine, after `bash scripts/gpu_wheels.sh` here
 # Every GPU check in one pass, each stage under its own time limit, in the order that matters most: a run cut
-# short keeps what it measured. Stages: setup constants tests calibration speed-1b speed-7b (default: all).
+# short keeps what it measured. Stages: setup constants tests calibration speed-1b profile-1b speed-7b (default:
+# all, in the order given).
 # GPU_SESSION_SECONDS (default 540) is the whole pass's budget; a stage that cannot get 20 s is skipped.
-# TESTS_K and CALIBRATION_ONLY narrow the tests and the calibration grid (a rerun of what failed).
-# Writes into OUT_DIR: gpu_constants.json, gpu_tests.log, memory_calibration_gpu.{md,json},
-# throughput_gpu_1b.json, throughput_gpu_7b_lora.json.
+# TESTS_K and CALIBRATION_ONLY narrow the tests and the calibration grid (a rerun of what failed); SPEED_STEPS
+# shortens the speed runs (optimizer steps of each row, the first 10 (1B) or 4 (7B) untimed).
+# Writes into OUT_DIR (8 files at most): gpu_constants.json, gpu_tests.log, memory_calibration_gpu.{md,json},
+# throughput_gpu_1b.json, profiles_gpu_1b.txt, throughput_gpu_7b_lora.json.
 set -u
 out="${1:?usage: scripts/gpu_session.sh OUT_DIR [STAGE ...]}"
 shift
-stages="${*:-setup constants tests calibration speed-1b speed-7b}"
+stages="${*:-setup constants tests calibration speed-1b profile-1b speed-7b}"
 budget="${GPU_SESSION_SECONDS:-540}"
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -42,17 +44,28 @@ print('python', __import__('sys').version.split()[0], '| torch', torch.__version
       '| datasets', datasets.__version__, '| hydra', hydra.__version__, '| deepspeed', deepspeed.__version__,
       '| bitsandbytes', bitsandbytes.__version__, '| trl', trl.__version__, '| cpus', __import__('os').cpu_count())"
 fi
-wants constants && stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json"
-wants tests && stage tests 170 python3 -m pytest -m gpu tests/test_gpu.py -q -rA -p no:cacheprovider --timeout 100 \
-  -o log_cli=false ${TESTS_K:+-k "$TESTS_K"} >"$out/gpu_tests.log" 2>&1
-wants tests && tail -40 "$out/gpu_tests.log"
-# CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.
-wants calibration && stage calibration 240 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
-  --out "$out/memory_calibration_gpu.md" ${CALIBRATION_ONLY:+--only $CALIBRATION_ONLY}
-wants speed-1b && stage speed-1b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 \
-  --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" \
-  "rm prefix-shared, row per pair + group_by_length (micro-batch 8)" \
-  "rm prefix-shared + packed, flex_attention (budget 8192 tokens)" --out-json "$out/throughput_gpu_1b.json"
-wants speed-7b && stage speed-7b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn --threads 8 \
-  --only "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" --out-json "$out/throughput_gpu_7b_lora.json"
+steps=${SPEED_STEPS:+--steps $SPEED_STEPS}
+for name in $stages; do
+  case $name in
+    setup) ;;
+    constants) stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json" ;;
+    tests) stage tests 170 python3 -m pytest -m gpu tests/test_gpu.py -q -rA -p no:cacheprovider --timeout 100 \
+             -o log_cli=false ${TESTS_K:+-k "$TESTS_K"} >"$out/gpu_tests.log" 2>&1
+           tail -40 "$out/gpu_tests.log" ;;
+    # CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.
+    calibration) stage calibration 240 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
+                   --out "$out/memory_calibration_gpu.md" ${CALIBRATION_ONLY:+--only $CALIBRATION_ONLY} ;;
+    speed-1b) stage speed-1b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
+                --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" "rm, no layout flags (train.layout=auto)" \
+                --out-json "$out/throughput_gpu_1b.json" ;;
+    # Where a step's time goes (kernels, and the device's busy time against the wall clock), 12 steps a row.
+    profile-1b) stage profile-1b 80 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 --steps 12 \
+                  --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" --profile-dir /tmp/rm-profiles
+                cat /tmp/rm-profiles/profile_*.txt >"$out/profiles_gpu_1b.txt" 2>/dev/null ;;
+    speed-7b) stage speed-7b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn --threads 8 $steps \
+                --only "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" \
+                --out-json "$out/throughput_gpu_7b_lora.json" ;;
+    *) echo "unknown stage $name" ;;
+  esac
+done
 echo "== done after $(($(date +%s) - start)) s"

@@ -64,15 +64,19 @@ def machine_key() -> str:
     return f"{safe}_{os.cpu_count()}cores_torch{torch.__version__}_{torch.get_num_threads()}threads_v{BENCHMARK_VERSION}"
 
 
-def _best(fn, seconds: float = 0.015, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timings of ``fn``, each looping for about ``seconds``."""
+def _best(fn, seconds: float = 0.015, repeats: int = 3, sync=None) -> float:
+    """The fastest of ``repeats`` timings of ``fn``, each looping for about ``seconds``; ``sync`` waits for queued
+    work (a GPU's kernels run after the call that launches them returns)."""
+    sync = sync or (lambda: None)
     fn()  # warm-up: first-call allocations and kernel selection
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start, calls = time.perf_counter(), 0
         while True:
             fn()
             calls += 1
+            sync()
             elapsed = time.perf_counter() - start
             if elapsed >= seconds:
                 break
@@ -80,72 +84,78 @@ def _best(fn, seconds: float = 0.015, repeats: int = 3) -> float:
     return best
 
 
-def measure_cpu() -> Dict:
-    """Measure this CPU's rates (the figures :func:`cpu_rates` caches).
+def measure_cpu(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATTENTION_LENGTHS,
+                elementwise_mib=ELEMENTWISE_MIB) -> Dict:
+    """Measure this CPU's rates (the figures :func:`cpu_rates` caches), or with ``device="cuda"`` a GPU's by the
+    same micro-benchmarks (``benchmarks/gpu_constants.py --plan``, at a GPU's widths and sizes).
 
     Returns:
         ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, length, FLOP/s], ...]}, "memory":
         bytes/s, "elementwise": [[bytes, bytes/s], ...], "kernel_seconds": s, "micro_batch_seconds": s, "dropout":
         elements/s}``.
     """
+    import functools
+
     import torch
 
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    _timed = functools.partial(_best, sync=sync)
     out: Dict = {"matmul": {}, "attention": {}}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
         table = []
-        for width in WIDTHS:
+        for width in widths:
             # A projection up to the MLP's width, forward and backward as training runs it: the input's and the
             # weight's gradients are products of other shapes, slower than the forward's on small widths
             # (measured: 128 -> 64 at 2,048 rows, 210 GFLOP/s forward, 138 forward and backward).
-            w = torch.randn(4 * width, width, dtype=dtype, requires_grad=True)
-            for rows in TOKENS:
-                x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
-                grad = torch.ones(rows, 4 * width, dtype=dtype)
+            w = torch.randn(4 * width, width, dtype=dtype, device=device, requires_grad=True)
+            for rows in tokens:
+                x = torch.randn(rows, width, dtype=dtype, device=device, requires_grad=True)
+                grad = torch.ones(rows, 4 * width, dtype=dtype, device=device)
 
                 def linear():
                     torch.nn.functional.linear(x, w).backward(grad)
                     x.grad = w.grad = None
 
-                table.append([width, rows, 6 * rows * width * 4 * width / _best(linear, repeats=2)])
+                table.append([width, rows, 6 * rows * width * 4 * width / _timed(linear, repeats=2)])
         out["matmul"][name] = table
         # SDPA with a boolean mask over 8 heads of 64, forward and backward (4 x 8 x 64 x L^2 FLOPs forward, twice
         # that backward), at the lengths one call computes: a padded row, a packed row's sequence or a shared pair.
         # Short calls run far below long ones (measured: 35-50 GFLOP/s at 64 tokens, 85 at 128, 110 at 256-512).
         heads, dim = 8, 64
         table = []
-        for length in ATTENTION_LENGTHS:
-            q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, requires_grad=True) for _ in range(3))
-            mask = torch.ones(length, length, dtype=torch.bool).tril()
-            grad = torch.ones(1, heads, length, dim, dtype=dtype)
+        for length in lengths:
+            q, k, v = (torch.randn(1, heads, length, dim, dtype=dtype, device=device, requires_grad=True) for _ in range(3))
+            mask = torch.ones(length, length, dtype=torch.bool, device=device).tril()
+            grad = torch.ones(1, heads, length, dim, dtype=dtype, device=device)
 
             def attention():
                 torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
                 q.grad = k.grad = v.grad = None
 
-            table.append([heads * dim, length, 3 * 4 * heads * dim * length * length / _best(attention)])
+            table.append([heads * dim, length, 3 * 4 * heads * dim * length * length / _timed(attention)])
         out["attention"][name] = table
     # 16 MiB: beyond the caches of a small CPU, not of every one (a 2-core EPYC VM's L3 held it: 93-137 GB/s, where
     # 64 MiB and more copied at 32); what the optimizer step and the CPU's link are priced at
-    src = torch.randn(16 * 2**20 // 4)
+    src = torch.randn((16 if device == "cpu" else 1024) * 2**20 // 4, device=device)
     dst = torch.empty_like(src)
-    out["memory"] = 2 * src.numel() * 4 / _best(lambda: dst.copy_(src))
+    out["memory"] = 2 * src.numel() * 4 / _timed(lambda: dst.copy_(src))
     # An elementwise op as autograd runs it, writing a fresh output, by size: once a tensor outgrows the caches its
     # output's fresh pages are faulted in (measured on a 2-core EPYC: 36-38 GB/s at 4-16 MiB, 6-7 at 64-256 MiB,
     # where a copy into a reused buffer ran at 32-180).
     out["elementwise"] = []
-    for mib in ELEMENTWISE_MIB:
-        x = torch.randn(mib * 2**20 // 4)
-        out["elementwise"].append([x.numel() * 4, 2 * x.numel() * 4 / _best(lambda: torch.nn.functional.silu(x))])
-    out.update(_fixed_costs())
+    for mib in elementwise_mib:
+        x = torch.randn(mib * 2**20 // 4, device=device)
+        out["elementwise"].append([x.numel() * 4, 2 * x.numel() * 4 / _timed(lambda: torch.nn.functional.silu(x))])
+    out.update(_fixed_costs(device, sync))
     # LoRA's dropout draws a random number an input element (PEFT drops each adapted linear's input): on a CPU the
     # draw, not the traffic, is the cost (measured: a quarter of a medium LoRA step with dropout 0.05).
-    x = torch.randn(2**20)
-    out["dropout"] = x.numel() / _best(lambda: torch.nn.functional.dropout(x, 0.05, training=True))
+    x = torch.randn(2**20, device=device)
+    out["dropout"] = x.numel() / _timed(lambda: torch.nn.functional.dropout(x, 0.05, training=True))
     return out
 
 
-def _fixed_costs() -> Dict[str, float]:
+def _fixed_costs(device: str = "cpu", sync=None) -> Dict[str, float]:
     """The fixed costs of a forward and backward, read off a real decoder: transformers' Llama (the layer Mistral's
     and Qwen2's share) at a width and input so small that its matmuls cost nothing, with one and three layers. A
     layer's fixed cost over the ops :func:`rm.plan.steptime.model_work` counts in it (forward, and a backward as
@@ -162,14 +172,14 @@ def _fixed_costs() -> Dict[str, float]:
         torch.manual_seed(0)
         model = LlamaForSequenceClassification(LlamaConfig(
             vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, pad_token_id=0, num_labels=1))
-        ids = torch.randint(1, 128, (4, 8))
+            num_key_value_heads=2, head_dim=16, pad_token_id=0, num_labels=1)).to(device)
+        ids = torch.randint(1, 128, (4, 8), device=device)
         mask = torch.ones_like(ids)
 
         def step():
             model(input_ids=ids, attention_mask=mask).logits.sum().backward()
 
-        seconds[layers] = _best(step, seconds=0.1)
+        seconds[layers] = _best(step, seconds=0.1, sync=sync)
     layer = max(seconds[3] - seconds[1], 0.0) / 2
     return {"kernel_seconds": layer / (3 * LAYER_KERNELS), "micro_batch_seconds": max(seconds[1] - layer, 0.0)}
 
