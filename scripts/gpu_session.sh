@@ -49,13 +49,13 @@ for name in $stages; do
   case $name in
     setup) ;;
     constants) stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json" ;;
-    tests) stage tests 170 python3 -m pytest -m gpu tests/test_gpu.py -q -rA -p no:cacheprovider --timeout 100 \
+    tests) stage tests 100 python3 -m pytest -m gpu tests/test_gpu.py -q -rA -p no:cacheprovider --timeout 100 \
              -o log_cli=false ${TESTS_K:+-k "$TESTS_K"} >"$out/gpu_tests.log" 2>&1
            tail -40 "$out/gpu_tests.log" ;;
     # CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.
-    calibration) stage calibration 240 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
+    calibration) stage calibration 210 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
                    --out "$out/memory_calibration_gpu.md" ${CALIBRATION_ONLY:+--only $CALIBRATION_ONLY} ;;
-    speed-1b) stage speed-1b 200 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
+    speed-1b) stage speed-1b 180 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
                 --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" "rm, no layout flags (train.layout=auto)" \
                 --out-json "$out/throughput_gpu_1b.json" ;;
     # Where a step's time goes (kernels, and the device's busy time against the wall clock), 12 steps a row.
