@@ -56,7 +56,8 @@ for name in $stages; do
     calibration) stage calibration 210 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
                    --out "$out/memory_calibration_gpu.md" ${CALIBRATION_ONLY:+--only $CALIBRATION_ONLY} ;;
     speed-1b) stage speed-1b 180 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
-                --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" "rm, no layout flags (train.layout=auto)" \
+                --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" \
+                "rm prefix-shared, row per pair + group_by_length (micro-batch 8)" \
                 --out-json "$out/throughput_gpu_1b.json" ;;
     # Where a step's time goes (kernels, and the device's busy time against the wall clock), 12 steps a row.
     profile-1b) stage profile-1b 80 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 --steps 12 \
