@@ -304,12 +304,17 @@ def save_random_weights(model: str, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardware: str = "auto") -> list:
-    """The ``rm.train`` overrides of one GPU grid point (no run directory)."""
+def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardware: str = "auto",
+                  from_shape: bool = False) -> list:
+    """The ``rm.train`` overrides of one GPU grid point (no run directory); ``from_shape``: for an estimate, a qlora
+    point's model from its shape rather than from its saved random weights (the same estimate,
+    ``tests/test_estimate.py::test_a_qlora_estimate_reads_a_pretrained_models_config_not_its_weights``; no
+    weights to build)."""
     model, profile, checkpointing, length, micro, precision, extra = spec
     shape = GPU_MODELS[model]
     base = [] if shape[0].startswith("model=") else ["model=tiny"]
-    pretrained = [f"model.pretrained={saved_random_weights(model, workdir)}"] if profile == "qlora" and not dry_run else []
+    pretrained = ([f"model.pretrained={saved_random_weights(model, workdir)}"]
+                  if profile == "qlora" and not dry_run and not from_shape else [])
     tokenizer = [] if pretrained else ["model.tokenizer=words"]  # the saved weights' own tokenizer otherwise
     overrides = ["experiment=tiny", *base, *shape, *pretrained, *tokenizer, *extra, "train.share_prefix=false",
                  f"memory_profile={profile}", f"hardware={hardware}",
@@ -340,7 +345,8 @@ def data_sized_estimate(overrides: list, world_size: int = 1, random_init_cached
 
     cfg = compose(overrides)
     launched = {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"} if world_size > 1 else {}
-    with mock.patch.dict(os.environ, launched):
+    # A CUDA profile on a machine without CUDA: this estimates the run (as rm.estimate may), it trains nothing.
+    with mock.patch.dict(os.environ, launched), mock.patch("rm.preflight.check_device_present"):
         plan, _ = plan_run(cfg, overrides)
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
@@ -457,75 +463,89 @@ def gpu_main(out: Path, dry_run: bool, only=None, timeout: int = 300) -> None:
     device = "CPU (dry run: tiny model, fp32, 3 points)" if dry_run else (
         f"{torch.cuda.get_device_name(0)}, driver {torch_driver()}, torch {torch.__version__}, "
         f"capacity {torch.cuda.mem_get_info(0)[1] / 2**30:.2f} GiB")
-    write_gpu_doc(out, rows, device, time.perf_counter() - start)
+    write_gpu_doc(out, [(rows, device, time.perf_counter() - start, None)])
 
 
-GPU_MEASURED = ROOT / "docs" / "gpu" / "memory_calibration_gpu_measured.json"  # the H100 rows of 2026-11-26
+# The saved GPU measurements, each with its card's constants and the named profile that stands in for the
+# ``hardware=auto`` the runs resolved (the same capacity to 0.01 GiB).
+GPU_MEASURED = [
+    (ROOT / "docs" / "gpu" / "memory_calibration_gpu_measured.json", ROOT / "docs" / "gpu" / "gpu_constants.json", "h100_80g"),
+    (ROOT / "docs" / "gpu" / "memory_calibration_gpu_measured_h200.json", ROOT / "docs" / "gpu" / "gpu_constants_h200.json",
+     "h200_141g"),
+]
 
 
-def gpu_recompute(measured: Path, out: Path) -> None:
+def gpu_recompute(measured: list, out: Path) -> None:
     """``--device cuda --recompute``: each saved GPU measurement against the estimator as it is now, on this machine
-    (no GPU needed: the estimate is a pure function of the config and the data; ``hardware=h100_80g`` stands in for
-    the ``hardware=auto`` the runs resolved, with the same capacity to 0.01 GiB)."""
-    rows = json.loads(measured.read_text())
-    meta = json.loads((measured.parent / "gpu_constants.json").read_text())
+    (no GPU needed: the estimate is a pure function of the config and the data)."""
+    sections = []
     with tempfile.TemporaryDirectory() as tmp:
         data = long_pairs(Path(tmp) / "long_pairs.jsonl", pairs=16)
-        for r in rows:
-            if "error" in r:
-                continue
-            spec = (r["model"], r["profile"], r["checkpointing"], r["max_length"], r["micro"], r["precision"], r["extra"])
-            est = data_sized_estimate(gpu_overrides(spec, Path(tmp), data, hardware="h100_80g"))
-            r.update({"est_allocated": est.allocated_bytes, "est_reserve": est.allocator_reserve, "est_context": est.cuda_context,
-                      "est_communication": est.communication, "est_outside_allocator": est.outside_allocator,
-                      "est_device": est.peak_bytes, "phase": est.peak_phase, "fits": est.fits})
-            print(f"{r['model']} {r['profile']} ckpt={r['checkpointing']} {r['max_length']}x{r['micro']} {r['precision']}: "
-                  f"allocated {100 * (est.allocated_bytes - r['allocated']) / r['allocated']:+.1f}%, "
-                  f"device {100 * (est.peak_bytes - r['device_used']) / r['device_used']:+.1f}%", flush=True)
-    device = f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']} (CUDA {meta['cuda']}), {meta['date']}"
-    write_gpu_doc(out, rows, device, None)
+        for rows_file, constants_file, hardware in measured:
+            rows = json.loads(rows_file.read_text())
+            meta = json.loads(constants_file.read_text())
+            for r in rows:
+                if "error" in r:
+                    continue
+                spec = (r["model"], r["profile"], r["checkpointing"], r["max_length"], r["micro"], r["precision"], r["extra"])
+                est = data_sized_estimate(gpu_overrides(spec, Path(tmp), data, hardware=hardware, from_shape=True))
+                r.update({"est_allocated": est.allocated_bytes, "est_reserve": est.allocator_reserve, "est_context": est.cuda_context,
+                          "est_communication": est.communication, "est_outside_allocator": est.outside_allocator,
+                          "est_device": est.peak_bytes, "phase": est.peak_phase, "fits": est.fits})
+                print(f"{meta['gpu']}: {r['model']} {r['profile']} ckpt={r['checkpointing']} {r['max_length']}x{r['micro']} "
+                      f"{r['precision']}: allocated {100 * (est.allocated_bytes - r['allocated']) / r['allocated']:+.1f}%, "
+                      f"device {100 * (est.peak_bytes - r['device_used']) / r['device_used']:+.1f}%", flush=True)
+            device = f"{meta['gpu']}, driver {meta['driver']}, torch {meta['torch']} (CUDA {meta['cuda']}), {meta['date']}"
+            sections.append((rows, device, None, rows_file))
+    write_gpu_doc(out, sections)
 
 
-def write_gpu_doc(out: Path, rows: list, device: str, elapsed) -> None:
-    """The GPU table: each point's estimate against the allocator's peak and the device's own count, misses marked."""
-    measured = "" if elapsed is None else f"{len(rows)} points, {elapsed:.0f} s; "
+def write_gpu_doc(out: Path, sections: list) -> None:
+    """The GPU tables, one a machine (``(rows, device, seconds or None, saved measurements or None)`` each): each
+    point's estimate against the allocator's peak and the device's own count, misses marked."""
     lines = ["# Memory estimate vs measurement (GPU)", "",
-             f"Measured: `python benchmarks/memory_calibration.py --device cuda` ({measured}{device}). Estimates as the "
-             "code stands now: `python benchmarks/memory_calibration.py --device cuda --recompute` (any machine; it "
-             "re-estimates the saved measurements in `docs/gpu/memory_calibration_gpu_measured.json`).", "",
+             "Measured: `python benchmarks/memory_calibration.py --device cuda` on the machine each table names. "
+             "Estimates as the code stands now: `python benchmarks/memory_calibration.py --device cuda --recompute` "
+             "(any machine: it re-estimates the saved measurements in `docs/gpu/memory_calibration_gpu_measured*.json`).", "",
              "Each point trains 2 optimizer steps of 2 micro-batches from random weights built from the shape (qlora: saved, "
              "then quantised as it loads); the prompts are 400 words, so every sequence holds 408 tokens of the word-level "
              "tokenizer whatever `max_length` allows, and the estimate is sized by that data, as `rm.train` sizes it. "
              "`allocated` is `torch.cuda.max_memory_allocated`, `reserved` `max_memory_reserved`, `device` the device's "
              "own count (`mem_get_info` total - free) after the loop: the allocator's peak reserve, the CUDA context and "
              "anything held outside the allocator. Targets: allocated within 5%; predicted device total never below the "
-             "device's count and at most 10% above; misses are marked **MISS**. The allocator-reserve bound "
-             "(`rm/memory/terms.py`) was read off these same points, so the device column is not yet a test on unseen "
-             "shapes.", "",
-             "`as run`: the errors of the estimate the run itself made, before the fixes these runs led to (the trace of "
-             "dropout as CUDA runs it, paged 8-bit states outside the allocator, the NCCL group, the reserve bound).", "",
-             "| model | profile | precision | ckpt | max_length x micro | est. allocated (GiB) | allocated | err | as run "
-             "| est. device | device | err | as run | reserved | peak phase |",
-             "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "device's count and at most 10% above; misses are marked **MISS**.", "",
+             "`as run`: the errors of the estimate each run itself made, before the fixes these runs led to. The H100's "
+             "(2026-11-26) led to the trace of dropout as CUDA runs it, paged 8-bit states outside the allocator, the "
+             "NCCL group and the allocator-reserve bound without checkpointing; the H200's (2026-11-27), none of them a "
+             "point the estimator had been fitted to, to the reserve bound with gradient checkpointing (45% of the "
+             "transient bytes with full gradients, 20% under LoRA, `rm/memory/terms.py`). Those bounds were read off "
+             "these same points: the `err` columns of the points that set them are not a test on unseen shapes."]
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
-    for r in rows:
-        head = (f"| {r['model']} | `{r['profile']}` | {r.get('precision', 'bf16-mixed')} | {'on' if r['checkpointing'] else 'off'} "
-                f"| {r['max_length']} x {r['micro']} |")
-        if "error" in r:
-            verdict = (" (the estimate refused it and the device ran out of memory: the verdict holds)"
-                       if r.get("out_of_memory") and "does not fit" in r.get("estimate_line", "") else "")
-            lines.append(f"{head} {r.get('cause') or 'not measured' + verdict + ': ' + r['error'][:160]} |" + " |" * 9)
-            continue
-        used = r["device_used"] if r["device_used"] is not None else r["allocated"]
-        err_a, err_d = (100 * (r["est_allocated"] - r["allocated"]) / r["allocated"], 100 * (r["est_device"] - used) / used)
-        as_run = r.get("as_run", r)
-        run_a = 100 * (as_run["est_allocated"] - r["allocated"]) / r["allocated"]
-        run_d = 100 * (as_run["est_device"] - used) / used
-        miss_a = lambda e: " **MISS**" if abs(e) > 5 else ""  # noqa: E731
-        miss_d = lambda e: " **MISS**" if e < 0 or e > 10 else ""  # noqa: E731
-        lines.append(f"{head} {gib(r['est_allocated'])} | {gib(r['allocated'])} | {err_a:+.1f}%{miss_a(err_a)} | "
-                     f"{run_a:+.1f}%{miss_a(run_a)} | {gib(r['est_device'])} | {gib(used)} | {err_d:+.1f}%{miss_d(err_d)} | "
-                     f"{run_d:+.1f}%{miss_d(run_d)} | {gib(r['reserved'] or 0)} | {r['phase']} |")
+    for rows, device, elapsed, saved in sections:
+        measured = "" if elapsed is None else f"{len(rows)} points, {elapsed:.0f} s; "
+        lines += ["", f"## {device.split(',')[0]}", "", f"{measured}{device}"
+                  + (f"; measurements in `{saved.relative_to(ROOT)}`" if saved else "") + ".", "",
+                  "| model | profile | precision | ckpt | max_length x micro | est. allocated (GiB) | allocated | err | as run "
+                  "| est. device | device | err | as run | reserved | peak phase |",
+                  "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for r in rows:
+            head = (f"| {r['model']} | `{r['profile']}` | {r.get('precision', 'bf16-mixed')} | {'on' if r['checkpointing'] else 'off'} "
+                    f"| {r['max_length']} x {r['micro']} |")
+            if "error" in r:
+                verdict = (" (the estimate refused it and the device ran out of memory: the verdict holds)"
+                           if r.get("out_of_memory") and "does not fit" in r.get("estimate_line", "") else "")
+                lines.append(f"{head} {r.get('cause') or 'not measured' + verdict + ': ' + r['error'][:160]} |" + " |" * 9)
+                continue
+            used = r["device_used"] if r["device_used"] is not None else r["allocated"]
+            err_a, err_d = (100 * (r["est_allocated"] - r["allocated"]) / r["allocated"], 100 * (r["est_device"] - used) / used)
+            as_run = r.get("as_run", r)
+            run_a = 100 * (as_run["est_allocated"] - r["allocated"]) / r["allocated"]
+            run_d = 100 * (as_run["est_device"] - used) / used
+            miss_a = lambda e: " **MISS**" if abs(e) > 5 else ""  # noqa: E731
+            miss_d = lambda e: " **MISS**" if e < 0 or e > 10 else ""  # noqa: E731
+            lines.append(f"{head} {gib(r['est_allocated'])} | {gib(r['allocated'])} | {err_a:+.1f}%{miss_a(err_a)} | "
+                         f"{run_a:+.1f}%{miss_a(run_a)} | {gib(r['est_device'])} | {gib(used)} | {err_d:+.1f}%{miss_d(err_d)} | "
+                         f"{run_d:+.1f}%{miss_d(run_d)} | {gib(r['reserved'] or 0)} | {r['phase']} |")
     out.write_text("\n".join(lines) + "\n")
     print(f"wrote {out}")
 
@@ -729,7 +749,7 @@ def main() -> None:
         return
     if args.device == "cuda":
         out = Path(args.out or ROOT / "docs" / "memory_calibration_gpu.md")
-        if args.recompute:  # the saved H100 measurements against the estimator as it is now; no GPU needed
+        if args.recompute:  # the saved GPU measurements against the estimator as it is now; no GPU needed
             return gpu_recompute(GPU_MEASURED, out)
         gpu_main(out, args.dry_run, args.only, args.point_timeout)
         return

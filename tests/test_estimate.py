@@ -445,11 +445,12 @@ def test_a_first_step_holding_the_longest_micro_batch_has_no_optimizer_states(di
 def test_cuda_device_terms_as_measured_on_an_h100():
     """The device terms the H100 runs led to (docs/memory_calibration_gpu.md), by hand from the estimate's own parts:
     paged 8-bit states on the device but outside the allocator; an NCCL group under DeepSpeed, one process too; the
-    allocator-reserve bound of 30% of the step's transient bytes with full gradients, 10% under LoRA."""
+    allocator-reserve bound of 30% of the step's transient bytes with full gradients, 10% under LoRA; with
+    gradient checkpointing (the H200 runs) 45% and 20%."""
     from rm.memory.terms import (ALLOCATOR_SMALL_SEGMENTS, CUDA_CONTEXT_BYTES, MIB, NCCL_PROCESS_GROUP_BYTES)
 
-    gpu = ["hardware=h100_80g", "train.precision=bf16-mixed"]
-    cpu = ["hardware=cpu", "hardware.bf16=true", "train.precision=bf16-mixed"]
+    gpu = ["hardware=h100_80g", "train.precision=bf16-mixed", "train.gradient_checkpointing=false"]
+    cpu = ["hardware=cpu", "hardware.bf16=true", "train.precision=bf16-mixed", "train.gradient_checkpointing=false"]
     on_gpu = estimate_run(*planned(["memory_profile=8bit", "distributed=ddp", *gpu]))
     on_cpu = estimate_run(*planned(["memory_profile=8bit", "distributed=ddp", *cpu]))  # no dropout: same trace
     assert on_gpu.peak_phase == "forward/backward" and on_gpu.outside_allocator == on_gpu.optimizer_states > 0
@@ -460,6 +461,12 @@ def test_cuda_device_terms_as_measured_on_an_h100():
     assert on_gpu.allocator_reserve == int(0.30 * (on_gpu.activations + on_gpu.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
     lora = estimate_run(*planned(["memory_profile=lora", "distributed=ddp", *gpu]))
     assert lora.allocator_reserve == int(0.10 * (lora.activations + lora.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
+    # Checkpointing recomputes each layer among the gradients the backward makes: 45% and 20% (the H200 runs).
+    ckpt = ["train.gradient_checkpointing=true"]
+    full_ckpt = estimate_run(*planned(["memory_profile=8bit", "distributed=ddp", *gpu, *ckpt]))
+    assert full_ckpt.allocator_reserve == int(0.45 * (full_ckpt.activations + full_ckpt.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
+    lora_ckpt = estimate_run(*planned(["memory_profile=lora", "distributed=ddp", *gpu, *ckpt]))
+    assert lora_ckpt.allocator_reserve == int(0.20 * (lora_ckpt.activations + lora_ckpt.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
     zero2 = estimate_run(*planned(["memory_profile=full", "distributed=zero2", *gpu]))
     assert zero2.communication == NCCL_PROCESS_GROUP_BYTES == 984 * MIB and zero2.outside_allocator == 0
 
@@ -481,3 +488,20 @@ def test_zero2_offload_reduction_holds_the_fp64_norm_copy_of_the_largest_slice()
     assert 8 * (22_528_000 - half) < 2 * 22_528_000
     # One process: the whole embedding is the slice; its fp64 copy (8 bytes) beats its bf16 gradient (2).
     assert zero2_offload_reduction_transient(counts, 1, 2) == 8 * 22_528_000
+
+
+def test_a_qlora_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_path):
+    """The GPU calibration's ``--recompute`` estimates a qlora point from its shape rather than from the random
+    weights the run loaded (a 7B shape's would take minutes to build on a CPU): the same bytes either way."""
+    from rm.model import build_model
+    from rm.tokenizer import build_tokenizer
+
+    base = ["experiment=tiny", "model.tokenizer=words", "memory_profile=qlora", "hardware=h100_80g",
+            "train.precision=bf16-mixed"]
+    cfg = compose(base)
+    tokenizer = build_tokenizer(cfg.model)
+    build_model(cfg.model, tokenizer.pad_token_id, "bfloat16", gradient_checkpointing=False).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    from_shape = estimate_run(*planned(base))
+    from_weights = estimate_run(*planned([*base, f"model.pretrained={tmp_path}", "model.tokenizer=null"]))
+    assert from_weights.peak_bytes == from_shape.peak_bytes and from_weights.activations == from_shape.activations > 0

@@ -38,11 +38,18 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 NCCL_PROCESS_GROUP_BYTES = 984 * MIB
 # PyTorch's caching allocator rounds blocks up (512 B; large segments to 2 MiB) and keeps freed blocks reserved:
 # max_memory_reserved exceeds max_memory_allocated by the fragmentation of the step's short-lived tensors. No closed
-# form exists; the term is a bound read off the H100 runs, not a measurement of any other card. Where the backward
-# creates full-size parameter gradients while it frees activations (full, 8bit, offload) the reserve beyond the peak
-# was 17-28% of the activations and temporaries (5 runs): bounded at 30%. Under LoRA it was 2-5% (3 runs): 10%.
+# form exists; the term is a bound read off measured runs (docs/memory_calibration_gpu.md), not a measurement of
+# any other card. Where the backward creates full-size parameter gradients while it frees activations (full, 8bit,
+# offload) the reserve beyond the peak was 17-28% of the activations and temporaries without checkpointing (5 runs
+# on an H100, one 7B run on an H200: 26%): bounded at 30%. With gradient checkpointing the backward also recomputes
+# each layer (and re-casts its weights under autocast) between the gradients it makes: 40% and 41% on an H200 (a 7B
+# and a 1.1B shape, 2026-11-27, points the 30% bound missed by 0.9% and 0.8% of the device total): bounded at 45%.
+# Under LoRA it was 2-5% without checkpointing (3 runs on an H100): 10%; with it 15% (7B LoRA r16) and 6.5% (7B
+# QLoRA) on an H200: 20%.
 ALLOCATOR_FRAGMENTATION = 0.10
+ALLOCATOR_FRAGMENTATION_CHECKPOINTED = 0.20
 ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS = 0.30
+ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS_CHECKPOINTED = 0.45
 ALLOCATOR_SMALL_SEGMENTS = 20 * MIB
 # A share of the device kept free by default (hardware.headroom_gib=null): the bound the calibration
 # holds every point to on the low side (no estimate more than 2% under a measured peak).
@@ -684,15 +691,21 @@ def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int,
     return host + counts.total * wbytes
 
 
-def device_terms(plan: Plan, activations: int, temporaries: int, full_gradients: bool = True) -> Tuple[int, int, int, List[str]]:
+def device_terms(plan: Plan, activations: int, temporaries: int, full_gradients: bool = True,
+                 checkpointing: bool = False) -> Tuple[int, int, int, List[str]]:
     """What a CUDA device holds beyond live tensors: allocator reserve, context, an NCCL group's memory; and the names
-    of the terms that no measurement backs (the reserve, a bound from one card; the NCCL term with several processes).
+    of the terms that no measurement backs (the reserve, a bound from measured runs; the NCCL term with several
+    processes).
 
-    ``full_gradients``: the backward creates gradients of the whole model (not LoRA's adapters), which fragments more.
+    ``full_gradients``: the backward creates gradients of the whole model (not LoRA's adapters), which fragments more;
+    ``checkpointing``: it recomputes each layer among them, which fragments more again.
     """
     if plan.device != "cuda":
         return 0, 0, 0, []
-    fragmentation = ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS if full_gradients else ALLOCATOR_FRAGMENTATION
+    fragmentation = {(True, False): ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS,
+                     (True, True): ALLOCATOR_FRAGMENTATION_FULL_GRADIENTS_CHECKPOINTED,
+                     (False, False): ALLOCATOR_FRAGMENTATION,
+                     (False, True): ALLOCATOR_FRAGMENTATION_CHECKPOINTED}[full_gradients, checkpointing]
     reserve = int(fragmentation * (activations + temporaries)) + ALLOCATOR_SMALL_SEGMENTS
     nccl = plan.strategy == "deepspeed" or plan.world_size > 1
     communication = NCCL_PROCESS_GROUP_BYTES if nccl else 0
@@ -875,7 +888,8 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     # The engine's buffers are made when it wraps the model: after the model is built.
     allocated = phases[phase] + (0 if phase in before_engine else t.overhead) - outside
     reserve, context, communication, device_assumed = device_terms(plan, activations, backward_temporaries,
-                                                                   full_gradients=not cfg.memory_profile.use_lora)
+                                                                   full_gradients=not cfg.memory_profile.use_lora,
+                                                                   checkpointing=cfg.train.gradient_checkpointing)
     usable, headroom = usable_bytes(plan)
     peak = allocated + reserve + context + communication + outside
     return Estimate(
