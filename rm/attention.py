@@ -55,15 +55,31 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     window = kwargs.get("sliding_window")
     outputs = []
-    for i, (start, end) in enumerate(zip(segment_bounds[:-1], segment_bounds[1:])):
-        if segments_causal:
-            mask = windowed_causal(end - start, window, query.device) if window and end - start > window else None
-        else:
-            mask = segment_masks[i]
-        outputs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
-            dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
+    with _segment_kernels(query.device):
+        for i, (start, end) in enumerate(zip(segment_bounds[:-1], segment_bounds[1:])):
+            if segments_causal:
+                mask = windowed_causal(end - start, window, query.device) if window and end - start > window else None
+            else:
+                mask = segment_masks[i]
+            outputs.append(torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
+                dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _segment_kernels(device: torch.device):
+    """The SDPA kernels a segment may take: on a GPU, not cuDNN's. Its kernels are fast, but it builds an execution
+    graph for every new shape, and every segment of a packed row has a length of its own: on an H200 each call cost
+    2.6 ms of CPU time against 30 us of kernel (a prefix-shared packed 1B step took 4.65 s where the padded one
+    took 0.78, docs/gpu.md). Flash (a plain sequence's causal call, bf16) and memory-efficient attention (a pair's
+    mask, or fp32) take any length for free. A CPU keeps its own choice."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def windowed_causal(length: int, window: int, device) -> torch.Tensor:

@@ -153,3 +153,18 @@ def test_a_segment_longer_than_mistrals_sliding_window_keeps_the_window():
     # Without the window the same weights give other rewards: the window was applied, not idle.
     model.config.sliding_window = None
     assert not torch.allclose(rewards_and_grads(model, batch, split=True)[0], got, atol=1e-3)
+
+
+def test_segments_on_a_gpu_keep_off_cudnns_kernel_and_a_cpu_keeps_its_choice():
+    """cuDNN's SDPA builds a graph for every new shape, and each segment of a packed row has its own length (2.6 ms
+    of CPU a call on an H200): a GPU's segments take flash or memory-efficient attention. Read off the flags the
+    context sets (no GPU is needed to set them)."""
+    from rm.attention import _segment_kernels
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with _segment_kernels(torch.device("cuda", 0)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    with _segment_kernels(torch.device("cpu")):
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before

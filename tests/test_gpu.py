@@ -163,7 +163,8 @@ def test_two_processes_over_nccl(tmp_path, layout):
 @pytest.mark.parametrize("packed_kind", ["packed", "packed+shared"])
 def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     """On a GPU too, a packed row's SDPA runs a segment at a time (the flash kernel for a plain sequence), with the
-    rewards and gradients of the whole-row masked call (fp32)."""
+    rewards and gradients of the whole-row masked call (fp32), and never through cuDNN's kernel, which builds a
+    graph for each new length (rm.attention._segment_kernels)."""
     from rm.data.collator import PackedPairCollator, PrefixSharedCollator
     from rm.model import build_model
     from tests.test_attention import FEATURES as SEGMENTED, rewards_and_grads
@@ -174,10 +175,11 @@ def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     collator = PackedPairCollator() if packed_kind == "packed" else PrefixSharedCollator(packed=True)
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collator(SEGMENTED).items()}
     expected, expected_grads = rewards_and_grads(model, batch, split=False)
-    calls, original = [], torch.nn.functional.scaled_dot_product_attention
+    calls, cudnn, original = [], [], torch.nn.functional.scaled_dot_product_attention
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape[2])
+        cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
         return original(*args, **kwargs)
 
     torch.nn.functional.scaled_dot_product_attention = counting
@@ -186,6 +188,7 @@ def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
     assert len(calls) > model.config.num_hidden_layers and sum(calls) == batch["input_ids"].shape[1] * model.config.num_hidden_layers
+    assert not any(cudnn)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     for name in grads:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
