@@ -49,8 +49,13 @@ for name in $stages; do
   case $name in
     setup) ;;
     constants) stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json" ;;
-    tests) stage tests 100 python3 -m pytest -m gpu tests/test_gpu.py -q -rA -p no:cacheprovider --timeout 100 \
-             -o log_cli=false ${TESTS_K:+-k "$TESTS_K"} >"$out/gpu_tests.log" 2>&1
+    # Each failure's reason goes into the log as it happens (RM_TEST_FAILURES, tests/conftest.py); flex_attention's
+    # tests, whose compiles took minutes on the H200, run after the others.
+    tests) export RM_TEST_FAILURES="$out/gpu_tests.log"
+           stage tests 100 python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider --timeout 60 \
+             -o log_cli=false -k "${TESTS_K:-not flex_attention}" >>"$out/gpu_tests.log" 2>&1
+           [[ -z ${TESTS_K:-} ]] && stage tests-flex 60 python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider \
+             --timeout 50 -o log_cli=false -k flex_attention >>"$out/gpu_tests.log" 2>&1
            tail -40 "$out/gpu_tests.log" ;;
     # CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.
     calibration) stage calibration 210 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \

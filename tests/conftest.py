@@ -92,6 +92,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_runtest_logreport(report):
+    """With ``RM_TEST_FAILURES=FILE``, each failure's report is appended to FILE as it happens: a run stopped at a time
+    limit (a GPU session) keeps the reasons that the final summary would have printed (the H200 session lost one)."""
+    path = os.environ.get("RM_TEST_FAILURES")
+    if path and report.failed:
+        with open(path, "a") as out:
+            out.write(f"\n== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n")
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     deselected = sum("slow" in item.keywords for item in terminalreporter.stats.get("deselected", []))
     if deselected and "not slow" in (config.getoption("markexpr") or ""):
