@@ -4,6 +4,7 @@ The tiny model has 4 query heads on 2 key-value heads, so the grouped-query path
 Speed is measured by ``benchmarks/bench_vs_trl.py`` (docs/throughput.md), not here.
 """
 
+from contextlib import contextmanager
 from unittest import mock
 
 import pytest
@@ -49,22 +50,29 @@ def rewards_and_grads(model, batch, split: bool):
     return rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True)], ids=["packed", "packed+shared"])
-def test_one_sdpa_call_per_segment_gives_the_whole_rows_rewards_and_gradients(model, collator):
-    batch = collator(FEATURES)
-    expected, expected_grads = rewards_and_grads(model, batch, split=False)
-    calls = []
-    original = torch.nn.functional.scaled_dot_product_attention
+@contextmanager
+def counted_sdpa_calls():
+    """Every SDPA call made inside: ``(query length, whether cuDNN's kernel was allowed)`` each."""
+    calls, original = [], torch.nn.functional.scaled_dot_product_attention
 
     def counting(*args, **kwargs):
-        calls.append(args[0].shape[2])
+        calls.append((args[0].shape[2], torch.backends.cuda.cudnn_sdp_enabled()))
         return original(*args, **kwargs)
 
     torch.nn.functional.scaled_dot_product_attention = counting
     try:
-        got, grads = rewards_and_grads(model, batch, split=True)
+        yield calls
     finally:
         torch.nn.functional.scaled_dot_product_attention = original
+
+
+@pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True)], ids=["packed", "packed+shared"])
+def test_one_sdpa_call_per_segment_gives_the_whole_rows_rewards_and_gradients(model, collator):
+    batch = collator(FEATURES)
+    expected, expected_grads = rewards_and_grads(model, batch, split=False)
+    with counted_sdpa_calls() as called:
+        got, grads = rewards_and_grads(model, batch, split=True)
+    calls = [length for length, _ in called]
     segments = 2 * len(FEATURES) if isinstance(collator, PackedPairCollator) else len(FEATURES)
     layers = model.config.num_hidden_layers
     # It did split: one call per segment and layer, each over that segment's tokens only.

@@ -167,7 +167,7 @@ def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     graph for each new length (rm.attention._segment_kernels)."""
     from rm.data.collator import PackedPairCollator, PrefixSharedCollator
     from rm.model import build_model
-    from tests.test_attention import FEATURES as SEGMENTED, rewards_and_grads
+    from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls, rewards_and_grads
 
     cfg = to_run_config(compose_run(GPU_TINY + ["model.attn_implementation=sdpa"]))
     set_seed(0)
@@ -175,20 +175,11 @@ def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     collator = PackedPairCollator() if packed_kind == "packed" else PrefixSharedCollator(packed=True)
     batch = {k: v.cuda() if torch.is_tensor(v) else v for k, v in collator(SEGMENTED).items()}
     expected, expected_grads = rewards_and_grads(model, batch, split=False)
-    calls, cudnn, original = [], [], torch.nn.functional.scaled_dot_product_attention
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape[2])
-        cudnn.append(torch.backends.cuda.cudnn_sdp_enabled())
-        return original(*args, **kwargs)
-
-    torch.nn.functional.scaled_dot_product_attention = counting
-    try:
+    with counted_sdpa_calls() as calls:
         got, grads = rewards_and_grads(model, batch, split=True)
-    finally:
-        torch.nn.functional.scaled_dot_product_attention = original
-    assert len(calls) > model.config.num_hidden_layers and sum(calls) == batch["input_ids"].shape[1] * model.config.num_hidden_layers
-    assert not any(cudnn)
+    layers = model.config.num_hidden_layers
+    assert len(calls) > layers and sum(length for length, _ in calls) == batch["input_ids"].shape[1] * layers
+    assert not any(cudnn for _, cudnn in calls)
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     for name in grads:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
