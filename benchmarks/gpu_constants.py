@@ -7,7 +7,7 @@ faster on some cards):
 - matmul: an n x n x n product (2 n^3 FLOPs) in bf16, in fp32 with TF32 off and with TF32 on;
 - device memory: a device-to-device copy of 2 GiB, bytes read plus bytes written;
 - host link: pinned host-to-device and device-to-host copies of 1 GiB (what ZeRO-Offload moves each step);
-- ``plan_rates``: the tables ``rm.plan``'s step-time model reads (``rm.plan.constants.measure_cpu`` run on the GPU, at
+- ``plan_rates``: the tables ``rm.plan``'s step-time model reads (``rm.plan.constants.measure_rates`` run on the GPU, at
   a GPU's widths, micro-batch tokens, attention lengths and tensor sizes; each the best of its repeats): a
   projection's forward and backward by width and rows, masked SDPA forward and backward by call length,
   elementwise traffic by size, the fixed cost of an op and of a micro-batch, and dropout's draws.
@@ -87,9 +87,9 @@ def main() -> None:
         "device_memory_bytes_per_s": copy_bandwidth(),
         **host_bandwidth(),
     }
-    from rm.plan.constants import measure_cpu
+    from rm.plan.constants import measure_rates
 
-    figures["plan_rates"] = measure_cpu("cuda", widths=(1024, 2048, 4096), tokens=(1024, 4096, 16384),
+    figures["plan_rates"] = measure_rates("cuda", widths=(1024, 2048, 4096), tokens=(1024, 4096, 16384),
                                         lengths=(128, 256, 512, 1024, 2048), elementwise_mib=(16, 64, 256, 1024))
     for key, value in figures.items():
         if key == "plan_rates":

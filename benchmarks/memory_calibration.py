@@ -251,9 +251,10 @@ GPU_MODELS = {  # random weights built from the shape: the GPU machine cannot do
 def gpu_grid() -> list:
     """(model, profile, checkpointing, length, micro-batch, precision, extra overrides) for `--device cuda`.
 
-    Every profile at both checkpointing settings, each at another length, then the flagship's shapes. The last
-    point is one the estimate refuses on an 80 GB card (7B full fine-tune in bf16-mixed: fp32 weights, gradients
-    and AdamW states alone are 16 bytes a parameter): it must run out of memory there."""
+    Every profile at both checkpointing settings, each at another length, then the flagship's shapes. Point 15 is
+    one the estimate refuses on an 80 GB card (7B full fine-tune in bf16-mixed: fp32 weights, gradients and AdamW
+    states alone are 16 bytes a parameter): it must run out of memory there. Points 16-20 were added for the H200
+    (see below); point 18 is refused there and must run out of memory."""
     grid = []
     for profile in ["full", "lora", "8bit", "offload", "qlora"]:
         grid.append(("0.45B (Mistral-style)", profile, False, 512, 2, "bf16-mixed", []))

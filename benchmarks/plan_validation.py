@@ -131,7 +131,7 @@ def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dic
     shapes = step_micro_batches(lengths_cache[key], layout_of(t.packing, t.share_prefix), plan.micro_batch_size,
                                 plan.world_size, t.global_batch_size, t.seed, t.group_by_length,
                                 t.max_tokens_per_micro_batch, steps=steps,
-                                kernel=attention_kernel(cfg.model.attn_implementation, plan.device))
+                                kernel=attention_kernel(cfg.model.attn_implementation))
     return predict_step_seconds(cfg, plan, shapes, rates_for(plan.hardware, plan.device)).seconds
 
 
@@ -249,7 +249,7 @@ def write_doc(points: List[Point], out: Path, command: str, started: str, steps:
              "The load column is the 1-minute load average before and after each run (its own threads included). "
              "Predicted: `rm.plan.steptime.predict_step_seconds` with this machine's rates, measured at the start of "
              "the run (unless `--keep-rates`). "
-             "GPU constants are not validated here: no GPU measured them.", "", f"Rates: {_rates_in_words()}.", "",
+             "GPU constants are not validated here: rm.plan prices a GPU from its profile's datasheet figures.", "", f"Rates: {_rates_in_words()}.", "",
              f"**{len(ok)} configurations measured: Spearman rank correlation {rho:.3f}, median absolute error "
              f"{100 * median_error:.1f}%.**", "",
              "| group | model | data | procs | layout | steps | predicted s/step | measured s/step | error | load |",

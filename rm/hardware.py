@@ -13,15 +13,13 @@ GIB = 1024**3
 MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 
 
-def attention_kernel(attn_implementation: str, device: str) -> str:
-    """How the attention of a masked row is computed on this device: ``skips`` (masked blocks skipped), ``segments``
-    (a packed row's SDPA one sequence or pair at a time: ``rm.attention``) or ``square`` (the whole row: eager
-    attention). The step-time model and the memory estimate both follow it.
+def attention_kernel(attn_implementation: str) -> str:
+    """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (a packed row's
+    SDPA one sequence or pair at a time, on a CPU and a GPU alike: ``rm.attention``) or ``square`` (the whole row:
+    eager attention). The step-time model and the memory estimate both follow it.
 
-    >>> attention_kernel("sdpa", "cpu"), attention_kernel("sdpa", "cuda:0"), attention_kernel("flex_attention", "cuda")
-    ('segments', 'segments', 'skips')
-    >>> attention_kernel("eager", "cuda")
-    'square'
+    >>> attention_kernel("sdpa"), attention_kernel("flex_attention"), attention_kernel("eager")
+    ('segments', 'skips', 'square')
     """
     if attn_implementation in MASK_SKIPPING:
         return "skips"

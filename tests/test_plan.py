@@ -73,7 +73,7 @@ def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     fake = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]}, "attention": {"float32": [[256, 1e9]],
             "bfloat16": [[256, 1e9]]}, "memory": 1e10, "kernel_seconds": 1e-6}
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "measure_cpu", lambda: calls.append(1) or fake)
+    monkeypatch.setattr(constants, "measure_rates", lambda: calls.append(1) or fake)
     assert constants.cpu_rates() == fake and constants.cpu_rates() == fake
     assert len(calls) == 1
     assert list((tmp_path / "speed").glob("*.json"))

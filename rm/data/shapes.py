@@ -88,7 +88,7 @@ class BatchShapes:
             the config, every micro-batch counts as a later one).
         first_step_rest: the most rows and the longest row of the first step's other micro-batches (``None``:
             the first step has one micro-batch, or the shapes are the config's).
-        segment: packed layouts, the longest sequence (packed) or pair (packed+shared) a row holds: on a CPU SDPA
+        segment: packed layouts, the longest sequence (packed) or pair (packed+shared) a row holds: SDPA
             takes a packed row one of those at a time (``rm.attention``), and the longest bounds its transients.
             ``None``: not packed.
     """

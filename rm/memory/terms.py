@@ -778,9 +778,9 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     traced = traced_model(cfg, plan)
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
-    # A packed row on a CPU: SDPA a sequence (or pair) at a time, traced with every one as long as the longest.
+    # A packed row under SDPA: a sequence (or pair) at a time, traced with every one as long as the longest.
     segment = shapes.segment or 0
-    if not (t.packing and attention_kernel(cfg.model.attn_implementation, plan.device) == "segments") or segment >= seq_len:
+    if not (t.packing and attention_kernel(cfg.model.attn_implementation) == "segments") or segment >= seq_len:
         segment = 0
     act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
                                packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.train.padded,

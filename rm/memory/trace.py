@@ -582,7 +582,7 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
             position ids restart per sequence and transformers builds a block-diagonal mask.
         shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
         padded: row per pair, some row is padded (:attr:`rm.data.shapes.BatchShape.padded`).
-        segment: packed on a CPU, SDPA a ``segment``-token sequence (or pair) at a time (``rm.attention``); 0: the
+        segment: packed, SDPA a ``segment``-token sequence (or pair) at a time (``rm.attention``); 0: the
             row in one call.
 
     Returns:

@@ -1,7 +1,7 @@
 """The hardware's rates for the step-time model: a CUDA profile's datasheet figures, or a CPU's measured ones.
 
 A CPU reaches a fraction of its peak that depends on the size of the product and on the op, so its rates are
-measured on it (:func:`measure_cpu`, a few seconds): matmul FLOP/s (a projection's forward and backward) in fp32
+measured on it (:func:`measure_rates`, a few seconds): matmul FLOP/s (a projection's forward and backward) in fp32
 and bf16 at three widths a reward
 model's projections have and three micro-batch sizes (the rate of a model's width and micro-batch is interpolated
 between them), the attention
@@ -84,10 +84,10 @@ def _best(fn, seconds: float = 0.015, repeats: int = 3, sync=None) -> float:
     return best
 
 
-def measure_cpu(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATTENTION_LENGTHS,
-                elementwise_mib=ELEMENTWISE_MIB) -> Dict:
+def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATTENTION_LENGTHS,
+                  elementwise_mib=ELEMENTWISE_MIB) -> Dict:
     """Measure this CPU's rates (the figures :func:`cpu_rates` caches), or with ``device="cuda"`` a GPU's by the
-    same micro-benchmarks (``benchmarks/gpu_constants.py --plan``, at a GPU's widths and sizes).
+    same micro-benchmarks (``benchmarks/gpu_constants.py`` records them, at a GPU's widths and sizes).
 
     Returns:
         ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, length, FLOP/s], ...]}, "memory":
@@ -202,7 +202,7 @@ def cpu_rates(refresh: bool = False) -> Dict:
                 return json.loads(path.read_text())
             except (OSError, ValueError):
                 pass
-        measured = measure_cpu()
+        measured = measure_rates()
         try:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(measured, indent=1))

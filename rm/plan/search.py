@@ -431,7 +431,7 @@ class _Timer:
 
         t, p = c.cfg.train, c.plan
         key = (layout_of(t.packing, t.share_prefix), p.micro_batch_size, p.world_size, t.global_batch_size, t.seed,
-               t.group_by_length, t.max_tokens_per_micro_batch, attention_kernel(c.cfg.model.attn_implementation, p.device))
+               t.group_by_length, t.max_tokens_per_micro_batch, attention_kernel(c.cfg.model.attn_implementation))
         if key not in self.shapes:
             shapes = step_micro_batches(self.lengths, *key[:7], steps=self.steps, kernel=key[7])
             self.shapes[key] = shapes, hash(tuple(mb for step in shapes for rank in step for mb in rank)), {}

@@ -21,7 +21,7 @@ backward and prefetching are not credited, so it errs slow where a run overlaps 
 compute the whole ``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and
 the causal triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so
 they compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
-each answer against prefix + itself). SDPA on a CPU takes a packed row one segment at a time (``rm.attention``):
+each answer against prefix + itself). SDPA takes a packed row one segment at a time (``rm.attention``):
 each sequence's triangle, or each prefix-shared pair's square, for some ops more per segment.
 """
 
