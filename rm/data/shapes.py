@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -345,6 +345,23 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
             for rank, (shape, after, one, rest) in enumerate(zip(train, later, first, first_rest))]
 
 
+def largest_shape(found: Iterable[Optional[BatchShape]]) -> Optional[BatchShape]:
+    """The most rows, the longest row and the longest padded row of several shapes (``None`` among them passed over;
+    ``None`` where there are none).
+
+    >>> largest_shape([BatchShape(4, 9, padded_length=0), BatchShape(2, 7), None])
+    BatchShape(rows=4, length=9)
+    >>> largest_shape([BatchShape(4, 9, padded_length=0), BatchShape(2, 7)]).padded_length
+    7
+    """
+    found = [b for b in found if b is not None]
+    if not found:
+        return None
+    length = max(b.length for b in found)
+    padded = max(b.length if b.padded_length is None else b.padded_length for b in found)
+    return BatchShape(max(b.rows for b in found), length, None if padded >= length else padded)
+
+
 def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
     """The most rows and the longest row over several ranks' shapes (each possibly of a different rank).
 
@@ -357,14 +374,7 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
         >>> both.train.padded
         True
     """
-    def most(found):
-        found = [b for b in found if b is not None]
-        if not found:
-            return None
-        length = max(b.length for b in found)
-        padded = max(b.length if b.padded_length is None else b.padded_length for b in found)
-        return BatchShape(max(b.rows for b in found), length, None if padded >= length else padded)
-
+    most = largest_shape
     return BatchShapes(train=most(s.train for s in shapes), eval=most(s.eval for s in shapes),
                        accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by,
                        after_first_step=most(s.after_first_step for s in shapes),

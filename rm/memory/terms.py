@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from rm.config import LoraConfig, ModelConfig, RunConfig
 from rm.hardware import attention_kernel
@@ -831,6 +831,81 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
     return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
                              random_init=build)
                 for phase, first, recording in phases for shape in phase.variants()), key=lambda e: e.peak_bytes)
+
+
+def bounding_shapes(shapes: Sequence["BatchShapes"], segmented: bool) -> List["BatchShapes"]:
+    """Shapes whose estimates, on any rank, are at least that rank's own (:func:`estimate_run` at ``shapes[rank]``).
+
+    A rank's estimate is the largest over its micro-batches (its longest, its first, the rest of its first step, its
+    longest after the first step), each weighed with the optimizer states that exist by then, and its evaluation
+    forward. Each micro-batch weighs at most as much as one with the states, of at least its rows and length, and
+    padded where it is (a padded micro-batch weighs at least an unpadded one as long,
+    :attr:`rm.data.shapes.BatchShape.padded`), since the estimate grows with rows and length. So the largest
+    micro-batch of any rank, weighed with the states (``sized_by="bound"``: one phase, after the first step),
+    beside the largest evaluation forward, bounds every rank, with one exception: a packed row no longer than its
+    longest sequence is traced as one SDPA call under a whole-row mask, which weighs more than a row one token
+    longer taken a segment at a time (measured on a 7B LoRA shape at 512 tokens). Below and above the longest
+    sequence the estimate grows with the length, so the micro-batches on each side are bounded apart
+    (tests/test_estimate.py checks the growth and the bound on random shapes). ``segmented``: packed rows take SDPA a
+    segment at a time (:func:`activation_terms`).
+
+    Example: three ranks' packed rows of 30, 35 and 50 tokens, sequences of at most 40: the longest row (50), and
+    the longest of those at most 40 (35), which bounds the row of 30.
+        >>> from rm.data.shapes import BatchShape, BatchShapes
+        >>> ranks = [BatchShapes(BatchShape(1, n), None, False, "data", segment=40) for n in (30, 35, 50)]
+        >>> [b.train.length for b in bounding_shapes(ranks, segmented=True)]
+        [50, 35]
+        >>> [b.train.length for b in bounding_shapes(ranks, segmented=False)]
+        [50]
+    """
+    from rm.data.shapes import BatchShapes, largest_shape
+
+    micro = [m for s in shapes for m in (s.train, s.after_first_step, s.first_micro_batch, s.first_step_rest)
+             if m is not None]
+    segment = max((s.segment or 0 for s in shapes), default=0)
+    groups = [micro]
+    if segmented and segment:
+        groups = [[m for m in micro if m.length > segment], [m for m in micro if m.length <= segment]]
+    evaluation = largest_shape(s.eval for s in shapes)
+    accumulating = any(s.accumulating for s in shapes)
+    return [BatchShapes(train=largest_shape(group), eval=evaluation, accumulating=accumulating, sized_by="bound",
+                        segment=segment or None) for group in groups if group]
+
+
+def worst_rank_estimate(cfg: RunConfig, plan: Plan, shapes: Sequence["BatchShapes"]) -> Estimate:
+    """The largest of the ranks' estimates, each :func:`estimate_run` at its own shapes (``shapes``, in rank order):
+    the verdict :func:`rm.preflight.data_preflight` reaches, with fewer traces where there are several ranks.
+
+    Each trace costs about half a second, and eight ranks' shapes are mostly distinct. So every rank is first bounded
+    by the estimate at :func:`bounding_shapes` (the same few traces for all ranks; the rank still decides its ZeRO
+    partition), then ranks are estimated at their own shapes, highest bound first, until no rank left can exceed
+    the largest found (branch and bound: the answer is the largest estimate, not a bound of it).
+    """
+    from rm.data.shapes import largest_shape
+
+    if len(shapes) == 1:
+        return estimate_run(cfg, plan, shapes[0])
+    bounds = bounding_shapes(shapes, cfg.train.packing and attention_kernel(cfg.model.attn_implementation) == "segments")
+    ceiling = [max(estimate_run(cfg, plan, b, rank=r).peak_bytes for b in bounds) for r in range(len(shapes))]
+
+    def likeliest(r: int) -> tuple:
+        """The ranks likeliest to reach their bound first: the longest micro-batch (after the first step, where the
+        states exist), that micro-batch the bound's own, then the largest evaluation forward."""
+        def key(shape):
+            return None if shape is None else (shape.rows, shape.length, largest_shape([shape]).padded_length)
+
+        mine = shapes[r].after_first_step or shapes[r].train
+        return (-ceiling[r], -any(key(mine) == key(b.train) for b in bounds), -mine.rows * mine.length,
+                -any(key(shapes[r].eval) == key(b.eval) for b in bounds), r)
+
+    worst: Optional[Estimate] = None
+    for r in sorted(range(len(shapes)), key=likeliest):
+        if worst is not None and ceiling[r] <= worst.peak_bytes:
+            break
+        found = estimate_run(cfg, plan, shapes[r], rank=r)
+        if worst is None or found.peak_bytes > worst.peak_bytes:
+            worst = found
+    return worst
 
 
 def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool,

@@ -220,19 +220,17 @@ def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
 
 def verdict(candidate: Candidate, lengths: PairLengths) -> None:
     """The memory verdict ``rm.train`` would reach for this candidate on these lengths, filled in place."""
-    from rm.memory.terms import cannot_fit, estimate_run
+    from rm.memory.terms import cannot_fit, worst_rank_estimate
 
     c_cfg, c_plan = candidate.cfg, candidate.plan
     if cannot_fit(c_cfg, c_plan):
         candidate.verdict, candidate.note = "does not fit", "weights, gradients and optimizer states alone"
         return
-    shapes = memory_shapes(c_cfg, c_plan, lengths)
     try:
-        ranks = [estimate_run(c_cfg, c_plan, s, rank=r if len(shapes) > 1 else None) for r, s in enumerate(shapes)]
+        worst = worst_rank_estimate(c_cfg, c_plan, memory_shapes(c_cfg, c_plan, lengths))
     except ValueError as err:  # an attention implementation the trace cannot run
         candidate.verdict, candidate.note = "cannot be estimated", str(err)
         return
-    worst = max(ranks, key=lambda e: e.peak_bytes)
     candidate.peak_bytes, candidate.usable_bytes = worst.peak_bytes, worst.usable_bytes
     candidate.verdict = "fits" if worst.fits else "does not fit"
 
