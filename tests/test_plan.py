@@ -194,6 +194,37 @@ def test_trace_workers_reach_the_verdicts_of_this_process(tiny_cfg, tmp_path, mo
     assert here == by_workers and all(peak for _, _, peak in here)
 
 
+def test_the_search_decides_alike_with_verdicts_started_ahead_in_workers(tiny_cfg, tmp_path, monkeypatch):
+    """On a device where only some layouts fit, the search with two workers (verdicts started ahead) and in this
+    process (one at a time) reaches the same candidates with the same verdicts, and picks the same; a verdict
+    started ahead and not reached leaves its candidate unchecked."""
+    from rm.memory import trace
+    from rm.plan.lengths import PairLengths
+    from rm.plan.search import Checker, _Timer, candidates, check_fastest
+    from rm.validate import resolve_world_size
+
+    cfg = tiny_cfg("memory_profile=full", "hardware.device_memory_gib=0.02")
+    lengths = PairLengths.of(*MULTI_TURN)
+    found, _ = candidates(cfg, ["memory_profile=full"], resolve_world_size(cfg, launched=False))
+    timer = _Timer(lengths, _rates(), 4)
+    for c in found:
+        c.step = timer(c)
+    found.sort(key=lambda c: c.step.seconds)
+    decided = {}
+    for workers in (2, 1):
+        monkeypatch.setenv("RM_CACHE", str(tmp_path / str(workers)))
+        trace.clear_cache()
+        queue = [replace(c) for c in found]
+        with Checker(workers=workers) as checker:
+            if checker.workers < workers:
+                pytest.skip("one core or no forkserver: every verdict is computed in this process")
+            picked = check_fastest(queue, 3, lengths, replace(found[0], overrides=[]), checker)
+        decided[workers] = ([c.overrides for c in picked], [(c.overrides, c.verdict, c.peak_bytes) for c in queue])
+    assert decided[2] == decided[1]
+    verdicts = [v for _, v, _ in decided[1][1]]
+    assert len(decided[1][0]) == 3 and "does not fit" in verdicts and verdicts[-1] == "unchecked"
+
+
 def test_cached_only_raises_on_a_miss_and_reads_a_hit(tmp_path, monkeypatch):
     from rm.memory import trace
     from tests.test_activations import traced

@@ -328,8 +328,10 @@ class Checker:
             with contextlib.suppress(OSError, AttributeError):
                 server._stop()
 
-    def submit(self, batch: List[Candidate], lengths: PairLengths) -> "_Submitted":
-        """Start the verdicts of ``batch``: those whose traces are cached are found here and now."""
+    def submit(self, batch: List[Candidate], lengths: PairLengths, ahead: bool = False) -> Optional["_Submitted"]:
+        """Start the verdicts of ``batch``: those whose traces are cached are found here and now. ``ahead``: verdicts
+        that may not be needed, which never start the workers (a search whose traces are all cached would wait for
+        their imports to stop them): ``None`` where they would have to."""
         from rm.memory.trace import NotTraced, cached_only
 
         out = _Submitted(batch, [None] * len(batch))
@@ -341,6 +343,8 @@ class Checker:
                 out.sent.append(i)
         if out.sent:
             jobs = [(batch[i], lengths) for i in out.sent]
+            if ahead and self._starting is None:
+                return None
             if self._starting is None:
                 # Starting the workers waits for the forkserver's imports (seconds): a thread waits, and sends them
                 # these jobs, while this process goes on with its search.
@@ -390,32 +394,44 @@ def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given:
     """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
     layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
     verdict from ``given``, waiting for ``given_pending`` (its verdict, submitted to ``checker``) only when it is
-    reached. ``checker``: where verdicts are computed (default: in this process)."""
+    reached. ``checker``: where verdicts are computed (default: in this process).
+
+    The candidates are decided one at a time, in order, so the answer does not hang on which verdict comes back
+    first. With workers, the verdicts of the next candidates likely needed are started ahead (as many as still
+    have to fit, and one more), so that no worker waits for the slowest of a batch; a verdict started ahead and not
+    reached is left out (its candidate stays ``unchecked``)."""
     failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
     fitting: List[Candidate] = []
-    queue = list(queue)
-    order = list(queue)
     checker = checker or Checker(workers=1)
-    workers = checker.workers
-    while queue and len(fitting) < top:
-        batch = []
-        while queue and len(batch) < max(workers, top - len(fitting)):
-            c = queue.pop(0)
-            if c.size and c.family in failed and failed[c.family] <= c.size:
-                c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
-            elif not c.overrides:  # the config as given
-                if given_pending is not None:
-                    checker.apply(given_pending)
-                c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
-                fitting += [c] if c.fits else []
-            else:
-                batch.append(c)
-        for c in checker.apply(checker.submit(batch, lengths)):
-            if c.fits:
-                fitting.append(c)
-            elif c.size and c.verdict == "does not fit":
-                failed[c.family] = min(c.size, failed.get(c.family, c.size))
-    return sorted(fitting, key=order.index)[:top]
+    started: Dict[int, _Submitted] = {}  # id(candidate) -> its verdict, started
+
+    def inferred(c: Candidate) -> bool:
+        return bool(c.size) and c.family in failed and failed[c.family] <= c.size
+
+    for i, c in enumerate(queue):
+        if len(fitting) >= top:
+            break
+        if inferred(c):
+            c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
+            continue
+        if not c.overrides:  # the config as given
+            if given_pending is not None:
+                checker.apply(given_pending)
+            c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
+            fitting += [c] if c.fits else []
+            continue
+        ahead = 1 if checker.workers == 1 else max(checker.workers, top - len(fitting)) + 1
+        for d in [d for d in queue[i:] if d.overrides and not inferred(d)][:ahead]:
+            if id(d) not in started:
+                submitted = checker.submit([d], lengths, ahead=d is not c)
+                if submitted is not None:
+                    started[id(d)] = submitted
+        checker.apply(started.pop(id(c)))
+        if c.fits:
+            fitting.append(c)
+        elif c.size and c.verdict == "does not fit":
+            failed[c.family] = min(c.size, failed.get(c.family, c.size))
+    return fitting
 
 
 class _Timer:
