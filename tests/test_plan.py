@@ -322,6 +322,23 @@ def test_auto_layout_never_picks_what_does_not_fit(tiny_cfg):
     assert chosen is cfg and not choice.changed and "fits" in choice.reason
 
 
+def test_qlora_pays_for_unpacking_its_4bit_weights_in_every_pass_by_hand():
+    """QLoRA (the tiny model's 294,912 frozen weights in 4 bits, q_proj adapted) against the same LoRA: fp32, no
+    checkpointing, so each weight is unpacked twice (forward and backward), half a byte read and 4 bytes written an
+    element: 294,912 x 4.5 x 2 = 2,654,208 bytes, at the elementwise rate of a 32,768-element fp32 tensor (128 KiB:
+    1e9 bytes/s below the 1 MiB point); with checkpointing a third time."""
+    from rm.plan.steptime import micro_batch_seconds
+
+    rates = replace(_rates(), elementwise=[(2**20, 1e9), (2**26, 1e8)])
+    mb = MicroBatch(rows=2, length=16, tokens=32, attention=512, masked=False)
+    lora = model_work(128, 256, 2, 4, 2, 32, lora_rank=8, lora_targets=["q_proj"])
+    qlora = model_work(128, 256, 2, 4, 2, 32, lora_rank=8, lora_targets=["q_proj"], quantized=True)
+    for ckpt, passes in ((False, 2), (True, 3)):
+        plain, packed4 = (micro_batch_seconds(mb, w, ckpt, rates, "float32", 4) for w in (lora, qlora))
+        assert packed4["elementwise"] - plain["elementwise"] == pytest.approx(294_912 * 4.5 * passes / 1e9)
+        assert packed4["compute"] == plain["compute"]
+
+
 def test_fixed_costs_lora_dropout_and_shared_cores_by_hand():
     """A micro-batch's fixed cost is added once; LoRA dropout draws one number per adapted input element (q and v:
     2 layers x (128 + 128) = 512 a token), forward only without checkpointing; two processes on one CPU each compute

@@ -12,7 +12,8 @@ adapters and reward head included):
     seconds   = matmul FLOPs / matmul rate + attention FLOPs / attention rate
               + elementwise bytes / memory bandwidth + kernels x per-kernel overhead
 
-and once per step the optimizer's traffic over memory bandwidth (host memory and the host link when
+QLoRA's 4-bit weights are unpacked into the compute dtype for each forward, backward and recompute (elementwise
+traffic of ``P_f x (0.5 + compute bytes)`` a pass), and once per step the optimizer's traffic over memory bandwidth (host memory and the host link when
 ZeRO-Offload steps on the CPU), and the collectives' bytes over the link (ring all-reduce ``2 (n-1)/n`` of the
 bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model: communication behind the
 backward and prefetching are not credited, so it errs slow where a run overlaps well.
@@ -142,6 +143,9 @@ class ModelWork:
         width: the hidden size, which the CPU's measured matmul rate is looked up at.
         dropout: input elements a token's LoRA dropout draws for, all layers (0 without dropout).
         layers: decoder layers.
+        dequantised: frozen weights stored in 4 bits (QLoRA), each unpacked into the compute dtype for every matmul
+            that uses it; 0 otherwise.
+        largest_weight: the elements of the largest projection (what one dequantisation writes).
     """
 
     trained: int
@@ -152,6 +156,8 @@ class ModelWork:
     width: int
     dropout: int = 0
     layers: int = 1
+    dequantised: int = 0
+    largest_weight: int = 0
 
 
 # Ops a decoder layer's forward launches (norms, projections, RoPE, attention, the MLP, residual adds, views); the
@@ -163,13 +169,14 @@ OPTIMIZER_KERNELS = 10
 
 def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, head_dim: int,
                lora_rank: Optional[int] = None, lora_targets: Sequence[str] = (), bias: bool = False,
-               lora_dropout: float = 0.0) -> ModelWork:
+               lora_dropout: float = 0.0, quantized: bool = False) -> ModelWork:
     """The work of a Mistral/Llama/Qwen2 reward model (one score per position).
 
     Elementwise elements per token and layer: two RMSNorms (read h, write h), RoPE on q and k (read and write
     q + kv), two residual adds (read 2h, write h), SiLU (read i, write i) and the gate product (read 2i, write i):
     ``10 h + 2 (q + kv) + 5 i``. Kernels per layer: 30, and 4 more for each LoRA-wrapped linear (dropout, A, B,
-    the scaled add). With LoRA dropout, each adapted linear draws one random number per input element.
+    the scaled add). With LoRA dropout, each adapted linear draws one random number per input element. ``quantized``: the frozen projections are
+    stored in 4 bits (QLoRA).
 
     Example (the tiny model: hidden 128, intermediate 256, 2 layers, 4 heads, 2 KV heads of 32):
     a layer's projections hold 128x128 + 2 x 128x64 + 128x128 + 3 x 128x256 = 147,456 weights, the head 128;
@@ -182,6 +189,9 @@ def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads
         (7296, 294912)
         >>> model_work(128, 256, 2, 4, 2, 32, 8, ["q_proj", "down_proj"], lora_dropout=0.05).dropout  # 2 x (128+256)
         768
+        >>> q = model_work(128, 256, 2, 4, 2, 32, 8, ["q_proj"], quantized=True)
+        >>> q.dequantised, q.largest_weight  # every frozen projection; the MLP's 128 x 256
+        (294912, 32768)
     """
     q, kv = heads * head_dim, kv_heads * head_dim
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
@@ -197,7 +207,8 @@ def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads
     adapted = [t for t in lora_targets if t in shapes] if lora_rank is not None else []
     kernels = layers * (LAYER_KERNELS + 4 * len(adapted))
     dropout = layers * sum(shapes[t][0] for t in adapted) if lora_dropout > 0 else 0
-    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden, dropout, layers)
+    return ModelWork(trained, frozen, layers * heads * head_dim, elementwise, kernels, hidden, dropout, layers,
+                     dequantised=frozen if quantized else 0, largest_weight=max(i * o for i, o in shapes.values()))
 
 
 def micro_batch_flops(mb: MicroBatch, work: ModelWork, checkpointing: bool) -> Dict[str, int]:
@@ -443,7 +454,13 @@ def micro_batch_seconds(mb: MicroBatch, work: ModelWork, checkpointing: bool, ra
     draws = mb.computed * work.dropout * (1 + again) / rates.dropout if rates.dropout else 0.0
     # priced by the size of a hidden-wide activation of this micro-batch (the norms', residuals' and RoPE's tensors)
     traffic = rates.elementwise_rate(mb.computed * work.width * act_bytes)
-    return {"compute": compute, "elementwise": elementwise / traffic + draws,
+    # QLoRA: bitsandbytes unpacks each 4-bit weight (half a byte an element, with its block scales) into a fresh
+    # compute-dtype copy for the forward's matmul and again for the backward's (and the recompute's), whatever the
+    # micro-batch's size: a weight-sized write priced at the rate of a tensor that large.
+    dequantise = work.dequantised * (0.5 + act_bytes) * (2 + again)
+    if dequantise:
+        dequantise /= rates.elementwise_rate(work.largest_weight * act_bytes)
+    return {"compute": compute, "elementwise": elementwise / traffic + draws + dequantise,
             "kernels": kernels * rates.kernel_seconds + rates.micro_batch_seconds,
             "flops": flops["matmul"] + flops["attention"]}
 
@@ -496,7 +513,7 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
     head_dim = m.head_dim or m.hidden_size // m.num_attention_heads
     work = model_work(m.hidden_size, m.intermediate_size, m.num_hidden_layers, m.num_attention_heads,
                       m.num_key_value_heads, head_dim, lora.r if lora else None, lora.target_modules if lora else (),
-                      lora_dropout=lora.dropout if lora else 0.0)
+                      lora_dropout=lora.dropout if lora else 0.0, quantized=profile.quantize_base != "none")
     dtype = "float32" if numerics.compute == "float32" else "bfloat16"  # fp16 runs at the bf16 rate
     act_bytes = BYTES[numerics.compute]
     ckpt = cfg.train.gradient_checkpointing
