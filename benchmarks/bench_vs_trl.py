@@ -51,6 +51,7 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -516,42 +517,53 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
         flops = {shared: sum(pair_flops(p, model, shared, SETUP.lora) for p in data["train"]) / len(data["train"])
                  for shared in (False, True)}
     results = saved.setdefault(name, {"about": about, "gpu": gpu_name, "setup": SETUP.__dict__, "results": {}})["results"]
-    for trainer in ["TRL RewardTrainer", *VARIANTS]:
-        if args.only and trainer not in args.only and trainer != "TRL RewardTrainer":
-            continue
-        env = dict(os.environ)
-        if args.profile_dir:  # a diagnostic of rm's rows: where each one's time goes, not a comparison
-            if trainer.startswith("TRL"):
+    turns: Dict[str, List[dict]] = {}
+    rows = [t for t in VARIANTS if not args.only or t in args.only]
+    # TRL once; rm's rows --repeat turns each, in an order reversed every other turn (a machine's drift over the
+    # run then falls on every row alike), each row reported by its turn of median step time.
+    for turn in range(args.repeat):
+        for trainer in (["TRL RewardTrainer"] if turn == 0 else []) + (rows if turn % 2 == 0 else rows[::-1]):
+            env = dict(os.environ)
+            if args.profile_dir:  # a diagnostic of rm's rows: where each one's time goes, not a comparison
+                if trainer.startswith("TRL"):
+                    continue
+                slug = "".join(ch if ch.isalnum() else "_" for ch in trainer).strip("_")[:60]
+                env["RM_BENCH_PROFILE"] = str(Path(args.profile_dir).resolve() / f"profile_{name}_{slug}.txt")
+            out = tmp / "result.json"
+            load = os.getloadavg()[0]
+            print(f"  running {trainer} (1-minute load average {load:.2f}) ...", flush=True)
+            done = subprocess.run([sys.executable, __file__, "--child", "trl" if trainer.startswith("TRL") else trainer,
+                                   "--data-file", str(path), "--out", str(out), "--threads", str(args.threads),
+                                   "--steps", str(SETUP.steps), "--setup", args.setup], cwd=ROOT, capture_output=True,
+                                  text=True, env=env)
+            if done.returncode:
+                if trainer.startswith("TRL") or SETUP.hardware == "cpu":
+                    sys.exit(f"{trainer} failed:\n{done.stderr[-4000:]}")
+                results[trainer] = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+                print(f"    failed: {done.stderr[-3000:]}", flush=True)
                 continue
-            slug = "".join(ch if ch.isalnum() else "_" for ch in trainer).strip("_")[:60]
-            env["RM_BENCH_PROFILE"] = str(Path(args.profile_dir).resolve() / f"profile_{name}_{slug}.txt")
-        out = tmp / "result.json"
-        load = os.getloadavg()[0]
-        print(f"  running {trainer} (1-minute load average {load:.2f}) ...", flush=True)
-        done = subprocess.run([sys.executable, __file__, "--child", "trl" if trainer.startswith("TRL") else trainer,
-                               "--data-file", str(path), "--out", str(out), "--threads", str(args.threads),
-                               "--steps", str(SETUP.steps), "--setup", args.setup], cwd=ROOT, capture_output=True, text=True,
-                              env=env)
-        if done.returncode:
-            if trainer.startswith("TRL") or SETUP.hardware == "cpu":
-                sys.exit(f"{trainer} failed:\n{done.stderr[-4000:]}")
-            results[trainer] = {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
-            print(f"    failed: {done.stderr[-3000:]}", flush=True)
-            continue
-        results[trainer] = {**json.loads(out.read_text()), "load": (load + os.getloadavg()[0]) / 2}
-        r = results[trainer]
-        if peak:
-            r["model_flops_per_pair"] = flops["prefix-shared" in trainer]
-            r["mfu"] = r["pairs_per_s"] * r["model_flops_per_pair"] / peak
-        if args.out_json:
-            Path(args.out_json).write_text(json.dumps(saved, indent=1))
-        print(f"    {r['pairs_per_s']:.2f} pairs/s, {r['tokens_per_s']:,.0f} real tokens/s, {r['step_s']:.3f} s/step, "
-              f"peak RSS {r['peak_rss_mib']:,.0f} MiB" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
-              + (f", eval accuracy {r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else ""), flush=True)
+            r = {**json.loads(out.read_text()), "load": (load + os.getloadavg()[0]) / 2}
+            if peak:
+                r["model_flops_per_pair"] = flops["prefix-shared" in trainer]
+                r["mfu"] = r["pairs_per_s"] * r["model_flops_per_pair"] / peak
+            turns.setdefault(trainer, []).append(r)
+            ordered = sorted(turns[trainer], key=lambda x: x["step_s"])
+            results[trainer] = {**ordered[(len(ordered) - 1) // 2], "turns_step_s": [x["step_s"] for x in turns[trainer]]}
+            if args.out_json:
+                Path(args.out_json).write_text(json.dumps(saved, indent=1))
+            print(f"    {r['pairs_per_s']:.2f} pairs/s, {r['tokens_per_s']:,.0f} real tokens/s, {r['step_s']:.3f} s/step, "
+                  f"peak RSS {r['peak_rss_mib']:,.0f} MiB" + (f", MFU {100 * r['mfu']:.1f}%" if r.get("mfu") else "")
+                  + (f", eval accuracy {r['eval_accuracy']:.3f}" if r["eval_accuracy"] is not None else ""), flush=True)
+    results = {t: results[t] for t in ["TRL RewardTrainer", *rows] if t in results}  # the table's order
+    saved[name]["results"] = results
     if args.profile_dir:
         return f"### {name} data: profiles in {args.profile_dir}\n"
     picked = [f"`{r['layout']}`" for r in results.values() if r.get("layout")]
     note = f"\n\nThe no-layout-flags row chose: {'; '.join(picked)}." if picked else ""
+    if args.repeat > 1:
+        note += (f"\n\nEach rm row ran {args.repeat} turns (TRL once) and is reported by its turn of median step time; "
+                 "the turns' step times (s): " + "; ".join(f"{t}: {', '.join(f'{x:.3f}' for x in r['turns_step_s'])}"
+                                                          for t, r in results.items() if len(r.get("turns_step_s", [])) > 1) + ".")
     return f"### {name} data\n\n{about}.\n\n{table(results)}{note}\n"
 
 
@@ -566,6 +578,8 @@ def main() -> None:
     parser.add_argument("--write-doc", action="store_true", help="write the tables into docs/throughput.md")
     parser.add_argument("--out-json", help="every result as JSON, rewritten after each trainer")
     parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table); TRL always runs")
+    parser.add_argument("--repeat", type=int, default=1, help="turns of each rm row (TRL runs once), reported by the "
+                        "median step time: rows closer than one run's noise (about 10%% here) need several")
     parser.add_argument("--profile-dir", help="run rm's rows under torch.profiler (no TRL row) and write each one's "
                         "kernel table here: where a step's time goes (short runs: --steps 6)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
