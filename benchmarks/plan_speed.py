@@ -95,7 +95,9 @@ def summary(values: List[float]) -> str:
 
 
 def write_doc(rows: List[Dict], out: Path, runs: int, started: str) -> None:
-    lines = ["# How long `python -m rm.plan` takes", "", "```", f"python benchmarks/plan_speed.py --neighbours --runs {runs} --out {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}", "```", "",
+    where = out.relative_to(ROOT) if out.is_relative_to(ROOT) else out
+    lines = ["# How long `python -m rm.plan` takes", "", "```",
+             f"python benchmarks/plan_speed.py --neighbours --runs {runs} --out {where}", "```", "",
              f"Measured {started} on this {os.cpu_count()}-core CPU, each command a fresh process, {runs} cold runs (no "
              "trace cached) and as many warm ones (the traces of the run before cached), alternating; seconds as "
              "median (minimum-maximum). Load: the 1-minute load average before the runs, lowest-highest (the runs' "

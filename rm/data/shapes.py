@@ -374,10 +374,9 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
         >>> both.train.padded
         True
     """
-    most = largest_shape
-    return BatchShapes(train=most(s.train for s in shapes), eval=most(s.eval for s in shapes),
+    return BatchShapes(train=largest_shape(s.train for s in shapes), eval=largest_shape(s.eval for s in shapes),
                        accumulating=any(s.accumulating for s in shapes), sized_by=shapes[0].sized_by,
-                       after_first_step=most(s.after_first_step for s in shapes),
-                       first_micro_batch=most(s.first_micro_batch for s in shapes),
-                       first_step_rest=most(s.first_step_rest for s in shapes),
+                       after_first_step=largest_shape(s.after_first_step for s in shapes),
+                       first_micro_batch=largest_shape(s.first_micro_batch for s in shapes),
+                       first_step_rest=largest_shape(s.first_step_rest for s in shapes),
                        segment=max((s.segment for s in shapes if s.segment is not None), default=None))

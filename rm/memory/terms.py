@@ -846,8 +846,8 @@ def bounding_shapes(shapes: Sequence["BatchShapes"], segmented: bool) -> List["B
     longest sequence is traced as one SDPA call under a whole-row mask, which weighs more than a row one token
     longer taken a segment at a time (measured on a 7B LoRA shape at 512 tokens). Below and above the longest
     sequence the estimate grows with the length, so the micro-batches on each side are bounded apart
-    (tests/test_estimate.py checks the growth and the bound on random shapes). ``segmented``: packed rows take SDPA a
-    segment at a time (:func:`activation_terms`).
+    (tests/test_worst_rank.py checks the growth and the bound on random shapes). ``segmented``: packed rows take SDPA
+    a segment at a time (:func:`activation_terms`).
 
     Example: three ranks' packed rows of 30, 35 and 50 tokens, sequences of at most 40: the longest row (50), and
     the longest of those at most 40 (35), which bounds the row of 30.

@@ -55,6 +55,7 @@ def format_plan(result, label: str) -> str:
 
 
 def main() -> None:
+    import gc
     import json
     import logging
     import os
@@ -99,8 +100,7 @@ def main() -> None:
         if code is not None and not isinstance(code, int):
             print(code, file=sys.stderr)
             code = 1
-        import gc
-        gc.collect()
+        gc.collect()  # the workers' pool first: its semaphores unregistered, or the resource tracker warns
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

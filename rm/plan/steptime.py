@@ -13,10 +13,10 @@ adapters and reward head included):
               + elementwise bytes / memory bandwidth + kernels x per-kernel overhead
 
 QLoRA's 4-bit weights are unpacked into the compute dtype for each forward, backward and recompute (elementwise
-traffic of ``P_f x (0.5 + compute bytes)`` a pass), and once per step the optimizer's traffic over memory bandwidth (host memory and the host link when
-ZeRO-Offload steps on the CPU), and the collectives' bytes over the link (ring all-reduce ``2 (n-1)/n`` of the
-bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model: communication behind the
-backward and prefetching are not credited, so it errs slow where a run overlaps well.
+traffic of ``P_f x (0.5 + compute bytes)`` a pass), and once per step the optimizer's traffic over memory bandwidth
+(host memory and the host link when ZeRO-Offload steps on the CPU), and the collectives' bytes over the link (ring
+all-reduce ``2 (n-1)/n`` of the bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model:
+communication behind the backward and prefetching are not credited, so it errs slow where a run overlaps well.
 
 ``S`` follows the layout and the kernel (:func:`micro_batch`, :func:`rm.hardware.attention_kernel`). SDPA and eager attention
 compute the whole ``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and
@@ -175,8 +175,8 @@ def model_work(hidden: int, intermediate: int, layers: int, heads: int, kv_heads
     Elementwise elements per token and layer: two RMSNorms (read h, write h), RoPE on q and k (read and write
     q + kv), two residual adds (read 2h, write h), SiLU (read i, write i) and the gate product (read 2i, write i):
     ``10 h + 2 (q + kv) + 5 i``. Kernels per layer: 30, and 4 more for each LoRA-wrapped linear (dropout, A, B,
-    the scaled add). With LoRA dropout, each adapted linear draws one random number per input element. ``quantized``: the frozen projections are
-    stored in 4 bits (QLoRA).
+    the scaled add). With LoRA dropout, each adapted linear draws one random number per input element.
+    ``quantized``: the frozen projections are stored in 4 bits (QLoRA).
 
     Example (the tiny model: hidden 128, intermediate 256, 2 layers, 4 heads, 2 KV heads of 32):
     a layer's projections hold 128x128 + 2 x 128x64 + 128x128 + 3 x 128x256 = 147,456 weights, the head 128;
