@@ -808,15 +808,34 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
             default, counts the build, a first run's peak (:func:`random_init_build_bytes`).
     """
     shapes = shapes or worst_case_shapes(cfg, plan)
-    later = shapes.after_first_step
-    # torch's, bitsandbytes' and DeepSpeed's optimizers make their moments at their first step (DeepSpeed its master
-    # and gradient partitions at initialize). Where the first step's micro-batches are the largest, they run without
-    # them (measured: a 2-step DDP run whose longest micro-batch was in its first step peaked 13% below that
-    # micro-batch with the states; a ZeRO-3 rank 16% below). The run's very first micro-batch is lighter still under
-    # ZeRO-3, which gathers one module at a time while it records its trace (:func:`zero3_backward_bytes`).
-    train = shapes.train
+    build = 0 if random_init_cached or cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained else \
+        random_init_build_bytes(cfg.model)
+    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
+                             random_init=build)
+                for shape, first, recording in micro_batch_phases(shapes)), key=lambda e: e.peak_bytes)
+
+
+def micro_batch_phases(shapes: "BatchShapes") -> List[Tuple["BatchShape", bool, bool]]:
+    """The micro-batches :func:`estimate_run` weighs, as ``(shape, first step, recording)``: each phase at its
+    longest micro-batch and, where that one is unpadded, at its longest padded one too.
+
+    torch's, bitsandbytes' and DeepSpeed's optimizers make their moments at their first step (DeepSpeed its master
+    and gradient partitions at initialize). Where the first step's micro-batches are the largest, they run without
+    them (measured: a 2-step DDP run whose longest micro-batch was in its first step peaked 13% below that
+    micro-batch with the states; a ZeRO-3 rank 16% below). The run's very first micro-batch is lighter still under
+    ZeRO-3, which gathers one module at a time while it records its trace (:func:`zero3_backward_bytes`).
+
+    Example: a first micro-batch of 2 x 40 tokens, the rest of the first step 2 x 20, later steps 2 x 30 (where
+    the later steps hold the longest, they alone are weighed: with the states, they bound the first):
+        >>> from rm.data.shapes import BatchShape, BatchShapes
+        >>> s = BatchShapes(BatchShape(2, 40), None, True, "data", after_first_step=BatchShape(2, 30),
+        ...                 first_micro_batch=BatchShape(2, 40), first_step_rest=BatchShape(2, 20))
+        >>> [(b.length, first, recording) for b, first, recording in micro_batch_phases(s)]
+        [(40, True, True), (20, True, False), (30, False, False)]
+    """
+    later, train = shapes.after_first_step, shapes.train
     if shapes.sized_by != "data" or (later == train and later.padded_length == train.padded_length):
-        phases = [(train, False, False)]  # (shape, first step, recording)
+        phases = [(train, False, False)]
     else:
         if shapes.first_micro_batch is None:  # shapes made without the first micro-batch apart: the first step whole
             phases = [(train, True, False)]
@@ -825,12 +844,43 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
                                                                  if shapes.first_step_rest is not None else [])
         if later is not None:  # else a one-step run
             phases.append((later, False, False))
-    # Each phase at its longest micro-batch and, where that one is unpadded, at its longest padded one too.
-    build = 0 if random_init_cached or cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained else \
-        random_init_build_bytes(cfg.model)
-    return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
-                             random_init=build)
-                for phase, first, recording in phases for shape in phase.variants()), key=lambda e: e.peak_bytes)
+    return [(shape, first, recording) for phase, first, recording in phases for shape in phase.variants()]
+
+
+def outweighs(heavier: Sequence["BatchShapes"], lighter: Sequence["BatchShapes"], segmented: bool) -> bool:
+    """Whether the estimate of a run at ``heavier``'s shapes (per rank) is at least that of the same run at
+    ``lighter``'s on every rank, without a trace: a layout that does not fit then makes any it is outweighed by
+    not fit either (``rm.plan`` infers those verdicts).
+
+    It is when each micro-batch :func:`estimate_run` weighs on ``lighter``'s rank (:func:`micro_batch_phases`) has
+    one on ``heavier``'s of at least its rows and length, padded where it is, weighed with the optimizer states
+    where it is and not lighter for ZeRO-3's recording; their evaluation forwards as large; and gradients
+    accumulated alike. The estimate grows with a micro-batch's rows and length, and a padded micro-batch weighs at
+    least an unpadded one as long (:func:`bounding_shapes` rests on the same, and tests/test_worst_rank.py checks it),
+    except across a packed row's longest sequence where ``segmented``: there the two must lie on the same side.
+
+    Example: one rank, a step of one micro-batch of 4 x 50 tokens against one of 2 x 40, and of 4 x 30:
+        >>> from rm.data.shapes import BatchShape, BatchShapes
+        >>> def one(rows, length):
+        ...     return [BatchShapes(BatchShape(rows, length), BatchShape(8, 64), False, "config")]
+        >>> outweighs(one(4, 50), one(2, 40), segmented=False), outweighs(one(4, 30), one(2, 40), segmented=False)
+        (True, False)
+    """
+    def covers(a: "BatchShape", b: "BatchShape", segment: int) -> bool:
+        same_side = not segment or (a.length > segment) == (b.length > segment)
+        return a.rows >= b.rows and a.length >= b.length and (a.padded or not b.padded) and same_side
+
+    def rank(a: "BatchShapes", b: "BatchShapes") -> bool:
+        if (a.accumulating, a.sized_by, a.segment) != (b.accumulating, b.sized_by, b.segment):
+            return False
+        if b.eval is not None and (a.eval is None or not covers(a.eval, b.eval, 0)):
+            return False
+        segment = (b.segment or 0) if segmented else 0
+        mine = micro_batch_phases(a)
+        return all(any(covers(sa, sb, segment) and (fb or not fa) and (ra <= rb) for sa, fa, ra in mine)
+                   for sb, fb, rb in micro_batch_phases(b))
+
+    return len(heavier) == len(lighter) and all(rank(a, b) for a, b in zip(heavier, lighter))
 
 
 def bounding_shapes(shapes: Sequence["BatchShapes"], segmented: bool) -> List["BatchShapes"]:

@@ -13,8 +13,10 @@ are skipped). Its verdict is the memory estimate ``rm.train`` decides by (:func:
 at the largest micro-batches the data forms, every rank). Tracing costs about half a second a shape, so the
 candidates are checked fastest first, until ``plan.top`` fit, and, apart, until one of each profile that changes
 what trains fits, among its layouts predicted faster than the pick (all of them where none fits: another profile
-is worth its change for speed or for a fit). A slower one is left unchecked, and one whose layout already failed at a
-smaller micro-batch (both accumulating, so activations only grow) is inferred not to fit; each is marked so.
+is worth its change for speed or for a fit). A slower one is left unchecked, and one whose micro-batches outweigh
+those of a layout that did not fit (the same model and engine; the estimate only grows with the micro-batches) is
+inferred not to fit; each is marked so. Where the fastest layouts do not fit (a small card), the search traces the
+lightest of them predicted not to fit, whose failure decides every layout that outweighs it (:class:`_Search`).
 """
 
 from __future__ import annotations
@@ -65,6 +67,9 @@ class Candidate:
     family: Tuple = field(default=(), repr=False)
     size: int = 0  # the micro-batch (accumulating), what the family's verdicts are ordered by; 0: not ordered
     signature: int = field(default=0, repr=False)  # the micro-batches it forms (equal: the same batches)
+    activation_bytes: Optional[int] = field(default=None, repr=False)  # the traced activations of its estimate
+    shapes: Optional[list] = field(default=None, repr=False)  # per rank, the micro-batches its estimate weighs
+    group: str = field(default="", repr=False)  # what its estimate depends on besides its shapes (_Search.group)
 
     @property
     def fits(self) -> bool:
@@ -232,13 +237,14 @@ def verdict(candidate: Candidate, lengths: PairLengths) -> None:
         candidate.verdict, candidate.note = "cannot be estimated", str(err)
         return
     candidate.peak_bytes, candidate.usable_bytes = worst.peak_bytes, worst.usable_bytes
+    candidate.activation_bytes = worst.activations
     candidate.verdict = "fits" if worst.fits else "does not fit"
 
 
 def _verdict_job(job: Tuple[Candidate, PairLengths]) -> Tuple:
     c, lengths = job
     verdict(c, lengths)
-    return c.verdict, c.note, c.peak_bytes, c.usable_bytes
+    return c.verdict, c.note, c.peak_bytes, c.usable_bytes, c.activation_bytes
 
 
 def _worker_started(environ: Dict[str, str], cwd: str) -> None:
@@ -373,7 +379,7 @@ class Checker:
             for i, result in zip(submitted.sent, pending.get()):
                 submitted.results[i] = result
         for c, result in zip(submitted.batch, submitted.results):
-            c.verdict, c.note, c.peak_bytes, c.usable_bytes = result
+            c.verdict, c.note, c.peak_bytes, c.usable_bytes, c.activation_bytes = result
         return submitted.batch
 
 
@@ -389,48 +395,167 @@ class _Submitted:
     applied: bool = False
 
 
+class _Search:
+    """What :func:`check_fastest` knows as it goes: the verdicts traced so far (``failures`` those that did not fit,
+    ``points`` each memory group's peaks), from which a verdict is inferred or a probe picked. A memory group is a
+    set of candidates that differ only in how the same pairs are cut into micro-batches (micro-batch size, grouping,
+    token budget): the same model, engine and numerics, estimated alike but at other shapes."""
+
+    def __init__(self, lengths: PairLengths):
+        self.lengths = lengths
+        self.failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
+        self.failures: List[Candidate] = []
+        self.points: Dict[str, List[Tuple[int, int, int, int]]] = {}  # group -> (tokens, peak, activations, usable)
+
+    @staticmethod
+    def group(c: Candidate) -> str:
+        if not c.group:
+            t = replace(c.cfg.train, micro_batch_size=0, group_by_length=False, max_tokens_per_micro_batch=0)
+            plan = replace(c.plan, micro_batch_size=0, warnings=(),
+                           gradient_accumulation_steps=min(c.plan.gradient_accumulation_steps, 2))
+            c.group = repr((replace(c.cfg, train=t), plan))
+        return c.group
+
+    def shapes(self, c: Candidate) -> list:
+        if c.shapes is None:
+            c.shapes = memory_shapes(c.cfg, c.plan, self.lengths)
+        return c.shapes
+
+    def tokens(self, c: Candidate) -> int:
+        from rm.memory.terms import micro_batch_phases
+
+        return max(b.rows * b.length for s in self.shapes(c) for b, _, _ in micro_batch_phases(s))
+
+    def outweighs(self, heavier: Candidate, lighter: Candidate) -> bool:
+        from rm.memory.terms import outweighs
+
+        if self.group(heavier) != self.group(lighter):
+            return False
+        segmented = heavier.cfg.train.packing and attention_kernel(heavier.cfg.model.attn_implementation) == "segments"
+        return outweighs(self.shapes(heavier), self.shapes(lighter), segmented)
+
+    def inferred(self, c: Candidate, failures: Sequence[Candidate] = ()) -> Optional[str]:
+        """Why ``c`` cannot fit, known without its trace (``failures``: more taken as not fitting); else None."""
+        if c.size and c.family in self.failed and self.failed[c.family] <= c.size:
+            return f"train.micro_batch_size={self.failed[c.family]} of this layout does not"
+        for f in [*self.failures, *failures]:
+            if f is not c and self.outweighs(c, f):
+                return f"its micro-batches outweigh those of {' '.join(f.overrides) or 'the config as given'}, " \
+                       "which does not"
+        return None
+
+    def predicted(self, c: Candidate) -> Optional[Tuple[int, int]]:
+        """A guess at ``c``'s peak and its usable memory, from the traced peak of its group nearest in tokens
+        (activations scaled by tokens), to pick a probe by; never a verdict. None before its group's first trace."""
+        points = self.points.get(self.group(c))
+        if not points:
+            return None
+        tokens = self.tokens(c)
+        near, peak, activations, usable = min(points, key=lambda p: abs(p[0] - tokens))
+        return peak - activations + activations * tokens // max(near, 1), usable
+
+    def fails_predicted(self, c: Candidate) -> Optional[bool]:
+        guess = self.predicted(c)
+        return None if guess is None else guess[0] > guess[1]
+
+    def probe(self, c: Candidate, pool: Sequence[Candidate], failures: Sequence[Candidate] = ()) -> Candidate:
+        """What to trace to decide ``c``: where ``c`` is predicted not to fit, the lightest candidate of ``pool`` it
+        outweighs that is predicted not to fit either (its failure then decides ``c`` and every other candidate
+        outweighing it, one trace for many); else ``c`` itself."""
+        if not self.fails_predicted(c):
+            return c
+        lighter = [d for d in pool if d is not c and d.verdict == "unchecked" and d.overrides
+                   and self.group(d) == self.group(c) and self.fails_predicted(d)
+                   and not self.inferred(d, failures) and self.outweighs(c, d)]
+        return min(lighter, key=lambda d: self.predicted(d)[0], default=c)
+
+    def record(self, c: Candidate) -> None:
+        """A traced verdict, learnt from."""
+        if c.peak_bytes is not None:
+            self.points.setdefault(self.group(c), []).append((self.tokens(c), c.peak_bytes, c.activation_bytes or 0,
+                                                                c.usable_bytes))
+        if c.verdict == "does not fit" and c.peak_bytes is not None:
+            self.failures.append(c)
+            if c.size:
+                self.failed[c.family] = min(c.size, self.failed.get(c.family, c.size))
+
+    def targets(self, queue: Sequence[Candidate], top: int, fitting: int, given: Candidate, k: int) -> List[Candidate]:
+        """The next ``k`` traces the search will likely want, from the head of ``queue`` on: each undecided
+        candidate's probe (the first is the head's), supposing each prediction right."""
+        failures: List[Candidate] = []
+        out: List[Candidate] = []
+        unknown = set()  # groups with no trace yet, one of whose candidates is among the targets
+        for d in queue:
+            if fitting >= top or len(out) >= k:
+                break
+            if not d.overrides:
+                fitting += given.verdict in ("fits", "unchecked")
+                continue
+            if d.verdict != "unchecked":
+                fitting += d.fits
+                continue
+            if any(d is f for f in failures) or self.group(d) in unknown or self.inferred(d, failures):
+                continue  # (a group's first trace may decide the rest of it: they wait for it)
+            target = self.probe(d, queue, failures)
+            if not any(target is t for t in out):
+                out.append(target)
+            guess = self.fails_predicted(d)
+            if guess is None:
+                unknown.add(self.group(d))
+            elif target is not d or guess:
+                failures.append(target)
+            else:
+                fitting += 1
+        return out
+
+
 def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate,
                   checker: Optional[Checker] = None, given_pending: Optional[_Submitted] = None) -> List[Candidate]:
-    """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. A candidate whose
-    layout failed at a smaller accumulating micro-batch is inferred not to fit; the config as given takes its
-    verdict from ``given``, waiting for ``given_pending`` (its verdict, submitted to ``checker``) only when it is
-    reached. ``checker``: where verdicts are computed (default: in this process).
+    """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. The config as given
+    takes its verdict from ``given``, waiting for ``given_pending`` (its verdict, submitted to ``checker``) only when
+    it is reached. ``checker``: where verdicts are computed (default: in this process).
+
+    A candidate is inferred not to fit, with no trace, where one that did not fit is outweighed by it: the same
+    model and engine, each micro-batch at most as large (:func:`rm.memory.terms.outweighs`), or the same layout at a
+    smaller accumulating micro-batch. Where the fastest layouts do not fit, most verdicts come so: a candidate
+    predicted not to fit (its group's traced peaks, scaled by tokens) is decided by tracing the lightest one it
+    outweighs that is predicted not to fit either (:meth:`_Search.probe`), which, failing, decides it and all others
+    outweighing it.
 
     The candidates are decided one at a time, in order, so the answer does not hang on which verdict comes back
-    first. With workers, the verdicts of the next candidates likely needed are started ahead (as many as still
-    have to fit, and one more), so that no worker waits for the slowest of a batch; a verdict started ahead and not
-    reached is left out (its candidate stays ``unchecked``)."""
-    failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
+    first. With workers, the traces the next candidates will likely want (:meth:`_Search.targets`) are started
+    ahead, one more than there are workers, so that none waits for the slowest; more would queue guesses in front
+    of the traces a probe's answer calls for. A verdict started ahead and not reached is left out (its candidate
+    stays ``unchecked``)."""
+    search = _Search(lengths)
     fitting: List[Candidate] = []
     checker = checker or Checker(workers=1)
     started: Dict[int, _Submitted] = {}  # id(candidate) -> its verdict, started
 
-    def inferred(c: Candidate) -> bool:
-        return bool(c.size) and c.family in failed and failed[c.family] <= c.size
-
     for i, c in enumerate(queue):
         if len(fitting) >= top:
             break
-        if inferred(c):
-            c.verdict, c.note = "does not fit (inferred)", f"train.micro_batch_size={failed[c.family]} of this layout does not"
-            continue
-        if not c.overrides:  # the config as given
-            if given_pending is not None:
-                checker.apply(given_pending)
-            c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
-            fitting += [c] if c.fits else []
-            continue
-        ahead = 1 if checker.workers == 1 else max(checker.workers, top - len(fitting)) + 1
-        for d in [d for d in queue[i:] if d.overrides and not inferred(d)][:ahead]:
-            if id(d) not in started:
-                submitted = checker.submit([d], lengths, ahead=d is not c)
-                if submitted is not None:
-                    started[id(d)] = submitted
-        checker.apply(started.pop(id(c)))
+        while c.verdict == "unchecked":
+            why = search.inferred(c)
+            if why:
+                c.verdict, c.note = "does not fit (inferred)", why
+            elif not c.overrides:  # the config as given
+                if given_pending is not None:
+                    checker.apply(given_pending)
+                c.verdict, c.note, c.peak_bytes, c.usable_bytes = given.verdict, given.note, given.peak_bytes, given.usable_bytes
+                break
+            else:
+                ahead = 1 if checker.workers == 1 else checker.workers + 1
+                targets = search.targets(queue[i:], top, len(fitting), given, ahead)
+                for d in targets:
+                    if id(d) not in started:
+                        submitted = checker.submit([d], lengths, ahead=d is not targets[0])
+                        if submitted is not None:
+                            started[id(d)] = submitted
+                checker.apply(started.pop(id(targets[0])))
+                search.record(targets[0])
         if c.fits:
             fitting.append(c)
-        elif c.size and c.verdict == "does not fit":
-            failed[c.family] = min(c.size, failed.get(c.family, c.size))
     return fitting
 
 
