@@ -243,6 +243,7 @@ def verdict(candidate: Candidate, lengths: PairLengths) -> None:
 
 def _verdict_job(job: Tuple[Candidate, PairLengths]) -> Tuple:
     c, lengths = job
+    c = replace(c)  # found here or in a worker alike: the candidate itself takes it in Checker.apply, in order
     verdict(c, lengths)
     return c.verdict, c.note, c.peak_bytes, c.usable_bytes, c.activation_bytes
 
