@@ -430,16 +430,16 @@ def test_stop_server_ends_the_forkserver_and_the_next_search_starts_another():
     import multiprocessing
     from multiprocessing import forkserver
 
-    from rm.plan.search import Checker, _forkserver
+    from rm.plan import forkserver as server
 
-    if _forkserver() is None:
+    if server.context() is None:
         pytest.skip("one core or no forkserver: no server is started")
     multiprocessing.get_context("forkserver").set_forkserver_preload([])  # nothing to import: this tests the server
     forkserver.ensure_running()
     pid = forkserver._forkserver._forkserver_pid
-    Checker.stop_server()
+    server.stop()
     with pytest.raises(ProcessLookupError):  # ended and reaped
         os.kill(pid, 0)
     forkserver.ensure_running()
     assert forkserver._forkserver._forkserver_pid != pid
-    Checker.stop_server()
+    server.stop()

@@ -55,6 +55,9 @@ def format_plan(result, label: str) -> str:
 
 
 def main() -> None:
+    from rm.plan import forkserver
+
+    forkserver.start()  # the trace workers' imports on the other core (the cold path's longest), before any here
     import gc
     import json
     import logging
@@ -68,11 +71,8 @@ def main() -> None:
     from rm.config import to_run_config
     from rm.errors import answer_only_on_stdout, run_hydra_app
 
-    from rm.plan.search import Checker
-
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
-    Checker.start_server()  # the trace workers' imports, on the other core, from the first second
 
     @hydra.main(config_path="../../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
@@ -83,7 +83,7 @@ def main() -> None:
             cfg = to_run_config(raw)
             overrides: List[str] = [o for o in HydraConfig.get().overrides.task if not o.startswith("plan.")]
             result = plan(cfg, overrides)
-            Checker.stop_server()  # this command searches once
+            forkserver.stop()  # this command searches once
             if cfg.plan.json:
                 text = json.dumps(result.to_dict(), indent=2)
             else:

@@ -23,15 +23,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import multiprocessing
 import os
-import signal
 import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig
 from rm.hardware import attention_kernel
+from rm.plan import forkserver
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
 from rm.plan.steptime import Rates, StepTime, predict_step_seconds
 
@@ -257,15 +256,6 @@ def _worker_started(environ: Dict[str, str], cwd: str) -> None:
     sys.stdout = sys.stderr  # a worker never prints the answer: stdout stays the answer's alone (plan.json=true)
 
 
-def _forkserver():
-    """The forkserver context where two trace workers can run beside this process, else None: one core, no
-    forkserver (Windows), or CUDA initialised here."""
-    cuda = "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized()
-    if (os.cpu_count() or 1) < 2 or cuda or "forkserver" not in multiprocessing.get_all_start_methods():
-        return None
-    return multiprocessing.get_context("forkserver")
-
-
 class Checker:
     """Memory verdicts (:func:`verdict`) of candidates: those whose traces are cached, here; the others in two worker
     processes where a second core and a forkserver allow, else here too.
@@ -281,7 +271,7 @@ class Checker:
     """
 
     def __init__(self, workers: int = 2):
-        self.context = _forkserver() if workers >= 2 else None
+        self.context = forkserver.context() if workers >= 2 else None
         self.pool = None
         self._starting: Optional[concurrent.futures.ThreadPoolExecutor] = None  # the thread that starts the pool
         self._started: Optional[concurrent.futures.Future] = None
@@ -292,19 +282,8 @@ class Checker:
 
     def __enter__(self) -> "Checker":
         if self.context is not None:
-            self.start_server()
+            forkserver.start()
         return self
-
-    @staticmethod
-    def start_server() -> None:
-        """Start the forkserver's imports now (``python -m rm.plan`` does before composing its config); returns at
-        once. Where no workers would be used (one core, no forkserver, CUDA initialised), nothing."""
-        from multiprocessing import forkserver
-
-        context = _forkserver()
-        if context is not None:
-            context.set_forkserver_preload(["rm.plan.warm"])
-            forkserver.ensure_running()  # a running one is kept
 
     def __exit__(self, *exc) -> None:
         if self._starting is not None:
@@ -315,25 +294,7 @@ class Checker:
             self.pool.terminate()
             self.pool.join()  # the forkserver stays, idle, for this process's next search
         elif self.context is not None and self._starting is None:  # every trace was cached: its imports are not wanted
-            self.stop_server()
-
-    @staticmethod
-    def stop_server() -> None:
-        """Stop the forkserver now, if one runs; its next use starts a fresh one. Left alone, it outlives this
-        process by its own interpreter's teardown (about 1.5 s with the model's code imported), holding this
-        process's stdout and stderr open all that time: ``python -m rm.plan ... | jq`` would wait for it."""
-        from multiprocessing import forkserver
-
-        # The stdlib's own stop (private, as is the pid) waits for that teardown; killed first, it waits for nothing,
-        # then reaps the server and forgets it, so that the next search starts a fresh one rather than find this
-        # one still dying.
-        server = forkserver._forkserver
-        pid = getattr(server, "_forkserver_pid", None)
-        if pid:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGTERM)
-            with contextlib.suppress(OSError, AttributeError):
-                server._stop()
+            forkserver.stop()
 
     def submit(self, batch: List[Candidate], lengths: PairLengths, ahead: bool = False) -> Optional["_Submitted"]:
         """Start the verdicts of ``batch``: those whose traces are cached are found here and now. ``ahead``: verdicts
