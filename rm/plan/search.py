@@ -472,10 +472,14 @@ class _Search:
 
 
 def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given: Candidate,
-                  checker: Optional[Checker] = None, given_pending: Optional[_Submitted] = None) -> List[Candidate]:
+                  checker: Optional[Checker] = None, given_pending: Optional[_Submitted] = None,
+                  started: Optional[Dict[int, _Submitted]] = None, alongside: Sequence[Candidate] = ()) -> List[Candidate]:
     """Check the candidates (fastest first) until ``top`` fit; returns those, fastest first. The config as given
     takes its verdict from ``given``, waiting for ``given_pending`` (its verdict, submitted to ``checker``) only when
-    it is reached. ``checker``: where verdicts are computed (default: in this process).
+    it is reached. ``checker``: where verdicts are computed (default: in this process). ``started``: verdicts
+    already started, by id of their candidate (kept across searches that share it); ``alongside``: the first
+    candidate of each later search, which checks those faster than this one's first fit: each is started ahead once
+    the search has reached a candidate slower than it.
 
     A candidate is inferred not to fit, with no trace, where one that did not fit is outweighed by it: the same
     model and engine, each micro-batch at most as large (:func:`rm.memory.terms.outweighs`), or the same layout at a
@@ -492,7 +496,8 @@ def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given:
     search = _Search(lengths)
     fitting: List[Candidate] = []
     checker = checker or Checker(workers=1)
-    started: Dict[int, _Submitted] = {}  # id(candidate) -> its verdict, started
+    started = {} if started is None else started  # id(candidate) -> its verdict, started
+    alongside = list(alongside)
 
     for i, c in enumerate(queue):
         if len(fitting) >= top:
@@ -509,11 +514,14 @@ def check_fastest(queue: List[Candidate], top: int, lengths: PairLengths, given:
             else:
                 ahead = 1 if checker.workers == 1 else checker.workers + 1
                 targets = search.targets(queue[i:], top, len(fitting), given, ahead)
-                for d in targets:
+                # The pick is the head or slower: a later search's candidate faster than the head will be wanted.
+                wanted = [d for d in alongside if d.step.seconds < c.step.seconds]
+                for d in targets + wanted:
                     if id(d) not in started:
                         submitted = checker.submit([d], lengths, ahead=d is not targets[0])
                         if submitted is not None:
                             started[id(d)] = submitted
+                alongside = [d for d in alongside if not any(d is w for w in wanted)]
                 checker.apply(started.pop(id(targets[0])))
                 search.record(targets[0])
         if c.fits:
@@ -581,15 +589,22 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
         for c in sorted(found, key=lambda c: len(c.overrides)):
             unique.setdefault((c.family[0], c.cfg.train.gradient_checkpointing, c.signature), c)
         found = [c for c in found if unique[(c.family[0], c.cfg.train.gradient_checkpointing, c.signature)] is c]
-        # The fastest candidates' traces start beside the given config's, which is waited for only where needed.
-        fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given, checker, given_verdict)
-        checker.apply(given_verdict)
         # Training something else is worth suggesting for speed, or for a fit where the profile as given has none:
         # each other profile's fastest fit, among its layouts predicted faster than the pick (any, where none fits).
+        # Each one's fastest layout is started alongside the search for the pick, once that is known to be slower.
+        fastest: Dict[str, Candidate] = {}
+        for c in found:
+            if c.changes_math:
+                fastest.setdefault(c.cfg.memory_profile.name, c)
+        started: Dict[int, _Submitted] = {}
+        # The fastest candidates' traces start beside the given config's, which is waited for only where needed.
+        fitting = check_fastest([c for c in found if not c.changes_math], top, lengths, given, checker, given_verdict,
+                                started, list(fastest.values()))
+        checker.apply(given_verdict)
         bound = fitting[0].step.seconds if fitting else float("inf")
         others = []
-        for name in dict.fromkeys(c.cfg.memory_profile.name for c in found if c.changes_math):
+        for name in fastest:
             faster = [c for c in found if c.changes_math and c.cfg.memory_profile.name == name and c.step.seconds < bound]
-            others += check_fastest(faster, 1, lengths, given, checker)
+            others += check_fastest(faster, 1, lengths, given, checker, started=started)
     others.sort(key=lambda c: c.step.seconds)
     return PlanResult(found, given, fitting, lengths, rates, skipped, others)
