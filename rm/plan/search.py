@@ -367,7 +367,8 @@ class _Search:
         self.lengths = lengths
         self.failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
         self.failures: List[Candidate] = []
-        self.points: Dict[str, List[Tuple[int, int, int, int]]] = {}  # group -> (tokens, peak, activations, usable)
+        self.points: Dict[str, List[Tuple[int, int, int, int]]] = {}  # kin -> (tokens, peak, activations, usable)
+        self._kin: Dict[int, str] = {}
 
     @staticmethod
     def group(c: Candidate) -> str:
@@ -377,6 +378,15 @@ class _Search:
                            gradient_accumulation_steps=min(c.plan.gradient_accumulation_steps, 2))
             c.group = repr((replace(c.cfg, train=t), plan))
         return c.group
+
+    def kin(self, c: Candidate) -> str:
+        """Its group, accumulating or not: the peaks a prediction reads (a guess, so a step of one micro-batch and one
+        of several inform each other; verdicts are never inferred across them)."""
+        if id(c) not in self._kin:
+            t = replace(c.cfg.train, micro_batch_size=0, group_by_length=False, max_tokens_per_micro_batch=0)
+            plan = replace(c.plan, micro_batch_size=0, warnings=(), gradient_accumulation_steps=1)
+            self._kin[id(c)] = repr((replace(c.cfg, train=t), plan))
+        return self._kin[id(c)]
 
     def shapes(self, c: Candidate) -> list:
         if c.shapes is None:
@@ -407,9 +417,10 @@ class _Search:
         return None
 
     def predicted(self, c: Candidate) -> Optional[Tuple[int, int]]:
-        """A guess at ``c``'s peak and its usable memory, from the traced peak of its group nearest in tokens
-        (activations scaled by tokens), to pick a probe by; never a verdict. None before its group's first trace."""
-        points = self.points.get(self.group(c))
+        """A guess at ``c``'s peak and its usable memory, from the traced peak of its kin (:meth:`kin`) nearest in
+        tokens (activations scaled by tokens), to pick a probe by; never a verdict. None before its kin's first
+        trace."""
+        points = self.points.get(self.kin(c))
         if not points:
             return None
         tokens = self.tokens(c)
@@ -434,7 +445,7 @@ class _Search:
     def record(self, c: Candidate) -> None:
         """A traced verdict, learnt from."""
         if c.peak_bytes is not None:
-            self.points.setdefault(self.group(c), []).append((self.tokens(c), c.peak_bytes, c.activation_bytes or 0,
+            self.points.setdefault(self.kin(c), []).append((self.tokens(c), c.peak_bytes, c.activation_bytes or 0,
                                                                 c.usable_bytes))
         if c.verdict == "does not fit" and c.peak_bytes is not None:
             self.failures.append(c)
@@ -446,7 +457,7 @@ class _Search:
         candidate's probe (the first is the head's), supposing each prediction right."""
         failures: List[Candidate] = []
         out: List[Candidate] = []
-        unknown = set()  # groups with no trace yet, one of whose candidates is among the targets
+        unknown = set()  # kins with no trace yet, one of whose candidates is among the targets
         for d in queue:
             if fitting >= top or len(out) >= k:
                 break
@@ -456,14 +467,14 @@ class _Search:
             if d.verdict != "unchecked":
                 fitting += d.fits
                 continue
-            if any(d is f for f in failures) or self.group(d) in unknown or self.inferred(d, failures):
-                continue  # (a group's first trace may decide the rest of it: they wait for it)
+            if any(d is f for f in failures) or self.kin(d) in unknown or self.inferred(d, failures):
+                continue  # (a kin's first trace may decide the rest of it: they wait for it)
             target = self.probe(d, queue, failures)
             if not any(target is t for t in out):
                 out.append(target)
             guess = self.fails_predicted(d)
             if guess is None:
-                unknown.add(self.group(d))
+                unknown.add(self.kin(d))
             elif target is not d or guess:
                 failures.append(target)
             else:
