@@ -26,8 +26,9 @@ def start() -> None:
     forkserver, CUDA initialised), nothing."""
     from multiprocessing import forkserver
 
-    if context() is not None:
-        context().set_forkserver_preload(["rm.plan.warm"])
+    server = context()
+    if server is not None:
+        server.set_forkserver_preload(["rm.plan.warm"])
         forkserver.ensure_running()  # a running one is kept
 
 

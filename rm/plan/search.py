@@ -68,7 +68,6 @@ class Candidate:
     signature: int = field(default=0, repr=False)  # the micro-batches it forms (equal: the same batches)
     activation_bytes: Optional[int] = field(default=None, repr=False)  # the traced activations of its estimate
     shapes: Optional[list] = field(default=None, repr=False)  # per rank, the micro-batches its estimate weighs
-    group: str = field(default="", repr=False)  # what its estimate depends on besides its shapes (_Search.group)
 
     @property
     def fits(self) -> bool:
@@ -368,25 +367,26 @@ class _Search:
         self.failed: Dict[Tuple, int] = {}  # family -> the smallest accumulating micro-batch that did not fit
         self.failures: List[Candidate] = []
         self.points: Dict[str, List[Tuple[int, int, int, int]]] = {}  # kin -> (tokens, peak, activations, usable)
-        self._kin: Dict[int, str] = {}
+        self._keys: Dict[Tuple[int, bool], str] = {}
 
-    @staticmethod
-    def group(c: Candidate) -> str:
-        if not c.group:
+    def _key(self, c: Candidate, accumulation: bool) -> str:
+        """What ``c``'s estimate depends on besides its shapes: its config but for how the pairs are cut into
+        micro-batches, and with ``accumulation``, whether they accumulate (the estimate reads nothing more of it)."""
+        if (id(c), accumulation) not in self._keys:
             t = replace(c.cfg.train, micro_batch_size=0, group_by_length=False, max_tokens_per_micro_batch=0)
-            plan = replace(c.plan, micro_batch_size=0, warnings=(),
-                           gradient_accumulation_steps=min(c.plan.gradient_accumulation_steps, 2))
-            c.group = repr((replace(c.cfg, train=t), plan))
-        return c.group
+            steps = min(c.plan.gradient_accumulation_steps, 2) if accumulation else 1
+            plan = replace(c.plan, micro_batch_size=0, warnings=(), gradient_accumulation_steps=steps)
+            self._keys[id(c), accumulation] = repr((replace(c.cfg, train=t), plan))
+        return self._keys[id(c), accumulation]
+
+    def group(self, c: Candidate) -> str:
+        """Its memory group: verdicts are inferred within one."""
+        return self._key(c, accumulation=True)
 
     def kin(self, c: Candidate) -> str:
         """Its group, accumulating or not: the peaks a prediction reads (a guess, so a step of one micro-batch and one
         of several inform each other; verdicts are never inferred across them)."""
-        if id(c) not in self._kin:
-            t = replace(c.cfg.train, micro_batch_size=0, group_by_length=False, max_tokens_per_micro_batch=0)
-            plan = replace(c.plan, micro_batch_size=0, warnings=(), gradient_accumulation_steps=1)
-            self._kin[id(c)] = repr((replace(c.cfg, train=t), plan))
-        return self._kin[id(c)]
+        return self._key(c, accumulation=False)
 
     def shapes(self, c: Candidate) -> list:
         if c.shapes is None:
