@@ -53,9 +53,10 @@ What is measured:
   the EOS it appends). TRL reads the training pairs in rm's order (``train_sampling_strategy="sequential"`` over
   the pairs rm takes at each step, seed 42), so both take the same optimizer steps; beside each rm row, the eval
   pairs on which only it or only TRL is right, and the exact sign test's p-value of that split (McNemar);
-* **turns**: each rm layout runs ``--repeat`` times (default 3), in turns whose order reverses every other turn;
-  a row is its median turn. This CPU's speed wanders by up to 10% between runs of one command, more than the 5%
-  that tells two layouts apart. TRL runs once;
+* **turns**: each rm layout runs ``--repeat`` times (default 3), in turns whose order rotates, so that each
+  layout runs in each place of a turn equally often (with ``--repeat`` a multiple of 3); a row is its median turn,
+  and beside it the median over turns of its ratio to the fastest rm row of the same turn. This CPU's speed wanders
+  by up to 10-20% between runs of one command, more than the 5% that tells two layouts apart. TRL runs once;
 * the 1-minute load average before and after each trainer.
 """
 
@@ -524,11 +525,13 @@ def run_dataset(kind: str, args, workdir: Path) -> str:
     load = os.getloadavg()[0]
     print(f"  {TRL}: running (1-minute load average {load:.2f}) ...", flush=True)
     results = {TRL: measured(TRL, run_trl(data, args, workdir), load)}
-    # rm's layouts in turns, the order reversed every other turn, so that a drift of the machine's speed over the
-    # run falls on each alike; each is reported by the median of its turns.
+    # rm's layouts in turns, the order rotated each turn so that every layout runs in every place of a turn (after
+    # TRL, after each other layout) as often as the others do: a drift of the machine's speed, or what a run leaves
+    # behind for the next, falls on each alike. Each is reported by the median of its turns.
     runs = {name: [] for name in RM_LAYOUTS}
+    names = list(RM_LAYOUTS)
     for turn in range(args.repeat):
-        for name in list(RM_LAYOUTS)[:: 1 if turn % 2 == 0 else -1]:
+        for name in names[turn % len(names):] + names[:turn % len(names)]:
             load = os.getloadavg()[0]
             print(f"  {name} ({turn + 1} of {args.repeat}): running (1-minute load average {load:.2f}) ...", flush=True)
             runs[name].append(measured(name, run_rm(name, RM_LAYOUTS[name], data, args, workdir, turn), load))
@@ -538,6 +541,10 @@ def run_dataset(kind: str, args, workdir: Path) -> str:
             result[key] = statistics.median(t[key] for t in turns)
         result["tokens_per_s"] = data["epoch_tokens"] / result["window_s"]
         result["turns_tokens_per_s"] = [t["tokens_per_s"] for t in turns]
+        # Within a turn the layouts ran minutes apart, so each turn's ratio to its fastest row is freer of the
+        # machine's drift than the ratio of medians taken over turns far apart.
+        result["turns_x_fastest"] = [t["tokens_per_s"] / max(runs[other][i]["tokens_per_s"] for other in runs)
+                                     for i, t in enumerate(turns)]
         result["turns_eval_accuracy"] = [t["eval_accuracy"] for t in turns]
         results[name] = result
     for result in results.values():
@@ -567,27 +574,32 @@ def table(kind: str, data: dict, results: dict, args) -> str:
     lines = [f"### {kind} data, {args.steps} steps ({args.steps // 2} timed), {args.threads} threads, "
              f"rm's rows the median of {args.repeat} turns", "",
              "| trainer | whole command (s) | x TRL | timed epoch (s) | pairs/s | real tokens/s (each turn) | x TRL "
-             "| x fastest rm row | self-reported tokens/s | eval acc (own; each turn) "
+             "| x fastest rm row | x fastest rm row of its turn: median (each turn) | self-reported tokens/s "
+             "| eval acc (own; each turn) "
              "| eval acc (this script): all / evasive / wrong function | eval pairs only it / only TRL got right (p) "
              "| load before -> after |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         turns = r.get("turns_tokens_per_s", [])
         each = f" ({', '.join(f'{t:,.0f}' for t in turns)})" if len(turns) > 1 else ""
         own = ", ".join(f"{a:.3f}" for a in r.get("turns_eval_accuracy", [r["eval_accuracy"]]))
+        per_turn = r.get("turns_x_fastest", [])
+        in_turn = (f"{statistics.median(per_turn):.3f} ({', '.join(f'{x:.3f}' for x in per_turn)})"
+                   if per_turn else "-")
         vs = r["against_trl"]
         versus = "-" if name == TRL else f"{vs['only_this_right']} / {vs['only_trl_right']} ({vs['p_value']:.2f})"
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {trl['wall_s'] / r['wall_s']:.2f} | {r['window_s']:.2f} | {r['pairs_per_s']:.2f} "
             f"| {r['tokens_per_s']:,.0f}{each} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} "
-            f"| {'-' if name == TRL else format(r['tokens_per_s'] / best, '.3f')} | {r['self_tokens_per_s']:,.0f} "
+            f"| {'-' if name == TRL else format(r['tokens_per_s'] / best, '.3f')} | {in_turn} | {r['self_tokens_per_s']:,.0f} "
             f"| {own} | {' / '.join(f'{v:.3f}' for v in r['accuracy'].values())} | {versus} "
             f"| {r['load_before']:.2f} -> {r['load_after']:.2f} |")
     lines += ["", "Real tokens/s: the training set's chosen + rejected tokens (one epoch) over the timed epoch, both "
               "measured by this script; for rm the median turn's (whole command and load too). Self-reported: rm's "
               "`tokens_per_s` for that window; for TRL its own `num_tokens` count over the same window, which includes "
               "the EOS TRL appends to every text. x TRL of the whole command is TRL's time over the trainer's (above 1: "
-              "faster than TRL). TRL reads the training pairs in rm's order, so every trainer takes the same optimizer "
+              "faster than TRL). x fastest rm row: of the medians; of its turn: each turn's tokens/s over the fastest rm "
+              "row's in the same turn, minutes apart, so less of the machine's drift between turns is in it. TRL reads the training pairs in rm's order, so every trainer takes the same optimizer "
               "steps; the last column counts the eval pairs on which one model of the two is right and the other wrong, "
               "with the exact two-sided sign test's p-value (McNemar): a small p says the two are not equally accurate.",
               ""]
