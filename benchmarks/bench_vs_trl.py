@@ -519,10 +519,13 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
     results = saved.setdefault(name, {"about": about, "gpu": gpu_name, "setup": SETUP.__dict__, "results": {}})["results"]
     turns: Dict[str, List[dict]] = {}
     rows = [t for t in VARIANTS if not args.only or t in args.only]
-    # TRL once; rm's rows --repeat turns each, in an order reversed every other turn (a machine's drift over the
-    # run then falls on every row alike), each row reported by its turn of median step time.
+    # TRL once; rm's rows --repeat turns each, in an order that rotates every turn, so that each row runs in each
+    # place of a turn equally often (a machine's drift, or what one run leaves the next, then falls on every row
+    # alike; an order merely reversed keeps the middle row in the middle), each row reported by its turn of median
+    # step time.
     for turn in range(args.repeat):
-        for trainer in (["TRL RewardTrainer"] if turn == 0 else []) + (rows if turn % 2 == 0 else rows[::-1]):
+        rotated = rows[turn % len(rows):] + rows[:turn % len(rows)]
+        for trainer in (["TRL RewardTrainer"] if turn == 0 else []) + rotated:
             env = dict(os.environ)
             if args.profile_dir:  # a diagnostic of rm's rows: where each one's time goes, not a comparison
                 if trainer.startswith("TRL"):
