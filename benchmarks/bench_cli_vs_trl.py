@@ -599,7 +599,8 @@ def table(kind: str, data: dict, results: dict, args) -> str:
               "`tokens_per_s` for that window; for TRL its own `num_tokens` count over the same window, which includes "
               "the EOS TRL appends to every text. x TRL of the whole command is TRL's time over the trainer's (above 1: "
               "faster than TRL). x fastest rm row: of the medians; of its turn: each turn's tokens/s over the fastest rm "
-              "row's in the same turn, minutes apart, so less of the machine's drift between turns is in it. TRL reads the training pairs in rm's order, so every trainer takes the same optimizer "
+              "row's in the same turn, minutes apart, so less of the machine's drift between turns is in it. TRL reads "
+              "the training pairs in rm's order, so every trainer takes the same optimizer "
               "steps; the last column counts the eval pairs on which one model of the two is right and the other wrong, "
               "with the exact two-sided sign test's p-value (McNemar): a small p says the two are not equally accurate.",
               ""]
