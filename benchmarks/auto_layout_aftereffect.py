@@ -70,7 +70,8 @@ def child(arm: str, clock: str) -> None:
 def bench_command(bench: Path) -> tuple[list[str], list[str]]:
     """The no-flags run's overrides and the layout it chose, from a ``bench_cli_vs_trl.py --keep`` directory."""
     run = bench / "rm_no_layout_flags-0"
-    overrides = [line[2:] for line in (run / ".hydra" / "overrides.yaml").read_text().splitlines() if line.startswith("- ")]
+    lines = (run / ".hydra" / "overrides.yaml").read_text().splitlines()
+    overrides = [line[2:] for line in lines if line.startswith("- ")]
     chose = re.search(r"train\.layout=auto: (.*?) \(", (run / "train.log").read_text())
     if not chose:
         sys.exit(f"{run / 'train.log'}: no 'train.layout=auto: ...' line; was this the no-flags run?")

@@ -591,7 +591,8 @@ def table(kind: str, data: dict, results: dict, args) -> str:
         lines.append(
             f"| {name} | {r['wall_s']:.1f} | {trl['wall_s'] / r['wall_s']:.2f} | {r['window_s']:.2f} | {r['pairs_per_s']:.2f} "
             f"| {r['tokens_per_s']:,.0f}{each} | {r['tokens_per_s'] / trl['tokens_per_s']:.2f} "
-            f"| {'-' if name == TRL else format(r['tokens_per_s'] / best, '.3f')} | {in_turn} | {r['self_tokens_per_s']:,.0f} "
+            f"| {'-' if name == TRL else format(r['tokens_per_s'] / best, '.3f')} | {in_turn} "
+            f"| {r['self_tokens_per_s']:,.0f} "
             f"| {own} | {' / '.join(f'{v:.3f}' for v in r['accuracy'].values())} | {versus} "
             f"| {r['load_before']:.2f} -> {r['load_after']:.2f} |")
     lines += ["", "Real tokens/s: the training set's chosen + rejected tokens (one epoch) over the timed epoch, both "
