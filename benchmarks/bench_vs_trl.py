@@ -392,6 +392,9 @@ def run_trl(data, workdir: Path):
     trainer = RewardTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer, callbacks=[Clock()],
                             peft_config=peft)
     Clock.trainer = trainer
+    # TRL trains with transformers' own SDPA, as its users do (rm's, which keeps a GPU off cuDNN's kernel, is
+    # registered by rm's first rewards: the evaluation after training)
+    assert "rm.attention" not in sys.modules, "rm's attention would replace transformers' SDPA in TRL's run"
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     eval_loss, eval_accuracy = evaluate(trainer.model, data["eval"][: SETUP.eval_pairs]) if not SETUP.lora else (None, None)

@@ -16,13 +16,19 @@ function is transformers' own SDPA unless the caller passes ``segment_bounds`` (
 :func:`rm.model.sequence_rewards` does, for packed rows). On a GPU a plain packed sequence's call is SDPA's
 causal one, which takes its flash kernel; finding the segments reads the row's ids on the host (one small copy
 a micro-batch).
+
+On a GPU every call, a segment's or a whole padded or prefix-shared row's, keeps off cuDNN's SDPA kernel
+(:func:`sdpa_kernels`); :func:`rm.model.sequence_rewards` registers this module whatever the layout, so that
+padded rows get that too.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Dict, Optional, Sequence
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
@@ -49,13 +55,14 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         ``(attention output (1, T, heads, head_dim), None)``, as transformers' attention functions do.
     """
     if segment_bounds is None or query.shape[0] != 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+        with sdpa_kernels(query.device):
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, is_causal=is_causal, **kwargs)
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     window = kwargs.get("sliding_window")
     outputs = []
-    with _segment_kernels(query.device):
+    with sdpa_kernels(query.device):
         for i, (start, end) in enumerate(zip(segment_bounds[:-1], segment_bounds[1:])):
             if segments_causal:
                 mask = windowed_causal(end - start, window, query.device) if window and end - start > window else None
@@ -67,16 +74,18 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _segment_kernels(device: torch.device):
-    """The SDPA kernels a segment may take: on a GPU, not cuDNN's. Its kernels are fast, but it builds an execution
-    graph for every new shape, and every segment of a packed row has a length of its own: on an H200 each call cost
-    2.6 ms of CPU time against 30 us of kernel (a prefix-shared packed 1B step took 4.65 s where the padded one
-    took 0.78, docs/gpu.md). Flash (a plain sequence's causal call, bf16) and memory-efficient attention (a pair's
-    mask, or fp32) take any length for free. A CPU keeps its own choice."""
-    from contextlib import nullcontext
+def sdpa_kernels(device: torch.device):
+    """The SDPA kernels rm's attention may take: on a GPU, not cuDNN's. Its kernels are fast, but it builds an
+    execution graph for every new shape, and the lengths of training change every micro-batch (a padded batch's
+    longest row, each segment of a packed row): on an H200 each call cost 2.6 ms of CPU time against 30 us of
+    kernel (a prefix-shared packed 1B step took 4.65 s where the padded one took 0.78, docs/gpu.md). A padded
+    batch's masked calls, unprofiled, can go the same way: 176 a step in that 1B run (22 layers x 4 micro-batches
+    x forward and backward), a new length each micro-batch. Flash (a causal call without a mask, bf16) and
+    memory-efficient attention (any mask, or fp32) take any length for free, and are the kernels whose saved
+    tensors the memory estimate traces. A CPU keeps its own choice.
 
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    Entered inside the attention function, not around the step, so that checkpointing's recomputation in the
+    backward picks the same kernel as the forward did (it must save the same tensors)."""
     if device.type != "cuda":
         return nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -391,8 +391,9 @@ def sequence_rewards(
 
     A packed batch (:class:`~rm.data.collator.PackedPairCollator`: one row, position ids
     restarting per sequence, no mask) is read at ``ends``; with no mask transformers keeps
-    attention within each sequence (a block-diagonal mask, or flash-attention's varlen). On a CPU,
-    SDPA takes such a row one sequence (or prefix-shared pair) at a time (:mod:`rm.attention`).
+    attention within each sequence (a block-diagonal mask, or flash-attention's varlen). SDPA takes
+    such a row one sequence (or prefix-shared pair) at a time, and on a GPU keeps every row layout off
+    cuDNN's kernel (:mod:`rm.attention`).
 
     A prefix-shared batch (:class:`~rm.data.collator.PrefixSharedCollator`) also gives ``pair_ids``
     and ``roles``, from which the 4D mask is built here, on the device and in the form the model's
@@ -417,16 +418,18 @@ def sequence_rewards(
         raise ValueError("give attention_mask for a padded batch, or position_ids and ends for a packed one")
     caught = []
     handle = reward_head(model).register_forward_hook(lambda module, args, output: caught.append(output))
+    from rm.prefix_sharing import attn_implementation_of
+
+    attn_implementation = attn_implementation_of(model)
+    if attn_implementation == "sdpa":
+        # rm's SDPA, registered under transformers' name on import: packed rows a segment at a time, and on a GPU
+        # no cuDNN kernel for any row (rm.attention.sdpa_kernels)
+        from rm.attention import segmented_inputs
     kwargs = {"attention_mask": attention_mask}
     if ends is not None:
-        from rm.prefix_sharing import attn_implementation_of
-
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
-        attn_implementation = attn_implementation_of(model)
         segmented = None
         if attn_implementation == "sdpa":  # a packed row's SDPA one sequence (or pair) at a time
-            from rm.attention import segmented_inputs
-
             segmented = segmented_inputs(input_ids, position_ids, pair_ids, roles, segment_bounds)
         if segmented:
             kwargs.update(segmented)

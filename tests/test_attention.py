@@ -163,16 +163,68 @@ def test_a_segment_longer_than_mistrals_sliding_window_keeps_the_window():
     assert not torch.allclose(rewards_and_grads(model, batch, split=True)[0], got, atol=1e-3)
 
 
-def test_segments_on_a_gpu_keep_off_cudnns_kernel_and_a_cpu_keeps_its_choice():
-    """cuDNN's SDPA builds a graph for every new shape, and each segment of a packed row has its own length (2.6 ms
-    of CPU a call on an H200): a GPU's segments take flash or memory-efficient attention. Read off the flags the
-    context sets (no GPU is needed to set them)."""
-    from rm.attention import _segment_kernels
+def test_a_gpu_keeps_off_cudnns_kernel_and_a_cpu_keeps_its_choice():
+    """cuDNN's SDPA builds a graph for every new shape, and training's lengths change every micro-batch (2.6 ms of
+    CPU a call on an H200): on a GPU rm's attention takes flash or memory-efficient attention. Read off the flags
+    the context sets (no GPU is needed to set them)."""
+    from rm.attention import sdpa_kernels
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    with _segment_kernels(torch.device("cuda", 0)):
+    with sdpa_kernels(torch.device("cuda", 0)):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
         assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    with _segment_kernels(torch.device("cpu")):
+    with sdpa_kernels(torch.device("cpu")):
         assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.parametrize("layout", ["padded", "shared"])
+def test_every_row_layout_runs_its_sdpa_calls_under_the_kernel_choice(model, layout):
+    """Not only packed segments: a padded batch's and a prefix-shared row-per-pair batch's SDPA calls, made by
+    transformers under its own mask, go through rm's attention and enter :func:`rm.attention.sdpa_kernels` with
+    the query's device, one call a layer (on a GPU, no cuDNN; tests/test_gpu.py checks the flags there)."""
+    import rm.attention
+    from rm.data.collator import PairCollator
+
+    collator = PairCollator(pad_token_id=0) if layout == "padded" else PrefixSharedCollator(packed=False)
+    batch = collator(FEATURES)
+    devices = []
+    original = rm.attention.sdpa_kernels
+
+    def recording(device):
+        devices.append(device)
+        return original(device)
+
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
+              if k in batch}
+    with mock.patch("rm.attention.sdpa_kernels", recording), counted_sdpa_calls() as calls:
+        chosen, rejected = pair_rewards(model, **inputs)
+    layers = model.config.num_hidden_layers
+    assert devices == [torch.device("cpu")] * layers and len(calls) == layers
+    assert chosen.shape == rejected.shape == (len(FEATURES),)
+
+
+def test_a_padded_batch_registers_rms_attention():
+    """rm's attention is registered under transformers' ``sdpa`` when the first rewards are computed, whatever
+    the layout: a process that never packs (a padded run, a consumer scoring) gets the GPU kernel choice too. A
+    fresh process, as this one has imported it already."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from rm.model import pair_rewards
+assert "rm.attention" not in sys.modules, "imported before any rewards"
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     num_key_value_heads=1, pad_token_id=0, num_labels=1, attn_implementation="sdpa")
+model = LlamaForSequenceClassification(config)
+ids = torch.tensor([[5, 6, 7], [5, 6, 0], [8, 9, 10], [8, 0, 0]])
+pair_rewards(model, ids, (ids != 0).long())
+assert "rm.attention" in sys.modules, "a padded batch did not register rm's attention"
+assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sys.modules["rm.attention"].segmented_sdpa
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -160,11 +160,38 @@ def test_two_processes_over_nccl(tmp_path, layout):
     assert (tmp_path / layout / "final").is_dir()
 
 
+@pytest.mark.parametrize("layout", ["padded", "shared"])
+def test_masked_rows_keep_off_cudnn_on_cuda_with_checkpointing(layout):
+    """A padded batch's and a prefix-shared row-per-pair batch's masked SDPA calls, in bf16 as training runs them,
+    never through cuDNN's kernel (a graph build for each new length): checkpointing's recomputation in the backward
+    included, which must take the same kernel as the forward (rm.attention.sdpa_kernels)."""
+    from rm.data.collator import PairCollator, PrefixSharedCollator
+    from rm.model import build_model, enable_activation_checkpointing, pair_rewards
+    from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls
+
+    cfg = to_run_config(compose_run(GPU_TINY + ["model.attn_implementation=sdpa"]))
+    set_seed(0)
+    model = build_model(cfg.model, pad_token_id=0, dtype="bfloat16", gradient_checkpointing=False).cuda()
+    enable_activation_checkpointing(model)
+    model.train()
+    collator = PairCollator(pad_token_id=0) if layout == "padded" else PrefixSharedCollator(packed=False)
+    batch = collator(SEGMENTED)
+    inputs = {k: batch[k].cuda() for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
+              if k in batch}
+    with counted_sdpa_calls() as calls:
+        chosen, rejected = pair_rewards(model, **inputs)
+        (chosen - rejected).float().sum().backward()
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 2 * layers  # the forward's, then the backward's recomputation
+    assert not any(cudnn for _, cudnn in calls)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
 @pytest.mark.parametrize("packed_kind", ["packed", "packed+shared"])
 def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     """On a GPU too, a packed row's SDPA runs a segment at a time (the flash kernel for a plain sequence), with the
     rewards and gradients of the whole-row masked call (fp32), and never through cuDNN's kernel, which builds a
-    graph for each new length (rm.attention._segment_kernels)."""
+    graph for each new length (rm.attention.sdpa_kernels)."""
     from rm.data.collator import PackedPairCollator, PrefixSharedCollator
     from rm.model import build_model
     from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls, rewards_and_grads

@@ -98,6 +98,8 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
 
     import torch
 
+    from rm.attention import sdpa_kernels
+
     sync = torch.cuda.synchronize if device == "cuda" else None
     _timed = functools.partial(_best, sync=sync)
     out: Dict = {"matmul": {}, "attention": {}}
@@ -122,6 +124,7 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
         # SDPA with a boolean mask over 8 heads of 64, forward and backward (4 x 8 x 64 x L^2 FLOPs forward, twice
         # that backward), at the lengths one call computes: a padded row, a packed row's sequence or a shared pair.
         # Short calls run far below long ones (measured: 35-50 GFLOP/s at 64 tokens, 85 at 128, 110 at 256-512).
+        # Under the kernels rm's attention allows (on a GPU not cuDNN's, rm.attention.sdpa_kernels).
         heads, dim = 8, 64
         table = []
         for length in lengths:
@@ -130,7 +133,8 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
             grad = torch.ones(1, heads, length, dim, dtype=dtype, device=device)
 
             def attention():
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
+                with sdpa_kernels(q.device):
+                    torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
                 q.grad = k.grad = v.grad = None
 
             table.append([heads * dim, length, 3 * 4 * heads * dim * length * length / _timed(attention)])
