@@ -99,6 +99,9 @@ class HardwareConfig:
     host_memory_gbps: Optional[float] = None  # host RAM bandwidth of a node, GB/s (ZeRO-Offload's CPU Adam)
     kernel_us: Optional[float] = None  # fixed cost of one op (dispatch and launch), microseconds; CPU null: measured
     rates_source: str = ""  # where the rates above come from, in words; rm.plan prints it
+    # The names torch.cuda.get_device_name() gives the card a profile describes: hardware=auto on such a card takes
+    # the profile's rates (rm.hardware.resolve_hardware), where the command line gives none.
+    device_names: List[str] = field(default_factory=list)
     # What a cluster job asks for (hydra/launcher=submitit_slurm reads these):
     nodes: int = 1
     time_limit_min: int = 1440

@@ -46,7 +46,8 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
         count = torch.cuda.device_count()
         # The capacity the runtime reports (what an out-of-memory message calls "total capacity").
         smallest = min(torch.cuda.mem_get_info(i)[1] for i in range(count))
-        return dataclasses.replace(
+        names = {torch.cuda.get_device_name(i) for i in range(count)}
+        detected = dataclasses.replace(
             hw,
             name=f"auto:{torch.cuda.get_device_name(0)}",
             accelerator="cuda",
@@ -55,6 +56,39 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
             gpus_per_node=count,
             host_ram_gib=int(ram),
         )
+        return with_card_rates(detected, names.pop()) if len(names) == 1 else detected
     return dataclasses.replace(
         hw, name="auto:cpu", accelerator="cpu", device_memory_gib=ram, bf16=False, gpus_per_node=1, host_ram_gib=int(ram)
     )
+
+
+def card_profile(device_name: str):
+    """The named hardware profile (``conf/hardware/*.yaml``) that lists ``device_name`` in its ``device_names``, as
+    ``(name, its YAML as a dict)``; None for a card no profile names."""
+    from omegaconf import OmegaConf
+
+    from rm.config import CONF_DIR
+
+    for path in sorted((CONF_DIR / "hardware").glob("*.yaml")):
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+        if device_name in (raw.get("device_names") or []):
+            return path.stem, raw
+    return None
+
+
+def with_card_rates(hw: HardwareConfig, device_name: str) -> HardwareConfig:
+    """``hw`` with the rates of the profile that names its card, where ``hw`` gives none: ``hardware=auto`` on an
+    H100 prices ``rm.plan``'s step times (and ``train.layout=auto``'s choice) as ``hardware=h100_80g`` does, and
+    keeps its own detected memory, count and bf16. A rate given on the command line stays. A card no profile
+    names keeps none: ``rm.plan`` then asks for them by name."""
+    from rm.plan.constants import CARD_RATE_KEYS
+
+    found = card_profile(device_name)
+    if found is None:
+        return hw
+    profile, raw = found
+    rates = {key: raw[key] for key in CARD_RATE_KEYS if getattr(hw, key) is None and raw.get(key) is not None}
+    if not rates:
+        return hw
+    source = hw.rates_source or f"{raw.get('rates_source', '')} (hardware={profile}'s rates, for the {device_name} detected)"
+    return dataclasses.replace(hw, **rates, rates_source=source)

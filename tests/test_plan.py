@@ -91,6 +91,52 @@ def test_a_cuda_profile_without_rates_names_the_key(tiny_cfg):
     assert rates_for(replace(hw, memory_gbps=3350), "cuda").memory == 3350e9
 
 
+def _cuda_cards(monkeypatch, names, capacity=85_017_493_504):
+    """torch.cuda as a machine with these cards would answer it (the capacity an H100 80GB HBM3 reported)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda i=0: (capacity // 2, capacity))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: names[i])
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+
+
+def test_hardware_auto_prices_a_card_it_knows_as_that_cards_profile(tiny_cfg, monkeypatch):
+    """hardware=auto on a card a profile names takes that profile's rates, so rm.plan and train.layout=auto rank
+    layouts there as hardware=h100_80g does; memory, count and bf16 stay as detected, and a rate given on the
+    command line stays. A card no profile names (an H100 PCIe, other rates), or a machine of mixed cards, gets
+    none, and rm.plan asks for them by key."""
+    from rm.errors import ConfigError
+    from rm.hardware import resolve_hardware
+    from rm.plan.constants import CARD_RATE_KEYS, rates_for
+
+    named = tiny_cfg("hardware=h100_80g").hardware
+    _cuda_cards(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 2)
+    got = resolve_hardware(tiny_cfg("hardware=auto").hardware)
+    assert (got.accelerator, got.gpus_per_node, got.device_memory_gib, got.bf16) == ("cuda", 2, 79.17, True)
+    assert {k: getattr(got, k) for k in CARD_RATE_KEYS} == {k: getattr(named, k) for k in CARD_RATE_KEYS}
+    assert "hardware=h100_80g" in got.rates_source and "NVIDIA H100 80GB HBM3" in got.rates_source
+    assert rates_for(got, "cuda") == rates_for(replace(named, rates_source=got.rates_source), "cuda")
+
+    given = resolve_hardware(tiny_cfg("hardware=auto", "hardware.kernel_us=12").hardware)
+    assert given.kernel_us == 12 and given.peak_bf16_tflops == named.peak_bf16_tflops
+
+    for cards in (["NVIDIA H100 PCIe"], ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"]):
+        _cuda_cards(monkeypatch, cards)
+        unknown = resolve_hardware(tiny_cfg("hardware=auto").hardware)
+        assert all(getattr(unknown, k) is None for k in CARD_RATE_KEYS), cards
+        with pytest.raises(ConfigError, match="hardware.peak_bf16_tflops"):
+            rates_for(unknown, "cuda")
+
+
+def test_every_named_card_is_named_by_one_profile_only():
+    """A card two profiles named would take whichever sorts first."""
+    from omegaconf import OmegaConf
+
+    names = [n for path in sorted((ROOT / "conf/hardware").glob("*.yaml"))
+             for n in OmegaConf.load(path).get("device_names", [])]
+    assert len(names) == len(set(names)) and "NVIDIA H200" in names
+
+
 def test_hub_data_gets_a_synthetic_stand_in_that_says_so(tiny_cfg):
     from rm.plan.lengths import readable_here, stand_in_lengths
 

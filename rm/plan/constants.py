@@ -40,6 +40,9 @@ TOKENS = (256, 1024, 4096)
 ATTENTION_LENGTHS = (64, 128, 256, 512)  # tokens of one attention call measured on a CPU
 ELEMENTWISE_MIB = (1, 4, 16, 64)  # sizes of the tensor an elementwise op writes, measured on a CPU
 PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps", "host_memory_gbps")
+# What hardware=auto takes from the profile of the card it detects (rm.hardware.with_card_rates): the rates a CUDA
+# profile must state, and the two it may.
+CARD_RATE_KEYS = (*PROFILE_KEYS, "inter_node_gbps", "kernel_us")
 
 
 def cache_dir() -> Path:
