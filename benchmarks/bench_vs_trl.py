@@ -596,6 +596,9 @@ def main() -> None:
     VARIANTS = variants(SETUP)
     if args.child:
         return child(args)
+    unknown = [name for name in args.only or [] if name not in VARIANTS]
+    if unknown:  # a misspelt row would be left out without a word
+        parser.error(f"--only: no row named {unknown} in --setup {args.setup}; the rows: {list(VARIANTS)}")
 
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
