@@ -298,17 +298,37 @@ def run_rm(data, variant_overrides, workdir: Path):
     if profile_to:
         import torch
 
-        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                             if torch.cuda.is_available() else [])
-        began = time.perf_counter()
-        with torch.profiler.profile(activities=activities) as prof:
-            result = rm_train.train(cfg, workdir / "run")
-        wall = time.perf_counter() - began
+        cuda = torch.cuda.is_available()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        prof = torch.profiler.profile(activities=activities)
+        # Only the training steps after the warm-up: set-up, the final evaluation and the save (the model's copy to
+        # the host was half the device's time in the H200's first profile) are not a step's time.
+        warm, taken, window = min(SETUP.skip_steps, SETUP.steps // 2), [0], {}
+        step = rm.trainer.train_step
+
+        def profiled_step(run, micro_batches):
+            if taken[0] == warm:
+                torch.cuda.synchronize() if cuda else None
+                prof.start()
+                window["began"] = time.perf_counter()
+            out = step(run, micro_batches)
+            taken[0] += 1
+            if taken[0] == SETUP.steps:
+                torch.cuda.synchronize() if cuda else None
+                window["wall"] = time.perf_counter() - window["began"]
+                prof.stop()
+            return out
+
+        rm.trainer.train_step = profiled_step
+        result = rm_train.train(cfg, workdir / "run")
         events = prof.key_averages()
         busy = sum(e.self_device_time_total for e in events) / 1e6
+        steps = SETUP.steps - warm
+        device = f", {busy:.2f} s of kernels on the device ({busy / window['wall']:.0%} busy)" if cuda else ""
         Path(profile_to).write_text(
-            f"{' '.join(variant_overrides)}: {wall:.2f} s wall (setup included), {busy:.2f} s of kernels on the device\n"
-            + events.table(sort_by="self_device_time_total" if activities[1:] else "self_cpu_time_total", row_limit=45))
+            f"{' '.join(variant_overrides)}: steps {warm + 1}-{SETUP.steps} profiled, {window['wall']:.2f} s wall "
+            f"({window['wall'] / steps:.3f} s a step, the profiler's own cost included){device}\n"
+            + events.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=45))
     else:
         result = rm_train.train(cfg, workdir / "run")
     windows = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
