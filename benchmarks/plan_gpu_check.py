@@ -55,13 +55,15 @@ def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -
         layout = padded if name.startswith("TRL") else variants.get(name)
         if layout is None or not [o for o in layout if o != "train.layout=given"] and name != "rm padded":
             continue  # a row whose layout train.layout=auto chose in the run: its pick is not in the file
-        overrides = [o if not o.startswith("hardware=") else f"hardware={hardware}" for o in bench.rm_overrides(layout, setup)]
+        overrides = [o if not o.startswith("hardware=") else f"hardware={hardware}"
+                     for o in bench.rm_overrides(layout, setup)]
         cfg = compose(overrides)
         plan = validate(cfg, 1)
         t = cfg.train
-        steps = step_micro_batches(lengths, layout_of(t.packing, t.share_prefix), plan.micro_batch_size, plan.world_size,
-                                   t.global_batch_size, t.seed, t.group_by_length, t.max_tokens_per_micro_batch,
-                                   steps=setup.steps, kernel=attention_kernel(cfg.model.attn_implementation))
+        steps = step_micro_batches(lengths, layout_of(t.packing, t.share_prefix), plan.micro_batch_size,
+                                   plan.world_size, t.global_batch_size, t.seed, t.group_by_length,
+                                   t.max_tokens_per_micro_batch, steps=setup.steps,
+                                   kernel=attention_kernel(cfg.model.attn_implementation))
         rates = rates_for(plan.hardware, plan.device)
         if kernel_us is not None:
             rates = dataclasses.replace(rates, kernel_seconds=kernel_us * 1e-6)
@@ -82,7 +84,8 @@ def main() -> None:
     given = dict(m.rsplit("=", 1) for m in args.measured)
     for data_name, section in results.items():
         print(f"{data_name} data, {section.get('gpu')} run ({args.results.name}), priced as hardware={args.hardware}:")
-        print("| row | measured s/step | op cost (us) | predicted s/step | error | compute | elementwise | ops | optimizer |")
+        print("| row | measured s/step | op cost (us) | predicted s/step | error | compute | elementwise | ops "
+              "| optimizer |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for kernel_us in [None, *args.kernel_us]:
             for name, step in predict_rows(results, data_name, args.hardware, kernel_us).items():

@@ -90,5 +90,6 @@ def with_card_rates(hw: HardwareConfig, device_name: str) -> HardwareConfig:
     rates = {key: raw[key] for key in CARD_RATE_KEYS if getattr(hw, key) is None and raw.get(key) is not None}
     if not rates:
         return hw
-    source = hw.rates_source or f"{raw.get('rates_source', '')} (hardware={profile}'s rates, for the {device_name} detected)"
+    source = hw.rates_source or (f"{raw.get('rates_source', '')} (hardware={profile}'s rates, for the {device_name} "
+                                 "detected)")
     return dataclasses.replace(hw, **rates, rates_source=source)

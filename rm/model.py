@@ -416,8 +416,6 @@ def sequence_rewards(
     """
     if (ends is None) == (attention_mask is None):
         raise ValueError("give attention_mask for a padded batch, or position_ids and ends for a packed one")
-    caught = []
-    handle = reward_head(model).register_forward_hook(lambda module, args, output: caught.append(output))
     from rm.prefix_sharing import attn_implementation_of
 
     attn_implementation = attn_implementation_of(model)
@@ -425,6 +423,8 @@ def sequence_rewards(
         # rm's SDPA, registered under transformers' name on import: packed rows a segment at a time, and on a GPU
         # no cuDNN kernel for any row (rm.attention.sdpa_kernels)
         from rm.attention import segmented_inputs
+    caught = []
+    handle = reward_head(model).register_forward_hook(lambda module, args, output: caught.append(output))
     kwargs = {"attention_mask": attention_mask}
     if ends is not None:
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these

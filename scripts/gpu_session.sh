@@ -63,8 +63,9 @@ for name in $stages; do
     # The layout train.layout=auto picks first: hardware=auto prices the card as its named profile, and rm.plan
     # predicts micro-batches of 32 pairs without checkpointing on an H200 (0.35 s a step against padded's 0.62,
     # a peak of 118 of 137 GiB usable): the speed goal's row, and a memory verdict near the top of the card.
-    speed-1b) stage speed-1b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
-                --only "rm, no layout flags (train.layout=auto)" "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" \
+    speed-1b) stage speed-1b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 \
+                $steps --only "rm, no layout flags (train.layout=auto)" "rm padded" \
+                "rm prefix-shared + packed (budget 8192 tokens)" \
                 "rm prefix-shared, row per pair + group_by_length (micro-batch 8)" \
                 --out-json "$out/throughput_gpu_1b.json" ;;
     # Where a step's time goes (kernels, and the device's busy time against the wall clock), 12 steps a row.
@@ -73,8 +74,8 @@ for name in $stages; do
                 cat /tmp/rm-profiles/profile_*.txt >"$out/profiles_gpu_1b.txt" 2>/dev/null ;;
     # train.layout=auto's pick here: 8 pairs a micro-batch without checkpointing on an H200 (0.98 s a step predicted
     # against 1.98 as configured, a peak of 89 GiB), 16 with checkpointing on an H100 (1.21 against 2.01).
-    speed-7b) stage speed-7b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn --threads 8 $steps \
-                --only "rm, no layout flags (train.layout=auto)" \
+    speed-7b) stage speed-7b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn \
+                --threads 8 $steps --only "rm, no layout flags (train.layout=auto)" \
                 "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" \
                 --out-json "$out/throughput_gpu_7b_lora.json" ;;
     *) echo "unknown stage $name" ;;
