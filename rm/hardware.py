@@ -9,6 +9,11 @@ import os
 from rm.config import HardwareConfig
 
 GIB = 1024**3
+# The rates rm.plan's step-time model needs that a CUDA profile must state (rm.plan.constants.rates_for), and what
+# hardware=auto takes from the profile of the card it detects (with_card_rates): those and the two a profile may.
+PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps",
+                "host_memory_gbps")
+CARD_RATE_KEYS = (*PROFILE_KEYS, "inter_node_gbps", "kernel_us")
 # The attention kernels that skip fully masked blocks (varlen or block-sparse); the others compute the square under a mask.
 MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 
@@ -81,8 +86,6 @@ def with_card_rates(hw: HardwareConfig, device_name: str) -> HardwareConfig:
     H100 prices ``rm.plan``'s step times (and ``train.layout=auto``'s choice) as ``hardware=h100_80g`` does, and
     keeps its own detected memory, count and bf16. A rate given on the command line stays. A card no profile
     names keeps none: ``rm.plan`` then asks for them by name."""
-    from rm.plan.constants import CARD_RATE_KEYS
-
     found = card_profile(device_name)
     if found is None:
         return hw

@@ -106,8 +106,8 @@ def test_hardware_auto_prices_a_card_it_knows_as_that_cards_profile(tiny_cfg, mo
     command line stays. A card no profile names (an H100 PCIe, other rates), or a machine of mixed cards, gets
     none, and rm.plan asks for them by key."""
     from rm.errors import ConfigError
-    from rm.hardware import resolve_hardware
-    from rm.plan.constants import CARD_RATE_KEYS, rates_for
+    from rm.hardware import CARD_RATE_KEYS, resolve_hardware
+    from rm.plan.constants import rates_for
 
     named = tiny_cfg("hardware=h100_80g").hardware
     _cuda_cards(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 2)

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 
 from rm.config import HardwareConfig
 from rm.errors import ConfigError
+from rm.hardware import PROFILE_KEYS
 from rm.plan.steptime import Rates
 
 GB = 1e9
@@ -39,10 +40,6 @@ WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-
 TOKENS = (256, 1024, 4096)
 ATTENTION_LENGTHS = (64, 128, 256, 512)  # tokens of one attention call measured on a CPU
 ELEMENTWISE_MIB = (1, 4, 16, 64)  # sizes of the tensor an elementwise op writes, measured on a CPU
-PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps", "host_memory_gbps")
-# What hardware=auto takes from the profile of the card it detects (rm.hardware.with_card_rates): the rates a CUDA
-# profile must state, and the two it may.
-CARD_RATE_KEYS = (*PROFILE_KEYS, "inter_node_gbps", "kernel_us")
 
 
 def cache_dir() -> Path:
