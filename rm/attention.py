@@ -61,16 +61,21 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     window = kwargs.get("sliding_window")
+    # One split of each tensor, not a slice per segment: a slice's backward writes its gradient into a zero tensor
+    # of the whole row, so n slices cost n row-sized fills and adds per tensor and layer (on a GPU, a dozen kernel
+    # launches a segment and layer); a split's backward is one concatenation.
+    sizes = [end - start for start, end in zip(segment_bounds[:-1], segment_bounds[1:])]
+    parts = zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
     outputs = []
     with sdpa_kernels(query.device):
-        for i, (start, end) in enumerate(zip(segment_bounds[:-1], segment_bounds[1:])):
+        for i, (q, k, v) in enumerate(parts):
+            n = sizes[i]
             if segments_causal:
-                mask = windowed_causal(end - start, window, query.device) if window and end - start > window else None
+                mask = windowed_causal(n, window, query.device) if window and n > window else None
             else:
                 mask = segment_masks[i]
             outputs.append(torch.nn.functional.scaled_dot_product_attention(
-                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end], attn_mask=mask,
-                dropout_p=dropout, scale=scaling, is_causal=mask is None and end - start > 1))
+                q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None and n > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
 
 

@@ -83,6 +83,41 @@ def test_one_sdpa_call_per_segment_gives_the_whole_rows_rewards_and_gradients(mo
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _autograd_nodes(tensor) -> list:
+    """The names of the autograd graph's nodes behind ``tensor``."""
+    seen, stack, names = set(), [tensor.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["packed", "packed+shared"])
+def test_one_more_segment_adds_its_sdpa_call_and_no_slice_of_the_row(causal):
+    """Each segment adds one SDPA node to the graph; q, k and v are split once whatever the segments. A slice per
+    segment would add three nodes a segment whose backward each fills a zero tensor of the whole row (on a GPU, a
+    few more kernels a segment and layer: rm.plan.steptime.SEGMENT_KERNELS)."""
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 2
+
+    def nodes(segments: int) -> list:
+        torch.manual_seed(0)
+        q, k, v = (torch.randn(1, heads, 8 * segments, 4, requires_grad=True) for heads in (4, 2, 2))
+        masks = None if causal else [torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()] * segments
+        out, _ = segmented_sdpa(module, q, k, v, None, segment_bounds=list(range(0, 8 * segments + 1, 8)),
+                                segments_causal=causal, segment_masks=masks)
+        return _autograd_nodes(out)
+
+    four, eight = nodes(4), nodes(8)
+    added = [name for name in set(eight) for _ in range(eight.count(name) - four.count(name))]
+    assert len(added) == 4 and all("Attention" in name for name in added), added
+    assert not any("Slice" in name for name in eight)
+
+
 def test_without_bounds_it_is_transformers_sdpa():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -32,9 +32,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-# Ops one more segment of a packed row adds to a layer's forward on a CPU (rm.attention): the slices of q, k, v and
-# the mask, the SDPA call and its share of the concatenation.
-SEGMENT_KERNELS = 6
+# Ops one more segment of a packed row adds to a layer's forward (rm.attention), its backward taken as twice that:
+# the SDPA call, the one node a segment adds to the graph (tests/test_attention.py), and its share of the
+# concatenation; q, k and v are split once a layer whatever the segments. Until 2026-11-28 each segment sliced
+# them (6: three more nodes, whose backwards each filled and added a row-sized tensor).
+SEGMENT_KERNELS = 2
 
 
 def causal(n: int) -> int:
