@@ -10,7 +10,8 @@ optimizer step with :func:`rm.plan.steptime.predict_step_seconds` under the name
 terms ``rm.plan`` prices (matmuls and attention, elementwise traffic, a fixed cost per op, the optimizer step).
 TRL's row is priced as rm's padded layout with TRL's micro-batch (the same batches, the same kernels). The
 prediction never reads the measured step times: they come from a run, the rates from the profile (the datasheet's,
-and the op's fixed cost from ``benchmarks/gpu_constants.py``'s micro-benchmark of a tiny decoder layer).
+and an op's fixed cost as the profile assumes it, or as ``--kernel-us`` gives it: ``benchmarks/gpu_constants.py``
+measured 46 us on the H200 machine's host).
 
 ``--measured NAME=SECONDS`` gives step times that have no JSON (the H100 session's, docs/gpu.md), for the file's
 rows of those names. ``--kernel-us`` predicts again at each fixed cost per op given, to show what that term does.

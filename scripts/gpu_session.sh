@@ -60,20 +60,17 @@ for name in $stages; do
     # CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.
     calibration) stage calibration 210 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
                    --out "$out/memory_calibration_gpu.md" ${CALIBRATION_ONLY:+--only $CALIBRATION_ONLY} ;;
-    # The layout train.layout=auto picks first: hardware=auto prices the card as its named profile, and rm.plan
-    # predicts micro-batches of 32 pairs without checkpointing on an H200 (0.35 s a step against padded's 0.62,
-    # a peak of 118 of 137 GiB usable): the speed goal's row, and a memory verdict near the top of the card.
-    speed-1b) stage speed-1b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 \
-                $steps --only "rm, no layout flags (train.layout=auto)" "rm padded" \
-                "rm prefix-shared + packed (budget 8192 tokens)" \
+    speed-1b) stage speed-1b 180 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
+                --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" \
                 "rm prefix-shared, row per pair + group_by_length (micro-batch 8)" \
                 --out-json "$out/throughput_gpu_1b.json" ;;
     # Where a step's time goes (kernels, and the device's busy time against the wall clock), 12 steps a row.
     profile-1b) stage profile-1b 80 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 --steps 12 \
                   --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" --profile-dir /tmp/rm-profiles
                 cat /tmp/rm-profiles/profile_*.txt >"$out/profiles_gpu_1b.txt" 2>/dev/null ;;
-    # train.layout=auto's pick here: 8 pairs a micro-batch without checkpointing on an H200 (0.98 s a step predicted
-    # against 1.98 as configured, a peak of 89 GiB), 16 with checkpointing on an H100 (1.21 against 2.01).
+    # train.layout=auto's pick here (hardware=auto prices the card as its named profile): 8 pairs a micro-batch
+    # without checkpointing on an H200 (0.52 s a step predicted against 0.76 as configured, a peak of 89 GiB),
+    # checkpointing off on an H100 (0.55 against 0.79, 52 GiB). On the 1B setup it picks the padded row's layout.
     speed-7b) stage speed-7b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn \
                 --threads 8 $steps --only "rm, no layout flags (train.layout=auto)" \
                 "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" \
