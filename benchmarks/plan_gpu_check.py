@@ -3,6 +3,7 @@
     python benchmarks/plan_gpu_check.py                                         # the H200's 1B rows
     python benchmarks/plan_gpu_check.py --hardware h100_80g --measured "rm padded=0.810" "TRL RewardTrainer=0.844"
     python benchmarks/plan_gpu_check.py --kernel-us 5 46                        # the prediction at other op costs
+    python benchmarks/plan_gpu_check.py --pick gpu-7b-lora --hardware h200_141g,h100_80g   # train.layout=auto's pick
 
 Reads a ``bench_vs_trl.py --out-json`` file of a GPU run (default: ``docs/gpu/throughput_gpu_1b_h200.json``),
 rebuilds its pairs (the benchmark generates them from a seed) and its setup, and predicts each row's seconds per
@@ -30,35 +31,45 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -> dict:
-    """Predicted :class:`rm.plan.steptime.StepTime` of each row of one data set's results, by row name."""
+def bench_lengths(data_name: str):
+    """The lengths of bench_vs_trl.py's training pairs of one data set (it generates them from a seed)."""
     import datasets
 
+    import bench_vs_trl as bench
+    from rm.plan.lengths import lengths_of
+
+    pairs = bench.DATASETS[data_name](960, seed=0)
+    return lengths_of(datasets.Dataset.from_list(
+        [{"chosen_input_ids": p["chosen_input_ids"], "rejected_input_ids": p["rejected_input_ids"]} for p in pairs]),
+        [], f"bench_vs_trl's {data_name} pairs")
+
+
+def on_hardware(overrides, hardware: str):
+    """bench_vs_trl.py's overrides with the hardware profile replaced."""
+    return [o if not o.startswith("hardware=") else f"hardware={hardware}" for o in overrides]
+
+
+def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -> dict:
+    """Predicted :class:`rm.plan.steptime.StepTime` of each row of one data set's results, by row name."""
     import bench_vs_trl as bench
     from rm.config import compose
     from rm.data.shapes import layout_of
     from rm.hardware import attention_kernel
     from rm.plan.constants import rates_for
-    from rm.plan.lengths import lengths_of, step_micro_batches
+    from rm.plan.lengths import step_micro_batches
     from rm.plan.steptime import predict_step_seconds
     from rm.validate import validate
 
     section = results[data_name]
     setup = bench.Setup(**{**section["setup"], "shape": tuple(section["setup"]["shape"])})
-    pairs = bench.DATASETS[data_name](960, seed=0)
-    lengths = lengths_of(datasets.Dataset.from_list(
-        [{"chosen_input_ids": p["chosen_input_ids"], "rejected_input_ids": p["rejected_input_ids"]} for p in pairs]),
-        [], f"bench_vs_trl's {data_name} pairs")
+    lengths = bench_lengths(data_name)
     variants = bench.variants(setup)
-    padded = variants["rm padded"]
     out = {}
     for name in section["results"]:
-        layout = padded if name.startswith("TRL") else variants.get(name)
-        if layout is None or not [o for o in layout if o != "train.layout=given"] and name != "rm padded":
-            continue  # a row whose layout train.layout=auto chose in the run: its pick is not in the file
-        overrides = [o if not o.startswith("hardware=") else f"hardware={hardware}"
-                     for o in bench.rm_overrides(layout, setup)]
-        cfg = compose(overrides)
+        layout = variants["rm padded"] if name.startswith("TRL") else variants.get(name)
+        if layout is None or "train.layout=given" not in layout:
+            continue  # a row whose layout train.layout=auto chose in the run: --pick prices that
+        cfg = compose(on_hardware(bench.rm_overrides(layout, setup), hardware))
         plan = validate(cfg, 1)
         t = cfg.train
         steps = step_micro_batches(lengths, layout_of(t.packing, t.share_prefix), plan.micro_batch_size,
@@ -72,6 +83,18 @@ def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -
     return out
 
 
+def auto_pick(setup_name: str, data_name: str, hardware: str):
+    """What ``train.layout=auto`` picks for bench_vs_trl.py's no-flags row of a setup on a hardware profile
+    (:func:`rm.plan.auto.choose_layout`, the function a training run calls), as its ``LayoutChoice``."""
+    import bench_vs_trl as bench
+    from rm.config import compose
+    from rm.plan.auto import choose_layout
+    from rm.validate import validate
+
+    cfg = compose(on_hardware(bench.rm_overrides([], bench.SETUPS[setup_name]), hardware))
+    return choose_layout(cfg, validate(cfg, 1), [], bench_lengths(data_name))[-1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--results", type=Path, default=ROOT / "docs/gpu/throughput_gpu_1b_h200.json")
@@ -80,7 +103,18 @@ def main() -> None:
                         help="measured seconds per step of rows the file does not time")
     parser.add_argument("--kernel-us", nargs="*", type=float, default=[],
                         help="also predict with these fixed costs per op (microseconds)")
+    parser.add_argument("--pick", metavar="SETUP", help="instead: what train.layout=auto picks for bench_vs_trl.py's "
+                        "SETUP (gpu-1b, gpu-7b-lora) on its multi-turn data, on each --hardware profile (comma-separated)")
     args = parser.parse_args()
+    known = sorted(path.stem for path in (ROOT / "conf/hardware").glob("*.yaml"))
+    unknown = [h for h in args.hardware.split(",") if h not in known]
+    if unknown:
+        parser.error(f"--hardware: no profile {unknown} in conf/hardware; the profiles: {known}")
+    if args.pick:
+        for hardware in args.hardware.split(","):
+            choice = auto_pick(args.pick, "multi-turn", hardware)
+            print(f"{args.pick} on hardware={hardware}: {' '.join(choice.changed) or 'as configured'} ({choice.reason})")
+        return
     results = json.loads(args.results.read_text())
     given = dict(m.rsplit("=", 1) for m in args.measured)
     for data_name, section in results.items():

@@ -62,8 +62,8 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     window = kwargs.get("sliding_window")
     # One split of each tensor, not a slice per segment: a slice's backward writes its gradient into a zero tensor
-    # of the whole row, so n slices cost n row-sized fills and adds per tensor and layer (on a GPU, a dozen kernel
-    # launches a segment and layer); a split's backward is one concatenation.
+    # of the whole row, so n slices cost n row-sized fills and adds per tensor and layer (on a GPU, kernel launches
+    # a segment and layer); a split's backward is one concatenation.
     sizes = [end - start for start, end in zip(segment_bounds[:-1], segment_bounds[1:])]
     parts = zip(query.split(sizes, dim=2), key.split(sizes, dim=2), value.split(sizes, dim=2))
     outputs = []

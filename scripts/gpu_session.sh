@@ -71,6 +71,7 @@ for name in $stages; do
     # train.layout=auto's pick here (hardware=auto prices the card as its named profile): 8 pairs a micro-batch
     # without checkpointing on an H200 (0.52 s a step predicted against 0.76 as configured, a peak of 89 GiB),
     # checkpointing off on an H100 (0.55 against 0.79, 52 GiB). On the 1B setup it picks the padded row's layout.
+    # (python benchmarks/plan_gpu_check.py --pick gpu-7b-lora --hardware h200_141g,h100_80g)
     speed-7b) stage speed-7b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn \
                 --threads 8 $steps --only "rm, no layout flags (train.layout=auto)" \
                 "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" \
