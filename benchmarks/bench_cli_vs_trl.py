@@ -49,8 +49,8 @@ What is measured:
   text) are printed beside the independent figures;
 * **eval accuracy** on the held-out pairs after the same steps: each trainer's own (rm's ``eval_accuracy`` in
   ``metrics.jsonl``, TRL's ``evaluate()``), and this script's, scoring each saved model with plain transformers
-  (``AutoModelForSequenceClassification``), each read where its trainer trains it (rm: the text's last token; TRL:
-  the EOS it appends). TRL reads the training pairs in rm's order (``train_sampling_strategy="sequential"`` over
+  (``AutoModelForSequenceClassification``), each read where both trainers train it (the EOS each
+  appends: rm's bundle tokenizer adds it, TRL's saved one does not, and ``bundle_tokenizer_agrees`` counts that). TRL reads the training pairs in rm's order (``train_sampling_strategy="sequential"`` over
   the pairs rm takes at each step, seed 42), so both take the same optimizer steps; beside each rm row, the eval
   pairs on which only it or only TRL is right, and the exact sign test's p-value of that split (McNemar);
 * **turns**: each rm layout runs ``--repeat`` times (default 3), in turns whose order rotates, so that each
@@ -256,8 +256,8 @@ def prepare(kind: str, steps: int, eval_pairs: int, workdir: Path) -> dict:
     """Writes ``train.jsonl``, ``eval.jsonl``, ``tokenizer/`` and ``model/`` (random init) for one data set.
 
     The training set is exactly one epoch of ``steps / 2`` optimizer steps. Pairs with a side longer than
-    ``MAX_LENGTH - 1`` tokens are left out (TRL appends an EOS and drops what exceeds ``max_length``; rm would
-    truncate), so both trainers train on every pair as it is.
+    ``MAX_LENGTH`` tokens with its EOS are left out (both trainers append an EOS; TRL drops what exceeds
+    ``max_length``, rm would truncate), so both trainers train on every pair as it is.
     """
     train_pool, eval_pool = split_docs(stdlib_docs())
     multi_turn = kind == "multi-turn"
@@ -275,8 +275,8 @@ def prepare(kind: str, steps: int, eval_pairs: int, workdir: Path) -> dict:
     for split, want in (("train", n_train), ("eval", eval_pairs)):
         rows, sizes = [], []
         for pair, rejected_kind in zip(*candidates[split]):
-            ids = [tokenizer(pair[side])["input_ids"] for side in ("chosen", "rejected")]
-            if max(map(len, ids)) <= MAX_LENGTH - 1:
+            ids = [tokenizer(pair[side] + tokenizer.eos_token)["input_ids"] for side in ("chosen", "rejected")]
+            if max(map(len, ids)) <= MAX_LENGTH:
                 rows.append(pair)
                 sizes.append(ids)
                 if split == "eval":
@@ -284,7 +284,7 @@ def prepare(kind: str, steps: int, eval_pairs: int, workdir: Path) -> dict:
             if len(rows) == want:
                 break
         if len(rows) < want:
-            sys.exit(f"only {len(rows)} {split} pairs of {kind} data fit in {MAX_LENGTH - 1} tokens; {want} needed")
+            sys.exit(f"only {len(rows)} {split} pairs of {kind} data fit in {MAX_LENGTH} tokens; {want} needed")
         kept[split], lengths[split] = rows, sizes
         with open(workdir / f"{split}.jsonl", "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -397,7 +397,7 @@ def run_rm(name: str, layout: list[str], data: dict, args, workdir: Path, repeat
     evals = [r for r in records if r["event"] == "eval"]
     return {"command": " ".join(command), "wall_s": wall, "window_s": marks[args.steps] - marks[epoch],
             "self_tokens_per_s": train[args.steps]["tokens_per_s"], "eval_accuracy": evals[-1]["eval_accuracy"],
-            "model_dir": str(run_dir / "final"), "append_eos": False}
+            "model_dir": str(run_dir / "final"), "append_eos": True}
 
 
 def run_trl(data: dict, args, workdir: Path) -> dict:
@@ -498,7 +498,7 @@ def bench_accuracy(model_dir: str, data: dict, append_eos: bool) -> dict[str, fl
         accuracy[kind] = sum(mine) / max(1, len(mine))
     bundled = AutoTokenizer.from_pretrained(model_dir)
     texts = [p[side] for p in pairs for side in ("chosen", "rejected")]
-    agrees = sum(bundled(t)["input_ids"] == tokenizer(t)["input_ids"] for t in texts)
+    agrees = sum(bundled(t)["input_ids"] == tokenizer(t + suffix)["input_ids"] for t in texts)
     return {"accuracy": accuracy, "right": right, "bundle_tokenizer": type(bundled).__name__,
             "bundle_tokenizer_agrees": f"{agrees}/{len(texts)}"}
 

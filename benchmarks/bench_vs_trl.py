@@ -120,8 +120,12 @@ def variants(setup: Setup) -> dict:
 
 VARIANTS = variants(SETUP)
 
+BOS, EOS = 2, 3  # each side is BOS + its tokens + EOS, as rm's and TRL's tokenisation gives it (rm.tokenizer.encode_sides)
+
+
 def make_pairs(n: int, seed: int):
-    """``n`` pairs of token ids (no pad id 0, no eos id 3) with long-tailed lengths, chosen better than rejected."""
+    """``n`` pairs of token ids (BOS, then no pad id 0 or eos id 3, then EOS) with long-tailed lengths, chosen better
+    than rejected."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -136,11 +140,11 @@ def make_pairs(n: int, seed: int):
 
     pairs = []
     for _ in range(n):
-        prompt = rng.integers(4, 1000, length(48, 0.7, 320)).tolist()
-        room = MAX_LENGTH - len(prompt)
+        prompt = [BOS] + rng.integers(4, 1000, length(48, 0.7, 320)).tolist()
+        room = MAX_LENGTH - len(prompt) - 1
         pairs.append({
-            "chosen_input_ids": prompt + answer(True, length(64, 0.6, room)),
-            "rejected_input_ids": prompt + answer(False, length(64, 0.6, room)),
+            "chosen_input_ids": prompt + answer(True, length(64, 0.6, room)) + [EOS],
+            "rejected_input_ids": prompt + answer(False, length(64, 0.6, room)) + [EOS],
             "margin": 0.0,
         })
     return pairs
@@ -176,11 +180,11 @@ def make_multiturn_pairs(n: int, seed: int):
             prompt += [HUMAN] + rng.integers(6, 1000, length(20, 0.7, 120)).tolist()
             prompt += [ASSISTANT] + rng.integers(6, 1000, length(40, 0.7, 160)).tolist()
         prompt += [HUMAN] + rng.integers(6, 1000, length(20, 0.7, 120)).tolist() + [ASSISTANT]
-        prompt = prompt[-(MAX_LENGTH - 64):]  # at least 64 tokens of room for each answer
-        room = MAX_LENGTH - len(prompt)
+        prompt = [BOS] + prompt[-(MAX_LENGTH - 66):]  # at least 64 tokens of room for each answer, and its EOS
+        room = MAX_LENGTH - len(prompt) - 1
         pairs.append({
-            "chosen_input_ids": prompt + answer(True, length(48, 0.6, room)),
-            "rejected_input_ids": prompt + answer(False, length(48, 0.6, room)),
+            "chosen_input_ids": prompt + answer(True, length(48, 0.6, room)) + [EOS],
+            "rejected_input_ids": prompt + answer(False, length(48, 0.6, room)) + [EOS],
             "margin": 0.0,
         })
     return pairs

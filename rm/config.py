@@ -147,6 +147,10 @@ class DataConfig:
     # +data.extra_eval_files.hard=[hard/*.parquet] (the + because a new name is a new key to Hydra)
     extra_eval_files: Dict[str, List[str]] = field(default_factory=dict)
     format: str = "auto"  # auto | hh | prompt | messages
+    # Plain-text sides (hh, prompt) end with the tokenizer's EOS, appended where missing, and keep the tokenizer's
+    # own special tokens (BOS): the reward is read at that EOS, as TRL's RewardTrainer and OpenRLHF read it.
+    # Conversations (messages) are tokenised as the chat template renders them. false: no EOS appended (rm.tokenizer)
+    append_eos: bool = True
     margin_column: Optional[str] = None  # column with a per-pair margin for the loss
     max_length: int = 512  # tokens per sequence; longer pairs follow `truncation`. Activations grow with it
     truncation: str = "truncate"  # truncate (cut the prompt's start) | drop | error (stop, naming the row)

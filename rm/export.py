@@ -4,7 +4,11 @@ A bundle holds what a user needs to score text the way training did:
 
 * the weights (``model.safetensors`` + ``config.json``), or for LoRA the PEFT adapter
   with the reward head (``adapter_model.safetensors`` + ``adapter_config.json``);
-* the tokenizer with its pad token, and its chat template (``chat_template.jinja``) if any;
+* the tokenizer with its pad token, and its chat template (``chat_template.jinja``) if any, in two forms
+  (:func:`rm.tokenizer.consumer_tokenizer`): at the top, the one whose ``tokenizer(text)`` gives the ids a
+  plain text trained on (its post-processor appends the EOS training appended), which transformers, ``pipeline``
+  and PEFT load; in ``trained_tokenizer/``, the tokenizer exactly as training used it (``rm.score``, RewardBench's
+  ``--tokenizer``), with ``reward_tokens.json`` saying how training tokenised (:func:`bundle_tokenizer`);
 * the tokenizer's pad, BOS and EOS ids in the saved model config. An adapter's
   ``adapter_config.json`` names its base (a hub id or a directory). Where the base was a random
   init (the demo, a QLoRA run from a shape), that base is saved in the bundle itself
@@ -39,7 +43,7 @@ import sys
 import tempfile
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -47,12 +51,17 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from rm.errors import ConfigError, StorageError, boundary
 from rm.model import evaluate_4bit_as_trained, last_token_index, sequence_rewards
 from rm.precision import Precision
-from rm.tokenizer import write_tokenizer_compat_fields
+from rm.tokenizer import consumer_tokenizer, write_tokenizer_compat_fields
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 PROBE_FILE = "reward_probe.json"
 STATS_FILE = "reward_stats.json"
+TOKENS_FILE = "reward_tokens.json"  # how training tokenised: {"append_eos": ..., "trained_tokenizer": ...}
+TRAINED_TOKENIZER = "trained_tokenizer"  # the tokenizer as training used it, beside the consumers' one
 ADAPTER_CONFIG = "adapter_config.json"
 BASE_DIR = "base"  # where bundles written before the base moved into the bundle itself kept it
 PROBE_PAIRS = 4  # pairs of the probe batch: 8 sequences of different lengths, so padding is exercised
@@ -143,34 +152,52 @@ def save_bundle(
     reward_stats: Optional[Mapping[str, float]] = None,
     probe: Optional[Mapping[str, torch.Tensor]] = None,
     precision: str = "32-true",
+    append_eos: bool = True,
 ) -> Path:
     """Write a model directory (one process).
 
     Args:
         model: the unwrapped model: a transformers ``*ForSequenceClassification`` or a PEFT model,
             whose ``save_pretrained`` writes the adapter with the reward head.
-        tokenizer: its tokenizer; it must have a pad token.
+        tokenizer: its tokenizer as training used it; it must have a pad token.
         directory: where to write.
         state_dict: the weights to write instead of ``model.state_dict()`` (ZeRO-3's gathered shards).
         reward_stats: written as ``reward_stats.json`` when given (see :func:`reward_stats_from_eval`).
         probe: ``input_ids``, ``attention_mask`` and ``rewards`` (the in-memory model's), written as
             ``reward_probe.json`` for :func:`verify_bundle`.
         precision: ``train.precision`` the rewards were computed in; picks the tolerance.
+        append_eos: ``data.append_eos`` of the run: plain-text sides trained with the EOS appended.
 
     Returns:
         ``directory``.
 
     Raises:
         ValueError: the tokenizer has no pad token.
-        ExportMismatch: the tokenizer does not reload with the same pad token, chat template and vocabulary.
+        ExportMismatch: a tokenizer does not reload with the same pad token, chat template and vocabulary.
     """
     directory = Path(directory)
     if tokenizer.pad_token_id is None:
         raise ValueError("the tokenizer has no pad token: set one before saving (rm.tokenizer.build_tokenizer does)")
     _set_special_ids(model.config, tokenizer)  # for PEFT this is the base config, which is not written
     model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
-    tokenizer.save_pretrained(directory)
+    for where, form in ((directory, consumer_tokenizer(tokenizer, append_eos)), (directory / TRAINED_TOKENIZER, tokenizer)):
+        form.save_pretrained(where)
+        write_tokenizer_compat_fields(where)
+        _check_reloads(where, form)
+    (directory / TOKENS_FILE).write_text(json.dumps({"append_eos": append_eos, "trained_tokenizer": TRAINED_TOKENIZER},
+                                                    indent=2) + "\n")
     write_compat_fields(directory, reward_stats)
+    if reward_stats is not None:
+        (directory / STATS_FILE).write_text(json.dumps(dict(reward_stats), indent=2) + "\n")
+    if probe is not None:
+        record = {k: probe[k].tolist() for k in ("input_ids", "attention_mask", "rewards")}
+        record["compute_dtype"] = Precision.of(precision).dtype_name
+        (directory / PROBE_FILE).write_text(json.dumps(record) + "\n")
+    return directory
+
+
+def _check_reloads(directory: Path, tokenizer) -> None:
+    """The tokenizer saved in ``directory`` reloads with the same pad token, chat template and vocabulary."""
     reloaded = AutoTokenizer.from_pretrained(directory)
     if (reloaded.pad_token_id, reloaded.chat_template) != (tokenizer.pad_token_id, tokenizer.chat_template):
         raise ExportMismatch(
@@ -181,13 +208,20 @@ def save_bundle(
     if reloaded.get_vocab() != tokenizer.get_vocab():  # e.g. a tokenizer trained for the run, saved incompletely
         raise ExportMismatch(f"{directory}: the tokenizer reloads with another vocabulary ({len(reloaded)} tokens; "
                              f"saved: {len(tokenizer)})")
-    if reward_stats is not None:
-        (directory / STATS_FILE).write_text(json.dumps(dict(reward_stats), indent=2) + "\n")
-    if probe is not None:
-        record = {k: probe[k].tolist() for k in ("input_ids", "attention_mask", "rewards")}
-        record["compute_dtype"] = Precision.of(precision).dtype_name
-        (directory / PROBE_FILE).write_text(json.dumps(record) + "\n")
-    return directory
+
+
+def bundle_tokenizer(directory: Path) -> Tuple["PreTrainedTokenizerBase", bool]:
+    """The tokenizer a bundle was trained with and whether its plain-text sides had the EOS appended: what
+    ``rm.score`` tokenises with (:func:`rm.tokenizer.encode_sides`), so it gives the ids training gave.
+
+    A bundle written before ``reward_tokens.json`` existed trained on text alone, with a tokenizer that adds
+    nothing: its top-level tokenizer, no EOS.
+    """
+    directory = Path(directory)
+    record = json.loads((directory / TOKENS_FILE).read_text()) if (directory / TOKENS_FILE).is_file() else None
+    if record is None:
+        return AutoTokenizer.from_pretrained(directory), False
+    return AutoTokenizer.from_pretrained(directory / record["trained_tokenizer"]), bool(record["append_eos"])
 
 
 def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] = None, device="cpu"):
@@ -323,16 +357,39 @@ def save_base(base_model: torch.nn.Module, tokenizer, directory: Path, final_dir
     ``python -m rm.export`` rewrites it after a move (:func:`rehome`). ``final_dir``: where
     ``directory`` will be renamed to (rm.train writes ``final/`` in a temporary directory first).
 
+    transformers 4 without PEFT (RewardBench's environment) ignores ``adapter_config.json`` and would load this
+    base alone, an untrained model, without a word: the base's weight files are marked (:func:`mark_adapter_base`)
+    so that it refuses them instead.
+
     Returns:
         ``directory``.
     """
     directory = Path(directory)
     _set_special_ids(base_model.config, tokenizer)
     base_model.save_pretrained(directory, safe_serialization=True)
+    mark_adapter_base(directory)
     write_compat_fields(directory, read_reward_stats(directory))
     named = Path(final_dir if final_dir is not None else directory).resolve()
     _edit_json(directory / ADAPTER_CONFIG, lambda c: c.update(base_model_name_or_path=str(named)))
     return directory
+
+
+# The safetensors "format" of an adapter bundle's base: transformers 4 loads only files whose format is pt, tf, flax or
+# mlx ("does not contain the valid metadata"); transformers 5, PEFT and safetensors itself do not look at it.
+ADAPTER_BASE_FORMAT = "pt-base-of-a-lora-adapter-load-with-peft-or-use-final-merged"
+
+
+def mark_adapter_base(directory: Path) -> None:
+    """Rewrite the base weight files in ``directory`` with :data:`ADAPTER_BASE_FORMAT` as their format, so that a
+    reader that would skip the adapter (transformers 4 without PEFT) fails on them rather than scoring the base."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for path in sorted(Path(directory).glob("model*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        save_file(tensors, str(path), metadata={**metadata, "format": ADAPTER_BASE_FORMAT})
 
 
 def rehome(directory: Path) -> Optional[str]:
@@ -429,8 +486,8 @@ def merge_adapter(adapter_dir: Path, out_dir: Path, *, base_model: Union[torch.n
                  "4-bit model's recorded rewards", float((unmerged - recorded).abs().max()))
         probe["rewards"] = unmerged.tolist()
     merged = model.merge_and_unload()
-    tokenizer = AutoTokenizer.from_pretrained(adapter_dir)
-    save_bundle(merged, tokenizer, out_dir, reward_stats=read_reward_stats(adapter_dir))
+    tokenizer, append_eos = bundle_tokenizer(adapter_dir)
+    save_bundle(merged, tokenizer, out_dir, reward_stats=read_reward_stats(adapter_dir), append_eos=append_eos)
     if probe is not None:
         (out_dir / PROBE_FILE).write_text(json.dumps(probe) + "\n")
     verify_bundle(out_dir, device=device)
@@ -469,6 +526,7 @@ def export_final(
     base_factory: Optional[Callable[[], torch.nn.Module]] = None,
     base_is_random: bool = False,
     final_dir: Optional[Path] = None,
+    append_eos: bool = True,
 ) -> Path:
     """Save the trained model as a bundle and verify it; every process calls this.
 
@@ -492,6 +550,7 @@ def export_final(
             or is quantised); None loads the one named in ``adapter_config.json``.
         base_is_random: the adapter's base was a random init: it is saved as ``base/`` and the
             adapter is verified by loading it from there, as a consumer would.
+        append_eos: ``data.append_eos`` (:func:`save_bundle`).
 
     Raises:
         ExportMismatch: on the main process, when a reload does not give the in-memory rewards.
@@ -508,7 +567,7 @@ def export_final(
             save_bundle(
                 engine.unwrapped_model(), tokenizer, directory, state_dict=state_dict, reward_stats=reward_stats,
                 probe={"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"], "rewards": expected},
-                precision=precision,
+                precision=precision, append_eos=append_eos,
             )
             del state_dict
             adapter = (directory / ADAPTER_CONFIG).is_file()

@@ -110,7 +110,9 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # The exported model's readers must see the tokens training saw, on texts like the run's own.
-    check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64])))
+    check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64],
+                                                                                      skip_special_tokens=True)),
+                                   append_eos=cfg.data.append_eos)
     # train.layout=auto picks the layout by this data's lengths, before the engine (DeepSpeed's config holds the
     # micro-batch) and the model (checkpointing) are built; every rank computes the same choice from the same data.
     lengths = lengths_of(train_set, [eval_set, *extra_eval_sets.values()], f"data={cfg.data.name}")

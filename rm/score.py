@@ -10,8 +10,10 @@ rendered by the bundle's chat template as a pair's side is.
 Only transformers (and PEFT for a LoRA adapter directory, whose base is the one
 ``adapter_config.json`` names or the ``base/`` saved beside it) is used to load the
 model, so this also checks that a saved model is usable outside ``rm``; each text is
-tokenised as ``tokenizer(text)`` and its reward read at its last token, as in training
-and in every client (README, "Use your reward model"). ``--normalize`` reports
+tokenised as training tokenised its sides (:func:`rm.tokenizer.encode_sides`, with the
+bundle's ``trained_tokenizer/``: a plain text gets the EOS appended unless it ends with it,
+a conversation is rendered by the chat template) and its reward read at its last token, the
+EOS (README, "Use your reward model"). ``--normalize`` reports
 ``(reward - mean) / std`` with the eval statistics of ``reward_stats.json``.
 """
 
@@ -21,7 +23,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from rm.errors import ConfigError, DataError, boundary
 
@@ -40,6 +42,44 @@ def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size
             out = sequence_rewards(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
             rewards += out.float().cpu().tolist()
     return rewards
+
+
+def reward_function(model_dir: str, *, device: Optional[str] = None, batch_size: int = 16, max_length: int = 2048):
+    """A bundle as a TRL reward function (GRPO, RLOO), scoring as training tokenised its sides:
+    ``GRPOTrainer(reward_funcs=reward_function("outputs/<date>/<time>/final"), ...)``.
+
+    TRL's own path for a reward model given by its path tokenises ``prompt + completion`` with
+    ``add_special_tokens=False`` after decoding the completion without its EOS: a plain text then has neither the
+    BOS nor the EOS it trained with, and its reward is read at another token. Here each prompt and completion is
+    joined and tokenised by :func:`rm.tokenizer.encode_sides` with the bundle's ``trained_tokenizer/``: plain text
+    with the tokenizer's special tokens and the EOS appended, a conversation (lists of messages) rendered by the
+    chat template. The model loads once, in eval mode, on ``device`` (default: CUDA when there is one).
+
+    Returns:
+        ``rm_reward(prompts, completions, **kwargs) -> list[float]``, one reward per completion.
+    """
+    import torch
+
+    from rm.data.tokenise import leading_special_ids, truncate_left
+    from rm.export import bundle_tokenizer, load_bundle
+    from rm.tokenizer import encode_sides
+
+    directory = check_model_dir(model_dir)
+    tokenizer, append_eos = bundle_tokenizer(directory)
+    model = load_bundle(directory, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    lead = leading_special_ids(tokenizer)
+
+    def rm_reward(prompts, completions, **kwargs) -> List[float]:
+        templated = not isinstance(prompts[0], str)
+        if templated:  # conversations: the prompt's messages, then the completion's
+            texts = [tokenizer.apply_chat_template(list(p) + list(c), tokenize=False) for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        rows = [truncate_left(ids, lead, max_length)
+                for ids in encode_sides(tokenizer, texts, templated=templated, append_eos=append_eos)]
+        return score_token_rows(model, tokenizer, rows, batch_size)
+
+    return rm_reward
 
 
 def conversation_texts(conversations: Sequence, tokenizer) -> List[str]:
@@ -108,12 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     # Imported here so that --help answers without loading torch's model stack.
-    from transformers import AutoTokenizer
-
     from rm.data.load import load_preference_split
     from rm.data.normalise import max_chars_for, normalise_pairs
     from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
-    from rm.export import load_bundle, read_reward_stats
+    from rm.export import bundle_tokenizer, load_bundle, read_reward_stats
 
     model_dir = check_model_dir(args.model)
     stats = read_reward_stats(model_dir) if args.normalize else None
@@ -122,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = load_preference_split("local", files=tuple(args.input), files_key="--input")  # missing or empty files: DataError
     if len(raw) == 0:
         raise DataError(f"--input {' '.join(args.input)}: no rows to score")
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer, append_eos = bundle_tokenizer(model_dir)
     model = load_bundle(model_dir)
     norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
     unpaired = "chosen" not in raw.column_names
@@ -137,14 +175,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise DataError(f"--input row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)")
         lead = leading_special_ids(tokenizer)
         cap = max_chars_for(args.max_length)  # a text far over --max-length is cut to its end before it tokenizes
-        rows = [truncate_left(ids, lead, args.max_length) for ids in encode_texts(tokenizer, [t[-cap:] for t in texts])]
+        capped = [t[-cap:] for t in texts]
+        rows = [truncate_left(ids, lead, args.max_length)
+                for ids in encode_texts(tokenizer, capped, [is_conversation] * len(texts), append_eos)]
         rewards = [norm(r) for r in score_token_rows(model, tokenizer, rows, args.batch_size)]
         records = [{column: v, "reward": r} for v, r in zip(raw[column], rewards)]
         print(f"scored {len(records)} {'texts' if is_text else 'conversations'}: mean reward {sum(rewards) / len(rewards):.4f}")
     else:
         pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed,
                                              max_chars=max_chars_for(args.max_length))
-        tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed, counts=norm_counts)
+        tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed,
+                                           counts=norm_counts, append_eos=append_eos)
         print(counts.format())
         if len(tokenised) == 0:
             raise DataError(f"--input: no usable pairs ({counts.format()})")

@@ -10,7 +10,16 @@ none of them (it imports nothing of ``rm.data``):
 * the checks once it exists: :func:`check_tokenizer_fits` (its ids index the embedding) and
   :func:`check_consumers_tokenize_alike` (the exported model's readers load it as training used it, on the run's
   texts and :data:`TOKENIZER_PROBES`);
+* the reward convention: :func:`encode_sides` (the ids a side trains on: one home for every caller) and
+  :func:`consumer_tokenizer` (the exported tokenizer whose ``tokenizer(text)`` gives those ids);
 * the bundle: :func:`write_tokenizer_compat_fields`, the tokenizer half of :func:`rm.export.write_compat_fields`.
+
+The reward convention is TRL's ``RewardTrainer``'s (``add_eos`` in ``trl/trainer/reward_trainer.py``), which
+OpenRLHF's reward dataset shares in spirit: a plain-text side (an HH transcript, prompt + answer) gets the
+tokenizer's own special tokens (BOS where it adds one) and the EOS string appended when the text does not already end
+with it, so the reward is read at a fixed token that can learn to summarise the sequence; a conversation is rendered
+by the chat template and tokenised as rendered (the template writes its own BOS and EOS). ``data.append_eos=false``
+leaves plain text without the EOS. rm reads the reward at the last real token of each side (the EOS).
 
 A random-init model (``model.pretrained`` unset) has no pretrained tokenizer to download, so rm makes one offline
 with the ``tokenizers`` library:
@@ -27,10 +36,10 @@ with the ``tokenizers`` library:
   (the ``unknown_tokens`` alarm says so); it is kept for measurements that must stay
   comparable with those made with it (docs/memory_calibration.md, docs/throughput.md).
 
-Both add no special token to text (:func:`text_only`), pad on the right with
-``<pad>`` (id 0, never produced from text by the byte-level one unless the text
-spells ``<pad>`` itself, which the data pipeline drops), and carry the HH chat template.
-They round-trip through ``save_pretrained`` and ``AutoTokenizer.from_pretrained``.
+Both add a BOS to text, as Llama's and Mistral's tokenizers do (:data:`BOS_ONLY`), pad on the right with
+``<pad>`` (id 0, never produced from text by the byte-level one unless the text spells ``<pad>`` itself, which the
+data pipeline drops), and carry the HH chat template (:data:`HH_CHAT_TEMPLATE`, which writes BOS and a final EOS as
+Mistral's does). They round-trip through ``save_pretrained`` and ``AutoTokenizer.from_pretrained``.
 """
 
 from __future__ import annotations
@@ -55,7 +64,8 @@ if TYPE_CHECKING:  # transformers and the config schema are imported where used:
 __all__ = [
     "SPECIAL_TOKENS", "HH_CHAT_TEMPLATE", "MIN_BPE_VOCAB", "VOCABULARY", "TOKENIZER_PROBES", "tokenizer_kind",
     "config_errors", "run_tokenizer", "training_texts", "save_tokenizer", "build_tokenizer", "train_bpe_tokenizer",
-    "train_byte_level_bpe", "build_word_level_tokenizer", "text_only", "check_tokenizer_fits",
+    "train_byte_level_bpe", "build_word_level_tokenizer", "encode_sides", "consumer_tokenizer", "BOS_ONLY",
+    "check_tokenizer_fits",
     "check_consumers_tokenize_alike", "write_tokenizer_compat_fields", "cached_bpe", "tokenizer_identity",
 ]
 
@@ -89,11 +99,14 @@ emit, sorted, as the ``Whitespace`` pre-tokenizer splits text. Includes the role
 and ``System`` (the latter only used by the chat template of rm's tokenizers)."""
 
 # Renders messages as an HH-RLHF transcript. A system message becomes its own
-# "\n\nSystem: ..." turn in place ("System" is in the word-level
-# vocabulary). It emits no special token: rm reads the reward at the last
-# token of the text (see ``text_only``), and TRL renders conversations with
-# this template before tokenizing them without special tokens.
+# "\n\nSystem: ..." turn in place ("System" is in the word-level vocabulary).
+# Like Mistral's and Llama's templates it writes the BOS, and an EOS after the
+# conversation's final answer: a conversation is tokenised as rendered, without
+# the tokenizer's own special tokens (TRL's RewardTrainer and GRPO, OpenRLHF,
+# ``apply_chat_template(tokenize=True)``), so the reward is read at that EOS, and
+# a conversation gets the ids of its HH transcript as a plain-text side.
 HH_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] == 'user' %}"
     "{{ '\n\nHuman: ' + message['content'] }}"
@@ -104,6 +117,7 @@ HH_CHAT_TEMPLATE = (
     "{% else %}"
     "{{ raise_exception('Unknown role: ' + message['role']) }}"
     "{% endif %}"
+    "{% if loop.last and message['role'] == 'assistant' %}{{ eos_token }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '\n\nAssistant:' }}{% endif %}"
 )
@@ -189,23 +203,24 @@ def save_tokenizer(tokenizer, directory: Path) -> None:
 
 def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterable[str]]] = None,
                     saved: Optional[Path] = None, texts_identity: Optional[Mapping[str, Any]] = None):
-    """Load or make the tokenizer, make it add no special tokens, and give it a pad token that is not a real token where possible.
+    """Load or make the tokenizer, and give it a pad token that is not a real token.
 
     ``model.tokenizer=bpe`` (:func:`tokenizer_kind`) trains a byte-level BPE of at most
     ``model.vocab_size`` tokens on ``texts()`` (:func:`train_bpe_tokenizer`;
     :func:`run_tokenizer` passes the train split's texts), or loads it from
     ``saved`` when that directory exists: a resumed run keeps the tokenizer its checkpoints
-    were trained with, whatever the data files hold now.
+    were trained with, whatever the data files hold now. A pretrained tokenizer is used as its
+    model was pretrained with it: its own special tokens (BOS) stay (the reward convention, module doc).
 
-    The reward is read at the last token of the text itself (:func:`text_only`
-    says why: every client then tokenises alike). Mistral and Llama ship without a pad
-    token; plain transformers reads the reward at the last token that is not the pad id,
-    so the pad id must never occur in text: we take ``unk`` (which byte-fallback
-    tokenizers never emit) before falling back to ``eos``. The data pipeline drops a side
-    that contains the pad id (``rm.data``).
+    Mistral and Llama ship without a pad token. Plain transformers reads the reward at the last token
+    that is not the pad id, and every side ends in the EOS, so the pad must be neither a token of any text
+    nor the EOS (TRL's fallback, which makes transformers read the reward one token early): ``unk`` first
+    (byte-fallback tokenizers never emit it), else a spare special token (:func:`_spare_special_token`).
+    The data pipeline drops a side that contains the pad id (``rm.data``).
 
     Raises:
         ValueError: ``model.tokenizer=bpe`` without ``texts`` (nor a saved tokenizer).
+        ConfigError: a tokenizer without EOS, or with no token that can pad.
     """
     from transformers import AutoTokenizer
 
@@ -225,11 +240,34 @@ def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterabl
         tokenizer = AutoTokenizer.from_pretrained(
             model_cfg.tokenizer or model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code
         )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.unk_token if tokenizer.unk_token is not None else tokenizer.eos_token
-        log.info("tokenizer has no pad token: using %r (id %d)", tokenizer.pad_token, tokenizer.pad_token_id)
+    name = model_cfg.tokenizer or model_cfg.pretrained or kind
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"the tokenizer of {name} has no EOS token: rm reads the reward at the EOS that ends each "
+                          "side (as TRL and OpenRLHF do); use a tokenizer with one")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        pad = tokenizer.unk_token if tokenizer.unk_token is not None else _spare_special_token(tokenizer)
+        if pad is None:
+            raise ConfigError(
+                f"the tokenizer of {name} has no pad token, no unk token and no spare special token to pad with; its "
+                f"EOS ({tokenizer.eos_token!r}) cannot pad, since every side ends with it: add a pad token to the "
+                "tokenizer (tokenizer.add_special_tokens({'pad_token': '<pad>'}), then save it and the resized model)")
+        was = tokenizer.pad_token
+        tokenizer.pad_token = pad
+        log.info("tokenizer %s: using %r (id %d) as the pad token", "has no pad token" if was is None else
+                 f"pads with its EOS {was!r}, which ends every side", tokenizer.pad_token, tokenizer.pad_token_id)
     tokenizer.padding_side = "right"
-    return text_only(tokenizer)
+    return tokenizer
+
+
+def _spare_special_token(tokenizer) -> Optional[str]:
+    """A special token no text produces and the chat template does not write: what can pad a tokenizer without
+    pad and unk (Llama 3's ``<|reserved_special_token_*|>``/``<|finetune_right_pad_id|>``, Qwen's ``<|fim_pad|>``).
+    Tokens named like padding come first."""
+    used = {tokenizer.bos_token, tokenizer.eos_token}
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    spare = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()
+             if t.special and t.content not in used and t.content not in template]
+    return min(spare, key=lambda t: ("pad" not in t.lower(), len(t), t)) if spare else None
 
 
 def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length: int = 2048) -> PreTrainedTokenizerFast:
@@ -252,14 +290,14 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
 
     Returns:
         A ``PreTrainedTokenizerFast`` like :func:`build_word_level_tokenizer`'s: pad/unk/bos/eos,
-        right padding, the HH chat template, nothing added to text.
+        right padding, the HH chat template, a BOS added before each text.
 
     Example:
         >>> tok = train_bpe_tokenizer(["\\n\\nHuman: hello there\\n\\nAssistant: hello"] * 3, vocab_size=300)
-        >>> tok.decode(tok("Grüße, 東京 🙂")["input_ids"])
+        >>> tok.decode(tok("Grüße, 東京 🙂")["input_ids"], skip_special_tokens=True)
         'Grüße, 東京 🙂'
         >>> tok.unk_token_id in tok("Grüße, 東京 🙂")["input_ids"], tok.convert_ids_to_tokens(tok(" hello")["input_ids"])
-        (False, ['Ġhello'])
+        (False, ['<s>', 'Ġhello'])
     """
     return _wrap(train_byte_level_bpe(texts, vocab_size), model_max_length)
 
@@ -329,7 +367,7 @@ def build_word_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokeni
     Ids are ``<pad>``=0, ``<unk>``=1, ``<s>``=2, ``</s>``=3, then
     :data:`VOCABULARY` in order. Text is split into words
     and punctuation runs (``Whitespace`` pre-tokenizer); any other word becomes
-    ``<unk>``. No special token is ever added (:func:`text_only`).
+    ``<unk>``. A BOS is added before each text, as Llama's tokenizers do (:data:`BOS_ONLY`).
 
     Args:
         model_max_length: Maximum sequence length recorded on the tokenizer.
@@ -351,58 +389,83 @@ def build_word_level_tokenizer(model_max_length: int = 2048) -> PreTrainedTokeni
     return _wrap(tok, model_max_length)
 
 
+# What rm's own tokenizers add to a text, as Llama's and Mistral's do: a BOS before it.
+BOS_ONLY = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B:1",
+                                         special_tokens=[("<s>", SPECIAL_TOKENS.index("<s>"))])
+
+
 def _wrap(tok: Tokenizer, model_max_length: int) -> PreTrainedTokenizerFast:
-    """The transformers tokenizer around a ``tokenizers`` one: special tokens, right padding, chat template."""
+    """The transformers tokenizer around a ``tokenizers`` one: special tokens, BOS, right padding, chat template."""
     from transformers import PreTrainedTokenizerFast
 
     pad, unk, bos, eos = SPECIAL_TOKENS
+    tok.post_processor = BOS_ONLY
     hf_tok = PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token=pad, unk_token=unk, bos_token=bos, eos_token=eos,
         model_max_length=model_max_length, padding_side="right",
     )
     hf_tok.chat_template = HH_CHAT_TEMPLATE
-    return text_only(hf_tok)
+    return hf_tok
 
 
-def text_only(tokenizer):
-    """Make ``tokenizer(text)`` add no special token (no BOS, no EOS), in place; returns it.
+def encode_sides(tokenizer, texts: Sequence[str], *, templated: bool, append_eos: bool = True) -> List[List[int]]:
+    """The token ids each side trains on: the reward convention (module doc), the one home of it.
 
-    This is rm's reward convention: a text's reward is read at the last token the text
-    itself tokenises to. Every client then sees the same ids: TRL's GRPO/RLOO reward path
-    tokenises with ``add_special_tokens=False``, OpenRLHF tokenises prompts that way,
-    while plain transformers, ``pipeline`` and RewardBench call ``tokenizer(text)``, which
-    with this tokenizer (saved in the bundle) is the same thing. A chat template that
-    writes its own BOS (Llama 3, Mistral) keeps it: it is part of the text.
-
-    ``add_bos_token``/``add_eos_token`` are set to False, which rewrites the post-processor
-    of a transformers 5 tokenizer and is what transformers 4's Llama-style tokenizers read
-    from ``tokenizer_config.json``; any other post-processor is replaced by one that adds
-    nothing.
-
-    Raises:
-        ValueError: the tokenizer still adds tokens (e.g. a slow, Python-only tokenizer).
+    A plain-text side gets the EOS string appended unless it already ends with it (``append_eos``; TRL's
+    ``add_eos``), then ``tokenizer(text)`` with the tokenizer's own special tokens. A side the chat template
+    rendered (``templated``) is tokenised as rendered, ``add_special_tokens=False``, as
+    ``apply_chat_template(tokenize=True)`` and TRL do: the template wrote its special tokens.
 
     Example:
         >>> tok = build_word_level_tokenizer()
-        >>> tok("Human: hello")["input_ids"] == tok("Human: hello", add_special_tokens=False)["input_ids"]
-        True
+        >>> encode_sides(tok, ["Hello there", "Hello there</s>"], templated=False)
+        [[2, 24, 207, 3], [2, 24, 207, 3]]
+        >>> encode_sides(tok, ["Hello there"], templated=False, append_eos=False)
+        [[2, 24, 207]]
+        >>> encode_sides(tok, [tok.apply_chat_template([{"role": "assistant", "content": "Hi"}], tokenize=False)],
+        ...              templated=True)
+        [[2, 11, 8, 26, 3]]
     """
-    for attr in ("add_bos_token", "add_eos_token"):
-        try:
-            setattr(tokenizer, attr, False)
-        except AttributeError:  # a tokenizer class without the attribute
-            pass
-    probe = "Human: a b\n\nAssistant: c"
-    if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None:
-            backend.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B:1", special_tokens=[])
-        if tokenizer(probe)["input_ids"] != tokenizer(probe, add_special_tokens=False)["input_ids"]:
-            raise ValueError(
-                f"{type(tokenizer).__name__} adds special tokens that rm cannot switch off: rm reads the reward at the "
-                "last token of the text, so `tokenizer(text)` must add nothing (use a fast tokenizer)"
-            )
-    return tokenizer
+    if templated:
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token
+    if append_eos:
+        texts = [text if text.endswith(eos) else text + eos for text in texts]
+    return tokenizer(list(texts))["input_ids"]
+
+
+def consumer_tokenizer(tokenizer, append_eos: bool = True):
+    """A copy of ``tokenizer`` whose ``tokenizer(text)`` gives the ids a plain-text side trained on
+    (:func:`encode_sides`) for any text that does not already end with the EOS: its post-processor adds what it
+    added, then the EOS. This is the tokenizer the exported bundle carries, for the consumers that call
+    ``tokenizer(text)`` (transformers, ``pipeline``, PEFT); ``append_eos=False``: an unchanged copy.
+
+    Example:
+        >>> tok = consumer_tokenizer(build_word_level_tokenizer())
+        >>> tok("Hello there")["input_ids"], tok("Hello there", add_special_tokens=False)["input_ids"]
+        ([2, 24, 207, 3], [24, 207])
+    """
+    import copy
+
+    out = copy.deepcopy(tokenizer)
+    if not append_eos:
+        return out
+    backend = out.backend_tokenizer
+    eos, eos_id = out.eos_token, out.eos_token_id
+    state = json.loads(backend.to_str())
+    current = state.get("post_processor")
+    if current is not None and current.get("type") == "TemplateProcessing":
+        # Kept a template (Llama's "<s> $A" becomes "<s> $A </s>"): transformers' add_bos_token/add_eos_token can say
+        # what it does (write_tokenizer_compat_fields), which transformers 4's Llama tokenizers rebuild it from.
+        current["single"].append({"SpecialToken": {"id": eos, "type_id": 0}})
+        current["pair"].append({"SpecialToken": {"id": eos, "type_id": 1}})
+        current["special_tokens"][eos] = {"id": eos, "ids": [eos_id], "tokens": [eos]}
+        state["post_processor"] = current
+        backend.post_processor = Tokenizer.from_str(json.dumps(state)).post_processor
+    else:
+        append = processors.TemplateProcessing(single=f"$A {eos}", pair=f"$A $B:1 {eos}:1", special_tokens=[(eos, eos_id)])
+        backend.post_processor = append if current is None else processors.Sequence([backend.post_processor, append])
+    return out
 
 
 def check_tokenizer_fits(model_cfg: ModelConfig, tokenizer) -> None:
@@ -419,11 +482,14 @@ def check_tokenizer_fits(model_cfg: ModelConfig, tokenizer) -> None:
         )
 
 
-def check_consumers_tokenize_alike(model_cfg: ModelConfig, tokenizer, texts: Tuple[str, ...] = ()) -> None:
-    """The exported model's tokenizer must tokenise as training did, as its consumers load it.
+def check_consumers_tokenize_alike(model_cfg: ModelConfig, tokenizer, texts: Tuple[str, ...] = (),
+                                   append_eos: bool = True) -> None:
+    """The exported model's tokenizers must tokenise as training did, as its consumers load them.
 
     Checked on ``texts`` (the run passes some of its own training texts: whether two pre-tokenizers disagree
-    depends on the merges learnt from the data) and :data:`TOKENIZER_PROBES`.
+    depends on the merges learnt from the data) and :data:`TOKENIZER_PROBES`, in both forms the bundle holds
+    (``rm.export``): the tokenizer as trained, which must reload unchanged, and :func:`consumer_tokenizer`, whose
+    ``tokenizer(text)`` must give the ids the text trained on (:func:`encode_sides`).
 
     Every consumer (``AutoTokenizer``, ``pipeline``, TRL, RewardBench, ``rm.score``) loads the bundle's tokenizer
     with ``AutoTokenizer.from_pretrained``, which in transformers 5 picks the class from ``config.json``'s
@@ -436,23 +502,29 @@ def check_consumers_tokenize_alike(model_cfg: ModelConfig, tokenizer, texts: Tup
     """
     from transformers import AutoTokenizer
 
-    with tempfile.TemporaryDirectory() as tmp:
-        tokenizer.save_pretrained(tmp)
-        (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_cfg.model_type}))
-        write_tokenizer_compat_fields(Path(tmp))  # as rm.export writes the bundle
-        reloaded = AutoTokenizer.from_pretrained(tmp)
-    probes = (*texts, *TOKENIZER_PROBES)
-    differ = [text for text in probes if reloaded(text)["input_ids"] != tokenizer(text)["input_ids"]]
-    if differ:
-        raise ConfigError(
-            f"model.tokenizer={model_cfg.tokenizer or ('bpe' if model_cfg.pretrained is None else model_cfg.pretrained)} "
-            f"with model.model_type={model_cfg.model_type}: transformers' AutoTokenizer loads the exported model's "
-            f"tokenizer as {type(reloaded).__name__}, which tokenises {len(differ)} of {len(probes)} probe texts "
-            f"differently (e.g. {differ[0][:40]!r}: {len(tokenizer(differ[0])['input_ids'])} tokens in training, "
-            f"{len(reloaded(differ[0])['input_ids'])} reloaded), so every consumer of the model would score other tokens "
-            f"than training did. Use the model's own tokenizer (model.pretrained=<dir> with model.tokenizer=null), "
-            f"or, for a tokenizer of your own, a model_type whose tokenizer class is generic (llama, mistral)"
-        )
+    probes = tuple(t for t in (*texts, *TOKENIZER_PROBES) if not t.endswith(tokenizer.eos_token))
+    trained = [encode_sides(tokenizer, [text], templated=False, append_eos=append_eos)[0] for text in probes]
+    for form, saved in (("as trained", tokenizer), ("as exported", consumer_tokenizer(tokenizer, append_eos))):
+        with tempfile.TemporaryDirectory() as tmp:
+            saved.save_pretrained(tmp)
+            (Path(tmp) / "config.json").write_text(json.dumps({"model_type": model_cfg.model_type}))
+            write_tokenizer_compat_fields(Path(tmp))  # as rm.export writes the bundle
+            reloaded = AutoTokenizer.from_pretrained(tmp)
+        # rm.score tokenises as training did with the first; transformers, pipeline and PEFT call the second.
+        got = ([encode_sides(reloaded, [t], templated=False, append_eos=append_eos)[0] for t in probes]
+               if form == "as trained" else [reloaded(t)["input_ids"] for t in probes])
+        differ = [i for i, (a, b) in enumerate(zip(got, trained)) if a != b]
+        if differ:
+            text = probes[differ[0]]
+            raise ConfigError(
+                f"model.tokenizer={model_cfg.tokenizer or ('bpe' if model_cfg.pretrained is None else model_cfg.pretrained)} "
+                f"with model.model_type={model_cfg.model_type}: transformers' AutoTokenizer loads the exported model's "
+                f"tokenizer ({form}) as {type(reloaded).__name__}, which tokenises {len(differ)} of {len(probes)} probe "
+                f"texts differently (e.g. {text[:40]!r}: {len(trained[differ[0]])} tokens in training, "
+                f"{len(got[differ[0]])} reloaded), so every consumer of the model would score other tokens "
+                f"than training did. Use the model's own tokenizer (model.pretrained=<dir> with model.tokenizer=null), "
+                f"or, for a tokenizer of your own, a model_type whose tokenizer class is generic (llama, mistral)"
+            )
 
 
 def write_tokenizer_compat_fields(directory: Path) -> None:
@@ -461,15 +533,41 @@ def write_tokenizer_compat_fields(directory: Path) -> None:
 
     transformers 5 names the tokenizer class ``TokenizersBackend``, which transformers 4 does not have, and both
     majors' generic fast tokenizer returns ``token_type_ids``, which Llama/Mistral models reject. So the class
-    becomes ``PreTrainedTokenizerFast`` (a tokenizer.json tokenizer in both), the model inputs are pinned to ids
-    and mask, and ``add_bos_token`` / ``add_eos_token`` are written false (:func:`text_only`), as transformers 4's
-    Llama tokenizers otherwise re-add BOS. A directory without ``tokenizer_config.json`` is left as it is.
+    becomes ``PreTrainedTokenizerFast`` (a tokenizer.json tokenizer in both) and the model inputs are pinned to ids
+    and mask. ``add_bos_token``/``add_eos_token`` are what both majors' Llama-style tokenizers rebuild the
+    post-processor from (transformers 5's generic one too, whenever they are written): they are written as
+    ``tokenizer.json``'s post-processor adds BOS and EOS where its template says only that, and removed otherwise
+    (the class then becomes the generic one, which keeps the post-processor as saved). A directory without
+    ``tokenizer_config.json`` is left as it is.
     """
     path = Path(directory) / "tokenizer_config.json"
     if not path.is_file():
         return
     config = json.loads(path.read_text())
-    if config.get("tokenizer_class") in (None, "TokenizersBackend"):
+    flags = _template_flags(Path(directory) / "tokenizer.json", config)
+    if config.get("tokenizer_class") in (None, "TokenizersBackend") or flags is None:
         config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config.update(model_input_names=["input_ids", "attention_mask"], add_bos_token=False, add_eos_token=False)
+    config["model_input_names"] = ["input_ids", "attention_mask"]
+    if flags is None:
+        config.pop("add_bos_token", None)
+        config.pop("add_eos_token", None)
+    else:
+        config["add_bos_token"], config["add_eos_token"] = flags
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _template_flags(tokenizer_json: Path, config: Mapping[str, Any]) -> Optional[Tuple[bool, bool]]:
+    """``(add_bos_token, add_eos_token)`` when the saved post-processor adds exactly ``[BOS] $A [EOS]`` (either
+    optional) to a text, or adds nothing; None when it does something else (a ``Sequence``, two EOS, other tokens)."""
+    if not tokenizer_json.is_file():
+        return None
+    post = json.loads(tokenizer_json.read_text()).get("post_processor")
+    if post is None:
+        return False, False
+    if post.get("type") != "TemplateProcessing":
+        return None
+    name = lambda token: token.get("content") if isinstance(token, dict) else token  # noqa: E731  (AddedToken's dict)
+    single = [piece.get("SpecialToken", {}).get("id", "$A" if "Sequence" in piece else None) for piece in post["single"]]
+    bos, eos = name(config.get("bos_token")), name(config.get("eos_token"))
+    has_bos, has_eos = single[:1] == [bos], single[-1:] == [eos] and len(single) > 1
+    return (has_bos, has_eos) if single == [bos] * has_bos + ["$A"] + [eos] * has_eos else None

@@ -286,7 +286,7 @@ def save_final(run: Run, memory: Dict) -> None:
             reward_stats=reward_stats_from_eval(run.eval_metrics, run.state.step, cfg.data.max_length),
             precision=run.plan.precision, merge=lora and cfg.lora.merge_on_save,
             base_factory=functools.partial(rebuild_base, run) if lora else None,
-            base_is_random=cfg.model.pretrained is None, final_dir=final_dir,
+            base_is_random=cfg.model.pretrained is None, final_dir=final_dir, append_eos=cfg.data.append_eos,
         )
         if engine.is_main_process:
             os.replace(tmp_final, final_dir)

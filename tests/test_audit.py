@@ -66,8 +66,11 @@ def tokenizer():
 def run_audit(tokenizer, truncation="truncate", identical="drop", duplicates="keep"):
     raw = datasets.Dataset.from_list([{"chosen": c, "rejected": r} for c, r in ROWS])
     pairs, norm_counts = normalise_pairs(raw, "hh", tokenizer, identical=identical, row_index=True)
+    # The fixture's post-processor writes <s> ... </s> itself: with no EOS appended on top (TRL's convention would
+    # end each side with two), the lengths are those the docstrings work out.
     tokenised, counts = tokenize_pairs(
-        pairs, tokenizer, MAX_LENGTH, truncation=truncation, identical=identical, duplicates=duplicates, counts=norm_counts
+        pairs, tokenizer, MAX_LENGTH, truncation=truncation, identical=identical, duplicates=duplicates,
+        counts=norm_counts, append_eos=False,
     )
     return tokenised, counts, audit_split(counts, *pair_lengths(tokenised))
 
@@ -227,9 +230,9 @@ def short_pairs(tokenizer, n, split):
 @pytest.fixture
 def local_files(tmp_path, tokenizer):
     """train.jsonl: 20 clean pairs, then an identical pair (row 20), a duplicate of row 1 (21), an empty
-    chosen side (22) and a pair whose chosen side is 7 + 60 + 3 = 70 tokens with the run's word-level tokenizer
+    chosen side (22) and a pair whose chosen side is 7 + 60 + 3 = 70 words with the run's word-level tokenizer
     (row 23: "Human : Please repeat these words :", 60 colours, "Assistant : red"; the rejected side ends in
-    "blue"), 72 with the fixture's <s> and </s>.
+    "blue"), 72 tokens with its <s> and the appended </s> (the fixture's post-processor writes both).
     eval.jsonl: 10 clean pairs and an identical one (row 10)."""
     train, evaluation = short_pairs(tokenizer, 20, "train"), short_pairs(tokenizer, 10, "test")
     colours = " ".join(["red", "blue", "green"] * 20)
@@ -240,7 +243,7 @@ def local_files(tmp_path, tokenizer):
         {"chosen": "", "rejected": train[2]["rejected"]},
         {"chosen": f"{long_prompt} red", "rejected": f"{long_prompt} blue"},
     ]
-    assert len(encode_texts(tokenizer, [train[23]["chosen"]])[0]) == 72
+    assert len(encode_texts(tokenizer, [train[23]["chosen"]], append_eos=False)[0]) == 72
     evaluation += [{"chosen": evaluation[0]["rejected"], "rejected": evaluation[0]["rejected"]}]
     paths = {}
     for name, rows in (("train", train), ("eval", evaluation)):
@@ -269,15 +272,14 @@ def test_run_writes_the_audit_with_default_policies(tiny_cfg, local_files, tmp_p
         result = rm_train.train(local_run(tiny_cfg, local_files), run_dir)
     assert result["status"] == "ok"
     audit = json.loads((run_dir / "data_audit.json").read_text())
-    assert audit["policies"] == {
-        "max_length": 48, "truncation": "truncate", "identical_pairs": "drop", "duplicates": "keep", "on_malformed": "skip"
-    }
+    assert audit["policies"] == {"append_eos": True, "max_length": 48, "truncation": "truncate", "identical_pairs": "drop",
+                                 "duplicates": "keep", "on_malformed": "skip"}
     train = audit["splits"]["train"]
     assert (train["pairs_in"], train["pairs_out"], train["truncated"], train["duplicates"]) == (24, 22, 1, 1)
     assert train["dropped"] == {"malformed": 0, "empty": 1, "no_answer": 0, "other_format": 0, "too_long": 0, "pad_in_text": 0, "identical": 1, "duplicate": 0}
     assert train["empty_sides"] == {"chosen": 1, "rejected": 0}
     assert train["identical_text"] == train["identical_after_truncation"] == 1
-    assert train["lengths"]["chosen"]["before_truncation"]["max"] == 70
+    assert train["lengths"]["chosen"]["before_truncation"]["max"] == 72  # 70 words, the BOS and the appended EOS
     assert train["lengths"]["chosen"]["kept"]["max"] == 48
     evaluation = audit["splits"]["eval"]
     assert (evaluation["pairs_in"], evaluation["pairs_out"], evaluation["dropped"]["identical"]) == (11, 10, 1)
@@ -313,7 +315,7 @@ def test_truncation_error_stops_before_anything_is_written(tiny_cfg, local_files
     with pytest.raises(ValueError) as err:
         rm_train.train(local_run(tiny_cfg, local_files, "data.truncation=error"), run_dir)
     assert str(err.value).startswith(
-        f"data local [train] in {local_files['train']}: row 23: 'chosen' is 70 tokens (special tokens included), "
+        f"data local [train] in {local_files['train']}: row 23: 'chosen' is 72 tokens (special tokens included), "
         "more than max_length=48"
     )
     left = sorted(p.name for p in run_dir.iterdir()) if run_dir.exists() else []

@@ -252,3 +252,28 @@ def test_refused_when_the_data_does_not_fit(tmp_path):
     assert "no single change found that fits" in message and "preflight=warn trains anyway" in message
     assert refused.value.estimate.sized_by == "data"
     assert not (tmp_path / "run" / "final").exists()
+
+
+def test_the_estimate_counts_the_bos_and_the_appended_eos(tmp_path):
+    """The estimate is sized by the lengths the run trains on: each side's BOS and the EOS appended to it
+    (data.append_eos, rm.tokenizer.encode_sides), one token more a side than without the EOS, and a larger estimate."""
+    from rm.data.build import build_datasets, train_pairs
+    from rm.run_setup import run_shapes
+    from rm.tokenizer import run_tokenizer
+
+    found = {}
+    for append_eos in (True, False):
+        overrides, cfg = short_run(tmp_path, "train.eval_batch_size=64", f"data.append_eos={str(append_eos).lower()}")
+        plan = validate(cfg, 1)
+        tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
+        train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
+        batches = StepBatches.of(train_set, global_batch_size=cfg.train.global_batch_size,
+                                 micro_batch_size=plan.micro_batch_size, world_size=1, rank=0, seed=cfg.train.seed,
+                                 group_by_length=cfg.train.group_by_length)
+        [shapes] = run_shapes(cfg, batches, 2, train_set, None, [eval_set])
+        ends = {ids[-1] for ids in train_set["chosen_input_ids"]}
+        found[append_eos] = (shapes, estimate_run(cfg, plan, shapes).peak_bytes, ends, tokenizer.eos_token_id)
+    (with_eos, peak, ends, eos), (without, peak_without, ends_without, _) = found[True], found[False]
+    assert ends == {eos} and eos not in ends_without
+    assert with_eos.train.length == without.train.length + 1 and with_eos.eval.length == without.eval.length + 1
+    assert peak > peak_without

@@ -127,7 +127,9 @@ def test_full_bundle_holds_tokenizer_pad_id_stats_and_reloads_with_the_same_rewa
     from rm.data.build import build_split
     from rm.data.collator import PairCollator
 
-    eval_set, _ = build_split(cfg.data, tokenizer, "eval")
+    trained, append_eos = rm_export.bundle_tokenizer(final)  # the tokenizer as trained, beside the consumers' one
+    assert append_eos and trained.get_vocab() == tokenizer.get_vocab()
+    eval_set, _ = build_split(cfg.data, trained, "eval")
     batch = PairCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
         rewards = sequence_rewards(model, batch["input_ids"], batch["attention_mask"]).double()
@@ -156,8 +158,11 @@ def test_full_bundle_config_is_right_for_both_transformers_majors_and_openrlhf(f
     assert tok_config["tokenizer_class"] == "PreTrainedTokenizerFast"  # transformers 4 has no TokenizersBackend
     assert tok_config["model_input_names"] == ["input_ids", "attention_mask"]  # Mistral rejects token_type_ids
     assert "token_type_ids" not in tokenizer("Human: hi")
+    # tokenizer(text) gives the ids the text trained on: the BOS and the EOS training appended, as the flags say
+    # (transformers 4's Llama tokenizers rebuild the post-processor from them).
+    assert (tok_config["add_bos_token"], tok_config["add_eos_token"]) == (True, True)
     text = "\n\nHuman: is the sky blue ?\n\nAssistant: yes"
-    assert tokenizer(text)["input_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]  # no BOS/EOS added
+    assert tokenizer(text)["input_ids"] == [2] + tokenizer(text, add_special_tokens=False)["input_ids"] + [3]
 
 
 def test_corrupted_weights_fail_verification_loudly(full_run, tmp_path):

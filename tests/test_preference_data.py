@@ -152,9 +152,10 @@ def test_load_and_normalise_each_format(tmp_path, tok, ext, rows, expected_forma
     assert detect_format(raw) == expected_format
 
     ds, counts = normalise_pairs(raw, expected_format if fmt == "explicit" else "auto", tok)
-    assert ds.column_names == ["chosen", "rejected", "margin"]
+    assert ds.column_names == ["chosen", "rejected", "margin", "templated"]
     assert list(zip(ds["chosen"], ds["rejected"])) == EXPECTED_TEXTS
     assert ds["margin"] == [0.0, 0.0]
+    assert ds["templated"] == [expected_format == "messages"] * 2  # rendered by the chat template
     assert without_reasons(counts) == {"rows": 2, "malformed": 0, "empty": 0, "identical": 0, "kept": 2, "empty_chosen": 0, "empty_rejected": 0}
 
 
@@ -368,29 +369,42 @@ def pairs(*rows, margin=0.0):
     return datasets.Dataset.from_list([{"chosen": c, "rejected": r, "margin": margin} for c, r in rows])
 
 
-def test_sides_are_tokenised_as_the_tokenizer_does_nothing_appended(tok):
-    """This hand-made tokenizer prepends <s> (rm's own add nothing): kept; no EOS is appended, as no
-    client that scores text appends one (the reward is read at the last token of the text)."""
+def test_plain_text_sides_keep_the_tokenizers_bos_and_end_with_an_appended_eos(tok):
+    """TRL's RewardTrainer convention: this tokenizer prepends <s> (kept) and the EOS string is appended to each
+    plain-text side; the reward is then read at that EOS."""
     out, counts = tokenize_pairs(pairs(("Human: hi Assistant: good", "Human: hi Assistant: bad")), tok, 64)
-    assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good")
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "bad")
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good", "</s>")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "bad", "</s>")
     assert counts.truncated == 0 and counts.pairs_out == 1
-    assert counts.lengths_before_truncation["chosen"]["max"] == 7 and counts.lengths_before_truncation["chosen"]["mean"] == 7.0
+    assert counts.lengths_before_truncation["chosen"]["max"] == 8 and counts.lengths_before_truncation["chosen"]["mean"] == 8.0
+    # data.append_eos=false: the text as the tokenizer gives it.
+    out, _ = tokenize_pairs(pairs(("Human: hi Assistant: good", "Human: hi Assistant: bad")), tok, 64, append_eos=False)
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "Human", ":", "hi", "Assistant", ":", "good")
 
 
-def test_an_eos_written_in_the_text_stays(tok):
+def test_templated_sides_are_tokenised_as_rendered(tok):
+    """A conversation's special tokens are the template's: the tokenizer adds none, no EOS is appended (TRL's
+    apply_chat_template path)."""
+    ds = datasets.Dataset.from_list([{"chosen": "<s> hi good </s>", "rejected": "hi bad", "margin": 0.0, "templated": True}])
+    out, _ = tokenize_pairs(ds, tok, 64)
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
+    assert out[0]["rejected_input_ids"] == ids_of("hi", "bad")
+
+
+def test_an_eos_written_in_the_text_is_not_doubled(tok):
     out, _ = tokenize_pairs(pairs(("hi good </s>", "hi bad")), tok, 64)
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad", "</s>")
 
 
-def test_eos_not_appended_when_pad_is_eos(tok_pad_is_eos):
+def test_pad_that_is_eos_is_refused_when_every_side_ends_with_it(tok_pad_is_eos):
     assert tok_pad_is_eos.pad_token_id == tok_pad_is_eos.eos_token_id == EOS
-    out, counts = tokenize_pairs(pairs(("hi good", "hi bad")), tok_pad_is_eos, 64)
+    with pytest.raises(ValueError, match=r"pad token '</s>' is the EOS.*data.append_eos"):
+        tokenize_pairs(pairs(("hi good", "hi bad")), tok_pad_is_eos, 64)
+    out, counts = tokenize_pairs(pairs(("hi good", "hi bad")), tok_pad_is_eos, 64, append_eos=False)
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good")
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
     # With pad == eos, a literal EOS in the text is a pad inside the text.
-    out, counts = tokenize_pairs(pairs(("hi good </s>", "hi bad"), ("hi yes", "hi no")), tok_pad_is_eos, 64)
+    out, counts = tokenize_pairs(pairs(("hi good </s>", "hi bad"), ("hi yes", "hi no")), tok_pad_is_eos, 64, append_eos=False)
     assert counts.dropped[Drop.PAD_IN_TEXT] == 1 and counts.pairs_out == 1
     assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "yes")
 
@@ -400,24 +414,24 @@ LONG_REJECTED = "\n\nHuman: p1 p2 p3 p4 p5 p6\n\nAssistant: bad"
 
 
 def test_truncation_cuts_prompt_from_the_left(tok):
-    # Full chosen: <s> Human : p1 p2 p3 p4 p5 p6 Assistant : good answer = 13 tokens.
-    # max_length 8 keeps <s> and the last 7 body tokens.
+    # Full chosen: <s> Human : p1 p2 p3 p4 p5 p6 Assistant : good answer </s> = 14 tokens.
+    # max_length 8 keeps <s> and the last 7 body tokens, the EOS where the reward is read among them.
     out, counts = tokenize_pairs(pairs((LONG_CHOSEN, LONG_REJECTED), margin=0.5), tok, max_length=8)
     chosen, rejected = out[0]["chosen_input_ids"], out[0]["rejected_input_ids"]
-    assert chosen == ids_of("<s>", "p4", "p5", "p6", "Assistant", ":", "good", "answer")
-    assert rejected == ids_of("<s>", "p3", "p4", "p5", "p6", "Assistant", ":", "bad")
+    assert chosen == ids_of("<s>", "p5", "p6", "Assistant", ":", "good", "answer", "</s>")
+    assert rejected == ids_of("<s>", "p4", "p5", "p6", "Assistant", ":", "bad", "</s>")
     assert len(chosen) == len(rejected) == 8
     assert chosen[0] == BOS
     assert out[0]["margin"] == 0.5
     assert counts.truncated == 1 and counts.pairs_out == 1
     # Statistics describe the lengths before truncation.
-    assert counts.lengths_before_truncation["chosen"]["max"] == 13 and counts.lengths_before_truncation["rejected"]["max"] == 12
+    assert counts.lengths_before_truncation["chosen"]["max"] == 14 and counts.lengths_before_truncation["rejected"]["max"] == 13
 
 
 def test_truncation_only_cuts_the_long_side(tok):
     out, counts = tokenize_pairs(pairs((LONG_CHOSEN, "hi bad")), tok, max_length=10)
     assert len(out[0]["chosen_input_ids"]) == 10
-    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad")
+    assert out[0]["rejected_input_ids"] == ids_of("<s>", "hi", "bad", "</s>")
     assert counts.truncated == 1
 
 
@@ -425,10 +439,10 @@ def test_drop_policy_drops_long_pairs(tok):
     ds = pairs((LONG_CHOSEN, LONG_REJECTED), ("hi good", "hi bad"))
     out, counts = tokenize_pairs(ds, tok, max_length=8, truncation="drop")
     assert len(out) == 1
-    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good")
+    assert out[0]["chosen_input_ids"] == ids_of("<s>", "hi", "good", "</s>")
     assert counts.dropped[Drop.TOO_LONG] == 1 and counts.truncated == 0 and counts.pairs_out == 1
-    # A side of exactly max_length is not too long.
-    out, counts = tokenize_pairs(pairs(("hi good answer", "hi bad")), tok, max_length=4, truncation="drop")
+    # A side of exactly max_length (EOS included) is not too long.
+    out, counts = tokenize_pairs(pairs(("hi good answer", "hi bad")), tok, max_length=5, truncation="drop")
     assert len(out) == 1 and counts.dropped[Drop.TOO_LONG] == 0
 
 
@@ -438,10 +452,10 @@ def test_identical_after_truncation_dropped(tok):
         ("Human: p1 p2 p3 Assistant: good", "Human: p9 p2 p3 Assistant: good"),
         ("Human: hi Assistant: good", "Human: hi Assistant: bad"),
     )
-    out, counts = tokenize_pairs(ds, tok, max_length=6)
+    out, counts = tokenize_pairs(ds, tok, max_length=7)
     assert counts.identical_after_truncation == 1
     assert counts.rows == 2 and counts.pairs_out == 1
-    assert out[0]["rejected_input_ids"][-2:] == ids_of(":", "bad")
+    assert out[0]["rejected_input_ids"][-3:] == ids_of(":", "bad", "</s>")
     # Without truncation the same pair is kept.
     out, counts = tokenize_pairs(ds, tok, max_length=64)
     assert counts.identical_after_truncation == 0 and len(out) == 2

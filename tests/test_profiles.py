@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
+from rm.export import bundle_tokenizer
 from rm.data.build import build_split
 from rm.data.collator import PairCollator
 from rm.loss import bradley_terry_loss
@@ -53,7 +54,7 @@ def test_all_weights_train_and_reload(tiny_cfg, tmp_path, profile):
     final = load_file(tmp_path / "final" / "model.safetensors")
     assert all(not torch.equal(v, initial[k]) for k, v in final.items())
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final")
+    tokenizer, _ = bundle_tokenizer(tmp_path / "final")  # as trained (the top-level one adds the EOS itself)
     assert eval_loss_of(model, tokenizer, cfg.data) == pytest.approx(result["eval_loss"], rel=1e-5)
 
 
@@ -74,7 +75,7 @@ def test_lora_trains_adapters_and_head_and_reloads_as_adapter_and_merged(tiny_cf
     head = [k for k in saved if "score" in k and "modules_to_save" in k]
     assert head and not torch.equal(saved[head[0]], base["score.weight"])
 
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final")
+    tokenizer, _ = bundle_tokenizer(tmp_path / "final")
     set_seed(cfg.train.seed)
     fresh = build_model(cfg.model, tokenizer.pad_token_id, "float32", False)
     adapter = PeftModel.from_pretrained(fresh, tmp_path / "final")
@@ -98,7 +99,7 @@ def run_cli(args, tmp_path, nproc=1, timeout=900):
 
 def reload_eval_loss(tmp_path, cfg):
     model = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "final")
+    tokenizer, _ = bundle_tokenizer(tmp_path / "final")
     return eval_loss_of(model, tokenizer, cfg.data)
 
 

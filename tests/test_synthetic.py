@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from rm.data import synthetic
 from rm.data.synthetic import emitted_words, generate_pairs, write_synthetic
-from rm.tokenizer import VOCABULARY, build_word_level_tokenizer
+from rm.tokenizer import VOCABULARY, build_word_level_tokenizer, encode_sides
 
 SEP = "\n\nAssistant:"
 
@@ -138,10 +138,10 @@ def test_tokenizer_special_tokens(tokenizer):
     assert tokenizer.padding_side == "right"
     assert len(tokenizer) == 4 + len(VOCABULARY)
 
-    # No special token is added (rm.tokenizer.text_only): the reward is read at the last word.
+    # A BOS is added, as Llama's and Mistral's tokenizers do (rm.tokenizer.BOS_ONLY); training appends the EOS.
     ids = tokenizer("Hello! What is my name?")["input_ids"]
-    assert tokenizer.convert_ids_to_tokens(ids) == ["Hello", "!", "What", "is", "my", "name", "?"]
-    assert tokenizer("Hello!", add_special_tokens=False)["input_ids"] == ids[:2]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<s>", "Hello", "!", "What", "is", "my", "name", "?"]
+    assert tokenizer("Hello!", add_special_tokens=False)["input_ids"] == ids[1:3]
     # Out-of-vocabulary words map to <unk> rather than failing.
     assert tokenizer("zebra", add_special_tokens=False)["input_ids"] == [tokenizer.unk_token_id]
 
@@ -164,14 +164,18 @@ def test_chat_template(tokenizer):
         {"role": "user", "content": "What is my name?"},
         {"role": "assistant", "content": "Your name is Anna."},
     ]
+    # BOS, the HH transcript, and an EOS after the final answer, as Mistral's template writes them.
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    assert text == "\n\nHuman: What is my name?\n\nAssistant: Your name is Anna."
+    assert text == "<s>\n\nHuman: What is my name?\n\nAssistant: Your name is Anna.</s>"
     prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
-    assert prompt == "\n\nHuman: What is my name?\n\nAssistant:"
+    assert prompt == "<s>\n\nHuman: What is my name?\n\nAssistant:"
     system = tokenizer.apply_chat_template(
         [{"role": "system", "content": "Good morning."}] + messages[:1], tokenize=False
     )
-    assert system == "\n\nSystem: Good morning.\n\nHuman: What is my name?"
+    assert system == "<s>\n\nSystem: Good morning.\n\nHuman: What is my name?"
+    # A conversation gets the ids of its transcript as a plain-text side (rm.tokenizer.encode_sides).
+    transcript = "\n\nHuman: What is my name?\n\nAssistant: Your name is Anna."
+    assert tokenizer.apply_chat_template(messages)["input_ids"] == encode_sides(tokenizer, [transcript], templated=False)[0]
     assert tokenizer.unk_token_id not in tokenizer(system)["input_ids"]
 
 

@@ -12,7 +12,8 @@ import rm.train as rm_train
 from rm.run_dir import TOKENIZER_DIR
 from rm.data.build import train_pairs
 from rm.data.synthetic import generate_pairs
-from rm.tokenizer import MIN_BPE_VOCAB, SPECIAL_TOKENS, VOCABULARY, build_tokenizer, run_tokenizer, train_bpe_tokenizer
+from rm.tokenizer import (MIN_BPE_VOCAB, SPECIAL_TOKENS, VOCABULARY, build_tokenizer, encode_sides, run_tokenizer,
+                          train_bpe_tokenizer)
 from tests.conftest import CONF_DIR, FAST_TINY
 
 # Text the synthetic data never has: other words, accents, other scripts, emoji, digits, tabs.
@@ -40,11 +41,12 @@ def test_any_text_encodes_without_unknown_or_special_tokens_and_decodes_exactly(
     assert tok.convert_ids_to_tokens([0, 1, 2, 3]) == list(SPECIAL_TOKENS)
     for text in STRANGE:
         ids = tok(text)["input_ids"]
-        assert ids == tok(text, add_special_tokens=False)["input_ids"]  # nothing added: the reward convention
-        assert not set(ids) & {0, 1, 2, 3}, (text, ids)  # no pad, unk, bos or eos from text
-        assert tok.decode(ids) == text
+        assert ids == [2] + tok(text, add_special_tokens=False)["input_ids"]  # a BOS, as Llama's tokenizers add
+        assert not set(ids[1:]) & {0, 1, 2, 3}, (text, ids)  # no pad, unk, bos or eos from text
+        assert tok.decode(ids, skip_special_tokens=True) == text
     # Frequent words of the training texts are single tokens (with the space before them).
-    assert tok.convert_ids_to_tokens(tok(" favourite colour")["input_ids"]) == ["Ġfavourite", "Ġcolour"]
+    assert tok.convert_ids_to_tokens(tok(" favourite colour", add_special_tokens=False)["input_ids"]) == [
+        "Ġfavourite", "Ġcolour"]
 
 
 def test_size_is_capped_by_vocab_size_and_never_below_the_bytes():
@@ -120,16 +122,19 @@ def exported(tmp_path_factory):
 
 
 def test_export_round_trip_gives_identical_ids(exported):
-    """final/ -> AutoTokenizer: the same ids as the tokenizer the run trained, on the training data's texts and on
-    text it never saw; config.json holds its special ids and a vocabulary that covers it."""
+    """final/ -> AutoTokenizer: ``tokenizer(text)`` gives the ids the text trained on (BOS, text, the appended EOS),
+    on the training data's texts and on text it never saw; final/trained_tokenizer and the run's own copy are the
+    tokenizer as trained; config.json holds its special ids and a vocabulary that covers it."""
     cfg, run_dir = exported
     trained = run_tokenizer(cfg.model, train_pairs(cfg.data))
     loaded = AutoTokenizer.from_pretrained(run_dir / "final")
-    kept = AutoTokenizer.from_pretrained(run_dir / TOKENIZER_DIR)
     rows = generate_pairs(20, seed=5, split="test")
     texts = [r["chosen"] for r in rows] + STRANGE + [r["chosen"] for r in OWN_TEXT[:3]]
-    ids = trained(texts)["input_ids"]
-    assert loaded(texts)["input_ids"] == ids and kept(texts)["input_ids"] == ids
+    ids = encode_sides(trained, texts, templated=False)
+    assert all(row[0] == 2 and row[-1] == 3 for row in ids)
+    assert loaded(texts)["input_ids"] == ids
+    for kept in (AutoTokenizer.from_pretrained(run_dir / TOKENIZER_DIR), AutoTokenizer.from_pretrained(run_dir / "final" / "trained_tokenizer")):
+        assert kept(texts)["input_ids"] == trained(texts)["input_ids"]
     assert loaded.get_vocab() == trained.get_vocab() and digest(loaded) == digest(trained)
     padded = loaded(texts[:4], padding=True)["input_ids"]  # right padding with the pad id, as the bundle says
     assert loaded.padding_side == "right" and padded[0][len(ids[0]):] == [0] * (len(padded[0]) - len(ids[0]))

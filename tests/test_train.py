@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
+from rm.export import bundle_tokenizer
 from rm.metrics import MetricsLog
 from rm.run_dir import TOKENIZER_DIR
 from rm.data.build import build_split, train_pairs
@@ -73,7 +74,8 @@ def test_saved_model_gives_the_pipelines_rewards_with_plain_transformers(learned
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final").eval()
     tokenizer = AutoTokenizer.from_pretrained(run_dir / "final")
     assert tokenizer.pad_token_id == model.config.pad_token_id == run_tokenizer(cfg.model, train_pairs(cfg.data)).pad_token_id
-    eval_set, _ = build_split(cfg.data, tokenizer, "eval")
+    trained, _ = bundle_tokenizer(run_dir / "final")  # the tokenizer as trained; the top-level one adds the EOS itself
+    eval_set, _ = build_split(cfg.data, trained, "eval")
     batch = PairCollator(tokenizer.pad_token_id)(eval_set)
     with torch.no_grad():
         chosen, rejected = pair_rewards(model, batch["input_ids"], batch["attention_mask"])

@@ -33,13 +33,13 @@ Accepted layouts (``format``):
 
 Policies: truncation, identical pairs, duplicates
 -------------------------------------------------
-Each side is tokenised as ``tokenizer(text)``, nothing appended: the reward is
-read at the last token of the text, the convention every client of an exported
-model can follow (README, "Use your reward model"). The tokenizers rm builds add
-no special tokens (:func:`rm.tokenizer.text_only`), so these are the ids TRL's
-GRPO reward path (``add_special_tokens=False``) and ``tokenizer(text)`` in plain
-transformers or RewardBench give; a tokenizer passed in by hand that prepends
-tokens (e.g. BOS) keeps them, and truncation keeps them too.
+Each side is tokenised by the reward convention of TRL's ``RewardTrainer``
+(:func:`rm.tokenizer.encode_sides`): a plain-text side (``hh``, ``prompt``) gets the
+tokenizer's EOS appended unless it already ends with it (``data.append_eos``) and the
+tokenizer's own special tokens (BOS where it adds one); a conversation (``messages``) is
+tokenised as its chat template renders it, special tokens included. The reward is read at
+the last token, the EOS. The exported bundle's tokenizer gives these ids to ``tokenizer(text)``
+(README, "Use your reward model").
 
 A side longer than ``max_length`` tokens is handled per ``truncation``
 (``data.truncation``):

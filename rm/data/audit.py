@@ -173,7 +173,7 @@ def format_audit(audit: Mapping[str, Any]) -> str:
         ``"data audit (<name>; data.truncation=truncate, ...): train: 8 pairs -> 5 kept
         (dropped: 1 empty, ...); ... eval: ..."``.
     """
-    policies = ", ".join(f"data.{k}={v}" for k, v in audit["policies"].items())
+    policies = ", ".join(f"data.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in audit["policies"].items())
     splits = "; ".join(_format_split(name, a) for name, a in audit["splits"].items())
     return f"data audit ({audit['data']}; {policies}): {splits}"
 

@@ -125,6 +125,7 @@ def _tokenised_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datas
         return tokenize_pairs(
             pairs, tokenizer, data_cfg.max_length, truncation=data_cfg.truncation, on_malformed=data_cfg.on_malformed,
             identical=data_cfg.identical_pairs, duplicates=data_cfg.duplicates, counts=norm_counts,
+            append_eos=data_cfg.append_eos,
         )
     except DataError as err:
         raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
@@ -238,6 +239,7 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
         "identical_pairs": data_cfg.identical_pairs,
         "duplicates": data_cfg.duplicates,
         "on_malformed": data_cfg.on_malformed,
+        "append_eos": data_cfg.append_eos,
     }
     audit = {"data": data_cfg.name, "policies": policies, "splits": audits}
     return sets["train"], sets.get("eval"), audit

@@ -147,8 +147,10 @@ def _check_ends_on_an_answer(side: str, conversation: list[dict]) -> None:
         raise _RowProblem(Drop.NO_ANSWER, f"'{side}' ends on a {roles[-1]!r} message, not an assistant answer")
 
 
+# templated: the sides were rendered by the chat template, which wrote their special tokens (rm.tokenizer.encode_sides).
 _NORMALISED_FEATURES = datasets.Features(
-    {"chosen": datasets.Value("string"), "rejected": datasets.Value("string"), "margin": datasets.Value("float32")}
+    {"chosen": datasets.Value("string"), "rejected": datasets.Value("string"), "margin": datasets.Value("float32"),
+     "templated": datasets.Value("bool")}
 )
 _ROW_FEATURES = datasets.Features({**_NORMALISED_FEATURES, "row": datasets.Value("int64")})
 
@@ -199,7 +201,8 @@ def normalise_pairs(
 
     Returns:
         ``(dataset, counts)``. The dataset has exactly the columns ``chosen``
-        (str), ``rejected`` (str) and ``margin`` (float32), in input order (and
+        (str), ``rejected`` (str), ``margin`` (float32) and ``templated`` (bool: rendered by
+        the chat template, :func:`rm.tokenizer.encode_sides`), in input order (and
         ``row``, int64, with ``row_index``). ``counts`` is the split's
         :class:`~rm.data.counts.PairCounts` so far: ``rows``, the drops
         ``malformed``, ``empty`` and ``identical`` (equal texts; a pair dropped
@@ -225,7 +228,7 @@ def normalise_pairs(
     prompts = "prompt" in read
 
     def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
-        out: dict[str, list] = {"chosen": [], "rejected": [], "margin": [], "row": []}
+        out: dict[str, list] = {"chosen": [], "rejected": [], "margin": [], "templated": [], "row": []}
         for k, idx in enumerate(indices):
             row = {c: batch[c][k] for c in read}
             try:
@@ -258,6 +261,7 @@ def normalise_pairs(
             out["chosen"].append(chosen)
             out["rejected"].append(rejected)
             out["margin"].append(margin)
+            out["templated"].append(fmt == "messages")
             out["row"].append(idx)
         if not row_index:
             del out["row"]
@@ -265,7 +269,7 @@ def normalise_pairs(
 
     result = map_counting(ds, convert, _ROW_FEATURES if row_index else _NORMALISED_FEATURES, "normalising preference pairs")
     # Other columns (including ones read above) are gone; make the order fixed.
-    return result.select_columns(["chosen", "rejected", "margin"] + (["row"] if row_index else [])), counts
+    return result.select_columns(["chosen", "rejected", "margin", "templated"] + (["row"] if row_index else [])), counts
 
 
 # The most characters one token of a real tokenizer covers (byte-level BPEs rarely pass 16): a side this many times

@@ -1,6 +1,7 @@
 """Normalised pairs to the token ids the reward model scores, applying the policies of :mod:`rm.data`.
 
-Per side: ``ids = tokenizer(text)["input_ids"]``, nothing appended. The checks run in the order
+Per side: the ids of the reward convention (:func:`rm.tokenizer.encode_sides`: a plain-text side with the EOS
+appended and the tokenizer's special tokens, a templated conversation as rendered). The checks run in the order
 :mod:`rm.data` documents (length, pad id, identical, duplicate), each on the pairs the previous ones kept.
 """
 
@@ -21,6 +22,7 @@ from rm.data.audit import length_stats
 from rm.data.counts import SIDES, Drop, PairCounts
 from rm.data.load import check_choice, map_counting
 from rm.errors import DataError
+from rm.tokenizer import encode_sides
 
 _TOKENIZED_FEATURES = datasets.Features(
     {
@@ -46,9 +48,18 @@ def leading_special_ids(tokenizer: Any) -> list[int]:
     return [bos] if bos is not None and with_special[:1] == [bos] else []
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text as ``tokenizer(text)`` gives them (see :mod:`rm.data`)."""
-    return tokenizer(list(texts))["input_ids"]
+def encode_texts(tokenizer: Any, texts: Sequence[str], templated: Sequence[bool] | None = None,
+                 append_eos: bool = True) -> list[list[int]]:
+    """Token ids of each text, in order, by the reward convention (:func:`rm.tokenizer.encode_sides`);
+    ``templated[i]``: text ``i`` was rendered by the chat template (None: none was)."""
+    flags = [False] * len(texts) if templated is None else [bool(t) for t in templated]
+    out: list[list[int]] = [[] for _ in texts]
+    for flag in (False, True):
+        rows = [i for i, f in enumerate(flags) if f == flag]
+        if rows:
+            for i, ids in zip(rows, encode_sides(tokenizer, [texts[i] for i in rows], templated=flag, append_eos=append_eos)):
+                out[i] = ids
+    return out
 
 
 def truncate_left(ids: list[int], lead: Sequence[int], max_length: int) -> list[int]:
@@ -170,10 +181,11 @@ def tokenize_pairs(
     identical: str = "drop",
     duplicates: str = "keep",
     counts: PairCounts | None = None,
+    append_eos: bool = True,
 ) -> tuple[datasets.Dataset, PairCounts]:
     """Tokenises normalised pairs and applies the policies of :mod:`rm.data`.
 
-    Per side: ``ids = tokenizer(text)["input_ids"]``. A side longer than
+    Per side: the ids of :func:`rm.tokenizer.encode_sides` (``append_eos``: ``data.append_eos``). A side longer than
     ``max_length`` keeps the tokens the tokenizer prepends (e.g. BOS) and loses
     tokens from the left of the rest (``"truncate"``), or the pair is dropped
     (``"drop"``), or this raises (``"error"``). A side that contains the pad id
@@ -183,7 +195,8 @@ def tokenize_pairs(
 
     Args:
         ds: Dataset with columns ``chosen``, ``rejected`` (str) and ``margin``, as
-            returned by :func:`rm.data.normalise.normalise_pairs`; with its ``row`` column,
+            returned by :func:`rm.data.normalise.normalise_pairs`; with its ``templated`` column, rows rendered
+            by the chat template are tokenised as rendered (without it: none was); with its ``row`` column,
             errors name that row instead of the index in ``ds``.
         tokenizer: A transformers tokenizer.
         max_length: Maximum tokens per side, special tokens included.
@@ -219,6 +232,11 @@ def tokenize_pairs(
             f"max_length must be an integer greater than the {len(lead)} special token(s) the "
             f"tokenizer prepends, got {max_length!r}"
         )
+    pad, eos = getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)
+    if append_eos and pad is not None and pad == eos:
+        raise DataError(f"the tokenizer's pad token {tokenizer.pad_token!r} is the EOS that ends every plain-text side: "
+                        "every side would be dropped as holding the pad id. Give the tokenizer another pad token "
+                        "(rm.tokenizer.build_tokenizer picks one), or set data.append_eos=false")
     counts = PairCounts(rows=len(ds)) if counts is None else counts.copy()
     if counts.pairs_out != len(ds):
         raise ValueError(f"the counts end with {counts.pairs_out} pairs, the dataset has {len(ds)}")
@@ -228,7 +246,7 @@ def tokenize_pairs(
 
     def encode(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {"chosen_input_ids": [], "rejected_input_ids": [], "margin": []}
-        sides = {side: encode_texts(tokenizer, batch[side]) for side in SIDES}
+        sides = {side: encode_texts(tokenizer, batch[side], batch.get("templated"), append_eos) for side in SIDES}
         _count_tokens(counts, histograms, sides, getattr(tokenizer, "unk_token_id", None))
         for k, idx in enumerate(indices):
             counts.identical_text += batch["chosen"][k] == batch["rejected"][k]

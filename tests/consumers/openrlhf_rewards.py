@@ -12,7 +12,8 @@ PPO loop calls it: ``model(input_ids, attention_mask)``, the reward read at the 
 mask. With ``"texts"`` instead of ``"rows"``, the texts go through OpenRLHF's reward server
 instead (``openrlhf.cli.serve_rm.RewardModelProxy.get_reward``, what ``--reward.remote_url``
 calls), which tokenises them with ``add_special_tokens=False``. OpenRLHF accepts only bf16 and fp16 weights, where no two implementations agree to 1e-4,
-so its dtype helper is given fp32 too; the model code is OpenRLHF's, unchanged. INPUT holds ``{"rows": [[ids...]],
+so its dtype helper is given fp32 too (the server's dtype is ``"param_dtype"``, default fp32: bf16 is its own
+default); the model code is OpenRLHF's, unchanged. INPUT holds ``{"rows": [[ids...]],
 "padding_side": ..., "normalize_reward": bool, "four_bit_as_trained": bool}``; the last turns off bitsandbytes' bf16
 CPU inference kernel in 4-bit layers (a QLoRA adapter bundle's base), so that they compute as training did.
 """
@@ -50,7 +51,8 @@ def serve_rm_rewards(bundle: str, spec: dict) -> list:
 
     args = NS(  # serve_rm's command-line defaults, fp32 and eager attention (CPU)
         reward=NS(model_name_or_path=bundle, normalize_enable=spec["normalize_reward"]),
-        ds=NS(attn_implementation="eager", experts_implementation=None, param_dtype="fp32", load_in_4bit=False,
+        ds=NS(attn_implementation="eager", experts_implementation=None, param_dtype=spec.get("param_dtype", "fp32"),
+              load_in_4bit=False,
               value_head_prefix="score", packing_samples=False),
         data=NS(disable_fast_tokenizer=False, max_len=2048), batch_size=None,
     )
