@@ -146,7 +146,11 @@ def main() -> None:
               f"({os.cpu_count()} cores), 1-minute load {load_before:.2f} before, {os.getloadavg()[0]:.2f} after. "
               f"The demo's bundles after {args.steps} steps; {2 * args.pairs} synthetic test conversations, scored "
               "as each consumer renders them (chat template, the bundle's tokenizer).\n\n")
-    table = header + "\n".join(lines) + "\n"
+    note = ("\nbf16 keeps 8 bits of mantissa: a reward of size r moves by up to about r / 256 from its own rounding, "
+            "plus what every layer's rounding adds on the way, so the differences grow with the rewards' scale "
+            "(the fp32 std beside each row); other bundles give other figures. `rm.score.reward_function` scores in "
+            "the bundle's saved dtype whatever TRL's `bf16` says.\n")
+    table = header + "\n".join(lines) + "\n" + note
     print(table)
     if args.write_doc:
         args.write_doc.write_text(table)

@@ -313,7 +313,7 @@ def test_trl_grpo_with_the_readme_reward_function_matches_rm_score(bundle, pairs
     assert close(got, want), (got, want)
 
 
-@pytest.mark.parametrize("kind", ["full", "adapter"])
+@pytest.mark.parametrize("kind", ["full"])
 def test_trl_grpo_given_the_bundle_path_scores_conversations_right_and_plain_text_not(bundle, pairs, policy, tmp_path, kind):
     """``reward_funcs=<path>``: TRL renders a conversation with the bundle's chat template (which writes BOS and the final
     EOS) and tokenises it without special tokens: the trained ids. A plain prompt + completion gets neither: another
