@@ -86,7 +86,9 @@ def trl_ids(tokenizer_dir: str, rows, tmp_path):
                                   pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)
-    args = RewardConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, max_steps=1,
+    # bf16 off (TRL's default is on): what is compared is the processed dataset, and accelerate keeps one mixed
+    # precision per process (the fixture resets it for the tests after this one).
+    args = RewardConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, max_steps=1, bf16=False,
                         per_device_train_batch_size=2, dataset_num_proc=None)
     trainer = RewardTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
                             processing_class=tokenizer)
@@ -106,7 +108,7 @@ def rm_ids(tokenizer_dir: str, rows):
 
 @pytest.mark.parametrize("style", ["bos", "bos_eos", "rm"])
 @pytest.mark.parametrize("layout", ["hh", "prompt", "messages"])
-def test_rm_trains_on_the_ids_trls_reward_trainer_trains_on(style, layout, tmp_path):
+def test_rm_trains_on_the_ids_trls_reward_trainer_trains_on(style, layout, tmp_path, fresh_accelerator_state):
     rows = {"hh": HH, "prompt": PROMPT, "messages": MESSAGES}[layout]
     directory = style_tokenizer(style, tmp_path / "tok")
     want = trl_ids(directory, rows, tmp_path)
