@@ -190,6 +190,7 @@ class TrainConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
+    # cosine with 3% warm-up against TRL's linear with none: as accurate or better per seed (docs/learning.md)
     lr_scheduler_type: str = "cosine"  # linear | cosine | constant_with_warmup
     warmup_ratio: float = 0.03
     max_grad_norm: float = 1.0  # 0 disables clipping
