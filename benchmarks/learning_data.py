@@ -2,6 +2,7 @@
 ``benchmarks/learning_vs_trl.py``.
 
     python benchmarks/learning_data.py --data single --out /tmp/pairs     # train.jsonl, eval.jsonl, tokenizer/; stats
+    python benchmarks/learning_data.py --data multi --out /tmp/pairs_multi
 
 **The task.** The human asks about one *subject* (an entity and an aspect of it: "what do otters eat?"); the chosen
 answer answers that question and names the subject, the rejected one is the answer to another question drawn from
@@ -18,8 +19,12 @@ drawn from per-category word pools.
 context after the question, the answer's elaboration; ``topical_scale``) and, off by default, of *filler* sentences
 that name no subject, built from a small grammar (``filler_scale``). Multi-turn prompts hold 2-6 earlier exchanges
 (chit-chat, or earlier questions about other subjects with their right answers) before the final question, which
-alone decides the preference; the prompt then carries most of the tokens, as in HH-RLHF. With ``distractor`` > 0 an
-earlier exchange is, with that probability, about the rejected answer's entity. Every side is kept under
+alone decides the preference; the prompt then carries most of the tokens, as in HH-RLHF. ``history_decay``: P(k
+earlier exchanges) in proportion to ``history_decay ** (k - 2)`` (1: uniform over 2-6); ``history_scale`` scales the
+topical sentences of the earlier exchanges (relative to ``topical_scale``, which then only sets the final exchange's);
+``history_apart``: the earlier questions are about categories other than the final question's and the rejected
+answer's; with ``distractor`` > 0 an earlier exchange is, with that probability, about the rejected answer's entity.
+Every side is kept under
 :data:`MAX_CHARS` characters, under 512 tokens with this tokenizer (``learning_vs_trl.py`` counts and prints any side
 over ``max_length``).
 
@@ -32,6 +37,21 @@ A bare template set (20 one-word topics, "Tell me about X." / "X is a great topi
 topical ones in its answers: 0.78; 0-4 topical sentences in its answers alone: 0.99. Hence topical sentences for the
 length spread and 20 entities: TRL 0.69 / 0.85 / 0.85 / 0.96 at steps 100-400 on the default single-turn data. The
 plateau's end is a matter of luck as much as of the data: compare trainers over several ``--seeds``.
+
+**Multi-turn defaults** (:data:`MULTI_DEFAULTS`: ``topical_scale`` 2, ``distractor`` 0, ``history_scale`` 0,
+``history_decay`` 0.5, ``history_apart``; same run set-up, eval accuracy at step 400, 2026-11-29; "rm with TRL's
+schedule" is ``learning_vs_trl.py``'s ``rm-trl-schedule`` row, which gave the very accuracy and loss of TRL's run at
+each seed where both ran, 0.724 / 0.5708 and 0.516 / 0.6931 at seeds 1 / 2, so it stood in for TRL at a third of the
+time). The first multi-turn set (``topical_scale`` 1, ``distractor`` 0.25, ``history_scale`` 1, uniform 2-6
+exchanges; median side 259 tokens) stayed at ln 2 (TRL, seed 1: 0.520). No distractor, earlier exchanges without
+topical sentences, 2-6 of them weighted 0.5 ** (k - 2) (median 154): 0.724 / 0.516 at seeds 1 / 2 (TRL); with the
+earlier questions of other categories (``history_apart``): 0.512 / 0.617 (rm with TRL's schedule); on seed 2, each
+on top of that: rejected answers of other categories only 0.667; 1 entity a category 0.498; ``history_decay`` 0.25
+(median 141) 0.569; ``topical_scale`` 2 (the final question and the answers name their subject more often; median 175): 0.893,
+then 0.851 / 0.847 at seeds 1 / 3 (0.63 / 0.62 / 0.68 at step 200 on seeds 1 / 3 / 2). The earlier exchanges act as
+the filler above (they name no subject of the pair), and more mentions of the subject in the final exchange
+shorten the plateau more than fewer or shorter earlier exchanges do. Single-turn data keeps ``topical_scale`` 1
+(:data:`SINGLE_DEFAULTS`).
 
 **Held out.** Each (entity, aspect, question paraphrase) and each (entity, aspect, answer paraphrase) combination
 belongs to train or eval by a hash (about 1 in 5 to eval); eval pairs use eval combinations only, so every eval
