@@ -9,9 +9,10 @@ code reads the typed objects returned by :func:`to_run_config` and never calls
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -66,6 +67,10 @@ class MemoryProfileConfig:
     """How memory is traded for speed: which weights train, which optimizer steps them, where its states live."""
 
     name: str = MISSING
+    # Where the profile stands among the others (memory_profiles()), lowest first: the least slowdown, then the
+    # model unchanged, before other trade-offs. A refused run's suggestions try the profiles in this order, rm.plan
+    # searches and rm.gpu_report prints them in it. Required, so that a new profile says where it goes.
+    order: int = MISSING
     use_lora: bool = False  # true: only LoRA adapters and the reward head train
     optimizer: str = "adamw"  # adamw (torch, fused) | adamw_8bit (bitsandbytes; paged on CUDA)
     offload_optimizer: bool = False  # true: AdamW states and step on the CPU (DeepSpeed ZeRO-Offload)
@@ -332,13 +337,62 @@ register_configs()
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
 
-def compose(overrides: List[str]) -> RunConfig:
-    """Compose ``conf/`` with overrides into typed objects, inside or outside a running Hydra app."""
-    from hydra import compose as hydra_compose
+@contextlib.contextmanager
+def _compose_api() -> Iterator[None]:
+    """Hydra's compose API: the running app's where there is one, else initialised on ``conf/`` for the call."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     if GlobalHydra.instance().is_initialized():
-        return to_run_config(hydra_compose(config_name="config", overrides=list(overrides)))
+        yield
+        return
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_run_config(hydra_compose(config_name="config", overrides=list(overrides)))
+        yield
+
+
+def _with_search_path(overrides: Sequence[str]) -> List[str]:
+    """``overrides``, after the running Hydra app's ``hydra.searchpath`` unless they set one: a composition made
+    inside the app (a suggestion's, another profile's) must find the config directories the app's own found, and
+    Hydra keeps a command line's ``hydra.searchpath`` out of the task overrides that the app passes on."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if any(o.lstrip("+~").startswith("hydra.searchpath=") for o in overrides) or not HydraConfig.initialized():
+        return list(overrides)
+    paths = list(HydraConfig.get().searchpath)
+    if not paths:
+        return list(overrides)
+    return [f"hydra.searchpath=[{','.join(repr(str(p)) for p in paths)}]", *overrides]
+
+
+def compose(overrides: List[str]) -> RunConfig:
+    """Compose ``conf/`` with overrides into typed objects, inside or outside a running Hydra app (whose
+    ``hydra.searchpath`` it keeps)."""
+    from hydra import compose as hydra_compose
+
+    with _compose_api():
+        return to_run_config(hydra_compose(config_name="config", overrides=_with_search_path(overrides)))
+
+
+def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
+    """Every memory profile, in its ``order``: each ``memory_profile/<name>.yaml`` on Hydra's config search path
+    (``conf/``, and the directories of a ``hydra.searchpath`` in ``overrides`` or in the running app).
+
+    The one list of profiles: ``rm.plan`` searches these, a refused run's suggestions try these
+    (:mod:`rm.memory.suggest`), ``rm.gpu_report`` estimates each. A new profile is its YAML file alone.
+
+    Args:
+        overrides: a command line; only its ``hydra.searchpath`` is read.
+    """
+    from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    search = [o for o in _with_search_path(overrides) if o.lstrip("+~").startswith("hydra.searchpath=")]
+    with _compose_api():
+        names = [name for name in GlobalHydra.instance().config_loader().get_group_options("memory_profile", overrides=search)
+                 if name != "base_memory_profile"]  # the schema, stored beside the options (register_configs)
+        # One composition for all of them, each at its own package (a package cannot be a name like 8bit): one
+        # Hydra composition costs about as much as one profile's, and rm.plan's search waits for it.
+        raw = hydra_compose(config_name=None, overrides=[*search, *(f"+memory_profile@profiles.p{i}={name}"
+                                                                   for i, name in enumerate(names))])
+    profiles = [OmegaConf.to_object(raw.profiles[f"p{i}"]) for i in range(len(names))]
+    return sorted(profiles, key=lambda p: (p.order, p.name))

@@ -14,14 +14,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from rm.config import to_run_config
+from rm.config import compose, memory_profiles, to_run_config
 from rm.errors import boundary, run_hydra_app
-from rm.config import compose
 from rm.memory.terms import GIB, estimate_run
 from rm.hardware import host_ram_gib, resolve_hardware
 from rm.validate import ConfigError, resolve_world_size, validate
-
-PROFILES = ("full", "lora", "8bit", "offload", "qlora")
 
 
 def device_lines() -> list:
@@ -53,7 +50,8 @@ def print_report(raw: DictConfig) -> None:
     world, source, _ = resolve_world_size(base, launched=False)  # counted as rm.estimate and rm.train count them
     print(f"\nmodel={base.model.name}, {world} process(es) ({source}), {hardware.device_memory_gib} GiB per device ({hardware.name})")
     errors = []
-    for profile in PROFILES:
+    profiles = [profile.name for profile in memory_profiles()]  # the running app's config search path
+    for profile in profiles:
         cfg = compose([*overrides, f"memory_profile={profile}"])
         try:
             est = estimate_run(cfg, validate(cfg, world, source))
@@ -63,8 +61,8 @@ def print_report(raw: DictConfig) -> None:
             continue
         verdict = "fits" if est.fits else "does not fit"
         print(f"  {profile:<8} peak {est.peak_bytes / GIB:7.2f} GiB ({est.peak_phase}): {verdict}")
-    if len(errors) == len(PROFILES):  # not a fact about this machine: the config itself is invalid (exit 2)
-        raise ConfigError(f"no memory profile can run this config; with memory_profile={PROFILES[0]}: {errors[0]}")
+    if len(errors) == len(profiles):  # not a fact about this machine: the config itself is invalid (exit 2)
+        raise ConfigError(f"no memory profile can run this config; with memory_profile={profiles[0]}: {errors[0]}")
 
 
 if __name__ == "__main__":

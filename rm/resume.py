@@ -58,7 +58,8 @@ def fingerprint(cfg: RunConfig, plan: Plan, train_digest: Optional[str] = None) 
     fp.update({k: v for k, v in _flat("data", cfg.data).items() if k.split(".", 1)[1] not in EVAL_DATA_KEYS})
     fp.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_KEYS})
     fp["train.micro_batch_size"] = plan.micro_batch_size
-    fp.update(_flat("memory_profile", cfg.memory_profile))
+    # Its order among the profiles is where rm.plan and the suggestions list it, nothing that trains
+    fp.update({k: v for k, v in _flat("memory_profile", cfg.memory_profile).items() if k != "memory_profile.order"})
     if cfg.memory_profile.use_lora:
         fp.update({k: v for k, v in _flat("lora", cfg.lora).items() if k != "lora.merge_on_save"})
     fp["world_size"] = plan.world_size  # the per-rank sampling of each step depends on it

@@ -7,17 +7,22 @@ again (:mod:`rm.memory.terms`), two at a time where a second core and ``fork`` a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from dataclasses import replace
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from rm.config import RunConfig
+from rm.config import MemoryProfileConfig, RunConfig, memory_profiles
 from rm.memory.terms import GIB, Estimate, cannot_fit, estimate_run
 
 if TYPE_CHECKING:
     from rm.validate import Plan
 
 
-def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str) -> List[List[str]]:
-    """Changes that may fit, cheapest first (least slowdown, model unchanged, before other trade-offs)."""
+def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str, base_overrides: Sequence[str] = ()) -> List[List[str]]:
+    """Changes that may fit, cheapest first (least slowdown, model unchanged, before other trade-offs).
+
+    Args:
+        base_overrides: the command line ``cfg`` came from; its ``hydra.searchpath`` finds the memory profiles.
+    """
     t, world = cfg.train, plan.world_size
     out: List[List[str]] = []
     # A smaller evaluation batch changes the evaluation phase alone: it helps only a run that peaks there.
@@ -38,12 +43,18 @@ def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str) -> List[Lis
         out += [["distributed=zero2"], ["distributed=zero3"]]
     elif plan.strategy == "deepspeed" and plan.zero_stage < 3:
         out.append(["distributed=zero3"])
-    for profile in ("8bit", "lora", "offload", "qlora"):
-        if profile != cfg.memory_profile.name:
-            out.append([f"memory_profile={profile}"])
+    for profile in memory_profiles(base_overrides):  # in their order, the cheapest trade first
+        if profile.name != cfg.memory_profile.name and trades_memory(profile):
+            out.append([f"memory_profile={profile.name}"])
     if not t.gradient_checkpointing and cfg.memory_profile.name != "lora":  # with the cheapest memory-saving profile
         out.append(["memory_profile=lora", "train.gradient_checkpointing=true"])
     return out
+
+
+def trades_memory(profile: MemoryProfileConfig) -> bool:
+    """Whether a profile gives up anything for memory: one that keeps every default of the schema (``full``) holds
+    the most a run can, so it never makes a refused run fit."""
+    return replace(profile, order=0) != MemoryProfileConfig(name=profile.name, order=0)
 
 
 def with_overrides(cfg: RunConfig, base_overrides: List[str], extra: List[str]) -> RunConfig:
@@ -65,7 +76,7 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
 
     peak_phase = estimate_run(cfg, plan).peak_phase  # its traces are cached: arithmetic only
     jobs = []
-    for extra in candidate_overrides(cfg, plan, peak_phase):
+    for extra in candidate_overrides(cfg, plan, peak_phase, base_overrides):
         try:
             candidate = with_overrides(cfg, base_overrides, extra)
             candidate_plan = validate(candidate, plan.world_size, plan.world_size_source, plan.launcher)

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig
+from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, memory_profiles
 from rm.hardware import attention_kernel
 from rm.plan import forkserver
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
@@ -36,7 +36,6 @@ from rm.plan.steptime import Rates, StepTime, predict_step_seconds
 
 KNOBS = ("train.micro_batch_size", "train.gradient_checkpointing", "train.group_by_length", "train.packing",
          "train.max_tokens_per_micro_batch", "train.share_prefix")
-PROFILES = ("full", "offload", "8bit", "lora", "qlora")
 # Token budgets tried with packing, in pairs of data.max_length sequences (the least rm.validate allows is 1).
 BUDGET_PAIRS = (1, 2, 4, 8)
 
@@ -157,14 +156,15 @@ def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
     return out
 
 
-def _engines(cfg: RunConfig, fixed: set, world: int) -> List[Tuple[List[str], MemoryProfileConfig, DistributedConfig, bool]]:
-    """(overrides, profile, distributed, changes_math) of each memory profile and distribution tried."""
+def _engines(cfg: RunConfig, overrides: Sequence[str], fixed: set,
+             world: int) -> List[Tuple[List[str], MemoryProfileConfig, DistributedConfig, bool]]:
+    """(overrides, profile, distributed, changes_math) of each memory profile (:func:`rm.config.memory_profiles`, found
+    through ``overrides``' config search path) and distribution tried."""
     profile_fixed = any(k == "memory_profile" or k.startswith("memory_profile.") for k in fixed)
     # distributed.num_processes says how many processes, not how they share the work
     dist_fixed = bool(fixed & {"distributed", "distributed.strategy", "distributed.zero_stage", "distributed.offload_params"})
     profiles = [(cfg.memory_profile.name, cfg.memory_profile)] if profile_fixed else \
-        [(name, cfg.memory_profile if name == cfg.memory_profile.name else group_option("memory_profile", name))
-         for name in PROFILES]
+        [(p.name, cfg.memory_profile if p.name == cfg.memory_profile.name else p) for p in memory_profiles(overrides)]
     out = []
     for name, profile in profiles:
         pick = [] if name == cfg.memory_profile.name else [f"memory_profile={name}"]
@@ -206,7 +206,7 @@ def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
     fixed = set_keys(overrides) if fixed is None else fixed
     per_rank = cfg.train.global_batch_size // world[0]
     out, skipped = [], 0
-    for extra, profile, dist, changes in _engines(cfg, fixed, world[0]):
+    for extra, profile, dist, changes in _engines(cfg, overrides, fixed, world[0]):
         for knobs in _layouts(cfg, fixed, per_rank):
             c_cfg = replace(cfg, memory_profile=profile, distributed=dist, train=replace(cfg.train, **knobs))
             try:
