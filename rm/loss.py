@@ -1,11 +1,19 @@
-"""The pairwise Bradley-Terry loss, as a pure function of rewards."""
+"""The pairwise Bradley-Terry loss, as a pure function of rewards, and the run's loss built from config.
+
+:func:`build_loss` is the one place the loss's config keys are read; the :class:`PairLoss` it returns is what
+training (``rm.trainer``), evaluation (``rm.metrics``) and the memory trace (``rm.memory.trace``) call.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from rm.config import DataConfig, TrainConfig
 
 
 def bradley_terry_loss(
@@ -40,3 +48,30 @@ def bradley_terry_loss(
     if center_rewards_coefficient:
         loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
     return loss
+
+
+@dataclass(frozen=True)
+class PairLoss:
+    """:func:`bradley_terry_loss` with a run's settings, as :func:`build_loss` makes it. Plain values and frozen:
+    the memory trace keys its cache by it (``rm.memory.trace.TracedModel``).
+
+    Attributes:
+        center_rewards_coefficient: as :func:`bradley_terry_loss` takes it.
+        uses_margin: the pairs carry margins (``data.margin_column``). Without, every margin is 0 and none is
+            subtracted: the same numbers, one tensor fewer kept for the backward.
+    """
+
+    center_rewards_coefficient: float
+    uses_margin: bool
+
+    def __call__(self, chosen_rewards: torch.Tensor, rejected_rewards: torch.Tensor,
+                 margin: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The loss of a micro-batch; ``margin``: the batch's ``(B,)`` margins, read where :attr:`uses_margin`."""
+        return bradley_terry_loss(chosen_rewards, rejected_rewards, margin if self.uses_margin else None,
+                                  self.center_rewards_coefficient)
+
+
+def build_loss(train_cfg: TrainConfig, data_cfg: DataConfig) -> PairLoss:
+    """The run's loss, from the keys that select it: ``train.center_rewards_coefficient`` and ``data.margin_column``."""
+    return PairLoss(center_rewards_coefficient=train_cfg.center_rewards_coefficient,
+                    uses_margin=data_cfg.margin_column is not None)

@@ -14,13 +14,13 @@ from rm.data.batching import rows_at
 from rm.data.collator import PairCollator
 from rm.data.tokenise import pair_lengths
 from rm.diagnostics import PairScores, pair_diagnostics
-from rm.loss import bradley_terry_loss
+from rm.loss import PairLoss
 from rm.model import pair_rewards
 
 
 @torch.no_grad()
 def evaluate(
-    model, eval_set, collator: PairCollator, batch_size: int, engine, prefix: str = "eval_"
+    model, eval_set, collator: PairCollator, batch_size: int, engine, loss: PairLoss, prefix: str = "eval_"
 ) -> Tuple[Dict[str, float], PairScores]:
     """Pairwise accuracy, mean reward margin, loss and the diagnostics of :mod:`rm.diagnostics` over ``eval_set``.
 
@@ -31,6 +31,8 @@ def evaluate(
     the weights collectively.
 
     Args:
+        loss: the run's loss (:func:`rm.loss.build_loss`), the training step's, so that ``{prefix}loss`` is the
+            training loss on these pairs.
         prefix: put before every key: ``eval_`` for the main eval set, ``eval_<name>_`` for the
             extra sets of ``data.extra_eval_files``.
 
@@ -66,8 +68,9 @@ def evaluate(
             )
         diff = (chosen - rejected).float()
         n = diff.numel()
+        mean_loss = loss(chosen, rejected, batch["margin"].to(engine.device)).item()
         sums += torch.tensor(
-            [n, (diff > 0).sum().item(), diff.sum().item(), bradley_terry_loss(chosen, rejected).item() * n],
+            [n, (diff > 0).sum().item(), diff.sum().item(), mean_loss * n],
             dtype=torch.float64,
             device=engine.device,
         )
@@ -91,7 +94,8 @@ def evaluate(
 
 
 def evaluate_sets(
-    model, eval_set, extra_eval_sets: Mapping[str, object], collator: PairCollator, batch_size: int, engine
+    model, eval_set, extra_eval_sets: Mapping[str, object], collator: PairCollator, batch_size: int, engine,
+    loss: PairLoss,
 ) -> Tuple[Dict[str, float], Dict[str, PairScores]]:
     """:func:`evaluate` on the main eval set (``eval_`` keys; skipped when ``None``) and on each
     named extra set (``eval_<name>_`` keys), merged into one dict.
@@ -104,7 +108,7 @@ def evaluate_sets(
     metrics: Dict[str, float] = {}
     scores: Dict[str, PairScores] = {}
     for name, dataset in named.items():
-        values, scores[name] = evaluate(model, dataset, collator, batch_size, engine, prefix=f"{name}_")
+        values, scores[name] = evaluate(model, dataset, collator, batch_size, engine, loss, prefix=f"{name}_")
         metrics.update(values)
     return metrics, scores
 

@@ -28,6 +28,7 @@ from rm.data.build import build_datasets, build_extra_eval_sets, split_identity,
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.health import HealthMonitor
+from rm.loss import PairLoss, build_loss
 from rm.lost_updates import LostUpdateProbe
 from rm.memory.terms import Estimate, parameter_counts
 from rm.memory.monitor import MemoryMonitor
@@ -62,6 +63,7 @@ class Run:
         dir: the run directory (``rm.run_dir``): its checkpoints, its metrics, what may change in it.
         collator: pads pairs for evaluation and the export's probe; ``train_collator`` lays out training
             micro-batches (``train.packing``, ``train.share_prefix``).
+        loss: the loss training and evaluation compute (:func:`rm.loss.build_loss`), the one the estimate traced.
         health: the training-health checks (``rm.health``); ``metrics``: ``metrics.jsonl`` and TensorBoard.
         monitor: measures the memory peak (``rm.memory.monitor``).
         state: the loop's state, saved in every checkpoint (``rm.train_state``).
@@ -80,6 +82,7 @@ class Run:
     collator: PairCollator
     train_collator: Callable
     model: torch.nn.Module
+    loss: PairLoss
     health: HealthMonitor
     metrics: MetricsLog
     monitor: MemoryMonitor
@@ -174,7 +177,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     monitor.register(engine.state_tensors())
     return Run(cfg=cfg, plan=plan, estimate=estimate, dir=directory, engine=engine, tokenizer=tokenizer,
                train_set=train_set, eval_set=eval_set, extra_eval_sets=extra_eval_sets, collator=collator,
-               train_collator=train_collator, model=model, health=health, metrics=metrics, monitor=monitor,
+               train_collator=train_collator, model=model, loss=build_loss(cfg.train, cfg.data), health=health, metrics=metrics, monitor=monitor,
                batches=batches, total_steps=total_steps, state=state)
 
 

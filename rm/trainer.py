@@ -32,7 +32,6 @@ from rm.data.batching import rows_at
 from rm.errors import StorageError
 from rm.export import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.health import SKIP, STOP
-from rm.loss import bradley_terry_loss
 from rm.memory.monitor import gather_snapshots
 from rm.metrics import LineProgressFile, evaluate_sets, format_eval
 from rm.model import HEAD, pair_rewards
@@ -141,7 +140,7 @@ def train_step(run: Run, micro_batches: List[List[int]]) -> StepStats:
         margin = inputs.pop("margin")
         with engine.autocast():
             chosen, rejected = pair_rewards(run.model, **inputs)
-            loss = bradley_terry_loss(chosen, rejected, margin, run.cfg.train.center_rewards_coefficient)
+            loss = run.loss(chosen, rejected, margin)
         engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
         run.health.observe(loss, chosen, rejected)
         loss_sum += loss.detach().double() * len(indices) / per_rank
@@ -196,7 +195,7 @@ def evaluate_and_save(run: Run) -> None:
     paused = time.perf_counter()
     if (run.eval_set is not None or run.extra_eval_sets) and ((t.eval_steps and step % t.eval_steps == 0) or step == run.total_steps):
         run.eval_metrics, run.eval_scores = evaluate_sets(
-            run.model, run.eval_set, run.extra_eval_sets, run.collator, t.eval_batch_size, run.engine)
+            run.model, run.eval_set, run.extra_eval_sets, run.collator, t.eval_batch_size, run.engine, run.loss)
         run.metrics.write("eval", step, run.eval_metrics)
         run.health.check_eval(step, run.eval_metrics.get("eval_accuracy"))
         log.info("step %d: %s", step, format_eval(run.eval_metrics))

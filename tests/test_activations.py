@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig, compose
-from rm.loss import bradley_terry_loss
+from rm.loss import PairLoss
 from rm.memory.terms import traced_model
 from rm.memory.storage import StorageTracker
 from rm.precision import Precision
@@ -32,6 +32,7 @@ ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "d
 # The estimate is meant to be exact for tensor-level accounting (it matched to the byte when
 # this was written); 5% is the accuracy the pre-flight check promises, so it is the bound.
 TOLERANCE = 0.05
+LOSS = PairLoss(center_rewards_coefficient=0.0, uses_margin=False)  # the default config's, traced and run alike
 
 
 def factory_args(dtype, checkpointing, lora_r, model=MODEL):
@@ -46,12 +47,12 @@ def factory_args(dtype, checkpointing, lora_r, model=MODEL):
 
 def traced(dtype, checkpointing, lora_r=0, model=MODEL) -> TracedModel:
     groups, kwargs = factory_args(dtype, checkpointing, lora_r, model)
-    return TracedModel.of(*groups, **kwargs)
+    return TracedModel.of(*groups, **kwargs, loss=LOSS)
 
 
 def _loss(model, ids, mask):
     chosen, rejected = pair_rewards(model, ids, mask)
-    return bradley_terry_loss(chosen, rejected)
+    return LOSS(chosen, rejected)
 
 
 def _real_step(dtype, checkpointing, lora_r, accumulating=False, padded=True, timeline=False):

@@ -28,6 +28,7 @@ from rm.diagnostics import (
     tie_rate,
 )
 from rm.engine import AccelerateEngine
+from rm.loss import build_loss
 from rm.metrics import evaluate
 from rm.data.build import train_pairs
 from rm.tokenizer import run_tokenizer
@@ -200,7 +201,8 @@ def test_evaluate_gathers_every_pairs_rewards_and_lengths(diag_run):
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     eval_set, _ = build_split(cfg.data, tokenizer, "eval")
     engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
-    metrics, scores = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 48, engine)
+    metrics, scores = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 48, engine,
+                               build_loss(cfg.train, cfg.data))
 
     assert len(scores) == metrics["eval_pairs"] == len(eval_set)
     assert scores.chosen_lengths.tolist() == [len(x) for x in eval_set["chosen_input_ids"]]
@@ -262,12 +264,15 @@ import datasets, torch
 from transformers import AutoModelForSequenceClassification
 from rm.data.collator import PairCollator
 from rm.engine import AccelerateEngine
+from rm.loss import build_loss
+from rm.loss import PairLoss
 from rm.metrics import evaluate
 
 model_dir, data_dir, pad, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
 model = AutoModelForSequenceClassification.from_pretrained(model_dir)
-metrics, s = evaluate(model, datasets.load_from_disk(data_dir), PairCollator(pad), 8, engine)
+loss = PairLoss(center_rewards_coefficient=0.0, uses_margin=False)  # the tiny run's
+metrics, s = evaluate(model, datasets.load_from_disk(data_dir), PairCollator(pad), 8, engine, loss)
 vectors = [v.tolist() for v in (s.chosen, s.rejected, s.chosen_lengths, s.rejected_lengths)]
 with open(f"{out}/rank{engine.process_index}.json", "w") as f:
     json.dump({"metrics": metrics, "vectors": vectors}, f)
@@ -293,7 +298,7 @@ def test_two_processes_gather_the_same_vectors_as_one(diag_run, tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     model = AutoModelForSequenceClassification.from_pretrained(run_dir / "final")
     engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)
-    one, s = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 8, engine)
+    one, s = evaluate(model, eval_set, PairCollator(tokenizer.pad_token_id), 8, engine, build_loss(cfg.train, cfg.data))
     for rank in (0, 1):
         got = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert got["vectors"][2:] == [s.chosen_lengths.tolist(), s.rejected_lengths.tolist()]

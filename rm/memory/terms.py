@@ -732,6 +732,7 @@ def cannot_fit(cfg: RunConfig, plan: Plan) -> bool:
 def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
     """The model the run trains, as the trace builds it. flash_attention_2 and flex_attention cannot be
     traced on the CPU; SDPA's footprint stands in (it bounds flex-attention's, a BlockMask, not T x T)."""
+    from rm.loss import build_loss
     from rm.memory.trace import TracedModel
     from rm.precision import fp32_head_enabled  # not rm.model's: a cached trace needs no transformers
 
@@ -740,7 +741,8 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
         m = replace(m, attn_implementation="sdpa")
     return TracedModel.of(m, cfg.memory_profile, cfg.lora, numerics=plan.numerics,
                           gradient_checkpointing=cfg.train.gradient_checkpointing,
-                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), device=plan.device,
+                          fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision),
+                          loss=build_loss(cfg.train, cfg.data), device=plan.device,
                           zero3_linear=plan.strategy == "deepspeed" and plan.zero_stage == 3)
 
 

@@ -17,7 +17,7 @@ but no memory and no data), record every storage allocated and freed
 The copy is built by the function that builds the model a run trains
 (:func:`rm.model.build_reward_model`: LoRA wrap, fp32 reward head, QLoRA's preparation)
 on the meta device, and scored by the trainer's own reward read
-(:func:`rm.model.pair_rewards`) and loss. Under QLoRA the copy has no 4-bit weights to
+(:func:`rm.model.pair_rewards`) and loss (the run's :class:`rm.loss.PairLoss`, its margins and centring included). Under QLoRA the copy has no 4-bit weights to
 quantise, so its linears are the fp32 linears ``prepare_model_for_kbit_training`` leaves
 behind; bitsandbytes' ``Linear4bit`` also returns its input's dtype (fp32 there), so the
 saved tensors agree, and the weight dequantised inside each 4-bit matmul (a transient) is
@@ -74,6 +74,7 @@ import torch
 
 from rm import cache
 from rm.config import ALL_LINEAR, LoraConfig, MemoryProfileConfig, ModelConfig
+from rm.loss import PairLoss
 from rm.memory.storage import StorageTracker
 from rm.precision import Numerics
 
@@ -100,7 +101,8 @@ def _group(cls, items: Items):
 
 @dataclass(frozen=True)
 class TracedModel:
-    """The arguments of :func:`rm.model.build_reward_model` for one run, hashable so traces can be cached.
+    """The arguments of :func:`rm.model.build_reward_model` for one run, and the loss its step computes, hashable so
+    traces can be cached.
 
     ``model.pretrained`` is dropped: the trace builds from the shape numbers, which are the
     pretrained model's own (``rm.config.ModelConfig``).
@@ -112,17 +114,19 @@ class TracedModel:
     numerics: Numerics
     gradient_checkpointing: bool
     fp32_head: bool
+    loss: PairLoss  # what the loss keeps for its backward is part of the head's activations
     device: str = "cpu"  # the device whose kernels' saved tensors the trace reproduces (see _target_kernels)
     zero3_linear: bool = False  # DeepSpeed ZeRO-3 replaces F.linear (see _target_kernels)
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, profile: MemoryProfileConfig, lora_cfg: LoraConfig, *, numerics: Numerics,
-           gradient_checkpointing: bool, fp32_head: bool, device: str = "cpu", zero3_linear: bool = False) -> "TracedModel":
-        """The model a run with these groups trains (the same keyword arguments as the factory), on ``device``,
-        with DeepSpeed ZeRO-3's linear where ``zero3_linear``."""
+           gradient_checkpointing: bool, fp32_head: bool, loss: PairLoss, device: str = "cpu",
+           zero3_linear: bool = False) -> "TracedModel":
+        """The model a run with these groups trains (the same keyword arguments as the factory) and its ``loss``, on
+        ``device``, with DeepSpeed ZeRO-3's linear where ``zero3_linear``."""
         shape_only = replace(model_cfg, pretrained=None, tokenizer=None, trust_remote_code=False)
         return cls(_items(shape_only), _items(profile), _items(lora_cfg), numerics, gradient_checkpointing, fp32_head,
-                   device, zero3_linear)
+                   loss, device, zero3_linear)
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """The forward's autocast, as the engine enters it (``bf16-mixed``, ``16-mixed`` under accelerate): its casts
@@ -321,13 +325,14 @@ def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool, segment:
     return inputs
 
 
-def _loss(model, inputs) -> torch.Tensor:
-    """The training step's loss, computed as ``rm.trainer`` computes it."""
-    from rm.loss import bradley_terry_loss
+def _loss(model, inputs, loss: PairLoss) -> torch.Tensor:
+    """The training step's loss, computed as ``rm.trainer`` computes it: the run's loss of the rewards, with the
+    batch's margins (zeros here: what the loss keeps depends on their shape, not their values)."""
     from rm.model import pair_rewards
 
+    margin = inputs.pop("margin")
     chosen, rejected = pair_rewards(model, **inputs)
-    return bradley_terry_loss(chosen, rejected)
+    return loss(chosen, rejected, margin)
 
 
 @dataclass(frozen=True)
@@ -512,6 +517,8 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
     with _fake_mode(packed, padded), _target_kernels(traced.device, traced.zero3_linear):
         _materialize_fake(model)
         inputs = _batch(batch, seq_len, packed, shared_prefix, segment)
+        pairs = inputs["ends"].numel() // 2 if "ends" in inputs else batch // 2  # two rewards read per pair
+        inputs["margin"] = torch.zeros(pairs)  # fp32, as the collators make it; a real batch's input, not counted
         if accumulating:
             # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
             # gradient into it and frees the new one, a transient we want on the timeline. Allocating the
@@ -533,7 +540,7 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
             with tracker:
                 tracker.mark("start")
                 with traced.autocast():
-                    loss = _loss(model, inputs)
+                    loss = _loss(model, dict(inputs), traced.loss)
                 tracker.mark("backward")
                 loss.backward()
                 del loss
