@@ -58,11 +58,11 @@ cmd=(torchrun --nnodes "$NNODES" --nproc_per_node "$nproc" --node_rank "$NODE_RA
      -m rm.train "${data[@]}" "hydra.run.dir=$RUN_DIR" "$@")
 echo "+ ${cmd[*]}"
 # torchrun exits 1 with a traceback of its own whenever a rank fails: the ranks leave their exit codes and messages
-# in RM_EXIT_DIR, and the script exits with theirs (2 config, 3 refused, 4 non-finite, 5 storage; rm/launch.py).
+# in RM_EXIT_DIR, and the script exits with theirs (2 config, 3 refused, 4 non-finite, 5 storage; rm/training/launch.py).
 export RM_EXIT_DIR
 RM_EXIT_DIR=$(mktemp -d)
 trap 'rm -rf "$RM_EXIT_DIR"' EXIT
-"${cmd[@]}" 2> >(python -m rm.launch filter >&2) &
+"${cmd[@]}" 2> >(python -m rm.training.launch filter >&2) &
 pid=$!
 # SIGTERM or SIGINT to this script (SLURM, Ctrl-C) goes on to torchrun, which passes it to the ranks.
 trap 'kill -TERM "$pid" 2>/dev/null' TERM
@@ -72,5 +72,5 @@ wait "$pid" || status=$?
 while kill -0 "$pid" 2>/dev/null; do wait "$pid" || status=$?; done  # a trapped signal interrupts the first wait
 wait  # the stderr filter: its last lines before ours
 set +e
-python -m rm.launch summarize "$RM_EXIT_DIR" "$status"
+python -m rm.training.launch summarize "$RM_EXIT_DIR" "$status"
 exit $?

@@ -17,17 +17,17 @@ import time
 # The first call of each shape is to trace, not to read rm.memory.trace's disk cache of an earlier run.
 os.environ["RM_CACHE"] = tempfile.mkdtemp(prefix="rm-cache-")
 
-from rm.cli import without_bitsandbytes  # noqa: E402
+from rm.foundations.cli import without_bitsandbytes  # noqa: E402
 
 without_bitsandbytes()  # as the estimate CLI runs
 
 t0 = time.perf_counter()
 import transformers.models.mistral.modeling_mistral  # noqa: E402,F401  (the trainer has it imported anyway)
 
-from rm.config import compose  # noqa: E402
+from rm.foundations.config import compose  # noqa: E402
 from rm.memory.terms import traced_model  # noqa: E402
 from rm.memory.trace import estimate_activations  # noqa: E402
-from rm.validate import validate  # noqa: E402
+from rm.settings.validate import validate  # noqa: E402
 
 IMPORTS = time.perf_counter() - t0
 

@@ -39,19 +39,19 @@ ARMS = ("search", "given")
 
 def child(arm: str, clock: str) -> None:
     """One ``rm.train`` process of an arm; the rest of ``sys.argv`` is its command line."""
-    import rm.run_setup
-    import rm.train_state
-    import rm.trainer
+    import rm.training.run_setup
+    import rm.runs.train_state
+    import rm.training.trainer
 
     if clock == "cpu":  # the loop's step timer, in this process's CPU seconds
-        rm.trainer.time = rm.train_state.time = types.SimpleNamespace(perf_counter=time.process_time)
-    choose = rm.run_setup.choose_layout
+        rm.training.trainer.time = rm.runs.train_state.time = types.SimpleNamespace(perf_counter=time.process_time)
+    choose = rm.training.run_setup.choose_layout
 
     def search_first(cfg, plan, overrides, lengths, pinned=None):
         if arm == "search":
-            from rm.config import TrainConfig
+            from rm.foundations.config import TrainConfig
             from rm.plan.search import KNOBS
-            from rm.validate import validate
+            from rm.settings.validate import validate
 
             defaults = TrainConfig()
             knobs = {k.split(".")[1]: getattr(defaults, k.split(".")[1]) for k in KNOBS}
@@ -62,7 +62,7 @@ def child(arm: str, clock: str) -> None:
             print(f"search (thrown away): {chosen.describe()}", file=sys.stderr)
         return choose(cfg, plan, overrides, lengths, pinned)
 
-    rm.run_setup.choose_layout = search_first
+    rm.training.run_setup.choose_layout = search_first
     sys.argv[0] = "rm.train"
     runpy.run_module("rm.train", run_name="__main__", alter_sys=True)
 

@@ -34,7 +34,7 @@ What is measured, the same way for both:
 - eval loss and accuracy: the same function (padded batches of 8, rm's last-real-token reward)
   on the same 256 held-out pairs, after training.
 
-rm's own data pipeline is bypassed in its child (``rm.run_setup.build_datasets`` returns the
+rm's own data pipeline is bypassed in its child (``rm.training.run_setup.build_datasets`` returns the
 benchmark's pairs) so that both trainers see identical token ids.
 """
 
@@ -120,7 +120,7 @@ def variants(setup: Setup) -> dict:
 
 VARIANTS = variants(SETUP)
 
-BOS, EOS = 2, 3  # each side is BOS + its tokens + EOS, as rm's and TRL's tokenisation gives it (rm.tokenizer.encode_sides)
+BOS, EOS = 2, 3  # each side is BOS + its tokens + EOS, as rm's and TRL's tokenisation gives it (rm.data.tokenizer.encode_sides)
 
 
 def make_pairs(n: int, seed: int):
@@ -210,8 +210,8 @@ def evaluate(model, pairs):
     import torch
 
     from rm.data.collator import PairCollator
-    from rm.loss import bradley_terry_loss
-    from rm.model import pair_rewards
+    from rm.modelling.loss import bradley_terry_loss
+    from rm.modelling.model import pair_rewards
 
     device = "cuda" if SETUP.hardware != "cpu" and torch.cuda.is_available() else "cpu"
     model.to(device).eval()
@@ -254,12 +254,12 @@ def run_rm(data, variant_overrides, workdir: Path):
     from hydra import compose, initialize_config_dir
     from transformers import AutoModelForSequenceClassification
 
-    import rm.config  # noqa: F401  (registers the schemas)
-    import rm.run_setup
+    import rm.foundations.config  # noqa: F401  (registers the schemas)
+    import rm.training.run_setup
     import rm.train as rm_train
     from rm.data.audit import audit_split, length_stats
     from rm.data.counts import PairCounts
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
 
     overrides = rm_overrides(variant_overrides)
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -277,18 +277,18 @@ def run_rm(data, variant_overrides, workdir: Path):
         splits = {name: audit(rows) for name, rows in (("train", data["train"]), ("eval", data["eval"]))}
         return train_set, eval_set, {"data": "bench_vs_trl", "policies": {}, "splits": splits}
 
-    rm.run_setup.build_datasets = same_pairs  # where the trainer's setup looks it up
+    rm.training.run_setup.build_datasets = same_pairs  # where the trainer's setup looks it up
     # Tokens the model computes, padding included (a shared prompt once): the compute ceiling's denominator.
-    import rm.trainer
+    import rm.training.trainer
 
-    computed, moved = [0], rm.trainer.to_device
+    computed, moved = [0], rm.training.trainer.to_device
 
     def counting(batch, keys, device):
         if "margin" in keys:  # a training micro-batch (evaluation moves its batches elsewhere)
             computed[0] += batch["input_ids"].numel()
         return moved(batch, keys, device)
 
-    rm.trainer.to_device = counting
+    rm.training.trainer.to_device = counting
     chosen = []  # what train.layout=auto logged it chose
 
     class Choice(logging.Handler):
@@ -308,7 +308,7 @@ def run_rm(data, variant_overrides, workdir: Path):
         # Only the training steps after the warm-up: set-up, the final evaluation and the save (the model's copy to
         # the host was half the device's time in the H200's first profile) are not a step's time.
         warm, taken, window = min(SETUP.skip_steps, SETUP.steps // 2), [0], {}
-        step = rm.trainer.train_step
+        step = rm.training.trainer.train_step
 
         def profiled_step(run, micro_batches):
             if taken[0] == warm:
@@ -323,7 +323,7 @@ def run_rm(data, variant_overrides, workdir: Path):
                 prof.stop()
             return out
 
-        rm.trainer.train_step = profiled_step
+        rm.training.trainer.train_step = profiled_step
         result = rm_train.train(cfg, workdir / "run")
         events = prof.key_averages()
         busy = sum(e.self_device_time_total for e in events) / 1e6
@@ -360,10 +360,10 @@ def run_trl(data, workdir: Path):
     from transformers import TrainerCallback
     from trl import RewardConfig, RewardTrainer
 
-    import rm.config  # noqa: F401
-    from rm.config import to_run_config
-    from rm.model import build_model
-    from rm.tokenizer import build_tokenizer
+    import rm.foundations.config  # noqa: F401
+    from rm.foundations.config import to_run_config
+    from rm.modelling.model import build_model
+    from rm.data.tokenizer import build_tokenizer
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = to_run_config(compose(config_name="config", overrides=["experiment=tiny", "model.tokenizer=words", *SETUP.shape,
@@ -418,7 +418,7 @@ def run_trl(data, workdir: Path):
     Clock.trainer = trainer
     # TRL trains with transformers' own SDPA, as its users do (rm's, which keeps a GPU off cuDNN's kernel, is
     # registered by rm's first rewards: the evaluation after training)
-    assert "rm.attention" not in sys.modules, "rm's attention would replace transformers' SDPA in TRL's run"
+    assert "rm.modelling.attention" not in sys.modules, "rm's attention would replace transformers' SDPA in TRL's run"
     out = trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     eval_loss, eval_accuracy = evaluate(trainer.model, data["eval"][: SETUP.eval_pairs]) if not SETUP.lora else (None, None)
@@ -537,7 +537,7 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
     if peak:
         from hydra import compose, initialize_config_dir
 
-        from rm.config import to_run_config
+        from rm.foundations.config import to_run_config
 
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             model = to_run_config(compose(config_name="config", overrides=rm_overrides([]))).model

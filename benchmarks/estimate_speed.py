@@ -50,12 +50,12 @@ def in_process(repeats: int) -> list:
     code = f"""
 import time, json
 t0 = time.perf_counter()
-from rm.cli import without_bitsandbytes
+from rm.foundations.cli import without_bitsandbytes
 without_bitsandbytes()  # as the CLI does
-from rm.config import compose
+from rm.foundations.config import compose
 from rm.memory.terms import estimate_run
-from rm.hardware import resolve_hardware
-from rm.validate import resolve_world_size, validate
+from rm.foundations.hardware import resolve_hardware
+from rm.settings.validate import resolve_world_size, validate
 import transformers.models.mistral.modeling_mistral
 import peft  # the LoRA trace wraps the model with it
 imports = time.perf_counter() - t0

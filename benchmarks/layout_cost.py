@@ -88,8 +88,8 @@ def time_layouts(model, steps, layouts_of, repeats: int = 1):
     """CPU seconds of forward + backward per layout, summed over ``steps``; each step's layouts interleaved."""
     import torch
 
-    from rm.loss import bradley_terry_loss
-    from rm.model import pair_rewards
+    from rm.modelling.loss import bradley_terry_loss
+    from rm.modelling.model import pair_rewards
 
     keys = ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
     seconds = {}
@@ -120,11 +120,11 @@ def demo(steps: int) -> None:
     from hydra import compose, initialize_config_dir
 
     import bench_vs_trl as bench
-    import rm.config  # noqa: F401  (registers the schemas)
-    from rm.config import to_run_config
+    import rm.foundations.config  # noqa: F401  (registers the schemas)
+    from rm.foundations.config import to_run_config
     from rm.data.build import build_datasets
-    from rm.model import build_model
-    from rm.tokenizer import build_tokenizer
+    from rm.modelling.model import build_model
+    from rm.data.tokenizer import build_tokenizer
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         # 2,000 pairs of the demo's 16,000: the same generator and lengths, a quarter of a minute to tokenise.

@@ -1,11 +1,11 @@
-"""What the lost-update check (``rm.lost_updates``, ``health.lost_updates_threshold``) costs per training step.
+"""What the lost-update check (``rm.foundations.lost_updates``, ``health.lost_updates_threshold``) costs per training step.
 
     python benchmarks/lost_updates_cost.py                       # experiment=tiny's model, pure bf16, 30 + 30 steps
     python benchmarks/lost_updates_cost.py --steps 20 model.hidden_size=512 model.intermediate_size=1024 \\
         model.num_hidden_layers=4 model.num_attention_heads=8 model.num_key_value_heads=4 model.head_dim=64
 
-Builds one real run (``rm.run_setup.setup``: data, model, accelerate engine, torch AdamW on bf16 weights at
-lr 1e-5) and times ``rm.trainer.train_step`` with the probe attached and without, alternating step by step on
+Builds one real run (``rm.training.run_setup.setup``: data, model, accelerate engine, torch AdamW on bf16 weights at
+lr 1e-5) and times ``rm.training.trainer.train_step`` with the probe attached and without, alternating step by step on
 the same run, so that a change of load on a shared machine hits both alike. The "with" steps include the
 logging-step read (:meth:`HealthMonitor.lost_update_fraction`, one reduce and one host read) every 10 steps.
 Prints the median wall-clock and CPU (``time.process_time``, one thread: less inflated by other processes)
@@ -40,9 +40,9 @@ DEFAULTS = [
 
 def backward_only(run) -> None:
     """One micro-batch's forward and backward, no optimizer step: gradients in place for the probe to read."""
-    from rm.loss import bradley_terry_loss
-    from rm.model import pair_rewards
-    from rm.trainer import MODEL_INPUTS, to_device
+    from rm.modelling.loss import bradley_terry_loss
+    from rm.modelling.model import pair_rewards
+    from rm.training.trainer import MODEL_INPUTS, to_device
 
     indices = run.batches.for_step(run.state.step)[0]
     inputs = to_device(run.train_collator(run.train_set.select(indices)), (*MODEL_INPUTS, "margin"), run.engine.device)
@@ -62,9 +62,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from rm.config import compose
-    from rm.run_setup import setup
-    from rm.trainer import train_step
+    from rm.foundations.config import compose
+    from rm.training.run_setup import setup
+    from rm.training.trainer import train_step
 
     load_before = os.getloadavg()[0]
     cfg = compose(DEFAULTS + [f"train.max_steps={2 * args.steps + 8}"] + args.overrides)

@@ -97,11 +97,11 @@ def random_init_env(cache: Path) -> dict:
 
 def prepare_random_init(overrides: list, cache: Path, saved: bool):
     """QLoRA from a shape (no ``model.pretrained``): the run builds the shape's fp32 random init before it loads it in
-    4 bits unless it finds it saved (``rm.model.saved_random_init``), a first run's peak which the estimate counts
+    4 bits unless it finds it saved (``rm.modelling.model.saved_random_init``), a first run's peak which the estimate counts
     (``rm.memory.terms.random_init_build_bytes``). ``saved``: save it into ``cache`` first, as rm does (the pad id of
     the tokenizer the run builds, the run's seed), so that the point measures every later run; else the run builds it.
     Returns "saved" or "built" (whether the run finds it), or ``None`` for a point without a random init."""
-    from rm.config import compose
+    from rm.foundations.config import compose
 
     cfg = compose(overrides)
     if cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained:
@@ -111,14 +111,14 @@ def prepare_random_init(overrides: list, cache: Path, saved: bool):
     from accelerate.utils import set_seed
 
     from rm.data.build import train_pairs
-    from rm.model import random_init_saved, saved_random_init
-    from rm.tokenizer import run_tokenizer
+    from rm.modelling.model import random_init_saved, saved_random_init
+    from rm.data.tokenizer import run_tokenizer
 
     from unittest import mock
 
     with mock.patch.dict(os.environ, {"RM_CACHE": str(cache)}):
         pad = run_tokenizer(cfg.model, train_pairs(cfg.data)).pad_token_id
-        set_seed(cfg.train.seed)  # as rm.run_setup does before the model is built: the init's key
+        set_seed(cfg.train.seed)  # as rm.training.run_setup does before the model is built: the init's key
         saved_random_init(cfg.model, pad)
         assert random_init_saved(cfg.model, pad)
     return "saved"
@@ -161,9 +161,9 @@ def run_overrides(model, profile, checkpointing, length, distributed, nproc, acc
 def recompute(rows) -> None:
     """Estimate each saved point again with the estimator as it is now (a pure function of the config), in place:
     measurements stand, estimates and errors follow the code. Used after a change to the estimate alone."""
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.memory.terms import estimate_run
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     for r in rows:
         extra = LAYOUTS[r["layout"]][1][1:] if "layout" in r else PRECISION_MODES.get(r.get("precision"), ())
@@ -291,9 +291,9 @@ def save_random_weights(model: str, path: Path) -> None:
     """``--save-random-weights MODEL PATH``: what :func:`saved_random_weights` runs in its child process."""
     import torch
 
-    from rm.config import compose
-    from rm.model import build_model
-    from rm.tokenizer import build_tokenizer
+    from rm.foundations.config import compose
+    from rm.modelling.model import build_model
+    from rm.data.tokenizer import build_tokenizer
 
     base = [] if GPU_MODELS[model][0].startswith("model=") else ["model=tiny"]
     cfg = compose(["experiment=tiny", *base, "model.tokenizer=words", *GPU_MODELS[model]])
@@ -337,17 +337,17 @@ def data_sized_estimate(overrides: list, world_size: int = 1, random_init_cached
     start them, without a device or a launch: what ``--recompute`` compares with a saved measurement."""
     from unittest import mock
 
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.data.batching import StepBatches
     from rm.data.build import build_datasets, train_pairs
-    from rm.tokenizer import run_tokenizer
-    from rm.preflight import data_preflight, plan_run
-    from rm.run_setup import log_prefix_sharing, run_shapes, total_training_steps
+    from rm.data.tokenizer import run_tokenizer
+    from rm.memory.preflight import data_preflight, plan_run
+    from rm.training.run_setup import log_prefix_sharing, run_shapes, total_training_steps
 
     cfg = compose(overrides)
     launched = {"WORLD_SIZE": str(world_size), "RANK": "0", "LOCAL_RANK": "0"} if world_size > 1 else {}
     # A CUDA profile on a machine without CUDA: this estimates the run (as rm.estimate may), it trains nothing.
-    with mock.patch.dict(os.environ, launched), mock.patch("rm.preflight.check_device_present"):
+    with mock.patch.dict(os.environ, launched), mock.patch("rm.memory.preflight.check_device_present"):
         plan, _ = plan_run(cfg, overrides)
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     train_set, eval_set, _ = build_datasets(cfg.data, tokenizer)
@@ -575,7 +575,7 @@ def precision_rows(tmp: Path, saved=()) -> list:
     for mode, extra in PRECISION_MODES.items():
         for profile in PROFILES:
             if profile == "offload" and mode == "bf16-true":
-                continue  # DeepSpeed has no bf16-true: refused by rm.validate
+                continue  # DeepSpeed has no bf16-true: refused by rm.settings.validate
             for checkpointing in [False, True]:
                 row = kept.get((mode, profile, checkpointing))
                 if row is None:
@@ -814,7 +814,7 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16
             "",
             "## bf16, one process (CPU autocast)",
             "",
-            "The small model at `max_length=128` in the two bf16 modes (`rm/precision.py`): `bf16-mixed` keeps fp32 weights,",
+            "The small model at `max_length=128` in the two bf16 modes (`rm/foundations/precision.py`): `bf16-mixed` keeps fp32 weights,",
             "gradients and AdamW states and runs the forward under bf16 autocast, whose cache holds the bf16 cast of each",
             "weight until the forward ends; under DeepSpeed (`offload`) it is DeepSpeed's bf16 (bf16 module, fp32 partitions).",
             "`bf16-true` keeps everything in bf16 (DeepSpeed has no such mode). Largest error "
@@ -890,7 +890,7 @@ MULTI_NOTES = [
     "  each backward's reduction allocates a fresh partition (`_release_ipg_buffers` dropped the last one) beside the",
     "  gradients accumulated so far, still held in the previous one (`all_grad_tensors`, in",
     "  `independent_gradient_partition_epilogue`): two partitions, the peak when activations are smaller (issue 25).",
-    "- **ZeRO-3** is configured as transformers' Trainer configures `\"auto\"` (`rm.engine.deepspeed_buckets`: bucket",
+    "- **ZeRO-3** is configured as transformers' Trainer configures `\"auto\"` (`rm.distributed.engine.deepspeed_buckets`: bucket",
     "  hidden^2, prefetch 0.9 x hidden^2, persistence 10 x hidden). DeepSpeed's coordinator keeps a gathered",
     "  parameter until its reuse in the backward (`stage3_max_reuse_distance`), so the backward starts with every",
     "  non-persistent parameter gathered once; with it one gradient bucket and the reduce-scatter input of the largest",
@@ -1131,8 +1131,8 @@ def draw_valid_points(n: int, seed: int, profiles=RANDOM_PROFILES):
     import random
     import re
 
-    from rm.config import compose
-    from rm.validate import ConfigError, validate
+    from rm.foundations.config import compose
+    from rm.settings.validate import ConfigError, validate
 
     rng = random.Random(seed)
     points, redrawn = [], {}
@@ -1166,7 +1166,7 @@ def write_random_pairs(stem: Path, spec: dict, max_length: int) -> None:
     import math
     import random
 
-    from rm.tokenizer import VOCABULARY
+    from rm.data.tokenizer import VOCABULARY
 
     rng = random.Random(spec["seed"])
     words = [w for w in VOCABULARY if w.isalpha()]
@@ -1337,7 +1337,7 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         "of every rank (`train.track_memory=true`) against that rank's own estimate in `memory.json` (`rank_peak_bytes`:",
         "sized at the micro-batches its data forms and its ZeRO partition; the verdict is the largest),",
         "`model.tokenizer=words` (qwen2: `bpe`, as rm refuses `words` for",
-        "qwen2). A draw the project's validation (`rm.validate.validate` on the composed config) refuses is redrawn, as",
+        "qwen2). A draw the project's validation (`rm.settings.validate.validate` on the composed config) refuses is redrawn, as",
         f"is one over {meta['max_params'] / 1e6:.0f}M parameters or {meta['max_flops']:.1e} training FLOPs (time on 2 cores; a bf16",
         f"point's FLOPs count {meta.get('bf16_weight', 1)}x, as CPU bf16 matmuls are that much slower);",
         "the overrides of every point are in the JSON beside this file (`POINT_DATA` stands for the point's own JSONL).",
@@ -1386,7 +1386,7 @@ def random_init_note(mode: str) -> list:
     """How the QLoRA points met their shape's random init (``--random-init``), in the doc's words."""
     if mode == "saved":
         return ["QLoRA points build no weights: each shape's fp32 random init was saved before its run (into an empty",
-                "`RM_CACHE` of the point's own, as `rm.model.saved_random_init` saves it), so the runs are those after a",
+                "`RM_CACHE` of the point's own, as `rm.modelling.model.saved_random_init` saves it), so the runs are those after a",
                 "shape's first, and their estimates count no build. A first run builds it on local rank 0 before",
                 "anything else exists (`rm.memory.terms.random_init_build_bytes`: the fp32 model, exact to the byte),",
                 "its peak where that is larger: `--random-init built` measures those."]

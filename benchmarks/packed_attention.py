@@ -1,4 +1,4 @@
-"""Packed rows on a CPU: the row's SDPA in one call against one call per pair (rm/attention.py), and what it costs.
+"""Packed rows on a CPU: the row's SDPA in one call against one call per pair (rm/modelling/attention.py), and what it costs.
 
     python benchmarks/packed_attention.py            # about a minute on an idle 2-core CPU
 
@@ -6,9 +6,9 @@ On bench_vs_trl.py's model (Mistral architecture, 4 layers x 256, 4 heads on 2 K
 of multi-turn size (prompt 150-350 tokens, each answer 30-90), seed 0, it prints (median of repeats, with the load):
 
 * forward + backward of one packed row, the whole row in one SDPA call (the 4D mask from the per-token rule, as
-  before rm/attention.py) against one call per pair (``rm.attention.segmented_inputs``), for rows of 2, 4 and 8 pairs;
-* building that row's mask: the per-token rule over the whole row (``rm.prefix_sharing.allowed``) against each
-  pair's block alone, all segmented SDPA reads (``rm.attention.segmented_inputs``), one thread;
+  before rm/modelling/attention.py) against one call per pair (``rm.modelling.attention.segmented_inputs``), for rows of 2, 4 and 8 pairs;
+* building that row's mask: the per-token rule over the whole row (``rm.modelling.prefix_sharing.allowed``) against each
+  pair's block alone, all segmented SDPA reads (``rm.modelling.attention.segmented_inputs``), one thread;
 * the same 8 pairs as one row, two rows of 4 and four rows of 2, one call per pair: what packing a step into fewer,
   longer rows changes in the forward and backward.
 """
@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rm.attention import segmented_inputs  # noqa: E402
+from rm.modelling.attention import segmented_inputs  # noqa: E402
 from rm.data.collator import PrefixSharedCollator  # noqa: E402
-from rm.prefix_sharing import allowed  # noqa: E402
+from rm.modelling.prefix_sharing import allowed  # noqa: E402
 
 
 def model():

@@ -52,13 +52,13 @@ def on_hardware(overrides, hardware: str):
 def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -> dict:
     """Predicted :class:`rm.plan.steptime.StepTime` of each row of one data set's results, by row name."""
     import bench_vs_trl as bench
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.data.shapes import layout_of
-    from rm.hardware import attention_kernel
+    from rm.foundations.hardware import attention_kernel
     from rm.plan.constants import rates_for
     from rm.plan.lengths import step_micro_batches
     from rm.plan.steptime import predict_step_seconds
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     section = results[data_name]
     setup = bench.Setup(**{**section["setup"], "shape": tuple(section["setup"]["shape"])})
@@ -87,9 +87,9 @@ def auto_pick(setup_name: str, data_name: str, hardware: str):
     """What ``train.layout=auto`` picks for bench_vs_trl.py's no-flags row of a setup on a hardware profile
     (:func:`rm.plan.auto.choose_layout`, the function a training run calls), as its ``LayoutChoice``."""
     import bench_vs_trl as bench
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.plan.auto import choose_layout
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     cfg = compose(on_hardware(bench.rm_overrides([], bench.SETUPS[setup_name]), hardware))
     return choose_layout(cfg, validate(cfg, 1), [], bench_lengths(data_name))[-1]

@@ -117,13 +117,13 @@ def merged(*parts: List[str]) -> List[str]:
 
 def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dict) -> float:
     """rm.plan's predicted seconds per optimizer step for these overrides."""
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.plan.constants import rates_for
     from rm.plan.lengths import data_lengths, step_micro_batches
-    from rm.hardware import attention_kernel
+    from rm.foundations.hardware import attention_kernel
     from rm.plan.steptime import predict_step_seconds
     from rm.data.shapes import layout_of
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     cfg = compose(overrides)
     plan = validate(cfg, processes)
@@ -140,10 +140,10 @@ def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dic
 
 def auto_pick(overrides: List[str], processes: int, lengths_cache: Dict) -> List[str]:
     """The layout ``train.layout=auto`` picks for a group (its knobs left at their defaults)."""
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.plan.auto import choose_layout
     from rm.plan.lengths import data_lengths
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     cfg = compose([o for o in overrides if o != "train.layout=given"] + ["train.layout=auto"])
     plan = validate(cfg, processes)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rm.precision import Precision  # noqa: E402
+from rm.foundations.precision import Precision  # noqa: E402
 
 # Runs rm.train as `python -m rm.train` does, with the factory wrapped to save what it built (rank 0).
 WRAPPER = """
 import os, runpy
-import rm.run_setup as setup
+import rm.training.run_setup as setup
 from safetensors.torch import save_file
 real = setup.build_reward_model
 def build(*args, **kwargs):
@@ -119,10 +119,10 @@ def write_doc(rows: list, args, elapsed: float, out: Path) -> None:
         f"The demo model (`experiment=tiny`, 2 layers, hidden 128, weights from N(0, 0.02)) trains {args.steps} optimizer steps of",
         f"8 pairs per process at `train.learning_rate={args.lr:g}` (constant) in each mode. **Weights changed**: the share of",
         "the model's weights that differ at all from what the factory built, compared in the dtype the run keeps them in.",
-        "**Lost updates**: the `lost_update_fraction` the run logged at its last step (`rm.health`), where logged.",
+        "**Lost updates**: the `lost_update_fraction` the run logged at its last step (`rm.training.health`), where logged.",
         "`16-mixed` needs a GPU (CPU autocast has no gradient scaler path in rm) and is not run here.",
         "",
-        "**Trained weights**: the dtype the optimizer's view of the weights is kept in under that engine (`rm.precision`:",
+        "**Trained weights**: the dtype the optimizer's view of the weights is kept in under that engine (`rm.foundations.precision`:",
         "DeepSpeed keeps fp32 master partitions beside a bf16 module, and its saved weights are the bf16 module's, so",
         "an fp32 update too small to move the bf16 copy yet shows as unchanged there).",
         "",

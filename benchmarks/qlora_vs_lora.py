@@ -8,7 +8,7 @@ train.seed=SEED`` four ways, one process at a time with ``OMP_NUM_THREADS=1`` (o
 threads per process made steps 3-10x slower), and prints the last eval accuracy of each with mean and spread:
 
 * ``lora``: ``memory_profile=lora``, the base built from the shape at the seed;
-* ``qlora``: ``memory_profile=qlora``, that same random init saved and loaded in NF4 (rm.model.saved_random_init);
+* ``qlora``: ``memory_profile=qlora``, that same random init saved and loaded in NF4 (rm.modelling.model.saved_random_init);
 * ``lorabase``: ``memory_profile=lora`` with ``model.pretrained`` = that saved init, unquantised. Nothing is drawn
   at load, so its adapters start from the draws QLoRA's start from: ``qlora - lorabase`` is the 4-bit base alone
   (tests/test_profiles.py::test_qlora_trains_as_lora_on_its_dequantised_base: QLoRA computes exactly as LoRA on
@@ -47,8 +47,8 @@ def saved_init(seed: int) -> Path:
     """The saved random init a ``memory_profile=qlora train.seed=SEED`` demo run quantises."""
     from accelerate.utils import set_seed
 
-    from rm.config import to_run_config
-    from rm.model import saved_random_init
+    from rm.foundations.config import to_run_config
+    from rm.modelling.model import saved_random_init
     from tests.conftest import compose_run
 
     cfg = to_run_config(compose_run(["experiment=tiny"]))

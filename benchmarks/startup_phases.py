@@ -3,7 +3,7 @@
     python benchmarks/startup_phases.py experiment=tiny train.max_steps=1 hydra.run.dir=/tmp/phases/run1
 
 Runs the training command in this process with its Hydra overrides, timing each phase from outside the package:
-the imports before the first log line, Hydra's composition, then the functions ``rm.run_setup`` and ``rm.trainer``
+the imports before the first log line, Hydra's composition, then the functions ``rm.training.run_setup`` and ``rm.training.trainer``
 call (wrapped here, nothing in ``rm`` changes), and prints one row per phase with the 1-minute load average.
 Interpreter start-up and exit are not inside the process's own clock: time the whole command from outside with
 ``/usr/bin/time -v python -m rm.train ...`` and compare. Run it twice with the same ``RM_CACHE`` to see a warm run
@@ -58,8 +58,8 @@ def main() -> None:
     import rm.train  # everything the command imports before its first log line
 
     imported = time.perf_counter()
-    import rm.run_setup as setup
-    import rm.trainer as trainer
+    import rm.training.run_setup as setup
+    import rm.training.trainer as trainer
     from rm.data.batching import StepBatches
 
     for name, label in [
@@ -76,16 +76,16 @@ def main() -> None:
     for name, label in [("train_step", "the training step"), ("evaluate_and_save", "final evaluation"),
                         ("write_eval_plots", "plots"), ("write_train_plot", "plots"), ("save_final", "export (save, reload, verify)")]:
         timed(trainer, name, label)
-    import rm.config
+    import rm.foundations.config
 
     entered = {}
-    to_run_config = rm.config.to_run_config
+    to_run_config = rm.foundations.config.to_run_config
 
     def typed(cfg):  # the first thing the task does once Hydra has composed the config
         entered["t"] = time.perf_counter()
         return to_run_config(cfg)
 
-    rm.config.to_run_config = typed
+    rm.foundations.config.to_run_config = typed
     code = 0
     try:  # as python -m rm.train runs it: Hydra finds conf/ from the __main__ module's file
         runpy.run_module("rm.train", run_name="__main__", alter_sys=True)

@@ -21,9 +21,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rm.cli import without_bitsandbytes, without_run_dir
-    from rm.config import to_run_config
-    from rm.errors import answer_only_on_stdout, run_hydra_app
+    from rm.foundations.cli import without_bitsandbytes, without_run_dir
+    from rm.foundations.config import to_run_config
+    from rm.foundations.errors import answer_only_on_stdout, run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
@@ -31,7 +31,7 @@ def main() -> None:
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
         with answer_only_on_stdout() as answer:
-            from rm.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
+            from rm.settings.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
 
             cfg = to_run_config(raw)
             plan = validate(cfg, *resolve_world_size(cfg, launched=False))

@@ -14,11 +14,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from rm.config import compose, memory_profiles, to_run_config
-from rm.errors import boundary, run_hydra_app
+from rm.foundations.config import compose, memory_profiles, to_run_config
+from rm.foundations.errors import boundary, run_hydra_app
 from rm.memory.terms import GIB, estimate_run
-from rm.hardware import host_ram_gib, resolve_hardware
-from rm.validate import ConfigError, resolve_world_size, validate
+from rm.foundations.hardware import host_ram_gib, resolve_hardware
+from rm.settings.validate import ConfigError, resolve_world_size, validate
 
 
 def device_lines() -> list:
@@ -66,7 +66,7 @@ def print_report(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from rm.cli import without_bitsandbytes, without_run_dir
+    from rm.foundations.cli import without_bitsandbytes, without_run_dir
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()

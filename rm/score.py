@@ -10,7 +10,7 @@ rendered by the bundle's chat template as a pair's side is.
 Only transformers (and PEFT for a LoRA adapter directory, whose base is the one
 ``adapter_config.json`` names or the ``base/`` saved beside it) is used to load the
 model, so this also checks that a saved model is usable outside ``rm``; each text is
-tokenised as training tokenised its sides (:func:`rm.tokenizer.encode_sides`, with the
+tokenised as training tokenised its sides (:func:`rm.data.tokenizer.encode_sides`, with the
 bundle's ``trained_tokenizer/``: a plain text gets the EOS appended unless it ends with it,
 a conversation is rendered by the chat template) and its reward read at its last token, the
 EOS (README, "Use your reward model"). ``--normalize`` reports
@@ -25,14 +25,14 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from rm.errors import ConfigError, DataError, boundary
+from rm.foundations.errors import ConfigError, DataError, boundary
 
 
 def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
     """Rewards of already tokenised sequences, in order, read at each one's last real token."""
     import torch  # here, so that --help answers without loading torch
 
-    from rm.model import sequence_rewards
+    from rm.modelling.model import sequence_rewards
 
     rewards: List[float] = []
     device = next(model.parameters()).device
@@ -51,7 +51,7 @@ def reward_function(model_dir: str, *, device: Optional[str] = None, batch_size:
     TRL's own path for a reward model given by its path tokenises ``prompt + completion`` with
     ``add_special_tokens=False`` after decoding the completion without its EOS: a plain text then has neither the
     BOS nor the EOS it trained with, and its reward is read at another token. Here each prompt and completion is
-    joined and tokenised by :func:`rm.tokenizer.encode_sides` with the bundle's ``trained_tokenizer/``: plain text
+    joined and tokenised by :func:`rm.data.tokenizer.encode_sides` with the bundle's ``trained_tokenizer/``: plain text
     with the tokenizer's special tokens and the EOS appended, a conversation (lists of messages) rendered by the
     chat template. The model loads once, in eval mode, on ``device`` (default: CUDA when there is one).
 
@@ -61,8 +61,8 @@ def reward_function(model_dir: str, *, device: Optional[str] = None, batch_size:
     import torch
 
     from rm.data.tokenise import leading_special_ids, truncate_left
-    from rm.export import bundle_tokenizer, load_bundle
-    from rm.tokenizer import encode_sides
+    from rm.modelling.bundle import bundle_tokenizer, load_bundle
+    from rm.data.tokenizer import encode_sides
 
     directory = check_model_dir(model_dir)
     tokenizer, append_eos = bundle_tokenizer(directory)
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rm.data.load import load_preference_split
     from rm.data.normalise import max_chars_for, normalise_pairs
     from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
-    from rm.export import bundle_tokenizer, load_bundle, read_reward_stats
+    from rm.modelling.bundle import bundle_tokenizer, load_bundle, read_reward_stats
 
     model_dir = check_model_dir(args.model)
     stats = read_reward_stats(model_dir) if args.normalize else None

@@ -1,7 +1,7 @@
 """Train a pairwise (Bradley-Terry) reward model: ``python -m rm.train [hydra overrides]``.
 
 The Hydra entry: one job, its outcome mapped to an exit code. The training itself reads top to
-bottom in :mod:`rm.trainer` (setup in :mod:`rm.run_setup`, the memory check in :mod:`rm.preflight`).
+bottom in :mod:`rm.training.trainer` (setup in :mod:`rm.training.run_setup`, the memory check in :mod:`rm.memory.preflight`).
 """
 
 from __future__ import annotations
@@ -17,15 +17,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rm.config import to_run_config
-from rm.engine import join_submitit_tasks
-from rm.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
-from rm.preflight import PreflightRefusal
-from rm.run_dir import RunDir
-from rm.run_record import hold_log
-from rm.sweep import job_record, write_job_record
-from rm.trainer import Status, train
-from rm.validate import launched_as_main
+from rm.foundations.config import to_run_config
+from rm.distributed.engine import join_submitit_tasks
+from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
+from rm.memory.preflight import PreflightRefusal
+from rm.runs.run_dir import RunDir
+from rm.runs.run_record import hold_log
+from rm.runs.sweep import job_record, write_job_record
+from rm.training.trainer import Status, train
+from rm.settings.validate import launched_as_main
 
 log = logging.getLogger("rm.train")
 
@@ -39,9 +39,9 @@ def _quiet_other_ranks() -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> Optional[float]:
-    """One job. Every failure ends at the error boundary of ``rm.errors``: a message and the documented
+    """One job. Every failure ends at the error boundary of ``rm.foundations.errors``: a message and the documented
     exit code (2 config or data, 3 refused, 4 non-finite, 5 storage), or a traceback for a bug. In a
-    multirun (``-m``) a refusal is recorded in ``job_result.json`` and the sweep goes on (``rm.sweep``);
+    multirun (``-m``) a refusal is recorded in ``job_result.json`` and the sweep goes on (``rm.runs.sweep``);
     other failures follow ``sweep.on_failure``.
     Returns the final eval accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
     the Optuna sweeper records as a failed (infeasible) trial rather than a value to learn from."""
@@ -57,7 +57,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
     # Until train() has the directory (locked, no earlier run in the way), the log stays in memory and
-    # .hydra/ unwritten: a refused run changes no file of an earlier one (rm.run_record).
+    # .hydra/ unwritten: a refused run changes no file of an earlier one (rm.runs.run_record).
     hold_log(run_dir)
     join_submitit_tasks()
     _quiet_other_ranks()

@@ -28,5 +28,5 @@ else
   fi
 fi
 $PIP install -e ".[${extras}]"
-# rm first: importing it quiets the bitsandbytes "kernels" and DeepSpeed accelerator lines (rm/quiet.py).
+# rm first: importing it quiets the bitsandbytes "kernels" and DeepSpeed accelerator lines (rm/foundations/quiet.py).
 python -c "import rm, torch, transformers, peft, accelerate, datasets, hydra; print('torch', torch.__version__, '| transformers', transformers.__version__, '| peft', peft.__version__, '| accelerate', accelerate.__version__, '| datasets', datasets.__version__, '| hydra', hydra.__version__)"

@@ -10,8 +10,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-import rm.config  # noqa: F401  (registers the schemas)
-from rm.config import to_run_config
+import rm.foundations.config  # noqa: F401  (registers the schemas)
+from rm.foundations.config import to_run_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
@@ -60,7 +60,7 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache(tmp_path_factory):
-    """rm's disk cache (``rm.cache``) for the whole session is a temporary directory, never the user's ``~/.cache/rm``
+    """rm's disk cache (``rm.foundations.cache``) for the whole session is a temporary directory, never the user's ``~/.cache/rm``
     (fixtures shared by several tests, built before any test's own, use it)."""
     before = os.environ.get("RM_CACHE")
     os.environ["RM_CACHE"] = str(tmp_path_factory.mktemp("rm_cache_session"))

@@ -9,10 +9,10 @@ Each region of README.md between ``<!-- sample NAME: ... -->`` and ``<!-- /sampl
 rendered here, never edited by hand:
 
 * ``estimate``: ``python -m rm.estimate`` run for real, its stdout as it is;
-* ``demo`` and ``demo-figures``: the demo's final eval line, rendered by ``rm.metrics.format_eval``
+* ``demo`` and ``demo-figures``: the demo's final eval line, rendered by ``rm.evaluation.metrics.format_eval``
   from the metrics the recorded run wrote, and the figures of that run (accuracy, wall time, the
   machine's 1-minute load average before and after);
-* ``sweep``: the table ``rm.sweep.format_summary`` prints for the recorded sweep.
+* ``sweep``: the table ``rm.runs.sweep.format_summary`` prints for the recorded sweep.
 
 Measurements (a run's metrics, seconds, load) cannot be recomputed by a test, so ``--run-demo`` and
 ``--run-sweep`` run the command and keep what it wrote in ``docs/readme_samples.json``; the README is
@@ -64,7 +64,7 @@ def render_estimate() -> str:
 
 
 def render_demo(demo: Dict) -> str:
-    from rm.metrics import format_eval
+    from rm.evaluation.metrics import format_eval
 
     metrics = {k: float("nan") if v is None else v for k, v in demo["eval"].items()}  # metrics.jsonl writes NaN as null
     return (f"```\nstep {demo['step']}: {format_eval(metrics)}\n"
@@ -86,7 +86,7 @@ def render_demo_figures(demo: Dict) -> str:
 
 
 def render_sweep(sweep: Dict) -> str:
-    from rm.sweep import format_summary
+    from rm.runs.sweep import format_summary
 
     return f"```\n{format_summary(sweep['records'])}\n```\n"
 

@@ -23,7 +23,7 @@ SECTIONS = {
     "Configuration": "all fail before any weight loads, no `Traceback`, exit 2 unless stated",
     "Data": "exit 2, no `Traceback`; every message names the file or split, the row and the reason",
     "Faults": "",
-    "Entry points": "the error boundary of `rm.errors`, shared by `rm.train`, `rm.estimate`, `rm.score`, `rm.export`, `rm.gpu_report`",
+    "Entry points": "the error boundary of `rm.foundations.errors`, shared by `rm.train`, `rm.estimate`, `rm.score`, `rm.export`, `rm.gpu_report`",
     "Security": "",
 }
 

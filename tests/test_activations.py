@@ -1,8 +1,8 @@
 """The fake-tensor activation estimate against one real forward+backward on the CPU.
 
-Both sides are the model a run trains: :func:`rm.model.build_reward_model` (one output, pad id set,
+Both sides are the model a run trains: :func:`rm.modelling.model.build_reward_model` (one output, pad id set,
 no KV cache, fp32 reward head in half precision, the memory profile's LoRA wrap), scored by
-:func:`rm.model.pair_rewards` with the Bradley-Terry loss, as ``rm.trainer`` does. The real step records
+:func:`rm.modelling.model.pair_rewards` with the Bradley-Terry loss, as ``rm.training.trainer`` does. The real step records
 every live tensor storage; weights and inputs exist before the step and are not counted, parameter
 gradients are removed from the count. ``estimate_activations`` traces a two-layer fake copy built by the
 same factory and extrapolates to the four real layers, so these tests check both the fake tracing and
@@ -14,13 +14,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rm.config import LoraConfig, MemoryProfileConfig, ModelConfig, compose
-from rm.loss import PairLoss
+from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig, compose
+from rm.modelling.loss import PairLoss
 from rm.memory.terms import traced_model
 from rm.memory.storage import StorageTracker
-from rm.precision import Precision
+from rm.foundations.precision import Precision
 from rm.memory.trace import TracedModel, estimate_activations, measure_layer
-from rm.model import build_reward_model, fp32_head_enabled, pair_rewards
+from rm.modelling.model import build_reward_model, fp32_head_enabled, pair_rewards
 
 # Small enough for a 2-core CPU (one real step is about a second); the shapes keep GQA
 # (4 query heads on 2 KV heads) and an MLP twice the width, as in Mistral.
@@ -202,11 +202,11 @@ def _layout(model: torch.nn.Module):
 ], ids=["full-32-true", "full-bf16-mixed", "full-bf16-true", "lora-bf16-mixed-fp32-head", "lora-qv-bf16-true"])
 def test_the_traced_model_is_the_trained_model(overrides, fresh_accelerator_state):
     """The estimate's model (built on the meta device for the trace) has the modules, parameter shapes,
-    dtypes and trainable flags of the model a run trains, as ``rm.run_setup`` builds and prepares it."""
-    from rm.engine import AccelerateEngine
+    dtypes and trainable flags of the model a run trains, as ``rm.training.run_setup`` builds and prepares it."""
+    from rm.distributed.engine import AccelerateEngine
     from rm.memory.monitor import MemoryMonitor
-    from rm.run_setup import _build_model
-    from rm.validate import validate
+    from rm.training.run_setup import _build_model
+    from rm.settings.validate import validate
 
     cfg = compose(["experiment=tiny", *overrides])
     plan = validate(cfg, 1, "test")

@@ -1,4 +1,4 @@
-"""SDPA one packed segment at a time (rm.attention): the rewards and gradients of the whole-row masked SDPA.
+"""SDPA one packed segment at a time (rm.modelling.attention): the rewards and gradients of the whole-row masked SDPA.
 
 The tiny model has 4 query heads on 2 key-value heads, so the grouped-query path is the one checked.
 Speed is measured by ``benchmarks/bench_vs_trl.py`` (docs/throughput.md), not here.
@@ -11,9 +11,9 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from rm.attention import segment_bounds, segmented_sdpa
+from rm.modelling.attention import segment_bounds, segmented_sdpa
 from rm.data.collator import PackedPairCollator, PrefixSharedCollator
-from rm.model import build_model, pair_rewards
+from rm.modelling.model import build_model, pair_rewards
 
 # Sequences of different lengths, one of a single token, a shared prompt on most pairs (ids < 512, the tiny vocabulary).
 PROMPT = [2, 30, 31, 32, 33, 34, 35]
@@ -28,7 +28,7 @@ FEATURES = [
 @pytest.fixture(scope="module")
 def model():
     from tests.conftest import FAST_TINY, compose_run
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
 
     cfg = to_run_config(compose_run(FAST_TINY + ["model.attn_implementation=sdpa"]))
     set_seed(0)
@@ -41,8 +41,8 @@ def rewards_and_grads(model, batch, split: bool):
     if split:
         chosen, rejected = pair_rewards(model, batch["input_ids"], position_ids=batch["position_ids"], ends=batch["ends"],
                                         pair_ids=batch.get("pair_ids"), roles=batch.get("roles"))
-    else:  # the whole row in one SDPA call: what rm computed before rm.attention
-        with mock.patch("rm.attention.segmented_inputs", return_value=None):
+    else:  # the whole row in one SDPA call: what rm computed before rm.modelling.attention
+        with mock.patch("rm.modelling.attention.segmented_inputs", return_value=None):
             chosen, rejected = pair_rewards(model, batch["input_ids"], position_ids=batch["position_ids"],
                                             ends=batch["ends"], pair_ids=batch.get("pair_ids"), roles=batch.get("roles"))
     rewards = torch.cat([chosen, rejected])
@@ -141,8 +141,8 @@ def test_segment_bounds_of_a_single_segment_is_none():
 
 
 def test_each_pair_gets_its_block_of_the_per_token_rule_and_no_row_mask_is_built():
-    from rm.attention import segmented_inputs
-    from rm.prefix_sharing import allowed
+    from rm.modelling.attention import segmented_inputs
+    from rm.modelling.prefix_sharing import allowed
 
     batch = PrefixSharedCollator(packed=True)(FEATURES)
     pair_ids, roles = batch["pair_ids"], batch["roles"]
@@ -158,7 +158,7 @@ def test_each_pair_gets_its_block_of_the_per_token_rule_and_no_row_mask_is_built
 
 
 def test_a_pairs_mask_from_its_roles_is_the_per_token_rule():
-    from rm.prefix_sharing import allowed, pair_mask
+    from rm.modelling.prefix_sharing import allowed, pair_mask
 
     for prompt, chosen, rejected in [(0, 1, 1), (5, 1, 1), (3, 4, 2), (7, 0, 6), (1, 9, 0), (12, 3, 3)]:
         roles = [0] * prompt + [1] * chosen + [2] * rejected
@@ -174,7 +174,7 @@ def test_a_segment_longer_than_mistrals_sliding_window_keeps_the_window():
     does not give that here: a sequence after one longer than the window gets another reward, 0.370 for 0.361.)"""
     from transformers import MistralConfig, MistralForSequenceClassification
 
-    from rm.model import sequence_rewards
+    from rm.modelling.model import sequence_rewards
 
     config = MistralConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_labels=1, pad_token_id=0,
@@ -202,7 +202,7 @@ def test_a_gpu_keeps_off_cudnns_kernel_and_a_cpu_keeps_its_choice():
     """cuDNN's SDPA builds a graph for every new shape, and training's lengths change every micro-batch (2.6 ms of
     CPU a call on an H200): on a GPU rm's attention takes flash or memory-efficient attention. Read off the flags
     the context sets (no GPU is needed to set them)."""
-    from rm.attention import sdpa_kernels
+    from rm.modelling.attention import sdpa_kernels
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     with sdpa_kernels(torch.device("cuda", 0)):
@@ -216,15 +216,15 @@ def test_a_gpu_keeps_off_cudnns_kernel_and_a_cpu_keeps_its_choice():
 @pytest.mark.parametrize("layout", ["padded", "shared"])
 def test_every_row_layout_runs_its_sdpa_calls_under_the_kernel_choice(model, layout):
     """Not only packed segments: a padded batch's and a prefix-shared row-per-pair batch's SDPA calls, made by
-    transformers under its own mask, go through rm's attention and enter :func:`rm.attention.sdpa_kernels` with
+    transformers under its own mask, go through rm's attention and enter :func:`rm.modelling.attention.sdpa_kernels` with
     the query's device, one call a layer (on a GPU, no cuDNN; tests/test_gpu.py checks the flags there)."""
-    import rm.attention
+    import rm.modelling.attention
     from rm.data.collator import PairCollator
 
     collator = PairCollator(pad_token_id=0) if layout == "padded" else PrefixSharedCollator(packed=False)
     batch = collator(FEATURES)
     devices = []
-    original = rm.attention.sdpa_kernels
+    original = rm.modelling.attention.sdpa_kernels
 
     def recording(device):
         devices.append(device)
@@ -232,7 +232,7 @@ def test_every_row_layout_runs_its_sdpa_calls_under_the_kernel_choice(model, lay
 
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
               if k in batch}
-    with mock.patch("rm.attention.sdpa_kernels", recording), counted_sdpa_calls() as calls:
+    with mock.patch("rm.modelling.attention.sdpa_kernels", recording), counted_sdpa_calls() as calls:
         chosen, rejected = pair_rewards(model, **inputs)
     layers = model.config.num_hidden_layers
     assert devices == [torch.device("cpu")] * layers and len(calls) == layers
@@ -251,15 +251,15 @@ import sys
 import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from rm.model import pair_rewards
-assert "rm.attention" not in sys.modules, "imported before any rewards"
+from rm.modelling.model import pair_rewards
+assert "rm.modelling.attention" not in sys.modules, "imported before any rewards"
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                      num_key_value_heads=1, pad_token_id=0, num_labels=1, attn_implementation="sdpa")
 model = LlamaForSequenceClassification(config)
 ids = torch.tensor([[5, 6, 7], [5, 6, 0], [8, 9, 10], [8, 0, 0]])
 pair_rewards(model, ids, (ids != 0).long())
-assert "rm.attention" in sys.modules, "a padded batch did not register rm's attention"
-assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sys.modules["rm.attention"].segmented_sdpa
+assert "rm.modelling.attention" in sys.modules, "a padded batch did not register rm's attention"
+assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sys.modules["rm.modelling.attention"].segmented_sdpa
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The pair audit (rm.data.audit) on a crafted split, with numbers worked out by hand.
 
 The split below goes through normalise_pairs and tokenize_pairs with the word-level
-vocabulary (rm/tokenizer.py) in a tokenizer that itself prepends ``<s>`` and appends ``</s>``
+vocabulary (rm/data/tokenizer.py) in a tokenizer that itself prepends ``<s>`` and appends ``</s>``
 (rm's own add nothing; some tokenizers add both, and truncation must keep the ``<s>``), so a side
 of w known words is w + 2 tokens, a word outside the vocabulary becomes ``<unk>`` and ``<pad>`` in
 a text is the pad id. ``max_length`` is 6: ``<s>`` plus the last 5 tokens of the body (``</s>`` included).
@@ -33,8 +33,8 @@ from rm.data.audit import audit_split, format_audit, length_stats, write_audit
 from rm.data.normalise import normalise_pairs
 from rm.data.tokenise import encode_texts, pair_lengths, tokenize_pairs
 from rm.data.synthetic import generate_pairs
-from rm.tokenizer import build_word_level_tokenizer
-from rm.validate import ConfigError
+from rm.data.tokenizer import build_word_level_tokenizer
+from rm.settings.validate import ConfigError
 
 SEVEN = "red blue green yellow purple orange"
 ROWS = [

@@ -19,8 +19,8 @@ def _bench():
 
 @pytest.mark.slow
 def test_random_calibration_draw_is_reproducible_and_valid():
-    from rm.config import compose
-    from rm.validate import validate
+    from rm.foundations.config import compose
+    from rm.settings.validate import validate
 
     mc = _bench()
     first, redrawn = mc.draw_valid_points(4, seed=7)
@@ -105,8 +105,8 @@ def test_a_qlora_point_finds_its_random_init_saved_or_builds_it(tmp_path):
 
     from accelerate.utils import set_seed
 
-    from rm.config import compose
-    from rm.model import random_init_saved
+    from rm.foundations.config import compose
+    from rm.modelling.model import random_init_saved
 
     mc = _bench()
     overrides = ["experiment=tiny", "memory_profile=qlora", "data.synthetic_train_size=16", "data.synthetic_test_size=4"]

@@ -7,8 +7,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ValidationError
 
-from rm.config import GROUPS, to_run_config
-from rm.validate import ConfigError, validate
+from rm.foundations.config import GROUPS, to_run_config
+from rm.settings.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, compose_run
 
 ROOT = CONF_DIR.parent
@@ -138,7 +138,7 @@ def test_bf16_true_warns_where_updates_will_round_away(tiny_cfg, lr, warned):
     plan = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", f"train.learning_rate={lr}"), world_size=1)
     found = [w for w in plan.warnings if "round to nothing" in w]
     assert bool(found) == warned
-    if warned:  # 85% of N(0, 0.02) weights at 1e-5 (rm.precision.bf16_lost_update_fraction)
+    if warned:  # 85% of N(0, 0.02) weights at 1e-5 (rm.foundations.precision.bf16_lost_update_fraction)
         assert "about 85%" in found[0] and "train.precision=bf16-mixed" in found[0]
     lora = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", "memory_profile=lora",
                              f"train.learning_rate={lr}"), world_size=1)

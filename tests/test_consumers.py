@@ -28,8 +28,8 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipe
 
 import rm.train as rm_train
 from rm.data.synthetic import generate_pairs
-from rm.errors import DataError
-from rm.export import ADAPTER_BASE_FORMAT
+from rm.foundations.errors import DataError
+from rm.modelling.bundle import ADAPTER_BASE_FORMAT
 from rm.score import main as score_main
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 
@@ -45,7 +45,7 @@ PLACEHOLDER = "outputs/<date>/<time>/final"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A full run and a LoRA run (adapter in final/, merged copy in final/merged) of the tiny model."""
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
 
     out = {}
     for name, extra in (("full", []), ("lora", ["memory_profile=lora", "lora=r8", "lora.merge_on_save=true",
@@ -61,7 +61,7 @@ def qlora(tmp_path_factory):
     """A QLoRA run of the tiny model on the CPU: its random init saved, loaded in 4-bit NF4, adapters and head
     trained; final/ holds the 4-bit base with the adapter, final/merged the adapter folded into the dequantised base."""
     pytest.importorskip("bitsandbytes")
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
 
     run_dir, cache = tmp_path_factory.mktemp("qlora"), tmp_path_factory.mktemp("rm_cache")
     with pytest.MonkeyPatch.context() as mp:
@@ -191,7 +191,8 @@ def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(bundle, pai
 
     from peft import AutoPeftModelForSequenceClassification
 
-    from rm.export import main as export_main, rehome
+    from rm.modelling.bundle import rehome
+    from rm.export import main as export_main
 
     run_dir, texts = bundle.parent, texts_of(pairs)
     want = rm_score(bundle, [{"text": t} for t in texts], tmp_path)
@@ -220,7 +221,7 @@ def test_a_moved_lora_bundle_loads_in_transformers_pipeline_and_peft(bundle, pai
 def test_qlora_adapter_and_merged_bundles_match_rm_score(qlora, pairs, tmp_path):
     """Both exports of a QLoRA run, loaded by plain transformers, give rm.score's rewards: the adapter on its
     4-bit base (bitsandbytes needed) computed through the dequantised weights, as it trained and as rm scores it
-    (rm.model.evaluate_4bit_as_trained), and the merged bundle (no quantisation left: plain transformers alone),
+    (rm.modelling.model.evaluate_4bit_as_trained), and the merged bundle (no quantisation left: plain transformers alone),
     which is the same model up to fp32 rounding. bitsandbytes' own CPU inference kernel (AVX512-BF16 machines)
     computes in bf16 instead: a consumer that keeps it differs by up to about 2e-2 (the README's merge-error table)."""
     import bitsandbytes as bnb
@@ -248,8 +249,8 @@ def test_qlora_adapter_and_merged_bundles_match_rm_score(qlora, pairs, tmp_path)
 
 
 def test_a_merge_that_cannot_dequantise_says_why(qlora, tmp_path):
-    from rm.errors import ConfigError
-    from rm.export import adapter_base_model, merge_adapter
+    from rm.foundations.errors import ConfigError
+    from rm.modelling.bundle import adapter_base_model, merge_adapter
 
     base = adapter_base_model(qlora)
     assert base.is_quantized
@@ -433,7 +434,7 @@ def test_rewardbench_command_matches_rm_score_under_transformers_4(bundle, pairs
 def test_rewardbench_refuses_an_adapter_bundle_instead_of_scoring_its_base(bundle, pairs, tmp_path, kind):
     """transformers 4.51 without PEFT (RewardBench's environment) ignores adapter_config.json: it used to load the
     random-init base beside the adapter and score the untrained model without a word. The base's weight files are
-    marked (rm.export.mark_adapter_base): it now stops with an error."""
+    marked (rm.modelling.bundle.mark_adapter_base): it now stops with an error."""
     (tmp_path / "final").symlink_to(bundle)
     (tmp_path / "pairs.json").write_text(json.dumps(rewardbench_rows(pairs)))
     proc = rewardbench(["--model", "final", "--tokenizer", "final/trained_tokenizer", "--not_quantized", "--torch_dtype",

@@ -6,10 +6,10 @@ import pytest
 
 from rm.data.build import build_split, train_pairs
 
-from rm.tokenizer import run_tokenizer
+from rm.data.tokenizer import run_tokenizer
 from rm.data.counts import Drop
-from rm.errors import DataError
-from rm.config import compose
+from rm.foundations.errors import DataError
+from rm.foundations.config import compose
 from rm.data.synthetic import generate_pairs
 
 

@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 import rm.train as rm_train
-from rm.config import compose
+from rm.foundations.config import compose
 from rm.data.batching import StepBatches
 from rm.data.shapes import BatchShape, data_shapes, largest, largest_eval_batch, row_tokens
 from rm.memory.terms import GIB, estimate_run
-from rm.preflight import PreflightRefusal
-from rm.validate import validate
+from rm.memory.preflight import PreflightRefusal
+from rm.settings.validate import validate
 from tests.conftest import FAST_TINY
 
 
@@ -45,7 +45,7 @@ def test_largest_micro_batch_by_hand():
     assert largest(one_step, "padded") == (12, 8, False)
     # Eval: 3 pairs (longer sides 5 9 4), each rank a strided share: over 2 ranks with batches of 2, rank 0 scores
     # pairs 0 and 2 (2 x 2 rows, longest 5), rank 1 pair 1 (2 rows of 9). In batches of 1, rank 1 runs out after one
-    # batch and scores pair 0 alone in the second, as rm.metrics.evaluate does: its longest is still 9.
+    # batch and scores pair 0 alone in the second, as rm.evaluation.metrics.evaluate does: its longest is still 9.
     sets = [([3, 9, 4], [5, 2, 2])]
     assert largest_eval_batch(sets, batch_size=2, world_size=2, rank=0) == BatchShape(4, 5)
     assert largest_eval_batch(sets, batch_size=2, world_size=2, rank=1) == BatchShape(2, 9)
@@ -75,7 +75,7 @@ def brute_force(batches_per_rank, steps, layout, tokens):
 
 
 def eval_brute_force(lengths, batch_size, world, rank):
-    """rm.metrics.evaluate's batches for one rank, written out: its strided share in batches, pair 0 alone where
+    """rm.evaluation.metrics.evaluate's batches for one rank, written out: its strided share in batches, pair 0 alone where
     its share has run out before the longest share's."""
     chosen, rejected = lengths
     share, per_rank = list(range(rank, len(chosen), world)), -(-len(chosen) // world)
@@ -90,7 +90,7 @@ def eval_brute_force(lengths, batch_size, world, rank):
 def test_shapes_are_those_of_every_micro_batch_of_every_rank(layout, world, budget, group):
     """Against StepBatches.for_step itself, over 3 epochs, with ties in the lengths (the sort keeps their order)."""
     if budget and not layout.startswith("packed"):
-        pytest.skip("rm.validate allows a token budget only with packing")
+        pytest.skip("rm.settings.validate allows a token budget only with packing")
     rng = np.random.default_rng(world + budget)
     n = 150
     chosen, rejected = rng.integers(1, 20, n), rng.integers(1, 20, n)
@@ -256,10 +256,10 @@ def test_refused_when_the_data_does_not_fit(tmp_path):
 
 def test_the_estimate_counts_the_bos_and_the_appended_eos(tmp_path):
     """The estimate is sized by the lengths the run trains on: each side's BOS and the EOS appended to it
-    (data.append_eos, rm.tokenizer.encode_sides), one token more a side than without the EOS, and a larger estimate."""
+    (data.append_eos, rm.data.tokenizer.encode_sides), one token more a side than without the EOS, and a larger estimate."""
     from rm.data.build import build_datasets, train_pairs
-    from rm.run_setup import run_shapes
-    from rm.tokenizer import run_tokenizer
+    from rm.training.run_setup import run_shapes
+    from rm.data.tokenizer import run_tokenizer
 
     found = {}
     for append_eos in (True, False):

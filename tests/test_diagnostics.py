@@ -10,11 +10,11 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 import rm.train as rm_train
-from rm.config import to_run_config
+from rm.foundations.config import to_run_config
 from rm.data.build import build_extra_eval_sets, build_split
 from rm.data.collator import PairCollator
 from rm.data.synthetic import generate_pairs
-from rm.diagnostics import (
+from rm.evaluation.diagnostics import (
     PairScores,
     accuracy_by_length_bucket,
     diagnostic_keys,
@@ -27,12 +27,12 @@ from rm.diagnostics import (
     reward_length_correlation,
     tie_rate,
 )
-from rm.engine import AccelerateEngine
-from rm.loss import build_loss
-from rm.metrics import evaluate
+from rm.distributed.engine import AccelerateEngine
+from rm.modelling.loss import build_loss
+from rm.evaluation.metrics import evaluate
 from rm.data.build import train_pairs
-from rm.tokenizer import run_tokenizer
-from rm.validate import ConfigError, validate
+from rm.data.tokenizer import run_tokenizer
+from rm.settings.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -263,10 +263,10 @@ import json, sys
 import datasets, torch
 from transformers import AutoModelForSequenceClassification
 from rm.data.collator import PairCollator
-from rm.engine import AccelerateEngine
-from rm.loss import build_loss
-from rm.loss import PairLoss
-from rm.metrics import evaluate
+from rm.distributed.engine import AccelerateEngine
+from rm.modelling.loss import build_loss
+from rm.modelling.loss import PairLoss
+from rm.evaluation.metrics import evaluate
 
 model_dir, data_dir, pad, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 engine = AccelerateEngine(cpu=True, precision="32-true", gradient_accumulation_steps=1, max_grad_norm=1.0)

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from rm.engine import deepspeed_config
-from rm.validate import ConfigError, validate
+from rm.distributed.engine import deepspeed_config
+from rm.settings.validate import ConfigError, validate
 from tests.conftest import CONF_DIR
 
 ROOT = CONF_DIR.parent
@@ -132,7 +132,7 @@ def test_launcher_reports_a_signal_stop_as_128_plus_n_not_torchruns_1(tmp_path):
     """SLURM's requeue reads 143: a rank stopped by SIGTERM (after its checkpoint) reports 143, torchrun exits 1."""
     import os
 
-    from rm.launch import summarize
+    from rm.training.launch import summarize
 
     (tmp_path / "rank0").write_text("143\n\n")
     (tmp_path / "rank1").write_text("143\n\n")
@@ -163,7 +163,7 @@ def test_a_rank_other_than_0_records_a_composition_error_without_printing_it(tmp
 @pytest.mark.parametrize("override, code, once", [
     # Hydra's, before rm's code runs (one rank's part without a launch: test_a_rank_other_than_0_records_...)
     pytest.param("model=nope", 2, ["Could not find 'model/nope'", "could not be composed"], marks=pytest.mark.slow),
-    ("train.adam_beta1=1.5", 2, ["train.adam_beta1=1.5 must be in [0, 1)"]),  # rm.validate's
+    ("train.adam_beta1=1.5", 2, ["train.adam_beta1=1.5 must be in [0, 1)"]),  # rm.settings.validate's
     # the pre-flight verdict (the summary's choice of code without a launch: test_launcher_reports_a_signal_stop_...)
     pytest.param("hardware.device_memory_gib=0.02", 3, ["refusing to start", "changes that fit"], marks=pytest.mark.slow),
 ])

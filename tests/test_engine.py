@@ -1,4 +1,4 @@
-"""Both engines implement rm.engine.Engine with its signatures: the training loop calls them alike."""
+"""Both engines implement rm.distributed.engine.Engine with its signatures: the training loop calls them alike."""
 
 import contextlib
 import inspect
@@ -6,7 +6,7 @@ import inspect
 import pytest
 import torch
 
-from rm.engine import AccelerateEngine, DeepSpeedEngine, Engine
+from rm.distributed.engine import AccelerateEngine, DeepSpeedEngine, Engine
 
 METHODS = [name for name, member in vars(Engine).items() if inspect.isfunction(member) and not name.startswith("_")]
 

@@ -1,4 +1,4 @@
-"""The error boundary of the entry points (rm.errors): one message naming what is wrong, the documented exit
+"""The error boundary of the entry points (rm.foundations.errors): one message naming what is wrong, the documented exit
 code, no traceback unless RM_DEBUG=1, and a traceback with a bug line for anything unexpected."""
 
 import errno
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from rm.errors import BUG_LINE, ConfigError, DataError, NonFiniteError, Refused, StorageError, boundary, report
+from rm.foundations.errors import BUG_LINE, ConfigError, DataError, NonFiniteError, Refused, StorageError, boundary, report
 from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
@@ -53,7 +53,7 @@ def test_expected_errors_print_one_message_and_their_exit_code(capsys, monkeypat
                          "exit 5 naming the tokenizer directory, which is removed (no partial `tokenizer.json`); "
                          "not reported as a bug")
 def test_a_full_disk_while_the_tokenizer_is_saved_is_a_storage_error(tmp_path, capsys, monkeypatch):
-    from rm.tokenizer import save_tokenizer
+    from rm.data.tokenizer import save_tokenizer
 
     monkeypatch.delenv("RM_DEBUG", raising=False)
 
@@ -97,10 +97,10 @@ def test_a_bug_keeps_its_traceback_and_rm_debug_shows_every_traceback(capsys, mo
 def test_a_bug_in_the_train_cli_shows_its_traceback_and_the_bug_line(tmp_path):
     code = (  # a bug planted where rm.train calls it, then run as `python -m rm.train` runs it
         "import runpy\n"
-        "import rm.tokenizer\n"
+        "import rm.data.tokenizer\n"
         "def build_tokenizer(*args, **kwargs):\n"
         "    return 1 / 0\n"
-        "rm.tokenizer.build_tokenizer = build_tokenizer\n"
+        "rm.data.tokenizer.build_tokenizer = build_tokenizer\n"
         "runpy.run_module('rm.train', run_name='__main__', alter_sys=True)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code, *FAST_TINY, "train.max_steps=2", f"hydra.run.dir={tmp_path}"],
@@ -201,8 +201,8 @@ def test_export_cli_shows_the_traceback_under_rm_debug(tmp_path):
 def test_a_truncated_weights_file_is_named_as_damaged(tmp_path, tiny_model_dir):
     import shutil
 
-    from rm.errors import StorageError
-    from rm.export import load_bundle
+    from rm.foundations.errors import StorageError
+    from rm.modelling.bundle import load_bundle
 
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
@@ -219,10 +219,10 @@ def test_a_truncated_weights_file_is_named_as_damaged(tmp_path, tiny_model_dir):
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.data.build import train_pairs
-    from rm.tokenizer import run_tokenizer
-    from rm.model import build_model
+    from rm.data.tokenizer import run_tokenizer
+    from rm.modelling.model import build_model
 
     cfg = compose(["experiment=tiny"])
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
@@ -292,7 +292,7 @@ def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model
     assert exited.value.code == 2 and f"base model {tmp_path / 'moved'} (named by" in out and "--base" in out, out[-3000:]
     assert "Traceback" not in out and "Repo id" not in out, out[-3000:]
 
-    from rm.export import PROBE_FILE
+    from rm.modelling.bundle import PROBE_FILE
     from rm.export import main as export
 
     (final / PROBE_FILE).write_text("{}")  # what makes a directory a bundle to rm.export; the base fails first

@@ -8,11 +8,11 @@ import sys
 import pytest
 
 import rm.train as rm_train
-from rm.config import compose, memory_profiles
+from rm.foundations.config import compose, memory_profiles
 from rm.memory.terms import GIB, cannot_fit, estimate_run, parameter_counts
 from rm.memory.suggest import estimate_each, suggestions, with_overrides
-from rm.hardware import resolve_hardware
-from rm.validate import ConfigError, validate
+from rm.foundations.hardware import resolve_hardware
+from rm.settings.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
@@ -100,10 +100,10 @@ def test_a_first_qlora_run_from_a_shape_peaks_at_building_its_random_init_by_han
     ["model.model_type=llama", "model.head_dim=48", "model.vocab_size=1000", "model.num_hidden_layers=3"],
 ])
 def test_random_init_build_term_equals_the_bytes_counted_while_rm_builds_it(tmp_path, monkeypatch, shape):
-    """rm.model.saved_random_init under the live-tensor count a run measures with, from an empty cache."""
+    """rm.modelling.model.saved_random_init under the live-tensor count a run measures with, from an empty cache."""
     from rm.memory.storage import StorageTracker
     from rm.memory.terms import random_init_build_bytes
-    from rm.model import saved_random_init
+    from rm.modelling.model import saved_random_init
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
     cfg = compose(["experiment=tiny", "memory_profile=qlora", *shape])
@@ -118,7 +118,7 @@ def test_random_init_build_term_equals_the_bytes_counted_while_rm_builds_it(tmp_
     (["train.precision=bf16-mixed", "distributed=zero2", "distributed.zero_stage=1"], 2),  # and back to bf16 by DeepSpeed
 ])
 def test_qlora_load_and_cast_terms_equal_the_bytes_counted_while_the_model_is_built(tmp_path, monkeypatch, overrides, world):
-    """rm.model.build_reward_model from a saved random init under the live-tensor count, against the estimate's
+    """rm.modelling.model.build_reward_model from a saved random init under the live-tensor count, against the estimate's
     4-bit load phase (rm.memory.terms.qlora_load_bytes): a 50k-word embedding, whose casts are the bf16 runs' peak
     (measured: a ZeRO-1 bf16-mixed point 31% over while the estimate held it in fp32 and ignored the casts)."""
     pytest.importorskip("bitsandbytes")
@@ -126,7 +126,7 @@ def test_qlora_load_and_cast_terms_equal_the_bytes_counted_while_the_model_is_bu
 
     from rm.memory.storage import StorageTracker
     from rm.memory.terms import BNB_CODE_BOOK_BYTES, qlora_load_bytes
-    from rm.model import build_reward_model, fp32_head_enabled, saved_random_init
+    from rm.modelling.model import build_reward_model, fp32_head_enabled, saved_random_init
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
     # The estimate is of a fresh process: bitsandbytes keeps its dynamic code book once made, and an earlier test in
@@ -354,7 +354,7 @@ def test_estimate_cli_json_is_the_only_thing_on_stdout():
 
 def test_estimate_and_train_plan_the_same_processes(monkeypatch, tiny_cfg):
     """One reader of the world size: plain start = 1, torchrun's WORLD_SIZE, or the key for a what-if."""
-    from rm.validate import resolve_world_size
+    from rm.settings.validate import resolve_world_size
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = tiny_cfg()
@@ -493,8 +493,8 @@ def test_zero2_offload_reduction_holds_the_fp64_norm_copy_of_the_largest_slice()
 def test_a_qlora_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_path):
     """The GPU calibration's ``--recompute`` estimates a qlora point from its shape rather than from the random
     weights the run loaded (a 7B shape's would take minutes to build on a CPU): the same bytes either way."""
-    from rm.model import build_model
-    from rm.tokenizer import build_tokenizer
+    from rm.modelling.model import build_model
+    from rm.data.tokenizer import build_tokenizer
 
     base = ["experiment=tiny", "model.tokenizer=words", "memory_profile=qlora", "hardware=h100_80g",
             "train.precision=bf16-mixed"]

@@ -13,12 +13,12 @@ from accelerate.utils import set_seed
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
-import rm.export as rm_export
+import rm.modelling.bundle as rm_export
 import rm.train as rm_train
-from rm.export import ExportMismatch, verify_bundle
+from rm.modelling.bundle import ExportMismatch, verify_bundle
 from rm.data.build import train_pairs
-from rm.tokenizer import run_tokenizer
-from rm.model import build_model, sequence_rewards
+from rm.data.tokenizer import run_tokenizer
+from rm.modelling.model import build_model, sequence_rewards
 from tests.conftest import CONF_DIR
 
 STEPS = ["train.max_steps=4", "train.eval_steps=0", "train.logging_steps=2"]
@@ -98,7 +98,7 @@ def test_peft_wrapped_model_reads_its_trained_head(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
     from tests.conftest import FAST_TINY, compose_run
 
     cfg = to_run_config(compose_run(FAST_TINY + STEPS))
@@ -196,7 +196,7 @@ def test_a_run_whose_bundle_does_not_reload_fails(tiny_cfg, tmp_path, monkeypatc
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
     from tests.conftest import FAST_TINY, compose_run
 
     cfg = to_run_config(compose_run(

@@ -20,11 +20,11 @@ from rm.data.build import build_split  # noqa: E402
 from rm.data.normalise import normalise_pairs  # noqa: E402
 from rm.data.tokenise import pair_lengths, tokenize_pairs  # noqa: E402
 from rm.data.synthetic import write_synthetic  # noqa: E402
-from rm.config import compose  # noqa: E402
-from rm.hardware import resolve_hardware  # noqa: E402
+from rm.foundations.config import compose  # noqa: E402
+from rm.foundations.hardware import resolve_hardware  # noqa: E402
 from rm.data.build import train_pairs  # noqa: E402
-from rm.tokenizer import run_tokenizer  # noqa: E402
-from rm.validate import ConfigError, validate  # noqa: E402
+from rm.data.tokenizer import run_tokenizer  # noqa: E402
+from rm.settings.validate import ConfigError, validate  # noqa: E402
 
 FAST = settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 _TINY = compose(["experiment=tiny", "data.synthetic_train_size=512"])

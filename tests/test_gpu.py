@@ -19,7 +19,7 @@ import torch
 from accelerate.utils import set_seed
 
 import rm.train as rm_train
-from rm.config import to_run_config
+from rm.foundations.config import to_run_config
 from tests.conftest import FAST_TINY, compose_run
 from tests.test_prefix_sharing import FEATURES, PAIRS
 
@@ -74,8 +74,8 @@ def assert_trained_on_cuda(result, memory, run_dir):
 @pytest.fixture(scope="module")
 def saved_tiny(tmp_path_factory):
     """The tiny model's random init saved as a pretrained directory: what memory_profile=qlora quantises."""
-    from rm.model import build_model
-    from rm.tokenizer import build_tokenizer
+    from rm.modelling.model import build_model
+    from rm.data.tokenizer import build_tokenizer
 
     cfg = to_run_config(compose_run(GPU_TINY))
     tokenizer = build_tokenizer(cfg.model)
@@ -116,7 +116,7 @@ def test_bf16_mixed_is_the_default_on_a_bf16_gpu(tmp_path):
 def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn, packed):
     """The CUDA kernels under the prefix-shared mask give the unshared rewards (fp32, every case)."""
     from rm.data.collator import PairCollator, PrefixSharedCollator
-    from rm.model import build_model, pair_rewards
+    from rm.modelling.model import build_model, pair_rewards
 
     cfg = tiny_cfg(f"model.attn_implementation={attn}")
     set_seed(0)
@@ -164,9 +164,9 @@ def test_two_processes_over_nccl(tmp_path, layout):
 def test_masked_rows_keep_off_cudnn_on_cuda_with_checkpointing(layout):
     """A padded batch's and a prefix-shared row-per-pair batch's masked SDPA calls, in bf16 as training runs them,
     never through cuDNN's kernel (a graph build for each new length): checkpointing's recomputation in the backward
-    included, which must take the same kernel as the forward (rm.attention.sdpa_kernels)."""
+    included, which must take the same kernel as the forward (rm.modelling.attention.sdpa_kernels)."""
     from rm.data.collator import PairCollator, PrefixSharedCollator
-    from rm.model import build_model, enable_activation_checkpointing, pair_rewards
+    from rm.modelling.model import build_model, enable_activation_checkpointing, pair_rewards
     from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls
 
     cfg = to_run_config(compose_run(GPU_TINY + ["model.attn_implementation=sdpa"]))
@@ -191,9 +191,9 @@ def test_masked_rows_keep_off_cudnn_on_cuda_with_checkpointing(layout):
 def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     """On a GPU too, a packed row's SDPA runs a segment at a time (the flash kernel for a plain sequence), with the
     rewards and gradients of the whole-row masked call (fp32), and never through cuDNN's kernel, which builds a
-    graph for each new length (rm.attention.sdpa_kernels)."""
+    graph for each new length (rm.modelling.attention.sdpa_kernels)."""
     from rm.data.collator import PackedPairCollator, PrefixSharedCollator
-    from rm.model import build_model
+    from rm.modelling.model import build_model
     from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls, rewards_and_grads
 
     cfg = to_run_config(compose_run(GPU_TINY + ["model.attn_implementation=sdpa"]))

@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load_file
 
 import rm.train as rm_train
-import rm.model as rm_model
-import rm.run_setup as run_setup
-import rm.trainer as trainer
-from rm.health import (
+import rm.modelling.model as rm_model
+import rm.training.run_setup as run_setup
+import rm.training.trainer as trainer
+from rm.training.health import (
     LN2, SKIP, STOP, CONTINUE, HealthMonitor, chance_accuracy_alarm, head_gradient_alarm, ln2_plateau_alarm,
     nonfinite_alarm, pad_token_alarm, reward_scale_alarm,
 )
-from rm.model import apply_memory_profile, build_model, fp32_head_enabled, keep_head_in_fp32
-from rm.validate import ConfigError
+from rm.modelling.model import apply_memory_profile, build_model, fp32_head_enabled, keep_head_in_fp32
+from rm.settings.validate import ConfigError
 from tests.conftest import CONF_DIR, FAST_TINY
 from tests.test_tokenizer import OWN_TEXT
 
@@ -88,7 +88,7 @@ def test_own_text_unknown_to_a_word_level_tokenizer_raises_unknown_tokens_by_nam
     """A user's word-level tokenizer (a directory, as model.tokenizer takes it) on text it does not know:
     most words become <unk>, and the run says so by name. The default tokenizer keeps every pair of the same
     text (tests/test_tokenizer.py)."""
-    from rm.tokenizer import build_word_level_tokenizer
+    from rm.data.tokenizer import build_word_level_tokenizer
 
     build_word_level_tokenizer().save_pretrained(tmp_path / "words")
     path = tmp_path / "own.jsonl"
@@ -413,9 +413,9 @@ def test_cli_exits_4_after_a_nonfinite_stop(tmp_path):
     """``python -m rm.train`` itself: a loss that is NaN from the first step ends the job with exit status 4."""
     code = (  # patched where rm.train imports it from, then run as `python -m rm.train` runs it
         "import runpy, sys\n"
-        "import rm.loss\n"
-        "real = rm.loss.bradley_terry_loss\n"
-        "rm.loss.bradley_terry_loss = lambda *a, **k: real(*a, **k) * float('nan')\n"
+        "import rm.modelling.loss\n"
+        "real = rm.modelling.loss.bradley_terry_loss\n"
+        "rm.modelling.loss.bradley_terry_loss = lambda *a, **k: real(*a, **k) * float('nan')\n"
         "runpy.run_module('rm.train', run_name='__main__', alter_sys=True)\n"
     )
     proc = subprocess.run(

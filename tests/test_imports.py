@@ -1,5 +1,6 @@
 """The import graph of ``rm/``, read from the source (every ``import`` statement, function-level ones included):
-no module reaches itself again through its imports, so each can be read from the modules below it up."""
+no module reaches itself again through its imports, and no package imports from a package above it in the order
+``rm.LAYERS`` declares, so each can be read from the packages below it up."""
 
 import ast
 import sys
@@ -68,34 +69,25 @@ def cycles(graph: dict) -> list:
     return found
 
 
-def layers() -> list:
-    """The modules by layer, bottom first: a module's layer is one above the highest of those it imports (the
-    README's Architecture section lists them top down)."""
-    graph, depth = import_graph(), {}
-
-    def layer(module):
-        if module not in depth:
-            depth[module] = 1 + max((layer(m) for m in graph[module]), default=0)
-        return depth[module]
-
-    out = {}
-    for module in graph:
-        out.setdefault(layer(module), []).append(module)
-    return [sorted(out[k]) for k in sorted(out)]
+def package_of(module: str) -> str:
+    """The package of ``rm`` a module belongs to: ``rm.memory.terms`` -> ``memory``; a module at the root (an entry
+    point, or ``rm`` itself) -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ""
 
 
-def test_the_readme_lists_the_layers_as_the_code_has_them():
-    """The Architecture section's chain names every module of rm/ in its layer, top down."""
-    import re
+def rank(module: str) -> int:
+    """The place of ``module``'s package in ``rm.LAYERS`` (the bottom one 0); the root's entry points stand above
+    every package."""
+    from rm import LAYERS
 
-    readme = (PACKAGE.parent / "README.md").read_text()
-    chain = readme[readme.index("**Layers.**"):].split("(import nothing of rm)")[0]
-    chain = chain[chain.index("From the top:"):]
-    listed = [[f"rm.{name[:-3].replace('/', '.')}" for name in re.findall(r"`([\w/]+\.py)`", group)]
-              for group in chain.split("→")]
-    expected = [[m for m in group if m not in ("rm", "rm.data", "rm.memory", "rm.plan")]  # the packages' faces
-                for group in reversed(layers())]
-    assert [sorted(g) for g in listed] == [sorted(g) for g in expected if g]
+    package = package_of(module)
+    return LAYERS.index(package) if package else len(LAYERS)
+
+
+def upward_imports(graph: dict) -> list:
+    """Every import from a package into one after it in ``rm.LAYERS``, as ``(importer, imported)``."""
+    return sorted((a, b) for a, imported in graph.items() for b in imported if rank(b) > rank(a))
 
 
 def test_cycles_are_found_by_hand():
@@ -105,10 +97,42 @@ def test_cycles_are_found_by_hand():
 
 def test_the_package_has_no_import_cycle():
     graph = import_graph()
-    assert "rm.model" in graph and "rm.memory.terms" in graph and graph["rm.trainer"]  # the graph was read
+    assert "rm.modelling.model" in graph and "rm.memory.terms" in graph and graph["rm.training.trainer"]  # read
     found = cycles(graph)
     assert not found, "import cycles (each a set of modules that import one another): " + "; ".join(
         " <-> ".join(group) for group in found)
+
+
+def test_rank_is_read_from_the_declared_order():
+    from rm import LAYERS
+
+    assert rank("rm.foundations.config") == 0 and rank("rm.training.trainer") == len(LAYERS) - 1
+    assert rank("rm.train") == rank("rm") == len(LAYERS)  # the entry points stand above every package
+    assert upward_imports({"rm.foundations.config": {"rm.data.load"}, "rm.data.load": {"rm.foundations.config"}}) == [
+        ("rm.foundations.config", "rm.data.load")]
+
+
+def test_every_package_has_its_place_in_the_order():
+    """A new package must be placed in ``rm.LAYERS``, and every name there is a package of rm/."""
+    from rm import LAYERS
+
+    packages = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").is_file())
+    assert sorted(LAYERS) == packages
+
+
+def test_no_package_imports_from_a_package_above_it():
+    graph = import_graph()
+    assert "rm.settings.validate" in graph["rm.memory.suggest"]  # the graph was read
+    found = upward_imports(graph)
+    assert not found, "imports from a lower package up to a higher one (rm.LAYERS, bottom first): " + "; ".join(
+        f"{a} -> {b}" for a, b in found)
+
+
+def test_the_root_holds_only_entry_points():
+    """Every module at the root of rm/ runs as ``python -m rm.<name>``; what they share lives in the packages."""
+    for path in PACKAGE.glob("*.py"):
+        if path.name != "__init__.py":
+            assert 'if __name__ == "__main__":' in path.read_text(), f"{path} is not an entry point: move it to a package"
 
 
 def test_no_two_modules_share_a_name():
@@ -136,11 +160,12 @@ def test_every_command_of_the_readme_is_a_module_that_runs_as_main():
         assert 'if __name__ == "__main__":' in path.read_text(), f"{path} does not run as python -m {command}"
 
 
-def test_the_tokenizer_imports_nothing_of_the_data():
-    """``rm.tokenizer`` is below ``rm.data``: the data calls it, and the train split reaches it as an argument."""
+def test_the_tokenizer_imports_nothing_else_of_the_data():
+    """``rm.data.tokenizer`` is below the rest of ``rm.data``: the data calls it, and the train split reaches it as an
+    argument."""
     graph = import_graph()
-    assert "rm.errors" in graph["rm.tokenizer"]  # the graph was read
-    assert not {m for m in graph["rm.tokenizer"] if m == "rm.data" or m.startswith("rm.data.")}
+    assert "rm.foundations.errors" in graph["rm.data.tokenizer"]  # the graph was read
+    assert not {m for m in graph["rm.data.tokenizer"] if m.startswith("rm.data.")}
 
 
 def test_collecting_the_suite_leaves_bitsandbytes_importable():

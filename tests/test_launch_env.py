@@ -1,8 +1,8 @@
-"""The launcher's environment is read in one place (rm.launch_env), and the plan carries what it says."""
+"""The launcher's environment is read in one place (rm.foundations.launch_env), and the plan carries what it says."""
 
-from rm.launch_env import launch_env
+from rm.foundations.launch_env import launch_env
 from rm.memory.terms import estimate_run
-from rm.validate import resolve_world_size, validate
+from rm.settings.validate import resolve_world_size, validate
 
 
 def test_a_process_started_alone_and_one_started_by_torchrun(monkeypatch):

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from rm.config import compose
-from rm.loss import PairLoss, bradley_terry_loss, build_loss
+from rm.foundations.config import compose
+from rm.modelling.loss import PairLoss, bradley_terry_loss, build_loss
 
 # The loss's keys, off and on: the default, pairs with margins, centred rewards.
 LOSS_OVERRIDES = {"default": [], "margin": ["data.margin_column=score"],
@@ -70,7 +70,7 @@ def test_the_trace_keeps_what_the_configured_loss_keeps():
     difference, and logsigmoid keeps that instead of the difference: the same bytes."""
     from rm.memory.terms import traced_model
     from rm.memory.trace import measure_layer
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     kept = {}
     for name, extra in LOSS_OVERRIDES.items():
@@ -88,9 +88,9 @@ def test_the_eval_loss_is_the_configured_loss():
     from datasets import Dataset
 
     from rm.data.collator import PairCollator
-    from rm.engine import AccelerateEngine
-    from rm.metrics import evaluate
-    from rm.model import build_model
+    from rm.distributed.engine import AccelerateEngine
+    from rm.evaluation.metrics import evaluate
+    from rm.modelling.model import build_model
 
     torch.manual_seed(0)
     cfg = compose(["experiment=tiny", "hardware=cpu"])

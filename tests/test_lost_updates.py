@@ -1,4 +1,4 @@
-"""Lost updates (rm.lost_updates) and the ``lost_updates`` alarm (rm.health)."""
+"""Lost updates (rm.foundations.lost_updates) and the ``lost_updates`` alarm (rm.training.health)."""
 
 import logging
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import rm.train as rm_train
-from rm.health import CONTINUE, SKIP, lost_updates_alarm
-from rm.lost_updates import LostUpdateProbe, lost_fraction, lost_updates, sample_positions
-from rm.run_setup import watch_lost_updates
-from rm.validate import ConfigError, validate
+from rm.training.health import CONTINUE, SKIP, lost_updates_alarm
+from rm.foundations.lost_updates import LostUpdateProbe, lost_fraction, lost_updates, sample_positions
+from rm.training.run_setup import watch_lost_updates
+from rm.settings.validate import ConfigError, validate
 from tests.test_health import monitor, read_metrics, take_step
 
 

@@ -12,9 +12,9 @@ from accelerate.utils import set_seed
 import rm.train as rm_train
 from rm.data.batching import split_by_tokens
 from rm.data.collator import PackedPairCollator, PairCollator
-from rm.loss import bradley_terry_loss
-from rm.model import build_model, pair_rewards
-from rm.validate import ConfigError, validate
+from rm.modelling.loss import bradley_terry_loss
+from rm.modelling.model import build_model, pair_rewards
+from rm.settings.validate import ConfigError, validate
 from tests.conftest import FAST_TINY
 
 # Lengths 1..9 mixed, so padded rows carry many pad tokens and packed sequences of length 1
@@ -120,7 +120,7 @@ def test_packed_estimate_matches_measured_peak(tmp_path, budget):
     each micro-batch fills its row exactly: 128 tokens = 4 pairs for the budget; 8 x 2 x 16 = 256
     tokens without one. The live-tensor count (train.track_memory) is then exactly what is estimated.
     """
-    from rm.config import compose
+    from rm.foundations.config import compose
 
     overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
                  "train.track_memory=true", "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"]

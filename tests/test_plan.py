@@ -29,7 +29,7 @@ def test_padded_packed_and_shared_flops_by_hand():
       blocks computes the four triangles 15 + 6 + 10 + 10 = 41;
     - shared: rows of 2+3+1 = 6 and 3+1+1 = 5, padded to 6 (N = 12): 2 x 36 = 72 entries; skipping masked blocks,
       each side's triangle with the prompt's once: (15 + 6 - 3) + (10 + 10 - 6) = 32;
-    - SDPA on a CPU a segment at a time (rm.attention): packed, the four triangles (41) in 4 calls; packed+shared,
+    - SDPA on a CPU a segment at a time (rm.modelling.attention): packed, the four triangles (41) in 4 calls; packed+shared,
       each pair's square 6^2 + 5^2 = 61 in 2 calls; a layout that is not packed is one call per layer as before.
     """
     padded, packed, shared = (micro_batch(layout, C, R, P, "square") for layout in ("padded", "packed", "shared"))
@@ -82,7 +82,7 @@ def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
 def test_a_cuda_profile_without_rates_names_the_key(tiny_cfg):
     from dataclasses import replace
 
-    from rm.errors import ConfigError
+    from rm.foundations.errors import ConfigError
     from rm.plan.constants import rates_for
 
     hw = replace(tiny_cfg("hardware=h100_80g").hardware, memory_gbps=None)
@@ -105,8 +105,8 @@ def test_hardware_auto_prices_a_card_it_knows_as_that_cards_profile(tiny_cfg, mo
     layouts there as hardware=h100_80g does; memory, count and bf16 stay as detected, and a rate given on the
     command line stays. A card no profile names (an H100 PCIe, other rates), or a machine of mixed cards, gets
     none, and rm.plan asks for them by key."""
-    from rm.errors import ConfigError
-    from rm.hardware import CARD_RATE_KEYS, resolve_hardware
+    from rm.foundations.errors import ConfigError
+    from rm.foundations.hardware import CARD_RATE_KEYS, resolve_hardware
     from rm.plan.constants import rates_for
 
     named = tiny_cfg("hardware=h100_80g").hardware
@@ -154,7 +154,7 @@ def _rates() -> Rates:
 
 
 def test_user_set_knobs_stay_and_candidates_pass_validation(tiny_cfg):
-    """A knob on the command line is never varied; packing never meets DeepSpeed (rm.validate refuses it); the top
+    """A knob on the command line is never varied; packing never meets DeepSpeed (rm.settings.validate refuses it); the top
     candidates are checked by the memory estimator, fastest first."""
     from rm.plan.lengths import PairLengths
     from rm.plan.search import plan
@@ -208,7 +208,7 @@ def test_trace_workers_reach_the_verdicts_of_this_process(tiny_cfg, tmp_path, mo
     from rm.memory import trace
     from rm.plan.lengths import PairLengths
     from rm.plan.search import Checker, candidates
-    from rm.validate import resolve_world_size
+    from rm.settings.validate import resolve_world_size
 
     cfg = tiny_cfg("memory_profile=full")
     lengths = PairLengths.of([20, 30, 12, 40] * 8, [25, 10, 12, 33] * 8, [10, 5, 6, 20] * 8)
@@ -247,7 +247,7 @@ def test_the_search_decides_alike_with_verdicts_started_ahead_in_workers(tiny_cf
     from rm.memory import trace
     from rm.plan.lengths import PairLengths
     from rm.plan.search import Checker, _Timer, candidates, check_fastest
-    from rm.validate import resolve_world_size
+    from rm.settings.validate import resolve_world_size
 
     cfg = tiny_cfg("memory_profile=full", "hardware.device_memory_gib=0.02")
     lengths = PairLengths.of(*MULTI_TURN)
@@ -301,7 +301,7 @@ MULTI_TURN = ([220, 150, 90, 60] * 16, [200, 160, 95, 50] * 16, [180, 130, 80, 4
 def _auto(tiny_cfg, *overrides, pinned=None, rates=None):
     from rm.plan import auto
     from rm.plan.lengths import PairLengths
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     cfg = tiny_cfg("train.layout=auto", *overrides)  # the knobs FAST_TINY sets stay free unless passed here
     plan = validate(cfg, 1)
@@ -389,9 +389,9 @@ def test_fixed_costs_lora_dropout_and_shared_cores_by_hand():
     """A micro-batch's fixed cost is added once; LoRA dropout draws one number per adapted input element (q and v:
     2 layers x (128 + 128) = 512 a token), forward only without checkpointing; two processes on one CPU each compute
     at half the rates, while fixed costs stay per process."""
-    from rm.config import compose
+    from rm.foundations.config import compose
     from rm.plan.steptime import micro_batch_seconds, predict_step_seconds
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     table = {"float32": [[128, 1e9]]}
     rates = Rates(table, table, memory=1e9, link=1e9, inter_node=1e9, host_link=1e9, host_memory=1e9,
@@ -415,7 +415,7 @@ def test_fixed_costs_lora_dropout_and_shared_cores_by_hand():
 
 
 def test_each_more_segment_of_a_packed_row_costs_its_ops_in_every_pass():
-    """SDPA a segment at a time (rm.attention) launches SEGMENT_KERNELS more ops per layer and extra segment:
+    """SDPA a segment at a time (rm.modelling.attention) launches SEGMENT_KERNELS more ops per layer and extra segment:
     2 layers x 2 ops x 3 more segments = 12 forward ops, x 3 passes without checkpointing (x 4 with) at 1 us each."""
     from rm.plan.steptime import SEGMENT_KERNELS, micro_batch_seconds
 

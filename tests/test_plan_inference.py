@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from rm.config import compose
+from rm.foundations.config import compose
 from rm.memory.terms import GIB
 from rm.plan.lengths import PairLengths
 from rm.plan.search import Checker, _Search, _Timer, candidates, check_fastest, verdict
-from rm.validate import resolve_world_size
+from rm.settings.validate import resolve_world_size
 from tests.conftest import FAST_TINY
 from tests.test_plan import _rates
 

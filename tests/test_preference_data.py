@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 
-from rm.config import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
+from rm.foundations.config import DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.data.counts import Drop, PairCounts
 from rm.data.load import detect_format, load_preference_split
 from rm.data.normalise import normalise_pairs

@@ -12,13 +12,13 @@ import torch
 from accelerate.utils import set_seed
 
 import rm.train as rm_train
-from rm.config import to_run_config
+from rm.foundations.config import to_run_config
 from rm.data.collator import PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.data.tokenise import truncate_left
-from rm.loss import bradley_terry_loss
-from rm.model import apply_memory_profile, build_model, build_reward_model, pair_rewards
-from rm.prefix_sharing import allowed
-from rm.validate import ConfigError, validate
+from rm.modelling.loss import bradley_terry_loss
+from rm.modelling.model import apply_memory_profile, build_model, build_reward_model, pair_rewards
+from rm.modelling.prefix_sharing import allowed
+from rm.settings.validate import ConfigError, validate
 from tests.conftest import CONF_DIR, FAST_TINY, compose_run
 from tests.test_packing import STEPS
 
@@ -262,7 +262,7 @@ def test_run_estimate_bounds_the_measured_peak(tmp_path, packing):
     """A whole run (train.track_memory counts live tensors): the pre-flight estimate sizes rows for the worst
     case, a pair with no common prefix (2 x max_length tokens); the synthetic pairs share their prompt, so
     the measured peak is lower, but by little at this length (data.max_length=16 cuts most prompts)."""
-    from rm.config import compose
+    from rm.foundations.config import compose
 
     overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
                  "train.track_memory=true", "train.share_prefix=true", f"train.packing={packing}",

@@ -1,4 +1,4 @@
-"""A memory profile is registered once, by its YAML file: every list of profiles is :func:`rm.config.memory_profiles`.
+"""A memory profile is registered once, by its YAML file: every list of profiles is :func:`rm.foundations.config.memory_profiles`.
 
 A profile added in a config directory of its own (``hydra.searchpath``, as a user adds one without editing ``conf/``)
 reaches ``rm.plan``'s search, a refused run's suggestions and ``rm.gpu_report``; with a list of names kept by hand in
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from rm.config import compose, memory_profiles
+from rm.foundations.config import compose, memory_profiles
 from tests.conftest import CONF_DIR
 
 # A LoRA profile under another name, placed between lora (20) and offload (30).
@@ -44,7 +44,7 @@ def test_the_profiles_are_the_yaml_files_in_their_order(search_path):
 
 def test_rm_plan_searches_a_profile_on_the_search_path(search_path):
     from rm.plan.search import candidates
-    from rm.validate import resolve_world_size
+    from rm.settings.validate import resolve_world_size
 
     overrides = [search_path, "experiment=tiny", "hardware=cpu"]  # no memory_profile: every profile is a candidate
     cfg = compose(overrides)
@@ -56,7 +56,7 @@ def test_rm_plan_searches_a_profile_on_the_search_path(search_path):
 def test_a_refused_run_is_suggested_a_profile_on_the_search_path(search_path):
     """Each profile that trades something for memory, in order (full trades nothing), the new one among them."""
     from rm.memory.suggest import candidate_overrides, with_overrides
-    from rm.validate import resolve_world_size, validate
+    from rm.settings.validate import resolve_world_size, validate
 
     overrides = [search_path, "experiment=tiny", "hardware=cpu", "memory_profile=full"]
     cfg = compose(overrides)

@@ -11,13 +11,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
-from rm.export import bundle_tokenizer
+from rm.modelling.bundle import bundle_tokenizer
 from rm.data.build import build_split
 from rm.data.collator import PairCollator
-from rm.loss import bradley_terry_loss
+from rm.modelling.loss import bradley_terry_loss
 from rm.data.build import train_pairs
-from rm.tokenizer import run_tokenizer
-from rm.model import build_model, pair_rewards
+from rm.data.tokenizer import run_tokenizer
+from rm.modelling.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR, FAST_TINY
 
 STEPS = ["train.max_steps=30", "train.save_steps=15", "train.eval_steps=0", "train.logging_steps=5"]
@@ -169,10 +169,10 @@ def test_two_process_zero3_offload_saves_a_loadable_model(tiny_cfg, tmp_path):
     final_eval = [e for e in events if e["event"] == "eval"][-1]
     # The saved weights are the gathered ZeRO-3 shards: the full model, giving the run's own rewards.
     assert reload_eval_loss(tmp_path, tiny_cfg()) == pytest.approx(final_eval["eval_loss"], rel=1e-5)
-    # rm.export checked it inside the run: both ranks scored the probe, rank 0 reloaded and compared.
+    # rm.modelling.bundle checked it inside the run: both ranks scored the probe, rank 0 reloaded and compared.
     # (verified in the temporary directory that then became final/: a partial final/ never exists)
     assert f"export verified: {tmp_path / '.tmp-final'} reloads" in proc.stdout + proc.stderr
-    from rm.export import verify_bundle
+    from rm.modelling.bundle import verify_bundle
 
     assert verify_bundle(tmp_path / "final") <= 1e-6
 
@@ -227,7 +227,7 @@ def test_random_init_is_written_where_transformers_would_write_nothing(tiny_cfg,
     model"). rm writes the files itself, byte for byte what save_pretrained writes on rank 0."""
     from transformers import PreTrainedModel
 
-    from rm.model import _config_from_shape, saved_random_init
+    from rm.modelling.model import _config_from_shape, saved_random_init
 
     cfg = tiny_cfg("memory_profile=qlora")
     set_seed(cfg.train.seed)
@@ -244,20 +244,20 @@ def test_random_init_is_written_where_transformers_would_write_nothing(tiny_cfg,
 def test_only_local_rank_0_builds_the_random_init(tiny_cfg, tmp_path, monkeypatch):
     """The other processes of a launch wait for local rank 0's init (the estimate counts the build on that rank
     alone) and load the same one; with none coming they stop, naming where they waited."""
-    import rm.model
+    import rm.modelling.model
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
-    monkeypatch.setattr(rm.model, "RANDOM_INIT_WAIT_S", 0.3)
+    monkeypatch.setattr(rm.modelling.model, "RANDOM_INIT_WAIT_S", 0.3)
     cfg = tiny_cfg("memory_profile=qlora")
     set_seed(cfg.train.seed)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(TimeoutError, match="local rank 0 .* at " + str(tmp_path)):
-        rm.model.saved_random_init(cfg.model, 0)
-    assert not rm.model.random_init_saved(cfg.model, 0)  # it built nothing
+        rm.modelling.model.saved_random_init(cfg.model, 0)
+    assert not rm.modelling.model.random_init_saved(cfg.model, 0)  # it built nothing
     monkeypatch.setenv("LOCAL_RANK", "0")
-    built = rm.model.saved_random_init(cfg.model, 0)
+    built = rm.modelling.model.saved_random_init(cfg.model, 0)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert rm.model.saved_random_init(cfg.model, 0) == built and rm.model.random_init_saved(cfg.model, 0)
+    assert rm.modelling.model.saved_random_init(cfg.model, 0) == built and rm.modelling.model.random_init_saved(cfg.model, 0)
 
 
 @pytest.mark.slow
@@ -282,8 +282,8 @@ def test_qlora_trains_as_lora_on_its_dequantised_base(tiny_cfg, tmp_path, monkey
     bnb = pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit
 
-    from rm.model import build_reward_model, saved_random_init
-    from rm.precision import Precision
+    from rm.modelling.model import build_reward_model, saved_random_init
+    from rm.foundations.precision import Precision
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
     qcfg = tiny_cfg("memory_profile=qlora")

@@ -1,4 +1,4 @@
-"""Output a person reads: no dependency warnings (rm.quiet), `--help` for every CLI, no stray run
+"""Output a person reads: no dependency warnings (rm.foundations.quiet), `--help` for every CLI, no stray run
 directories, the training-loss plot."""
 
 import json
@@ -31,12 +31,12 @@ def test_bitsandbytes_and_deepspeed_lines_are_dropped_at_their_loggers_and_kept_
     bare = run(IMPORTS.format(first=""))
     if "kernels-community" not in bare:  # e.g. a CPU without AVX512-BF16, where bitsandbytes stays silent
         pytest.skip("bitsandbytes does not warn about 'kernels' on this machine")
-    assert "Setting accelerator to CPU" in bare  # the two lines rm.quiet drops exist
+    assert "Setting accelerator to CPU" in bare  # the two lines rm.foundations.quiet drops exist
     quiet = run(IMPORTS.format(first="import rm;"))
     assert "kernels-community" not in quiet and "Setting accelerator to CPU" not in quiet, quiet
     debug = run(IMPORTS.format(first="import rm;"), level="DEBUG")
-    assert "rm.quiet dropped a bitsandbytes.backends.cpu.ops warning" in debug
-    assert "rm.quiet dropped a DeepSpeed warning" in debug
+    assert "rm.foundations.quiet dropped a bitsandbytes.backends.cpu.ops warning" in debug
+    assert "rm.foundations.quiet dropped a DeepSpeed warning" in debug
 
 
 @pytest.mark.parametrize("cli, expect", [
@@ -75,7 +75,7 @@ def test_commands_that_only_print_leave_no_run_directory(cli, tmp_path):
 
 
 def test_train_plot_is_drawn_from_metrics_jsonl(tmp_path):
-    from rm.plots import write_train_plot
+    from rm.evaluation.plots import write_train_plot
 
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text("".join(json.dumps(e) + "\n" for e in [
@@ -91,11 +91,11 @@ def test_train_plot_is_drawn_from_metrics_jsonl(tmp_path):
 @pytest.mark.parametrize("profile", ["full", "lora"])
 def test_a_checkpointed_model_builds_without_future_warnings(tiny_cfg, profile):
     """transformers 5.2x deprecates `gradient_checkpointing_enable` and `is_gradient_checkpointing` with a
-    FutureWarning on every call; rm calls the new names, and what PEFT still calls is filtered (rm.quiet)."""
+    FutureWarning on every call; rm calls the new names, and what PEFT still calls is filtered (rm.foundations.quiet)."""
     import warnings
 
-    from rm.model import apply_memory_profile, build_model
-    from rm.quiet import install
+    from rm.modelling.model import apply_memory_profile, build_model
+    from rm.foundations.quiet import install
 
     cfg = tiny_cfg(f"memory_profile={profile}", "lora=r8")
     with warnings.catch_warnings(record=True) as caught:
@@ -110,7 +110,7 @@ def test_each_metrics_record_carries_its_wall_clock_time(tmp_path):
     """Throughput between any two records from the file alone (an outside benchmark polled its mtime before)."""
     import time
 
-    from rm.metrics import MetricsLog
+    from rm.evaluation.metrics import MetricsLog
 
     before = time.time()
     MetricsLog(tmp_path, is_main_process=True).write("train", 3, {"loss": 0.5, "bad": float("nan")})

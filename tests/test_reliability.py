@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-import rm.checkpoint as ckpt
+import rm.runs.checkpoint as ckpt
 import rm.train as rm_train
-import rm.run_setup as run_setup
-from rm.run_dir import LOCK_FILE, RunDirError, RunLock
-from rm.engine import AccelerateEngine
-from rm.errors import ConfigError, NonFiniteError, Refused, StorageError
+import rm.training.run_setup as run_setup
+from rm.runs.run_dir import LOCK_FILE, RunDirError, RunLock
+from rm.distributed.engine import AccelerateEngine
+from rm.foundations.errors import ConfigError, NonFiniteError, Refused, StorageError
 from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
@@ -157,7 +157,7 @@ def test_bad_config_fails_before_loading_with_one_message_naming_the_key(tmp_pat
     proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, *override.split(), f"hydra.run.dir={tmp_path}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-2000:]  # Hydra's own composition errors too (rm.errors.run_hydra_app)
+    assert proc.returncode == 2, out[-2000:]  # Hydra's own composition errors too (rm.foundations.errors.run_hydra_app)
     for needle in needles:
         assert needle in out, (needle, out[-2000:])
     assert "Traceback" not in out
@@ -236,8 +236,8 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
 @pytest.mark.reliability("Data", "zero usable pairs after filtering", "`data local [train]: no usable pairs left (pairs 4 -> 0 used: ...)`")
 def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
     from rm.data.build import build_split, train_pairs
-    from rm.tokenizer import run_tokenizer
-    from rm.config import compose
+    from rm.data.tokenizer import run_tokenizer
+    from rm.foundations.config import compose
 
     rows = [{"prompt": "Human: hi", "chosen": " same", "rejected": " same"}] * 3 + [{"prompt": "x", "chosen": "", "rejected": "y"}]
     path = tmp_path / "pairs.jsonl"
@@ -253,7 +253,7 @@ SIX = ["train.max_steps=6", "train.save_steps=2", "train.eval_steps=0", "train.s
 
 
 def _cfg(*overrides):
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
     from tests.conftest import compose_run
 
     return to_run_config(compose_run(FAST_TINY + SIX + list(overrides)))
@@ -406,7 +406,7 @@ def test_resume_refuses_train_data_that_changed_under_the_same_config(six_step_r
 def test_data_digest_follows_the_token_ids_and_their_order():
     import datasets
 
-    from rm.resume import data_digest
+    from rm.runs.resume import data_digest
 
     def ds(chosen, rejected):
         return datasets.Dataset.from_dict({"chosen_input_ids": chosen, "rejected_input_ids": rejected, "margin": [0.0] * len(chosen)})
@@ -464,7 +464,7 @@ def test_a_signal_during_the_last_step_finishes_the_run(tiny_cfg, tmp_path, monk
     def step_then_signal(self, skip=False):
         steps.append(skip)
         if len(steps) == 4:  # the last step of train.max_steps=4
-            os.kill(os.getpid(), signal.SIGTERM)  # rm.trainer.StopRequest handles it while the run lasts
+            os.kill(os.getpid(), signal.SIGTERM)  # rm.training.trainer.StopRequest handles it while the run lasts
         return real_step(self, skip)
 
     monkeypatch.setattr(AccelerateEngine, "step", step_then_signal)
@@ -479,21 +479,21 @@ def test_a_signal_during_the_last_step_finishes_the_run(tiny_cfg, tmp_path, monk
                          "`could not write the final model to .../final`; no final/ and no temporary directory left, so "
                          "`train.resume=true` continues; exit 5")
 def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monkeypatch):
-    import rm.export
+    import rm.modelling.bundle
     from safetensors import SafetensorError
 
-    real_save = rm.export.save_bundle
+    real_save = rm.modelling.bundle.save_bundle
 
     def save_until_the_disk_fills(model, tokenizer, directory, **kwargs):
         model.config.save_pretrained(directory)  # what a full disk left behind: config.json only
         raise SafetensorError("Error while serializing: IoError(No space left on device)")
 
-    monkeypatch.setattr(rm.export, "save_bundle", save_until_the_disk_fills)
+    monkeypatch.setattr(rm.modelling.bundle, "save_bundle", save_until_the_disk_fills)
     with pytest.raises(StorageError, match=r"could not write the final model to .*final: .*No space left") as err:
         rm_train.train(tiny_cfg(*STEPS), tmp_path)
     assert err.value.exit_code == 5
     assert not (tmp_path / "final").exists() and not (tmp_path / ".tmp-final").exists()
-    monkeypatch.setattr(rm.export, "save_bundle", real_save)
+    monkeypatch.setattr(rm.modelling.bundle, "save_bundle", real_save)
     assert rm_train.train(tiny_cfg(*STEPS, "train.resume=true"), tmp_path)["status"] == "ok"
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
@@ -501,7 +501,7 @@ def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monke
 @pytest.mark.reliability("Faults", "weights that are not finite when a checkpoint is due",
                          "no checkpoint is written (never a 'good' one with NaN weights): `NonFiniteError`; exit 4")
 def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
-    class Engine:  # the part of rm.engine's interface that saving uses
+    class Engine:  # the part of rm.distributed.engine's interface that saving uses
         device, is_main_process, process_index, num_processes = torch.device("cpu"), True, 0, 1
         model = torch.nn.Linear(2, 2)
 
@@ -554,7 +554,7 @@ def test_a_run_directory_is_locked(tiny_cfg, tmp_path, caplog):
 
 def test_a_run_directory_refused_for_an_earlier_run_is_not_claimed_and_unlocked(tmp_path):
     """RunDir decides before it claims: a refused directory keeps its files, its lock is released, its log held."""
-    from rm.run_dir import RunDir
+    from rm.runs.run_dir import RunDir
 
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     directory = RunDir(tmp_path, resume=False, overwrite=False, is_main=True)
@@ -606,7 +606,7 @@ import errno, os, runpy, sys
 fault, faulty_rank = sys.argv.pop(1), sys.argv.pop(1)
 if os.environ["RANK"] == faulty_rank:
     if fault == "checkpoint":  # every rank writes its part of a checkpoint (its RNG state here)
-        from rm.engine import AccelerateEngine
+        from rm.distributed.engine import AccelerateEngine
 
         real_save = AccelerateEngine.save_state
 
@@ -629,14 +629,14 @@ if os.environ["RANK"] == faulty_rank:
 
         TorchCheckpointEngine.save = ds_save
     else:  # the main process writes the final model
-        import rm.export
+        import rm.modelling.bundle
         from safetensors import SafetensorError
 
         def save_bundle(model, tokenizer, directory, **kwargs):
             model.config.save_pretrained(directory)
             raise SafetensorError("Error while serializing: IoError(No space left on device)")
 
-        rm.export.save_bundle = save_bundle
+        rm.modelling.bundle.save_bundle = save_bundle
 runpy.run_module("rm.train", run_name="__main__", alter_sys=True)
 """
 

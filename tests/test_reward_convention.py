@@ -21,11 +21,11 @@ import torch
 from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from rm.config import ModelConfig
+from rm.foundations.config import ModelConfig
 from rm.data.normalise import normalise_pairs
 from rm.data.tokenise import tokenize_pairs
-from rm.errors import ConfigError
-from rm.tokenizer import (HH_CHAT_TEMPLATE, build_tokenizer, check_consumers_tokenize_alike, consumer_tokenizer,
+from rm.foundations.errors import ConfigError
+from rm.data.tokenizer import (HH_CHAT_TEMPLATE, build_tokenizer, check_consumers_tokenize_alike, consumer_tokenizer,
                           encode_sides, train_bpe_tokenizer, train_byte_level_bpe, write_tokenizer_compat_fields)
 
 HH = [
@@ -124,7 +124,7 @@ def test_rm_trains_on_the_ids_trls_reward_trainer_trains_on(style, layout, tmp_p
 
 @pytest.mark.parametrize("style", ["bos", "bos_eos", "rm"])
 def test_the_exported_tokenizer_gives_plain_text_its_training_ids(style, tmp_path):
-    """``consumer_tokenizer`` saved as rm.export writes it and reloaded by AutoTokenizer: ``tokenizer(text)`` is what
+    """``consumer_tokenizer`` saved as rm.modelling.bundle writes it and reloaded by AutoTokenizer: ``tokenizer(text)`` is what
     the text trained on; the tokenizer itself is unchanged."""
     tokenizer = AutoTokenizer.from_pretrained(style_tokenizer(style, tmp_path / "tok"))
     texts = [row["chosen"] for row in HH[:1]] + [p["prompt"] + p["chosen"] for p in PROMPT]
@@ -181,13 +181,13 @@ def test_a_tokenizer_without_pad_pads_with_a_spare_special_token_never_the_eos(t
 
 def test_a_tokenizer_that_reloads_differently_as_exported_is_refused(tmp_path, monkeypatch):
     """The check before any weight loads covers the exported form: a reload that loses the appended EOS is refused."""
-    import rm.tokenizer
+    import rm.data.tokenizer
 
     model_cfg = ModelConfig(name="t", model_type="mistral", vocab_size=512, hidden_size=16, intermediate_size=32,
                             num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                             max_position_embeddings=128)
     tokenizer = train_bpe_tokenizer(texts_of(HH) * 3, vocab_size=300)
     check_consumers_tokenize_alike(model_cfg, tokenizer, ("\n\nHuman: hi",))
-    monkeypatch.setattr(rm.tokenizer, "consumer_tokenizer", lambda tok, append_eos=True: tok)  # the EOS left out
+    monkeypatch.setattr(rm.data.tokenizer, "consumer_tokenizer", lambda tok, append_eos=True: tok)  # the EOS left out
     with pytest.raises(ConfigError, match=r"\(as exported\).*tokenises \d+ of \d+ probe texts differently"):
         check_consumers_tokenize_alike(model_cfg, tokenizer, ("\n\nHuman: hi",))

@@ -1,4 +1,4 @@
-"""The disk cache of what every run computes again (``rm.cache``): the memory estimate's traces, the BPE trained on a
+"""The disk cache of what every run computes again (``rm.foundations.cache``): the memory estimate's traces, the BPE trained on a
 run's texts, the tokenised splits. A hit gives exactly what computing gives; any input of the key changed is a miss;
 a corrupt entry is computed again; a cache that cannot be written costs a run nothing but the time."""
 
@@ -12,13 +12,13 @@ import pytest
 
 import rm.data.build as build
 import rm.memory.trace as trace
-from rm import cache
-from rm.config import compose
+from rm.foundations import cache
+from rm.foundations.config import compose
 from rm.data.build import DATA_SOURCES, build_split, split_identity, train_pairs
-from rm.hardware import resolve_hardware
+from rm.foundations.hardware import resolve_hardware
 from rm.memory.terms import estimate_run
-from rm.tokenizer import TOKENIZER_SOURCES, build_word_level_tokenizer, run_tokenizer, tokenizer_identity
-from rm.validate import validate
+from rm.data.tokenizer import TOKENIZER_SOURCES, build_word_level_tokenizer, run_tokenizer, tokenizer_identity
+from rm.settings.validate import validate
 from tests.conftest import CONF_DIR, FAST_TINY
 from tests.test_imports import import_graph
 
@@ -34,7 +34,7 @@ def closure(module):
 
 
 @pytest.mark.parametrize("module,listed", [("rm.memory.trace", trace.TRACE_SOURCES), ("rm.data.build", DATA_SOURCES),
-                                           ("rm.tokenizer", TOKENIZER_SOURCES)])
+                                           ("rm.data.tokenizer", TOKENIZER_SOURCES)])
 def test_each_key_digests_every_rm_module_its_computation_imports(module, listed):
     """An import added to the code a cache entry comes from must join its key, or an edit there would be a stale hit."""
     assert set(listed) == closure(module)
@@ -309,12 +309,12 @@ def test_a_warm_run_trains_as_a_cold_one_and_an_unwritable_cache_fails_nothing(t
     """The same command three times: with a cache it cannot write to, with an empty one, and with the one the second
     filled. Same tokens (the data digest every checkpoint records), same estimate, same step and evaluation."""
     import rm.train as rm_train
-    from rm.config import to_run_config
-    from rm.resume import data_digest
+    from rm.foundations.config import to_run_config
+    from rm.runs.resume import data_digest
     from tests.conftest import compose_run
 
     digests = []
-    monkeypatch.setattr("rm.run_setup.data_digest", lambda ds: digests.append(data_digest(ds)) or digests[-1])
+    monkeypatch.setattr("rm.training.run_setup.data_digest", lambda ds: digests.append(data_digest(ds)) or digests[-1])
     overrides = ["train.max_steps=1", "train.eval_steps=0", "train.share_prefix=true"]
     runs = {}
     for name, root in [("unwritable", unwritable(tmp_path)), ("cold", str(tmp_path / "cache")), ("warm", str(tmp_path / "cache"))]:
@@ -339,7 +339,7 @@ def test_one_process_unwraps_its_model_without_importing_deepspeed():
     """``accelerator.unwrap_model`` imports deepspeed to test for its engine: a second of every run's wrap-up."""
     code = (
         "import sys, torch\n"
-        "from rm.engine import AccelerateEngine\n"
+        "from rm.distributed.engine import AccelerateEngine\n"
         "engine = AccelerateEngine(cpu=True, precision='32-true', gradient_accumulation_steps=1, max_grad_norm=1.0)\n"
         "model = engine.prepare(torch.nn.Linear(2, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),\n"
         "                       lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))\n"
@@ -355,13 +355,13 @@ def test_one_process_unwraps_its_model_without_importing_deepspeed():
 @pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup"])
 @pytest.mark.parametrize("warmup,total", [(0, 1), (1, 1), (3, 10), (5, 800), (40, 800), (7, 7)])
 def test_the_schedule_is_transformers_at_every_step(kind, warmup, total):
-    """rm's schedule (``rm.run_setup.lr_schedule``) stands in for transformers' ``get_scheduler``, whose module imports
+    """rm's schedule (``rm.training.run_setup.lr_schedule``) stands in for transformers' ``get_scheduler``, whose module imports
     PEFT and bitsandbytes: the same learning rate after every step, to the bit, and a checkpoint of one loads in the
     other."""
     import torch
     from transformers import get_scheduler
 
-    from rm.run_setup import lr_schedule
+    from rm.training.run_setup import lr_schedule
 
     ours, theirs = (torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3) for _ in range(2))
     mine, reference = lr_schedule(kind, ours, warmup, total), get_scheduler(kind, theirs, num_warmup_steps=warmup,
@@ -376,7 +376,7 @@ def test_the_schedule_is_transformers_at_every_step(kind, warmup, total):
 
 def test_a_full_fine_tune_imports_neither_peft_nor_bitsandbytes():
     """What a run without LoRA, 4-bit weights or 8-bit states never calls is not imported (seconds of its start-up)."""
-    code = ("import sys, rm.train, rm.run_setup\n"
+    code = ("import sys, rm.train, rm.training.run_setup\n"
             "loaded = [m for m in ('peft', 'bitsandbytes', 'deepspeed') if m in sys.modules]\n"
             "assert not loaded, loaded\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=CONF_DIR.parent, capture_output=True, text=True,

@@ -10,7 +10,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from rm.sweep import format_summary, job_record
+from rm.runs.sweep import format_summary, job_record
 from tests.conftest import CONF_DIR
 
 ROOT = CONF_DIR.parent

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from rm.data import synthetic
 from rm.data.synthetic import emitted_words, generate_pairs, write_synthetic
-from rm.tokenizer import VOCABULARY, build_word_level_tokenizer, encode_sides
+from rm.data.tokenizer import VOCABULARY, build_word_level_tokenizer, encode_sides
 
 SEP = "\n\nAssistant:"
 
@@ -100,7 +100,7 @@ def test_hh_format(train_pairs):
 
 def test_vocabulary_is_sorted_and_unique():
     assert list(VOCABULARY) == sorted(set(VOCABULARY))
-    # rm.tokenizer writes the words out (their ids must not move); the generator must emit exactly those.
+    # rm.data.tokenizer writes the words out (their ids must not move); the generator must emit exactly those.
     assert emitted_words() == VOCABULARY
     for word in ("Human", "Assistant", ":", ".", "?"):
         assert word in VOCABULARY
@@ -138,7 +138,7 @@ def test_tokenizer_special_tokens(tokenizer):
     assert tokenizer.padding_side == "right"
     assert len(tokenizer) == 4 + len(VOCABULARY)
 
-    # A BOS is added, as Llama's and Mistral's tokenizers do (rm.tokenizer.BOS_ONLY); training appends the EOS.
+    # A BOS is added, as Llama's and Mistral's tokenizers do (rm.data.tokenizer.BOS_ONLY); training appends the EOS.
     ids = tokenizer("Hello! What is my name?")["input_ids"]
     assert tokenizer.convert_ids_to_tokens(ids) == ["<s>", "Hello", "!", "What", "is", "my", "name", "?"]
     assert tokenizer("Hello!", add_special_tokens=False)["input_ids"] == ids[1:3]
@@ -173,7 +173,7 @@ def test_chat_template(tokenizer):
         [{"role": "system", "content": "Good morning."}] + messages[:1], tokenize=False
     )
     assert system == "<s>\n\nSystem: Good morning.\n\nHuman: What is my name?"
-    # A conversation gets the ids of its transcript as a plain-text side (rm.tokenizer.encode_sides).
+    # A conversation gets the ids of its transcript as a plain-text side (rm.data.tokenizer.encode_sides).
     transcript = "\n\nHuman: What is my name?\n\nAssistant: Your name is Anna."
     assert tokenizer.apply_chat_template(messages)["input_ids"] == encode_sides(tokenizer, [transcript], templated=False)[0]
     assert tokenizer.unk_token_id not in tokenizer(system)["input_ids"]

@@ -1,4 +1,4 @@
-"""The default tokenizer of a random-init model: a byte-level BPE trained on the run's texts (rm.tokenizer)."""
+"""The default tokenizer of a random-init model: a byte-level BPE trained on the run's texts (rm.data.tokenizer)."""
 
 import hashlib
 import json
@@ -9,10 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import rm.train as rm_train
-from rm.run_dir import TOKENIZER_DIR
+from rm.runs.run_dir import TOKENIZER_DIR
 from rm.data.build import train_pairs
 from rm.data.synthetic import generate_pairs
-from rm.tokenizer import (MIN_BPE_VOCAB, SPECIAL_TOKENS, VOCABULARY, build_tokenizer, encode_sides, run_tokenizer,
+from rm.data.tokenizer import (MIN_BPE_VOCAB, SPECIAL_TOKENS, VOCABULARY, build_tokenizer, encode_sides, run_tokenizer,
                           train_bpe_tokenizer)
 from tests.conftest import CONF_DIR, FAST_TINY
 
@@ -64,7 +64,7 @@ def test_same_data_and_settings_give_the_same_tokenizer_in_another_process(tiny_
     cfg = tiny_cfg()  # the synthetic train split: 512 pairs of seed 0, chosen sides then rejected sides
     here = digest(run_tokenizer(cfg.model, train_pairs(cfg.data)))
     code = ("import sys; sys.path.insert(0, '.'); from rm.data.synthetic import generate_pairs; "
-            "from rm.tokenizer import train_byte_level_bpe; "
+            "from rm.data.tokenizer import train_byte_level_bpe; "
             f"rows = generate_pairs({cfg.data.synthetic_train_size}, seed={cfg.data.synthetic_seed}, split='train'); "
             f"print(train_byte_level_bpe([r['chosen'] for r in rows] + [r['rejected'] for r in rows], "
             f"{cfg.model.vocab_size}).to_str())")
@@ -112,7 +112,7 @@ def test_own_text_keeps_every_pair_with_the_default_tokenizer(tiny_cfg, tmp_path
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
     from tests.conftest import compose_run
 
     run_dir = tmp_path_factory.mktemp("run")
@@ -144,7 +144,7 @@ def test_export_round_trip_gives_identical_ids(exported):
 
 
 def test_the_old_builtin_name_is_refused_with_the_new_ones(tiny_cfg):
-    from rm.validate import ConfigError, validate
+    from rm.settings.validate import ConfigError, validate
 
     with pytest.raises(ConfigError, match=r"model.tokenizer=builtin is now model.tokenizer=bpe .* or model.tokenizer=words"):
         validate(tiny_cfg("model.tokenizer=builtin"), 1)
@@ -156,8 +156,8 @@ def test_the_old_builtin_name_is_refused_with_the_new_ones(tiny_cfg):
                          "refused before any weight loads, naming `model.tokenizer`, `model.model_type`, the class "
                          "transformers loads and a text that differs; the same tokenizer with a Llama or Mistral type passes")
 def test_a_tokenizer_its_consumers_would_load_differently_is_refused(tiny_cfg):
-    from rm.errors import ConfigError
-    from rm.tokenizer import check_consumers_tokenize_alike
+    from rm.foundations.errors import ConfigError
+    from rm.data.tokenizer import check_consumers_tokenize_alike
 
     # Digit runs and dotted names: byte-level BPE merges across them, Qwen2's pre-tokenizer does not.
     texts = [f"\n\nHuman: call os.path.join({i * 7919}) in 3.{i % 13}\n\nAssistant: x_{i} = ({i * 31}*2)" for i in range(200)]

@@ -13,13 +13,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import rm.train as rm_train
-from rm.export import bundle_tokenizer
-from rm.metrics import MetricsLog
-from rm.run_dir import TOKENIZER_DIR
+from rm.modelling.bundle import bundle_tokenizer
+from rm.evaluation.metrics import MetricsLog
+from rm.runs.run_dir import TOKENIZER_DIR
 from rm.data.build import build_split, train_pairs
-from rm.tokenizer import run_tokenizer
+from rm.data.tokenizer import run_tokenizer
 from rm.data.collator import PairCollator
-from rm.model import build_model, pair_rewards
+from rm.modelling.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR
 
 
@@ -31,7 +31,7 @@ def read_metrics(run_dir):
 def learned_run(tmp_path_factory):
     """One tiny full fine-tune, shared by the tests that inspect its outputs."""
     from tests.conftest import FAST_TINY, compose_run
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
 
     cfg = to_run_config(
         compose_run(

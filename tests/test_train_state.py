@@ -1,4 +1,4 @@
-"""The training loop's state (rm.train_state) is saved in every checkpoint and continues after a resume."""
+"""The training loop's state (rm.runs.train_state) is saved in every checkpoint and continues after a resume."""
 
 import json
 import shutil
@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-import rm.checkpoint as ckpt
+import rm.runs.checkpoint as ckpt
 import rm.train as rm_train
-from rm.train_state import TrainState
+from rm.runs.train_state import TrainState
 
 
 def test_record_round_trip_gives_the_sums_to_the_main_process():
@@ -33,7 +33,7 @@ def test_record_round_trip_gives_the_sums_to_the_main_process():
 
 
 def _cfg(*overrides):
-    from rm.config import to_run_config
+    from rm.foundations.config import to_run_config
     from tests.conftest import FAST_TINY, compose_run
 
     # A log line every 3 steps and checkpoints at 2 and 4: the window at checkpoint-2 holds steps 1-2.

@@ -1,13 +1,13 @@
 """Every numeric and enumerated key is validated once, before anything loads, with its range; the model
-shape and optional dependencies are checked by name (rm.validate)."""
+shape and optional dependencies are checked by name (rm.settings.validate)."""
 
 import json
 
 import pytest
 
-from rm.errors import ConfigError
-from rm.tokenizer import check_tokenizer_fits, run_tokenizer
-from rm.validate import validate
+from rm.foundations.errors import ConfigError
+from rm.data.tokenizer import check_tokenizer_fits, run_tokenizer
+from rm.settings.validate import validate
 from tests.conftest import FAST_TINY
 
 
@@ -106,7 +106,7 @@ def test_the_shipped_configs_pass(tiny_cfg):
 
 def test_flex_attention_is_warned_about_before_a_run(tiny_cfg):
     """flex_attention failed to recompile for a new sequence length on an H100 (docs/gpu.md): the plan says so."""
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     flex = validate(tiny_cfg("model.attn_implementation=flex_attention"), world_size=1)
     assert any("flex_attention" in w and "NoValidChoicesError" in w for w in flex.warnings)

@@ -10,14 +10,14 @@ import random
 import numpy as np
 import pytest
 
-from rm.config import compose
+from rm.foundations.config import compose
 from rm.data.shapes import BatchShape, BatchShapes
-from rm.hardware import attention_kernel, resolve_hardware
+from rm.foundations.hardware import attention_kernel, resolve_hardware
 from rm.memory import terms
 from rm.memory.terms import estimate_run, traced_model, worst_rank_estimate
 from rm.memory.trace import estimate_activations, inference_peak_bytes
 from rm.plan.lengths import PairLengths, memory_shapes
-from rm.validate import validate
+from rm.settings.validate import validate
 
 BASE = ["experiment=tiny", "data.max_length=64", "train.eval_batch_size=4"]
 LAYOUTS = [
@@ -47,7 +47,7 @@ def random_case(rng: random.Random):
                  f"memory_profile={rng.choice(['full', 'lora'])}",
                  f"distributed={rng.choice(['ddp', 'ddp', 'zero2', 'zero3'])}",
                  f"hardware={rng.choice(['cpu', 'a100_80g'])}", f"train.max_steps={rng.choice([1, 3])}"]
-    if "train.packing=true" in overrides:  # rm.validate refuses packing under DeepSpeed
+    if "train.packing=true" in overrides:  # rm.settings.validate refuses packing under DeepSpeed
         overrides = [o for o in overrides if not o.startswith("distributed=")]
     cfg = compose(overrides)
     cfg.hardware = resolve_hardware(cfg.hardware)

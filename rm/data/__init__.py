@@ -34,7 +34,7 @@ Accepted layouts (``format``):
 Policies: truncation, identical pairs, duplicates
 -------------------------------------------------
 Each side is tokenised by the reward convention of TRL's ``RewardTrainer``
-(:func:`rm.tokenizer.encode_sides`): a plain-text side (``hh``, ``prompt``) gets the
+(:func:`rm.data.tokenizer.encode_sides`): a plain-text side (``hh``, ``prompt``) gets the
 tokenizer's EOS appended unless it already ends with it (``data.append_eos``) and the
 tokenizer's own special tokens (BOS where it adds one); a conversation (``messages``) is
 tokenised as its chat template renders it, special tokens included. The reward is read at
@@ -97,5 +97,5 @@ Other rows dropped and counted, never silently altered:
 The checks run in this order, each on the pairs the previous ones kept:
 malformed/empty, length, pad id, identical, duplicate. Every row read is
 accounted for in the counts (``rm.data.audit`` checks that they add up and
-``rm.run_setup`` writes them to ``data_audit.json``).
+``rm.training.run_setup`` writes them to ``data_audit.json``).
 """

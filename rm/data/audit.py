@@ -2,7 +2,7 @@
 
 :func:`rm.data.build.build_datasets` gathers one audit per split from the
 :class:`~rm.data.counts.PairCounts` of the split and from the token lengths of the
-pairs kept; ``rm.run_setup`` writes it to ``data_audit.json`` in the run directory
+pairs kept; ``rm.training.run_setup`` writes it to ``data_audit.json`` in the run directory
 and logs :func:`format_audit`. The policies it reports (``data.truncation``,
 ``data.identical_pairs``, ``data.duplicates``, ``data.on_malformed``) are
 documented once, in :mod:`rm.data`.
@@ -117,7 +117,7 @@ def audit_split(counts: PairCounts, chosen_lengths: Iterable[int], rejected_leng
         "identical_before_truncation": counts.identical_before_truncation,
         "identical_after_truncation": counts.identical_after_truncation,
         "duplicates": counts.duplicates,
-        # Unknown tokens among all tokenised sides: a tokenizer that does not know the text (rm.health alarm).
+        # Unknown tokens among all tokenised sides: a tokenizer that does not know the text (rm.training.health alarm).
         "unk_rate": counts.unk_tokens / counts.tokens if counts.tokens else 0.0,
         "empty_sides": {side: counts.empty_sides[side] for side in SIDES},
         "drop_reasons": dict(counts.drop_reasons),  # malformed/empty rows: {reason: {count, first_row}}

@@ -47,13 +47,13 @@ def steps_per_epoch(num_pairs: int, global_batch_size: int) -> int:
 
 
 def total_training_steps(cfg, num_pairs: int) -> int:
-    """The optimizer steps a run of ``cfg`` (``rm.config.RunConfig``) takes over ``num_pairs`` training pairs:
+    """The optimizer steps a run of ``cfg`` (``rm.foundations.config.RunConfig``) takes over ``num_pairs`` training pairs:
     ``train.max_steps``, else ``train.num_train_epochs`` epochs, at least one.
 
     Raises:
         ConfigError: the global batch is larger than the training set.
     """
-    from rm.errors import ConfigError
+    from rm.foundations.errors import ConfigError
 
     per_epoch = steps_per_epoch(num_pairs, cfg.train.global_batch_size)
     if per_epoch == 0:
@@ -126,7 +126,7 @@ def split_by_tokens(indices: Sequence[int], pair_tokens: Sequence[int], max_toke
     Greedy: a pair joins the current micro-batch while the total stays within the
     budget, else it opens the next one. Both sequences of a pair count and always
     stay together. A pair larger than the budget gets a micro-batch of its own
-    (``rm.validate`` rules it out by asking for a budget of at least two
+    (``rm.settings.validate`` rules it out by asking for a budget of at least two
     ``max_length`` sequences).
 
     Args:

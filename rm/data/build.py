@@ -1,8 +1,8 @@
 """Turn the ``data`` group into tokenised train and eval sets.
 
-A split tokenised once is kept on disk under ``$RM_CACHE/data`` (:mod:`rm.cache`) with its counts and the lines
+A split tokenised once is kept on disk under ``$RM_CACHE/data`` (:mod:`rm.foundations.cache`) with its counts and the lines
 its loading logged, keyed by its rows' content (a local file's bytes, the synthetic generator's settings), every
-``data`` setting, the tokenizer as it tokenises (:func:`rm.tokenizer.tokenizer_identity`), the rm source that does
+``data`` setting, the tokenizer as it tokenises (:func:`rm.data.tokenizer.tokenizer_identity`), the rm source that does
 the work (:data:`DATA_SOURCES`) and the libraries' versions: a later run of the same data reads the same token ids
 and counts instead of loading, normalising and tokenising again. ``datasets``' own cache of ``map`` results cannot
 stand in: the normalise and tokenise maps count what they drop while they run (``rm.data.load.map_counting``), and a
@@ -19,24 +19,24 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import datasets
 
-from rm import cache
-from rm.config import DataConfig
+from rm.foundations import cache
+from rm.foundations.config import DataConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
 from rm.data.load import expand_files, load_preference_split, locate_row
 from rm.data.normalise import CHARS_PER_TOKEN_BOUND, max_chars_for, normalise_pairs
 from rm.data.synthetic import generate_pairs
 from rm.data.tokenise import pair_lengths, tokenize_pairs
-from rm.errors import DataError
-from rm.tokenizer import tokenizer_identity
+from rm.foundations.errors import DataError
+from rm.data.tokenizer import tokenizer_identity
 
 log = logging.getLogger(__name__)
 
 # The rm modules that load, normalise and tokenise a split: this one and every module it imports at any depth
 # (tests/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
 DATA_SOURCES = ("rm.data.build", "rm.data.audit", "rm.data.counts", "rm.data.load", "rm.data.normalise",
-                "rm.data.synthetic", "rm.data.tokenise", "rm.tokenizer", "rm.config", "rm.errors", "rm.cli",
-                "rm.launch_env", "rm.cache")
+                "rm.data.synthetic", "rm.data.tokenise", "rm.data.tokenizer", "rm.foundations.config", "rm.foundations.errors", "rm.foundations.cli",
+                "rm.foundations.launch_env", "rm.foundations.cache")
 # The libraries whose code reads, renders (chat templates) and tokenises the rows.
 DATA_LIBRARIES = ("datasets", "pyarrow", "tokenizers", "transformers", "jinja2")
 # Settings that name where the rows are, not what they hold: their content digest stands in for them.
@@ -135,7 +135,7 @@ def split_identity(data_cfg: DataConfig, split: str) -> Optional[Dict[str, Any]]
     """What a split's normalised pairs depend on: its rows' content, every ``data`` setting, the rm source and the
     libraries that read them; None where the content is not known before loading (hub data), or a file cannot be
     read (the build then reports it as it always does). What :func:`split_cache_entry` and the cache of the
-    tokenizer trained on the train split's texts (:func:`rm.tokenizer.run_tokenizer`) are keyed by."""
+    tokenizer trained on the train split's texts (:func:`rm.data.tokenizer.run_tokenizer`) are keyed by."""
     settings = {k: v for k, v in asdict(data_cfg).items() if k not in _LOCATION_KEYS}
     if data_cfg.source == "synthetic":  # the generator's settings are among the settings, its code among the sources
         content: Any = "synthetic"
@@ -203,7 +203,7 @@ def _logged() -> Iterator[List]:
 
 def train_pairs(data_cfg: DataConfig) -> Callable[[Any], datasets.Dataset]:
     """The train split's ``chosen``/``rejected`` texts after normalisation, given the tokenizer that renders its
-    conversations: what :func:`rm.tokenizer.run_tokenizer` trains ``model.tokenizer=bpe`` on. Reading it raises for
+    conversations: what :func:`rm.data.tokenizer.run_tokenizer` trains ``model.tokenizer=bpe`` on. Reading it raises for
     a refused row what :func:`build_split` would raise."""
     return lambda renderer: _normalised_split(data_cfg, renderer, "train")[0]
 

@@ -17,7 +17,7 @@ class PairCollator:
 
     Args:
         pad_token_id: id written into padding positions. rm reads the reward at
-            the last 1 of the attention mask (``rm.model.sequence_rewards``); plain
+            the last 1 of the attention mask (``rm.modelling.model.sequence_rewards``); plain
             transformers reads it at the last token that is not the pad id, which
             agrees only while the pad id does not end a sequence.
         pad_to_multiple_of: round the padded length up to a multiple of this
@@ -71,7 +71,7 @@ class PackedPairCollator:
     (cumulative sequence lengths), so no token attends across a boundary and every
     sequence sees exactly what it would see alone in a padded batch. ``ends`` holds the
     position of each sequence's last token, where its reward is read
-    (``rm.model.sequence_rewards``).
+    (``rm.modelling.model.sequence_rewards``).
 
     Example:
         >>> collate = PackedPairCollator()
@@ -99,7 +99,7 @@ class PackedPairCollator:
         return {"input_ids": input_ids, "position_ids": position_ids, "ends": lengths.cumsum(0) - 1, "margin": margin}
 
 
-# Roles of the tokens of a prefix-shared row (``PrefixSharedCollator``), read by ``rm.prefix_sharing``.
+# Roles of the tokens of a prefix-shared row (``PrefixSharedCollator``), read by ``rm.modelling.prefix_sharing``.
 PAD, PREFIX, CHOSEN, REJECTED = -1, 0, 1, 2
 
 
@@ -141,13 +141,13 @@ class PrefixSharedCollator:
     prefix end, so that every rejected token sees exactly the keys and positions it would see alone.
     That attention pattern is not expressible with position ids alone: the batch carries, per token,
     the pair it belongs to (``pair_ids``, -1 on padding) and its role (``roles``: ``PREFIX``,
-    ``CHOSEN``, ``REJECTED`` or ``PAD``), from which ``rm.prefix_sharing.shared_prefix_mask`` builds
+    ``CHOSEN``, ``REJECTED`` or ``PAD``), from which ``rm.modelling.prefix_sharing.shared_prefix_mask`` builds
     the 4D mask (or flex-attention BlockMask) on the model's device.
 
     Rewards are read at the last token of each side: the chosen suffix's last token, the rejected
     suffix's last token, or the prefix's last token for a side with an empty suffix (one sequence is
     a prefix of the other). ``ends`` holds them as flat indices into the ``(rows x length)`` batch,
-    the B chosen ends then the B rejected ends, as ``rm.model.pair_rewards`` expects.
+    the B chosen ends then the B rejected ends, as ``rm.modelling.model.pair_rewards`` expects.
 
     Args:
         packed: True puts all pairs of the micro-batch into one row (with ``train.packing``);

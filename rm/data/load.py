@@ -19,7 +19,7 @@ from typing import Any
 
 import datasets
 
-from rm.errors import ConfigError, DataError, DataFileNotFound
+from rm.foundations.errors import ConfigError, DataError, DataFileNotFound
 
 logger = logging.getLogger(__name__)
 

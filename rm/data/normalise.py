@@ -11,10 +11,10 @@ from typing import Any
 
 import datasets
 
-from rm.config import FORMATS, IDENTICAL_PAIRS, ON_MALFORMED
+from rm.foundations.config import FORMATS, IDENTICAL_PAIRS, ON_MALFORMED
 from rm.data.counts import SIDES, Drop, PairCounts
 from rm.data.load import FORMAT_HELP, check_choice, detect_format, map_counting, row_layout
-from rm.errors import DataError
+from rm.foundations.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def _check_ends_on_an_answer(side: str, conversation: list[dict]) -> None:
         raise _RowProblem(Drop.NO_ANSWER, f"'{side}' ends on a {roles[-1]!r} message, not an assistant answer")
 
 
-# templated: the sides were rendered by the chat template, which wrote their special tokens (rm.tokenizer.encode_sides).
+# templated: the sides were rendered by the chat template, which wrote their special tokens (rm.data.tokenizer.encode_sides).
 _NORMALISED_FEATURES = datasets.Features(
     {"chosen": datasets.Value("string"), "rejected": datasets.Value("string"), "margin": datasets.Value("float32"),
      "templated": datasets.Value("bool")}
@@ -180,7 +180,7 @@ def normalise_pairs(
     Args:
         ds: Raw dataset (from :func:`rm.data.load.load_preference_split` or
             ``datasets.Dataset.from_list``).
-        fmt: One of :data:`rm.config.FORMATS`; ``"auto"`` uses :func:`rm.data.load.detect_format`.
+        fmt: One of :data:`rm.foundations.config.FORMATS`; ``"auto"`` uses :func:`rm.data.load.detect_format`.
         tokenizer: Needed only for ``"messages"`` (its chat template renders the
             conversation); may be None otherwise.
         margin_column: Column holding a numeric margin per pair, copied to
@@ -189,7 +189,7 @@ def normalise_pairs(
         on_malformed: ``"skip"`` drops and counts bad rows, ``"error"`` raises on
             the first one.
         identical: ``"drop"`` or ``"keep"`` pairs whose two texts are equal (see
-            :data:`rm.config.IDENTICAL_PAIRS`).
+            :data:`rm.foundations.config.IDENTICAL_PAIRS`).
         row_index: Also return a ``row`` column with each pair's index in ``ds``,
             which :func:`rm.data.tokenise.tokenize_pairs` names in its errors.
         max_chars: A side longer than this many characters is far longer than any ``max_length`` it was derived
@@ -202,7 +202,7 @@ def normalise_pairs(
     Returns:
         ``(dataset, counts)``. The dataset has exactly the columns ``chosen``
         (str), ``rejected`` (str), ``margin`` (float32) and ``templated`` (bool: rendered by
-        the chat template, :func:`rm.tokenizer.encode_sides`), in input order (and
+        the chat template, :func:`rm.data.tokenizer.encode_sides`), in input order (and
         ``row``, int64, with ``row_index``). ``counts`` is the split's
         :class:`~rm.data.counts.PairCounts` so far: ``rows``, the drops
         ``malformed``, ``empty`` and ``identical`` (equal texts; a pair dropped

@@ -89,7 +89,7 @@ class BatchShapes:
         first_step_rest: the most rows and the longest row of the first step's other micro-batches (``None``:
             the first step has one micro-batch, or the shapes are the config's).
         segment: packed layouts, the longest sequence (packed) or pair (packed+shared) a row holds: SDPA
-            takes a packed row one of those at a time (``rm.attention``), and the longest bounds its transients.
+            takes a packed row one of those at a time (``rm.modelling.attention``), and the longest bounds its transients.
             ``None``: not packed.
     """
 
@@ -114,7 +114,7 @@ def layout_of(packing: bool, share_prefix: bool) -> str:
 def row_tokens(layout: str, chosen: Sequence[int], rejected: Sequence[int],
                shared: Optional[Sequence[int]]) -> np.ndarray:
     """Per pair, what its micro-batch's length is made of: the longer side (padded), chosen + rejected
-    (packed), or prompt + both answers (shared layouts; ``shared`` as :func:`rm.run_setup.log_prefix_sharing`)."""
+    (packed), or prompt + both answers (shared layouts; ``shared`` as :func:`rm.training.run_setup.log_prefix_sharing`)."""
     if layout in ("shared", "packed+shared"):
         return np.asarray(shared, dtype=np.int64)
     c, r = np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64)
@@ -221,7 +221,7 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
     packed = layout.startswith("packed")
     per_pair_rows = 1 if layout == "shared" else 2
     if batches.pair_tokens is not None:  # a token budget: micro-batches of varying sizes, cut greedily
-        if not packed:  # rm.validate allows a budget only with packing: one row of the tokens the budget counts
+        if not packed:  # rm.settings.validate allows a budget only with packing: one row of the tokens the budget counts
             raise ValueError(f"a token budget needs a packed layout, not {layout!r}")
         per_step, most = budget_lengths(batches, orders)
         rows, accumulating = 1, most > 1
@@ -259,7 +259,7 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
 
 
 def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int, rank: int) -> Optional[BatchShape]:
-    """The largest evaluation forward of one rank over the eval sets (:func:`rm.metrics.evaluate`: rank ``r``
+    """The largest evaluation forward of one rank over the eval sets (:func:`rm.evaluation.metrics.evaluate`: rank ``r``
     scores pairs ``r, r + world_size, ...``, ``batch_size`` pairs a forward, both sides padded to the batch's
     longest sequence; a rank whose share runs out before the others' scores pair 0 alone in each batch it lacks,
     to keep the collectives in step).
@@ -299,7 +299,7 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
     """Per rank, the largest training micro-batch and evaluation forward it will form, from token lengths alone.
 
     Ranks run different pairs, so their peaks differ: each rank's estimate is sized at its own micro-batches,
-    and the verdict at the largest of those estimates (:func:`rm.preflight.data_preflight`).
+    and the verdict at the largest of those estimates (:func:`rm.memory.preflight.data_preflight`).
 
     Args:
         batches: the run's :class:`StepBatches`.

@@ -51,7 +51,7 @@ closed vocabulary.
 The generator uses a closed vocabulary: :func:`emitted_words` collects every
 literal fragment and slot value below, split the way the ``tokenizers``
 ``Whitespace`` pre-tokenizer splits text (``\\w+|[^\\w\\s]+``); they are the words of the word-level
-tokenizer (:data:`rm.tokenizer.VOCABULARY`, ``model.tokenizer=words``), which so covers the data with no unknown
+tokenizer (:data:`rm.data.tokenizer.VOCABULARY`, ``model.tokenizer=words``), which so covers the data with no unknown
 tokens. The demo's default, a byte-level BPE trained on the data, covers any text.
 
 Train and test are kept disjoint by construction: each pair is assigned to a
@@ -239,7 +239,7 @@ def _literal_texts() -> list[str]:
 
 def emitted_words() -> tuple[str, ...]:
     """Every token the generator can emit, sorted, as the ``Whitespace`` pre-tokenizer splits text: the words
-    :data:`rm.tokenizer.VOCABULARY` must hold (``tests/test_synthetic.py`` holds them equal)."""
+    :data:`rm.data.tokenizer.VOCABULARY` must hold (``tests/test_synthetic.py`` holds them equal)."""
     words: set[str] = set()
     for text in _literal_texts():
         words.update(_PRETOKENIZE_RE.findall(text))

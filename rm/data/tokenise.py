@@ -1,6 +1,6 @@
 """Normalised pairs to the token ids the reward model scores, applying the policies of :mod:`rm.data`.
 
-Per side: the ids of the reward convention (:func:`rm.tokenizer.encode_sides`: a plain-text side with the EOS
+Per side: the ids of the reward convention (:func:`rm.data.tokenizer.encode_sides`: a plain-text side with the EOS
 appended and the tokenizer's special tokens, a templated conversation as rendered). The checks run in the order
 :mod:`rm.data` documents (length, pad id, identical, duplicate), each on the pairs the previous ones kept.
 """
@@ -17,12 +17,12 @@ from typing import Any
 import datasets
 import pyarrow.compute as pc
 
-from rm.config import DUPLICATES, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
+from rm.foundations.config import DUPLICATES, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION
 from rm.data.audit import length_stats
 from rm.data.counts import SIDES, Drop, PairCounts
 from rm.data.load import check_choice, map_counting
-from rm.errors import DataError
-from rm.tokenizer import encode_sides
+from rm.foundations.errors import DataError
+from rm.data.tokenizer import encode_sides
 
 _TOKENIZED_FEATURES = datasets.Features(
     {
@@ -50,7 +50,7 @@ def leading_special_ids(tokenizer: Any) -> list[int]:
 
 def encode_texts(tokenizer: Any, texts: Sequence[str], templated: Sequence[bool] | None = None,
                  append_eos: bool = True) -> list[list[int]]:
-    """Token ids of each text, in order, by the reward convention (:func:`rm.tokenizer.encode_sides`);
+    """Token ids of each text, in order, by the reward convention (:func:`rm.data.tokenizer.encode_sides`);
     ``templated[i]``: text ``i`` was rendered by the chat template (None: none was)."""
     flags = [False] * len(texts) if templated is None else [bool(t) for t in templated]
     out: list[list[int]] = [[] for _ in texts]
@@ -185,7 +185,7 @@ def tokenize_pairs(
 ) -> tuple[datasets.Dataset, PairCounts]:
     """Tokenises normalised pairs and applies the policies of :mod:`rm.data`.
 
-    Per side: the ids of :func:`rm.tokenizer.encode_sides` (``append_eos``: ``data.append_eos``). A side longer than
+    Per side: the ids of :func:`rm.data.tokenizer.encode_sides` (``append_eos``: ``data.append_eos``). A side longer than
     ``max_length`` keeps the tokens the tokenizer prepends (e.g. BOS) and loses
     tokens from the left of the rest (``"truncate"``), or the pair is dropped
     (``"drop"``), or this raises (``"error"``). A side that contains the pad id
@@ -200,11 +200,11 @@ def tokenize_pairs(
             errors name that row instead of the index in ``ds``.
         tokenizer: A transformers tokenizer.
         max_length: Maximum tokens per side, special tokens included.
-        truncation: One of :data:`rm.config.TRUNCATION`.
+        truncation: One of :data:`rm.foundations.config.TRUNCATION`.
         on_malformed: What to do with a side containing the pad id: ``"skip"``
             (drop, count as ``pad_in_text``) or ``"error"`` (raise).
-        identical: One of :data:`rm.config.IDENTICAL_PAIRS`.
-        duplicates: One of :data:`rm.config.DUPLICATES`.
+        identical: One of :data:`rm.foundations.config.IDENTICAL_PAIRS`.
+        duplicates: One of :data:`rm.foundations.config.DUPLICATES`.
         counts: The counts :func:`~rm.data.normalise.normalise_pairs` returned with ``ds``, to go on
             with (left unchanged); None starts new ones whose rows are the pairs of ``ds``.
 
@@ -236,7 +236,7 @@ def tokenize_pairs(
     if append_eos and pad is not None and pad == eos:
         raise DataError(f"the tokenizer's pad token {tokenizer.pad_token!r} is the EOS that ends every plain-text side: "
                         "every side would be dropped as holding the pad id. Give the tokenizer another pad token "
-                        "(rm.tokenizer.build_tokenizer picks one), or set data.append_eos=false")
+                        "(rm.data.tokenizer.build_tokenizer picks one), or set data.append_eos=false")
     counts = PairCounts(rows=len(ds)) if counts is None else counts.copy()
     if counts.pairs_out != len(ds):
         raise ValueError(f"the counts end with {counts.pairs_out} pairs, the dataset has {len(ds)}")

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rm.config import RunConfig
+from rm.foundations.config import RunConfig
 from rm.memory.terms import GIB, Estimate
-from rm.precision import SHORT
+from rm.foundations.precision import SHORT
 
 if TYPE_CHECKING:
-    from rm.validate import Plan
+    from rm.settings.validate import Plan
 
 
 def estimate_label(cfg: RunConfig, plan: Plan) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from rm.config import MemoryProfileConfig, RunConfig, memory_profiles
+from rm.foundations.config import MemoryProfileConfig, RunConfig, memory_profiles
 from rm.memory.terms import GIB, Estimate, cannot_fit, estimate_run
 
 if TYPE_CHECKING:
-    from rm.validate import Plan
+    from rm.settings.validate import Plan
 
 
 def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str, base_overrides: Sequence[str] = ()) -> List[List[str]]:
@@ -65,14 +65,14 @@ def with_overrides(cfg: RunConfig, base_overrides: List[str], extra: List[str]) 
         from omegaconf import OmegaConf
 
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cfg), OmegaConf.from_dotlist(list(extra))))
-    from rm.config import compose
+    from rm.foundations.config import compose
 
     return compose([*base_overrides, *extra])
 
 
 def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: int = 5):
     """Up to ``limit`` override sets that pass validation and fit, each with its estimate."""
-    from rm.validate import ConfigError, validate
+    from rm.settings.validate import ConfigError, validate
 
     peak_phase = estimate_run(cfg, plan).peak_phase  # its traces are cached: arithmetic only
     jobs = []
@@ -128,7 +128,7 @@ def estimate_each(jobs: List[Tuple[RunConfig, Plan]]) -> List[Optional[Estimate]
 
 def best_micro_batch(base_overrides: List[str], cfg: RunConfig, plan: Plan) -> Optional[int]:
     """The largest micro-batch (dividing the global batch per process) whose estimate fits."""
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     per_process = cfg.train.global_batch_size // plan.world_size
     for micro in sorted((d for d in range(1, per_process + 1) if per_process % d == 0), reverse=True):

@@ -16,13 +16,13 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from rm.config import LoraConfig, ModelConfig, RunConfig
-from rm.hardware import attention_kernel
+from rm.foundations.config import LoraConfig, ModelConfig, RunConfig
+from rm.foundations.hardware import attention_kernel
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
     from rm.data.shapes import BatchShapes
     from rm.memory.trace import TracedModel
-    from rm.validate import Plan
+    from rm.settings.validate import Plan
 
 GIB = 1024**3
 MIB = 1024**2
@@ -82,7 +82,7 @@ def parameter_counts(m: ModelConfig, lora: Optional[LoraConfig]) -> ParameterCou
     """Exact parameter counts of ``AutoModelForSequenceClassification`` (one label) for Mistral/Llama/Qwen2.
 
     Example (the tiny model: embedding 512x128, two layers of 147,712, final norm, score head):
-        >>> from rm.config import ModelConfig
+        >>> from rm.foundations.config import ModelConfig
         >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
         >>> parameter_counts(m, None).total
@@ -113,7 +113,7 @@ def released_after_forward(m: ModelConfig, lora: Optional[LoraConfig], input_gra
     untargeted q/k/v projection of it (measured: a LoRA point without checkpointing held every gathered weight
     at its peak but the embedding, 6.5% below the estimate that counted it). A full fine-tune trains them all.
 
-    >>> from rm.config import LoraConfig, ModelConfig
+    >>> from rm.foundations.config import LoraConfig, ModelConfig
     >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
     ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
     >>> released_after_forward(m, LoraConfig(target_modules=["q_proj", "v_proj"]), input_grads=False)  # + k_proj
@@ -217,7 +217,7 @@ class Estimate:
     uncalibrated: List[str]
     world_size: int = 1
     world_size_source: str = "given"
-    precision: str = ""  # the resolved train.precision, and the dtypes it keeps (rm.precision)
+    precision: str = ""  # the resolved train.precision, and the dtypes it keeps (rm.foundations.precision)
     numerics: Dict = field(default_factory=dict)
     warnings: List[str] = field(default_factory=list)  # the plan's: settings that fit but a user should hear about
     # What activations were sized at: "config" (the worst case the config allows) or "data" (the run's longest
@@ -367,7 +367,7 @@ def quantising_load_bytes(m: ModelConfig, load_bytes: int, disk_bytes: int = 4) 
     from its fp32 copy (32,768) beside its NF4 bytes (5,320) and two copies of its block scales (2 x 4 x 128), with
     RoPE's buffers (256), bitsandbytes' code books (1,152), the embedding, the norm and the two other MLP weights' NF4
     bytes held: 77,840 + 39,112 = 116,952 (the attention weights, loaded later, are half the size).
-        >>> from rm.config import ModelConfig
+        >>> from rm.foundations.config import ModelConfig
         >>> m = ModelConfig(name="t", vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
         ...                 num_attention_heads=1, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
         >>> quantising_load_bytes(m, 4)
@@ -415,14 +415,14 @@ def qlora_load_bytes(cfg: RunConfig, plan: Plan) -> int:
 
 
 def random_init_build_bytes(m: ModelConfig) -> int:
-    """Bytes a process holds while it builds a shape's random init to save it for QLoRA (``rm.model.saved_random_init``,
+    """Bytes a process holds while it builds a shape's random init to save it for QLoRA (``rm.modelling.model.saved_random_init``,
     when ``model.pretrained`` is null): the whole model in fp32 (transformers' ``from_config`` in the default dtype),
     its parameters and RoPE's two buffers (``inv_freq`` and ``original_inv_freq``, head_dim / 2 fp32 each). Nothing
     else of the run exists yet; the model is freed once saved, before the 4-bit load (measured to the byte on a
     38.5M-parameter Llama shape: 154,098,048 bytes).
 
     The tiny model (361,216 parameters, head_dim 32): 4 x 361,216 + 2 x 16 x 4 = 1,444,864 + 128.
-        >>> from rm.config import ModelConfig
+        >>> from rm.foundations.config import ModelConfig
         >>> m = ModelConfig(name="t", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         ...                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
         >>> random_init_build_bytes(m)
@@ -468,10 +468,10 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
                     wbytes: int, uncalibrated: List[str], rank: Optional[int] = None) -> TraceFreeTerms:
     """What DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) allocates beside the weights, on ``rank``
     (``None``: the worst rank)."""
-    from rm.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
+    from rm.distributed.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
 
     n, stage, profile = plan.world_size, plan.zero_stage, cfg.memory_profile
-    buckets = deepspeed_buckets(stage, cfg.model.hidden_size, counts.trainable)  # as rm.engine configures them
+    buckets = deepspeed_buckets(stage, cfg.model.hidden_size, counts.trainable)  # as rm.distributed.engine configures them
     bucket = buckets["reduce"]
     if stage == 3:
         uncalibrated.append("DeepSpeed ZeRO-3 buffers")
@@ -504,7 +504,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         # long as the optimizer. An evaluation forward has no backward to free what it gathers: at the same
         # reuse distance every parameter stays gathered through it (measured).
         persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
-        input_grads = cfg.train.gradient_checkpointing and profile.quantize_base == "none"  # rm.model, PEFT
+        input_grads = cfg.train.gradient_checkpointing and profile.quantize_base == "none"  # rm.modelling.model, PEFT
         released = [x for x in released_after_forward(cfg.model, cfg.lora if profile.use_lora else None, input_grads)
                     if x >= buckets["persistence"]]
         t.gathered = min(counts.total - persistent - sum(released), DEEPSPEED_MAX_LIVE) * wbytes
@@ -634,7 +634,7 @@ def largest_partition_slices(tensor_numels: List[int], world_size: int) -> List[
 def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> TraceFreeTerms:
     """Weights, gradients, optimizer states, engine buffers and host RAM: everything but activations, on ``rank``
     (``None``: the worst rank)."""
-    from rm.engine import deepspeed_buckets
+    from rm.distributed.engine import deepspeed_buckets
 
     m, profile, numerics = cfg.model, cfg.memory_profile, plan.numerics
     counts = parameter_counts(m, cfg.lora if profile.use_lora else None)
@@ -665,10 +665,10 @@ def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> 
 
 
 def lost_update_probe_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts) -> int:
-    """The lost-update probe (``rm.lost_updates``) where ``rm.run_setup.watch_lost_updates`` attaches it: its
+    """The lost-update probe (``rm.foundations.lost_updates``) where ``rm.training.run_setup.watch_lost_updates`` attaches it: its
     sampled positions (int64) for the whole run, and around each optimizer step a snapshot of as many values and
     gradients, which ``torch.cat`` widens to fp32 (one more 8 bytes an element)."""
-    from rm.lost_updates import SAMPLE_SIZE
+    from rm.foundations.lost_updates import SAMPLE_SIZE
 
     attached = cfg.health.lost_updates_threshold > 0 and plan.strategy != "deepspeed" and not cfg.train.kahan_summation
     return 8 * min(SAMPLE_SIZE, counts.trainable) if attached else 0
@@ -686,7 +686,7 @@ def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int,
         # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.
         saved = math.ceil(counts.trainable / plan.world_size) * (4 + 8) if plan.strategy == "deepspeed" else states
         host += plan_procs_per_node(cfg, plan) * saved
-    # The export check reloads the saved model on the CPU of the main process (rm.export), beside
+    # The export check reloads the saved model on the CPU of the main process (rm.modelling.bundle), beside
     # whatever the host already holds for this node's processes.
     return host + counts.total * wbytes
 
@@ -732,9 +732,9 @@ def cannot_fit(cfg: RunConfig, plan: Plan) -> bool:
 def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
     """The model the run trains, as the trace builds it. flash_attention_2 and flex_attention cannot be
     traced on the CPU; SDPA's footprint stands in (it bounds flex-attention's, a BlockMask, not T x T)."""
-    from rm.loss import build_loss
+    from rm.modelling.loss import build_loss
     from rm.memory.trace import TracedModel
-    from rm.precision import fp32_head_enabled  # not rm.model's: a cached trace needs no transformers
+    from rm.foundations.precision import fp32_head_enabled  # not rm.modelling.model's: a cached trace needs no transformers
 
     m = cfg.model
     if m.attn_implementation in ("flash_attention_2", "flex_attention"):
@@ -805,7 +805,7 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
             (:func:`rm.data.shapes.data_shapes`, what ``rm.train`` decides by), or ``None`` for the worst case
             the config allows (:func:`worst_case_shapes`, what ``python -m rm.estimate`` reports).
         rank: the process whose ZeRO partitions to count; ``None``: the largest partition of any rank.
-        random_init_cached: QLoRA from a shape only: its random init is saved already (``rm.model.random_init_saved``,
+        random_init_cached: QLoRA from a shape only: its random init is saved already (``rm.modelling.model.random_init_saved``,
             which ``rm.train`` asks before it builds anything), so the run does not build it first. ``False``, the
             default, counts the build, a first run's peak (:func:`random_init_build_bytes`).
     """
@@ -926,7 +926,7 @@ def bounding_shapes(shapes: Sequence["BatchShapes"], segmented: bool) -> List["B
 
 def worst_rank_estimate(cfg: RunConfig, plan: Plan, shapes: Sequence["BatchShapes"]) -> Estimate:
     """The largest of the ranks' estimates, each :func:`estimate_run` at its own shapes (``shapes``, in rank order):
-    the verdict :func:`rm.preflight.data_preflight` reaches, with fewer traces where there are several ranks.
+    the verdict :func:`rm.memory.preflight.data_preflight` reaches, with fewer traces where there are several ranks.
 
     Each trace costs about half a second, and eight ranks' shapes are mostly distinct. So every rank is first bounded
     by the estimate at :func:`bounding_shapes` (the same few traces for all ranks; the rank still decides its ZeRO
@@ -1125,7 +1125,7 @@ def shared_prefix_rows(micro_batch_size: int, max_length: int, max_tokens: int, 
 def shared_prefix_input_bytes(rows: int, seq_len: int) -> int:
     """The int64 token ids, position ids, pair ids and roles of a prefix-shared micro-batch, alive through the step.
 
-    The 4D mask built from them is in the activations: the trace builds it as ``rm.model`` does.
+    The 4D mask built from them is in the activations: the trace builds it as ``rm.modelling.model`` does.
     """
     return 4 * rows * seq_len * 8
 

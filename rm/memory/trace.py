@@ -15,9 +15,9 @@ but no memory and no data), record every storage allocated and freed
 (:class:`rm.memory.storage.StorageTracker`), and extrapolate to ``num_layers``.
 
 The copy is built by the function that builds the model a run trains
-(:func:`rm.model.build_reward_model`: LoRA wrap, fp32 reward head, QLoRA's preparation)
+(:func:`rm.modelling.model.build_reward_model`: LoRA wrap, fp32 reward head, QLoRA's preparation)
 on the meta device, and scored by the trainer's own reward read
-(:func:`rm.model.pair_rewards`) and loss (the run's :class:`rm.loss.PairLoss`, its margins and centring included). Under QLoRA the copy has no 4-bit weights to
+(:func:`rm.modelling.model.pair_rewards`) and loss (the run's :class:`rm.modelling.loss.PairLoss`, its margins and centring included). Under QLoRA the copy has no 4-bit weights to
 quantise, so its linears are the fp32 linears ``prepare_model_for_kbit_training`` leaves
 behind; bitsandbytes' ``Linear4bit`` also returns its input's dtype (fp32 there), so the
 saved tensors agree, and the weight dequantised inside each 4-bit matmul (a transient) is
@@ -50,7 +50,7 @@ kernel and CUDA's flash / memory-efficient kernels all keep the output and an fp
 log-sum-exp of ``B*H*T`` (CUDA's efficient kernel pads ``T`` to 32).
 ``flash_attention_2`` cannot be traced.
 
-Each trace is kept in memory for the process and on disk under ``$RM_CACHE/trace`` (:mod:`rm.cache`), keyed by its
+Each trace is kept in memory for the process and on disk under ``$RM_CACHE/trace`` (:mod:`rm.foundations.cache`), keyed by its
 arguments (the model's shape, profile, LoRA settings, numerics, checkpointing, attention, device, micro-batch shape),
 the versions of the libraries whose code it runs and the source of the rm modules it runs (:data:`TRACE_SOURCES`):
 a run of a shape traced before, in any process, reads a few integers instead of tracing (seconds for a tiny model,
@@ -72,18 +72,18 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from rm import cache
-from rm.config import ALL_LINEAR, LoraConfig, MemoryProfileConfig, ModelConfig
-from rm.loss import PairLoss
+from rm.foundations import cache
+from rm.foundations.config import ALL_LINEAR, LoraConfig, MemoryProfileConfig, ModelConfig
+from rm.modelling.loss import PairLoss
 from rm.memory.storage import StorageTracker
-from rm.precision import Numerics
+from rm.foundations.precision import Numerics
 
 _SUPPORTED_ATTN = ("sdpa", "eager")
 
 # The rm modules a trace runs: this one, and every module it imports at any depth (tests/test_startup_cache.py holds
 # the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
-TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.model", "rm.loss", "rm.precision", "rm.prefix_sharing",
-                 "rm.attention", "rm.data.collator", "rm.config", "rm.cache", "rm.launch_env")
+TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.modelling.model", "rm.modelling.loss", "rm.foundations.precision", "rm.modelling.prefix_sharing",
+                 "rm.modelling.attention", "rm.data.collator", "rm.foundations.config", "rm.foundations.cache", "rm.foundations.launch_env")
 # The libraries whose code a trace runs: the model's (transformers), the adapters' (peft), the kernels' saved tensors
 # (torch), ZeRO-3's linear (deepspeed). Another version of any of them is a miss.
 TRACE_LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
@@ -101,11 +101,11 @@ def _group(cls, items: Items):
 
 @dataclass(frozen=True)
 class TracedModel:
-    """The arguments of :func:`rm.model.build_reward_model` for one run, and the loss its step computes, hashable so
+    """The arguments of :func:`rm.modelling.model.build_reward_model` for one run, and the loss its step computes, hashable so
     traces can be cached.
 
     ``model.pretrained`` is dropped: the trace builds from the shape numbers, which are the
-    pretrained model's own (``rm.config.ModelConfig``).
+    pretrained model's own (``rm.foundations.config.ModelConfig``).
     """
 
     model: Items
@@ -141,7 +141,7 @@ class TracedModel:
 
     def build(self, num_layers: int) -> torch.nn.Module:
         """The run's reward model with ``num_layers`` layers on the meta device (no memory, no weights)."""
-        from rm.model import build_reward_model
+        from rm.modelling.model import build_reward_model
 
         if self.model_cfg.attn_implementation not in _SUPPORTED_ATTN:
             raise ValueError(f"model.attn_implementation={self.model_cfg.attn_implementation!r} cannot be traced on "
@@ -299,7 +299,7 @@ def _base(model) -> torch.nn.Module:
 
 
 def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool, segment: int = 0) -> Dict[str, torch.Tensor]:
-    """The inputs of :func:`rm.model.pair_rewards` for a micro-batch of this layout (inside FakeTensorMode).
+    """The inputs of :func:`rm.modelling.model.pair_rewards` for a micro-batch of this layout (inside FakeTensorMode).
 
     Row per pair: every row padded, so transformers builds the (B,1,T,T) mask and SDPA repeats K/V to all
     heads, the costlier path (under fake tensors it cannot read the mask, so passing one takes that path), unless
@@ -307,7 +307,7 @@ def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool, segment:
     Packed: one row, position ids restarting per sequence, no mask. Prefix-shared: rows of pairs with the
     per-token pair ids and roles from which the trainer builds the 4D mask inside the step. Two rewards
     per row are read: where they are read does not change what the step keeps. ``segment``: a packed row
-    is split into sequences (or pairs) of this many tokens for SDPA (``rm.attention``; fake ids cannot say where).
+    is split into sequences (or pairs) of this many tokens for SDPA (``rm.modelling.attention``; fake ids cannot say where).
     """
     if not (packed or shared_prefix):
         # pad id 0 never appears in the ids: the reward is read at the last position.
@@ -326,9 +326,9 @@ def _batch(batch: int, seq_len: int, packed: bool, shared_prefix: bool, segment:
 
 
 def _loss(model, inputs, loss: PairLoss) -> torch.Tensor:
-    """The training step's loss, computed as ``rm.trainer`` computes it: the run's loss of the rewards, with the
+    """The training step's loss, computed as ``rm.training.trainer`` computes it: the run's loss of the rewards, with the
     batch's margins (zeros here: what the loss keeps depends on their shape, not their values)."""
-    from rm.model import pair_rewards
+    from rm.modelling.model import pair_rewards
 
     margin = inputs.pop("margin")
     chosen, rejected = pair_rewards(model, **inputs)
@@ -507,7 +507,7 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
     path anyway, which here is the real one.
 
     ``shared_prefix``: ``batch`` rows of prefix-shared pairs (``train.share_prefix``): the 4D mask is
-    built from per-token pair ids and roles inside the step, as ``rm.model.sequence_rewards`` does,
+    built from per-token pair ids and roles inside the step, as ``rm.modelling.model.sequence_rewards`` does,
     so it and its intermediates are counted; transformers passes it to attention as it is.
     """
     tracker = StorageTracker(timeline=True)
@@ -589,7 +589,7 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
             position ids restart per sequence and transformers builds a block-diagonal mask.
         shared_prefix: ``batch`` rows of prefix-shared pairs (``train.share_prefix``) with their 4D mask.
         padded: row per pair, some row is padded (:attr:`rm.data.shapes.BatchShape.padded`).
-        segment: packed, SDPA a ``segment``-token sequence (or pair) at a time (``rm.attention``); 0: the
+        segment: packed, SDPA a ``segment``-token sequence (or pair) at a time (``rm.modelling.attention``); 0: the
             row in one call.
 
     Returns:
@@ -751,7 +751,7 @@ def inference_peak_bytes(traced: TracedModel, batch: int, seq_len: int) -> int:
 
 
 def _run_inference_trace(traced: TracedModel, batch: int, seq_len: int) -> int:
-    from rm.model import pair_rewards
+    from rm.modelling.model import pair_rewards
 
     tracker = StorageTracker()
     model = traced.build(2)

@@ -67,9 +67,9 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rm.cli import without_bitsandbytes, without_run_dir
-    from rm.config import to_run_config
-    from rm.errors import answer_only_on_stdout, run_hydra_app
+    from rm.foundations.cli import without_bitsandbytes, without_run_dir
+    from rm.foundations.config import to_run_config
+    from rm.foundations.errors import answer_only_on_stdout, run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()

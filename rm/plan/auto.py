@@ -18,7 +18,7 @@ import logging
 from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rm.config import RunConfig, TrainConfig
+from rm.foundations.config import RunConfig, TrainConfig
 from rm.plan.lengths import PairLengths
 from rm.plan.search import KNOBS, Candidate, _Timer, candidates, check_fastest, set_keys
 
@@ -71,17 +71,17 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
     """The config and plan the run trains with under ``train.layout=auto``, and what was chosen.
 
     Args:
-        cfg, plan: the config as composed and its validated :class:`rm.validate.Plan` (after the pre-flight).
+        cfg, plan: the config as composed and its validated :class:`rm.settings.validate.Plan` (after the pre-flight).
         overrides: the command line ``cfg`` came from.
         lengths: the run's own training pairs (:func:`rm.plan.lengths.lengths_of`).
-        pinned: a resumed run's checkpoint fingerprint (:func:`rm.resume.fingerprint`): its layout is taken as is.
+        pinned: a resumed run's checkpoint fingerprint (:func:`rm.runs.resume.fingerprint`): its layout is taken as is.
 
     Returns:
         ``(cfg, plan, choice)``; ``cfg`` and ``plan`` unchanged and ``choice`` ``None`` with ``train.layout=given``.
     """
-    from rm.errors import ConfigError
+    from rm.foundations.errors import ConfigError
     from rm.plan.constants import rates_for
-    from rm.validate import validate
+    from rm.settings.validate import validate
 
     if cfg.train.layout != "auto":
         return cfg, plan, None

@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from rm.config import HardwareConfig
-from rm.errors import ConfigError
-from rm.hardware import PROFILE_KEYS
+from rm.foundations.config import HardwareConfig
+from rm.foundations.errors import ConfigError
+from rm.foundations.hardware import PROFILE_KEYS
 from rm.plan.steptime import Rates
 
 GB = 1e9
@@ -98,7 +98,7 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
 
     import torch
 
-    from rm.attention import sdpa_kernels
+    from rm.modelling.attention import sdpa_kernels
 
     sync = torch.cuda.synchronize if device == "cuda" else None
     _timed = functools.partial(_best, sync=sync)
@@ -124,7 +124,7 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
         # SDPA with a boolean mask over 8 heads of 64, forward and backward (4 x 8 x 64 x L^2 FLOPs forward, twice
         # that backward), at the lengths one call computes: a padded row, a packed row's sequence or a shared pair.
         # Short calls run far below long ones (measured: 35-50 GFLOP/s at 64 tokens, 85 at 128, 110 at 256-512).
-        # Under the kernels rm's attention allows (on a GPU not cuDNN's, rm.attention.sdpa_kernels).
+        # Under the kernels rm's attention allows (on a GPU not cuDNN's, rm.modelling.attention.sdpa_kernels).
         heads, dim = 8, 64
         table = []
         for length in lengths:

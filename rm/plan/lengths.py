@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rm.config import RunConfig
+from rm.foundations.config import RunConfig
 from rm.plan.steptime import MicroBatch, micro_batch
 
 # The word-level tokenizer's pieces (tokenizers' Whitespace pre-tokenizer, each piece one id): counting them
@@ -53,7 +53,7 @@ class PairLengths:
 
 def readable_here(cfg: RunConfig) -> Optional[str]:
     """``None`` where the configured data and tokenizer can be read without a download, else why not."""
-    from rm.tokenizer import tokenizer_kind
+    from rm.data.tokenizer import tokenizer_kind
 
     from pathlib import Path
 
@@ -72,7 +72,7 @@ def data_lengths(cfg: RunConfig) -> PairLengths:
     if why is not None:
         return stand_in_lengths(cfg.data.max_length, cfg.plan.stand_in_pairs, why)
     from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs
-    from rm.tokenizer import run_tokenizer
+    from rm.data.tokenizer import run_tokenizer
 
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
     train, evaluation, _ = build_datasets(cfg.data, tokenizer)
@@ -158,7 +158,7 @@ def step_micro_batches(lengths: PairLengths, layout: str, micro_batch_size: int,
 
 def memory_shapes(cfg: RunConfig, plan, lengths: PairLengths):
     """Per rank, the largest micro-batches the run would form over all its steps: what ``rm.train``'s memory
-    verdict is sized by (:func:`rm.data.shapes.data_shapes`, :func:`rm.preflight.data_preflight`)."""
+    verdict is sized by (:func:`rm.data.shapes.data_shapes`, :func:`rm.memory.preflight.data_preflight`)."""
     from rm.data.batching import total_training_steps
     from rm.data.shapes import data_shapes, layout_of
 

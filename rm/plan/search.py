@@ -8,7 +8,7 @@ and without a token budget), ``train.share_prefix``, the ZeRO stage and, for a f
 memory profile is not, the other profiles are candidates too, marked as changing what trains (LoRA trains
 adapters, 8-bit AdamW and QLoRA round differently).
 
-Each candidate passes :func:`rm.validate.validate` (combinations it refuses, such as packing under DeepSpeed,
+Each candidate passes :func:`rm.settings.validate.validate` (combinations it refuses, such as packing under DeepSpeed,
 are skipped). Its verdict is the memory estimate ``rm.train`` decides by (:func:`rm.memory.terms.estimate_run`
 at the largest micro-batches the data forms, every rank). Tracing costs about half a second a shape, so the
 candidates are checked fastest first, until ``plan.top`` fit, and, apart, until one of each profile that changes
@@ -28,15 +28,15 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rm.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, memory_profiles
-from rm.hardware import attention_kernel
+from rm.foundations.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, memory_profiles
+from rm.foundations.hardware import attention_kernel
 from rm.plan import forkserver
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
 from rm.plan.steptime import Rates, StepTime, predict_step_seconds
 
 KNOBS = ("train.micro_batch_size", "train.gradient_checkpointing", "train.group_by_length", "train.packing",
          "train.max_tokens_per_micro_batch", "train.share_prefix")
-# Token budgets tried with packing, in pairs of data.max_length sequences (the least rm.validate allows is 1).
+# Token budgets tried with packing, in pairs of data.max_length sequences (the least rm.settings.validate allows is 1).
 BUDGET_PAIRS = (1, 2, 4, 8)
 
 
@@ -93,7 +93,7 @@ class PlanResult:
     top: List[Candidate]
     lengths: PairLengths
     rates: Rates
-    skipped: int  # combinations rm.validate refuses
+    skipped: int  # combinations rm.settings.validate refuses
     # per profile that changes what trains, its fastest fit where faster than top[0] (or top is empty)
     other_profiles: List[Candidate] = field(default_factory=list)
 
@@ -113,7 +113,7 @@ def group_option(group: str, name: str):
     """A config group's option read from ``conf/<group>/<name>.yaml`` into its schema (no Hydra composition)."""
     from omegaconf import OmegaConf
 
-    from rm.config import GROUPS
+    from rm.foundations.config import GROUPS
 
     values = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{name}.yaml"))
     values.pop("defaults", None)
@@ -158,7 +158,7 @@ def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
 
 def _engines(cfg: RunConfig, overrides: Sequence[str], fixed: set,
              world: int) -> List[Tuple[List[str], MemoryProfileConfig, DistributedConfig, bool]]:
-    """(overrides, profile, distributed, changes_math) of each memory profile (:func:`rm.config.memory_profiles`, found
+    """(overrides, profile, distributed, changes_math) of each memory profile (:func:`rm.foundations.config.memory_profiles`, found
     through ``overrides``' config search path) and distribution tried."""
     profile_fixed = any(k == "memory_profile" or k.startswith("memory_profile.") for k in fixed)
     # distributed.num_processes says how many processes, not how they share the work
@@ -198,10 +198,10 @@ def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
     """Every candidate that passes validation (not yet timed or checked), and how many did not.
 
     Args:
-        world: :func:`rm.validate.resolve_world_size`'s answer for ``cfg``.
+        world: :func:`rm.settings.validate.resolve_world_size`'s answer for ``cfg``.
         fixed: the keys (and groups) that stay as they are; default: those ``overrides`` set.
     """
-    from rm.validate import ConfigError, validate
+    from rm.settings.validate import ConfigError, validate
 
     fixed = set_keys(overrides) if fixed is None else fixed
     per_rank = cfg.train.global_batch_size // world[0]
@@ -573,9 +573,9 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
     Raises:
         ConfigError: ``cfg`` itself does not validate, or ``plan.*`` is out of range.
     """
-    from rm.errors import ConfigError
+    from rm.foundations.errors import ConfigError
     from rm.plan.constants import rates_for
-    from rm.validate import resolve_world_size, validate
+    from rm.settings.validate import resolve_world_size, validate
 
     top = cfg.plan.top if top is None else top
     bad = [f"plan.{key}={getattr(cfg.plan, key)} must be >= 1" for key in ("top", "steps", "stand_in_pairs")

@@ -18,11 +18,11 @@ traffic of ``P_f x (0.5 + compute bytes)`` a pass), and once per step the optimi
 all-reduce ``2 (n-1)/n`` of the bytes, reduce-scatter and all-gather ``(n-1)/n``). Nothing overlaps in this model:
 communication behind the backward and prefetching are not credited, so it errs slow where a run overlaps well.
 
-``S`` follows the layout and the kernel (:func:`micro_batch`, :func:`rm.hardware.attention_kernel`). SDPA and eager attention
+``S`` follows the layout and the kernel (:func:`micro_batch`, :func:`rm.foundations.hardware.attention_kernel`). SDPA and eager attention
 compute the whole ``T x T`` square of a row whenever they are given a mask (padding, packing, a shared prefix), and
 the causal triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so
 they compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
-each answer against prefix + itself). SDPA takes a packed row one segment at a time (``rm.attention``):
+each answer against prefix + itself). SDPA takes a packed row one segment at a time (``rm.modelling.attention``):
 each sequence's triangle, or each prefix-shared pair's square, for some ops more per segment.
 """
 
@@ -32,7 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-# Ops one more segment of a packed row adds to a layer's forward (rm.attention), its backward taken as twice that:
+# Ops one more segment of a packed row adds to a layer's forward (rm.modelling.attention), its backward taken as twice that:
 # the SDPA call, the one node a segment adds to the graph (tests/test_attention.py), and its share of the
 # concatenation; q, k and v are split once a layer whatever the segments. Until 2026-11-28 each segment sliced
 # them (6: three more nodes, whose backwards each filled and added a row-sized tensor).
@@ -86,7 +86,7 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
             ``packed+shared`` (one row of those).
         chosen, rejected: per pair, its sides' token lengths.
         prefix: per pair, the tokens both sides share at their start (the prompt).
-        kernel: how masked attention is computed (:func:`rm.hardware.attention_kernel`).
+        kernel: how masked attention is computed (:func:`rm.foundations.hardware.attention_kernel`).
 
     Example: pairs (chosen 5, rejected 3, prompt 2) and (4, 4, 3).
         >>> c, r, p = [5, 4], [3, 4], [2, 3]
@@ -495,8 +495,8 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
     """Predicted seconds of one optimizer step of a validated config, averaged over the steps given.
 
     Args:
-        cfg: the typed run config (``rm.config.RunConfig``): model, LoRA, memory profile, checkpointing.
-        plan: its :class:`rm.validate.Plan` (world size, strategy, ZeRO stage, precision, micro-batches).
+        cfg: the typed run config (``rm.foundations.config.RunConfig``): model, LoRA, memory profile, checkpointing.
+        plan: its :class:`rm.settings.validate.Plan` (world size, strategy, ZeRO stage, precision, micro-batches).
         steps: per optimizer step, per rank, that rank's micro-batches (:func:`rm.plan.lengths.step_micro_batches`).
         rates: the hardware's rates (:func:`rm.plan.constants.rates_for`).
         memo: a dict kept by the caller for these very ``steps`` and ``rates``: the micro-batches' time, per model
@@ -508,7 +508,7 @@ def predict_step_seconds(cfg, plan, steps: Sequence[Sequence[Sequence[MicroBatch
         optimizer step, offload copies and collectives.
     """
     from rm.memory.terms import parameter_counts
-    from rm.precision import BYTES
+    from rm.foundations.precision import BYTES
 
     m, profile, numerics = cfg.model, cfg.memory_profile, plan.numerics
     lora = cfg.lora if profile.use_lora else None

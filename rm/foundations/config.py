@@ -1,0 +1,398 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+Each YAML file under ``conf/<group>/`` inherits its group's schema through
+``defaults: [base_<group>, _self_]``, so a misspelt key or a wrong type fails at
+composition with Hydra's own message. Every default lives here and nowhere else:
+code reads the typed objects returned by :func:`to_run_config` and never calls
+``cfg.get(key, default)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@dataclass
+class ModelConfig:
+    """The reward model's backbone.
+
+    The shape numbers are the model's real ones, so its size is known without a
+    download (the memory estimator reads them). ``pretrained`` null means "build
+    from these numbers with random weights", which is what the tiny model does.
+    """
+
+    name: str = MISSING
+    pretrained: Optional[str] = None  # hub id or local directory; null: random init from the shape below
+    # null: the pretrained model's; for a random init (pretrained null too) "bpe". "bpe": a byte-level BPE trained on
+    # the run's training texts, at most vocab_size tokens (rm.data.tokenizer); "words": the synthetic data's word list
+    # (other words become <unk>); else a hub id or directory.
+    tokenizer: Optional[str] = None
+    model_type: str = "mistral"  # transformers model_type: mistral | llama | qwen2
+    vocab_size: int = MISSING
+    hidden_size: int = MISSING
+    intermediate_size: int = MISSING
+    num_hidden_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_key_value_heads: int = MISSING
+    head_dim: Optional[int] = None  # null: hidden_size // num_attention_heads
+    max_position_embeddings: int = MISSING
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    attn_implementation: str = "sdpa"  # sdpa | eager | flash_attention_2
+    trust_remote_code: bool = False  # never run code shipped with a checkpoint unless asked
+
+
+@dataclass
+class LoraConfig:
+    """PEFT LoRA settings; used only by memory profiles with ``use_lora: true``."""
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: List[str] = field(default_factory=lambda: list(ALL_LINEAR))
+    merge_on_save: bool = False  # also write final/merged: adapters folded into the base, loads with plain transformers
+
+
+@dataclass
+class MemoryProfileConfig:
+    """How memory is traded for speed: which weights train, which optimizer steps them, where its states live."""
+
+    name: str = MISSING
+    # Where the profile stands among the others (memory_profiles()), lowest first: the least slowdown, then the
+    # model unchanged, before other trade-offs. A refused run's suggestions try the profiles in this order, rm.plan
+    # searches and rm.gpu_report prints them in it. Required, so that a new profile says where it goes.
+    order: int = MISSING
+    use_lora: bool = False  # true: only LoRA adapters and the reward head train
+    optimizer: str = "adamw"  # adamw (torch, fused) | adamw_8bit (bitsandbytes; paged on CUDA)
+    offload_optimizer: bool = False  # true: AdamW states and step on the CPU (DeepSpeed ZeRO-Offload)
+    quantize_base: str = "none"  # none | nf4 (frozen base in 4-bit NF4 through bitsandbytes: QLoRA)
+
+
+@dataclass
+class HardwareConfig:
+    """What the run may use, per device and per node."""
+
+    name: str = MISSING
+    accelerator: str = "cuda"  # cuda | cpu | auto (detect at start)
+    # Capacity of one device as its runtime reports it (torch.cuda.mem_get_info()[1]), not the size on
+    # the box: an "80 GB" H100 reports 79.19 GiB. hardware=auto reads it from the device.
+    device_memory_gib: float = MISSING
+    # Kept free for what the estimate does not see (other processes on the device, a profiler).
+    # null: 2% of device_memory_gib, the calibration's bound on how far an estimate may be under.
+    headroom_gib: Optional[float] = None
+    bf16: bool = False  # device computes in bfloat16 natively
+    gpus_per_node: int = 1
+    host_ram_gib: int = MISSING  # RAM of one node
+    # Rates the step-time model reads (python -m rm.plan; rm/plan/steptime.py). null on a CPU: measured on this
+    # machine by a short micro-benchmark, cached per machine (rm/plan/constants.py). A CUDA profile states its
+    # card's datasheet figures, each with its source in a comment, until benchmarks/gpu_constants.py measures them.
+    peak_bf16_tflops: Optional[float] = None  # dense bf16 matmul, TFLOP/s
+    peak_fp32_tflops: Optional[float] = None  # fp32 matmul without TF32 (torch's default), TFLOP/s
+    memory_gbps: Optional[float] = None  # device memory bandwidth, GB/s
+    link_gbps: Optional[float] = None  # between two devices of a node, one direction, GB/s (DDP/ZeRO collectives)
+    inter_node_gbps: Optional[float] = None  # per device between nodes, one direction, GB/s; null: link_gbps
+    host_link_gbps: Optional[float] = None  # host <-> one device, one direction, GB/s (ZeRO-Offload's copies)
+    host_memory_gbps: Optional[float] = None  # host RAM bandwidth of a node, GB/s (ZeRO-Offload's CPU Adam)
+    kernel_us: Optional[float] = None  # fixed cost of one op (dispatch and launch), microseconds; CPU null: measured
+    rates_source: str = ""  # where the rates above come from, in words; rm.plan prints it
+    # The names torch.cuda.get_device_name() gives the card a profile describes: hardware=auto on such a card takes
+    # the profile's rates (rm.foundations.hardware.resolve_hardware), where the command line gives none.
+    device_names: List[str] = field(default_factory=list)
+    # What a cluster job asks for (hydra/launcher=submitit_slurm reads these):
+    nodes: int = 1
+    time_limit_min: int = 1440
+    slurm_partition: Optional[str] = None
+
+
+@dataclass
+class DistributedConfig:
+    """How processes share the work. Launch several with ``train_rm_distributed.sh`` (torchrun)."""
+
+    name: str = MISSING
+    strategy: str = "auto"  # auto (deepspeed ZeRO-2 when the profile offloads, else ddp) | ddp | deepspeed
+    zero_stage: int = 2  # deepspeed: 1 shards optimizer states, 2 also gradients, 3 also weights
+    offload_params: bool = False  # deepspeed ZeRO-3: weight shards live on the CPU between uses
+    # Processes the run has. 0: as launched (torchrun's WORLD_SIZE, else 1). rm.estimate
+    # distributed.num_processes=8 asks about 8 processes without launching them; rm.train checks it
+    # against the launch. Sharding (DDP buckets, ZeRO partitions) changes the per-device peak.
+    num_processes: int = 0
+
+
+# The data policies' values (what each does: rm.data's docstring). Here, beside the schema, so
+# that validating a config does not import the data pipeline (datasets and pyarrow take seconds to import).
+FORMATS = ("auto", "hh", "prompt", "messages")
+TRUNCATION = ("truncate", "drop", "error")
+IDENTICAL_PAIRS = ("drop", "keep")
+DUPLICATES = ("keep", "drop")
+ON_MALFORMED = ("skip", "error")
+
+
+@dataclass
+class DataConfig:
+    """Where the preference pairs come from and how they are cut to length."""
+
+    name: str = MISSING
+    source: str = "hub"  # hub | local | synthetic
+    path: Optional[str] = None  # hub dataset id (source=hub)
+    subsets: List[str] = field(default_factory=list)  # hub data_dirs, concatenated; empty: all
+    train_split: str = "train"
+    eval_split: str = "test"
+    train_files: List[str] = field(default_factory=list)  # source=local: jsonl / json / parquet, globs allowed
+    eval_files: List[str] = field(default_factory=list)
+    # More eval sets, name -> local files, each loaded like the main eval split and reported as eval_<name>_*:
+    # +data.extra_eval_files.hard=[hard/*.parquet] (the + because a new name is a new key to Hydra)
+    extra_eval_files: Dict[str, List[str]] = field(default_factory=dict)
+    format: str = "auto"  # auto | hh | prompt | messages
+    # Plain-text sides (hh, prompt) end with the tokenizer's EOS, appended where missing, and keep the tokenizer's
+    # own special tokens (BOS): the reward is read at that EOS, as TRL's RewardTrainer and OpenRLHF read it.
+    # Conversations (messages) are tokenised as the chat template renders them. false: no EOS appended (rm.data.tokenizer)
+    append_eos: bool = True
+    margin_column: Optional[str] = None  # column with a per-pair margin for the loss
+    max_length: int = 512  # tokens per sequence; longer pairs follow `truncation`. Activations grow with it
+    truncation: str = "truncate"  # truncate (cut the prompt's start) | drop | error (stop, naming the row)
+    identical_pairs: str = "drop"  # drop | keep: chosen == rejected after truncation trains nothing (loss ln 2)
+    duplicates: str = "keep"  # keep | drop: a pair with the same token ids as an earlier pair of its split
+    on_malformed: str = "skip"  # skip (count) | error
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    synthetic_train_size: int = 8000  # source=synthetic: pairs generated for train
+    synthetic_test_size: int = 1000
+    synthetic_seed: int = 0
+    synthetic_multi_turn: bool = False  # source=synthetic: 2-6 chit-chat exchanges before each task, HH-like long shared prompts
+
+
+@dataclass
+class TrainConfig:
+    """The optimisation loop. Names follow transformers' TrainingArguments where one exists."""
+
+    seed: int = 42
+    max_steps: int = -1  # optimizer steps; -1: derive from num_train_epochs
+    num_train_epochs: float = 1.0
+    micro_batch_size: int = 4  # pairs per device per forward (8 sequences); activations grow with it
+    global_batch_size: int = 64  # pairs per optimizer step over all devices
+    eval_batch_size: int = 8  # pairs per device per eval forward
+    group_by_length: bool = True  # sort each step's pairs by length into micro-batches: less padding, same gradient
+    packing: bool = False  # concatenate a micro-batch's sequences into one row, no pad tokens: less compute, same gradient
+    max_tokens_per_micro_batch: int = 0  # packing: cut each step's pairs into micro-batches of at most this many tokens
+    # (0: micro_batch_size pairs each); activations follow this budget; must be 0 or >= 2 x data.max_length
+    share_prefix: bool = False  # one sequence per pair, prompt + chosen end + rejected end: the shared prompt is
+    # computed once (same rewards and gradient); a 4D mask of rows x T x T (sdpa/eager) per micro-batch
+    layout: str = "auto"  # auto: the fastest layout that fits, as rm.plan predicts it for this data and hardware
+    # (rm/plan/auto.py), over the knobs micro_batch_size, gradient_checkpointing, group_by_length, packing,
+    # max_tokens_per_micro_batch and share_prefix that are left at their default here and not set on the command
+    # line; given: every knob as configured. Neither changes what trains: the same pairs, gradients and updates.
+    learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    # TRL's RewardTrainer schedule (linear decay, no warm-up). Cosine after a 3% warm-up tied it on single-turn pairs
+    # but lost 9 points of eval accuracy on multi-turn ones, for TRL and rm alike (docs/learning.md, "Schedules")
+    lr_scheduler_type: str = "linear"  # linear | cosine | constant_with_warmup
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    precision: str = "auto"  # auto (bf16-mixed where the hardware has bf16, else 32-true) | 32-true | bf16-mixed | bf16-true | 16-mixed (rm.foundations.precision: memory and numerics of each)
+    kahan_summation: bool = False  # bf16-true only: optimi's AdamW keeps a bf16 compensation buffer (+2 bytes per
+    # trained weight) so that updates below a bf16 step accumulate instead of rounding away (pip install torch-optimi)
+    gradient_checkpointing: bool = True  # true: recompute activations in backward, far less memory, ~30% slower
+    center_rewards_coefficient: float = 0.0  # >0 adds coef * mean(r^2) so rewards stay centred (TRL's name)
+    logging_steps: int = 10
+    eval_steps: int = 200  # 0: evaluate only at the end
+    save_steps: int = 500  # 0: save only at the end
+    save_total_limit: int = 2  # checkpoints kept
+    resume: bool = False  # continue from the newest intact checkpoint in the run directory
+    resume_allow_changes: bool = False  # resume even if settings that shape training changed (each is logged and applied)
+    overwrite: bool = False  # start afresh in a run directory that holds an earlier run (deletes its outputs)
+    tensorboard: bool = False
+    track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured
+    dataloader_num_workers: int = 0
+
+
+@dataclass
+class PreflightConfig:
+    """The memory check that runs before any weight loads."""
+
+    name: str = MISSING
+    mode: str = "error"  # error: refuse a run that will not fit | warn: say so and go on | off
+    auto_micro_batch: bool = False  # pick the largest micro-batch that fits; accumulation keeps the global batch
+
+
+@dataclass
+class EstimateOutput:
+    json: bool = False  # python -m rm.estimate estimate.json=true: print JSON instead of a table
+
+
+@dataclass
+class PlanOutput:
+    """What ``python -m rm.plan`` searches and prints (rm/plan/__main__.py)."""
+
+    json: bool = False  # plan.json=true: print JSON instead of a table, nothing else on stdout
+    top: int = 5  # candidates printed, fastest first
+    steps: int = 32  # optimizer steps of the run whose micro-batches are timed (the run's first ones)
+    stand_in_pairs: int = 2048  # pairs of synthetic stand-in data where the configured data cannot be read here
+
+
+@dataclass
+class SweepConfig:
+    """How a job of a multirun (``-m``) ends when it fails for a reason other than a refusal.
+
+    raise: Hydra's own behaviour. The job is recorded as failed; the basic sweeper runs the
+        remaining jobs and the multirun exits non-zero at the end; Optuna stops the study.
+    continue: the job is recorded as failed and returns no objective (Optuna counts a failed trial);
+        every sweeper goes on and the multirun exits 0.
+    A job the pre-flight estimate refuses is always recorded as refused, returns no objective, and
+    the sweep goes on.
+    """
+
+    on_failure: str = "raise"  # raise | continue
+
+
+@dataclass
+class HealthConfig:
+    """Training-health alarms and what a non-finite step does (``rm.training.health`` documents each alarm)."""
+
+    ln2_steps: int = 50  # alarm when the loss of each of the first N steps is within ln2_tolerance of ln 2; 0: off
+    ln2_tolerance: float = 0.02
+    chance_after_steps: int = 100  # alarm when an eval from this step on has accuracy <= 0.5 + chance_tolerance
+    chance_tolerance: float = 0.02
+    max_abs_reward: float = 100.0  # alarm when the mean |reward| over a step exceeds it; 0: off
+    # Alarm when more than this fraction of sampled weight updates (nonzero gradient) rounds to nothing, over the
+    # steps after warmup (pure bf16 at a small learning rate); 0: off, and nothing is measured
+    lost_updates_threshold: float = 0.5
+    on_nonfinite: str = "stop"  # NaN/inf loss or gradient norm: stop (keep the last good checkpoint) | skip the step
+    max_consecutive_skips: int = 10  # on_nonfinite=skip: this many non-finite steps in a row stop the run
+    fp32_head: Optional[bool] = None  # reward head weights and compute in fp32; null: on with fp16/bf16, off in fp32
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = MISSING
+    lora: LoraConfig = MISSING
+    memory_profile: MemoryProfileConfig = MISSING
+    hardware: HardwareConfig = MISSING
+    distributed: DistributedConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = MISSING
+    preflight: PreflightConfig = MISSING
+    estimate: EstimateOutput = field(default_factory=EstimateOutput)
+    plan: PlanOutput = field(default_factory=PlanOutput)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "lora": LoraConfig,
+    "memory_profile": MemoryProfileConfig,
+    "hardware": HardwareConfig,
+    "distributed": DistributedConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "preflight": PreflightConfig,
+}
+
+
+def register_configs() -> None:
+    """Register the schemas so YAML files can inherit them (`defaults: [base_<group>]`)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_config", node=RunConfig)
+    for group, schema in GROUPS.items():
+        cs.store(group=group, name=f"base_{group}", node=schema)
+    _rename_submitit_slurm_schema(cs)
+
+
+def _rename_submitit_slurm_schema(cs: ConfigStore) -> None:
+    """Let ``conf/hydra/launcher/submitit_slurm.yaml`` extend hydra-submitit-launcher's schema.
+
+    A YAML file and a ConfigStore entry of the same name trigger Hydra's deprecated automatic
+    schema matching; Hydra's migration is to store the schema under another name and list it in
+    the YAML's defaults. The plugin registers its schema itself, so it is moved here.
+    """
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()  # discovers the plugins, which register their configs
+    launchers = cs.repo.get("hydra", {}).get("launcher", {})
+    node = launchers.pop("submitit_slurm.yaml", None)
+    if node is not None:
+        cs.store(group="hydra/launcher", name="submitit_slurm_schema", node=node.node, provider=node.provider)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    """Turn the composed Hydra config into typed objects, once, at the entry point."""
+    return OmegaConf.to_object(cfg)
+
+
+register_configs()
+
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+@contextlib.contextmanager
+def _compose_api() -> Iterator[None]:
+    """Hydra's compose API: the running app's where there is one, else initialised on ``conf/`` for the call."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        yield
+        return
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        yield
+
+
+def _with_search_path(overrides: Sequence[str]) -> List[str]:
+    """``overrides``, after the running Hydra app's ``hydra.searchpath`` unless they set one: a composition made
+    inside the app (a suggestion's, another profile's) must find the config directories the app's own found, and
+    Hydra keeps a command line's ``hydra.searchpath`` out of the task overrides that the app passes on."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if any(o.lstrip("+~").startswith("hydra.searchpath=") for o in overrides) or not HydraConfig.initialized():
+        return list(overrides)
+    paths = list(HydraConfig.get().searchpath)
+    if not paths:
+        return list(overrides)
+    return [f"hydra.searchpath=[{','.join(repr(str(p)) for p in paths)}]", *overrides]
+
+
+def compose(overrides: List[str]) -> RunConfig:
+    """Compose ``conf/`` with overrides into typed objects, inside or outside a running Hydra app (whose
+    ``hydra.searchpath`` it keeps)."""
+    from hydra import compose as hydra_compose
+
+    with _compose_api():
+        return to_run_config(hydra_compose(config_name="config", overrides=_with_search_path(overrides)))
+
+
+def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
+    """Every memory profile, in its ``order``: each ``memory_profile/<name>.yaml`` on Hydra's config search path
+    (``conf/``, and the directories of a ``hydra.searchpath`` in ``overrides`` or in the running app).
+
+    The one list of profiles: ``rm.plan`` searches these, a refused run's suggestions try these
+    (:mod:`rm.memory.suggest`), ``rm.gpu_report`` estimates each. A new profile is its YAML file alone.
+
+    Args:
+        overrides: a command line; only its ``hydra.searchpath`` is read.
+    """
+    from hydra import compose as hydra_compose
+    from hydra.core.global_hydra import GlobalHydra
+
+    search = [o for o in _with_search_path(overrides) if o.lstrip("+~").startswith("hydra.searchpath=")]
+    with _compose_api():
+        names = [name for name in GlobalHydra.instance().config_loader().get_group_options("memory_profile", overrides=search)
+                 if name != "base_memory_profile"]  # the schema, stored beside the options (register_configs)
+        # One composition for all of them, each at its own package (a package cannot be a name like 8bit): one
+        # Hydra composition costs about as much as one profile's, and rm.plan's search waits for it.
+        raw = hydra_compose(config_name=None, overrides=[*search, *(f"+memory_profile@profiles.p{i}={name}"
+                                                                   for i, name in enumerate(names))])
+    profiles = [OmegaConf.to_object(raw.profiles[f"p{i}"]) for i in range(len(names))]
+    return sorted(profiles, key=lambda p: (p.order, p.name))

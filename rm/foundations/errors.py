@@ -1,0 +1,282 @@
+"""rm's error types and the one error boundary of its entry points.
+
+Every failure a user can cause or meet (a bad key, a bad row, a full disk, a run that will
+not fit) is raised as a subclass of :class:`RmError` whose message names the key, file, row
+or path and the fix. The entry points (``rm.train``, ``rm.estimate``, ``rm.score``,
+``rm.export``, ``rm.gpu_report``, ``rm.plan``) end through :func:`report`, which prints that message
+without a traceback and returns the documented exit code:
+
+==== =====================================================================
+code meaning
+==== =====================================================================
+0    done
+1    a bug in rm (the traceback is printed, with a line asking to report it)
+2    invalid configuration or data (:class:`ConfigError`, :class:`DataError`), including
+     what Hydra cannot compose (unknown key or option, wrong type, bad override syntax)
+3    refused: the run will not fit, or another run holds the directory (:class:`Refused`)
+4    stopped by a non-finite loss, gradient or weight (:class:`NonFiniteError`)
+5    storage: a file could not be written or read back intact (:class:`StorageError`,
+     and any ``OSError`` or safetensors error that reaches the boundary)
+==== =====================================================================
+
+``RM_DEBUG=1`` adds the traceback to every message.
+
+Hydra catches exceptions raised in a task function and prints them with a traceback and
+exit status 1, so the boundary must sit inside the task function (:func:`boundary`);
+``SystemExit`` passes through Hydra untouched. Hydra reports a config it cannot compose itself,
+before the task function starts, and exits 1; :func:`run_hydra_app` turns that exit into 2.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import sys
+import traceback
+from contextlib import contextmanager, redirect_stdout
+from typing import Callable, Optional
+
+from rm.foundations.launch_env import launch_env
+
+BUG_LINE = (
+    "this is a bug in rm, not a problem with your settings or data: please report it with the "
+    "command line and the traceback above"
+)
+
+
+class RmError(Exception):
+    """An expected failure; ``str(err)`` is the whole message for the user."""
+
+    exit_code = 2
+
+
+class ConfigError(RmError, ValueError):
+    """Settings that cannot work together; the message names every offending key."""
+
+
+class DataError(RmError, ValueError):
+    """Data that cannot be used; the message names the file or split, the row and the reason.
+
+    ``row`` is the 0-based row in the split as read (files concatenated in order), when one row is
+    at fault; ``rm.data.build`` turns it into a file and a row of that file.
+    """
+
+    def __init__(self, message: str, row: Optional[int] = None):
+        super().__init__(message)
+        self.row = row
+
+
+class DataFileNotFound(DataError, FileNotFoundError):
+    """A data path or glob matches no file; the message names the pattern and its config key."""
+
+
+class Refused(RmError):
+    """A valid request that rm declines: the run will not fit, or another run holds the directory."""
+
+    exit_code = 3
+
+
+class NonFiniteError(RmError):
+    """A non-finite loss, gradient or weight stopped the run."""
+
+    exit_code = 4
+
+
+class StorageError(RmError, OSError):
+    """A file could not be written or read back intact; the message names the path."""
+
+    exit_code = 5
+
+
+def _storage_types():
+    types = [OSError]
+    try:  # safetensors raises its own type (not an OSError) for a full disk or a damaged file
+        from safetensors import SafetensorError
+
+        types.append(SafetensorError)
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+# torch.save reports a failed write (a full disk) as a RuntimeError from its zip writer, not an OSError;
+# seen on a 5 MB tmpfs: "basic_ios::clear: iostream error", then "[enforce fail at inline_container.cc:...]
+# unexpected pos ...".
+_TORCH_WRITE_FAILURES = ("iostream error", "inline_container.cc", "PytorchStreamWriter failed", "file write failed")
+
+
+# Libraries written in Rust (tokenizers) raise a bare Exception carrying the OS error: "No space left on device
+# (os error 28)" when a tokenizer is saved to a full disk.
+_RUST_OS_ERROR = re.compile(r"\(os error \d+\)")
+
+
+def is_storage_failure(err: BaseException) -> bool:
+    """``err``, or the exception it was raised while handling, is a failed read or write of a file."""
+    for e in (err, err.__context__, err.__cause__):
+        if isinstance(e, _storage_types()):
+            return True
+        if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _TORCH_WRITE_FAILURES):
+            return True
+        if type(e) is Exception and _RUST_OS_ERROR.search(str(e)):
+            return True
+    return False
+
+
+def exit_code(err: BaseException) -> int:
+    """The documented exit status for ``err`` (1: unexpected, a bug)."""
+    if isinstance(err, RmError):
+        return err.exit_code
+    if is_storage_failure(err):
+        return StorageError.exit_code
+    return 1
+
+
+def message(err: BaseException) -> str:
+    """What the user reads for ``err``: our own message, or a storage error with its path."""
+    if isinstance(err, RmError) or exit_code(err) == 1:
+        return str(err)
+    path = getattr(err, "filename", None)
+    what = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    where = f" ({path})" if path else ""
+    return f"storage error{where}: {what} [{type(err).__name__}]. Check free space and permissions, then run again"
+
+
+def debug() -> bool:
+    return os.environ.get("RM_DEBUG", "").strip() not in ("", "0", "false", "no")
+
+
+def report(err: BaseException, log: Optional[logging.Logger] = None) -> int:
+    """Print ``err`` for the user and return its exit code.
+
+    Expected errors print ``error: <message>`` only (with the traceback under ``RM_DEBUG=1``);
+    anything else prints its traceback and :data:`BUG_LINE`. The message goes to ``log`` when
+    logging is set up (under Hydra it then also lands in the run's log file), else to stderr.
+    """
+    code = exit_code(err)
+    text = message(err)
+    if code == 1 or debug():
+        trace = "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
+        text = f"{trace}\n{BUG_LINE}" if code == 1 else f"{trace}\nerror: {text}"
+    else:
+        text = f"error: {text}"
+    # Under train_rm_distributed.sh every rank meets the same config error: rank 0 prints it, and the launcher prints
+    # another rank's only where rank 0 was stopped before it could (a bug's traceback every rank prints).
+    if code == 1 or not _launcher_collects() or launch_env().is_main:
+        if log is not None and logging.getLogger().handlers:
+            log.error("%s", text)
+        else:
+            print(text, file=sys.stderr)
+    record_exit(code, text)
+    return code
+
+
+def _launcher_collects() -> bool:
+    return bool(os.environ.get("RM_EXIT_DIR"))
+
+
+def record_exit(code: int, text: str = "", keep: bool = False) -> None:
+    """Under ``train_rm_distributed.sh`` (``RM_EXIT_DIR`` set), leave this rank's exit code and message where the
+    launcher reads them: torchrun itself exits 1 with its own traceback whatever the ranks' codes were. ``keep``:
+    leave a record already written (with its message) as it is."""
+    directory = os.environ.get("RM_EXIT_DIR")
+    if not directory:
+        return
+    try:
+        path = os.path.join(directory, f"rank{launch_env().rank or 0}")
+        if keep and os.path.exists(path):
+            return
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{code}\n{text}\n")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass  # the launcher then reports torchrun's own exit: nothing is lost but the code
+
+
+@contextmanager
+def boundary(log: Optional[logging.Logger] = None):
+    """Turn any exception in the block into its message and exit code (``sys.exit``).
+
+    Use it inside a Hydra task function, where Hydra would otherwise print the traceback and
+    exit 1, and around the body of an argparse ``main``.
+    """
+    task_started()
+    try:
+        yield
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except Exception as err:  # noqa: BLE001  (the boundary: every exception ends here, with its code)
+        sys.exit(report(err, log))
+
+
+_task_started = False
+
+
+class _HeldStderr(io.TextIOBase):
+    """Standard error of a rank other than 0 under the launcher, kept until Hydra has composed the config: a
+    composition error (Hydra prints it before rm's code runs) reaches the user once, from rank 0, not once per rank."""
+
+    def __init__(self, target):
+        self.target, self.parts = target, []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return len(text)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def task_started() -> None:
+    """Mark that Hydra composed the config and called the task: an exit 1 from here on is rm's own (a bug).
+    A held standard error is written out and released."""
+    global _task_started
+    _task_started = True
+    if isinstance(sys.stderr, _HeldStderr):
+        held, sys.stderr = sys.stderr, sys.stderr.target
+        sys.stderr.write(held.text())
+
+
+def run_hydra_app(main: Callable[[], object]) -> None:
+    """Call a ``@hydra.main`` function, with exit 2 for a config Hydra cannot compose.
+
+    Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
+    rm keeps for bugs; the same mistake caught by :mod:`rm.settings.validate` exits 2, and so does this one.
+    """
+    held = None
+    if _launcher_collects() and not launch_env().is_main:
+        held = sys.stderr = _HeldStderr(sys.stderr)
+    try:
+        main()
+    except SystemExit as stop:
+        if sys.stderr is held:  # Hydra stopped before the task: its message is rank 0's to print
+            sys.stderr = held.target
+        if isinstance(stop.code, int) and stop.code not in (0, 1):
+            # Every exit ends here, also those that bypass report() (a signal's 128+N): the launcher reads the code.
+            record_exit(stop.code, keep=True)
+        if stop.code == 1 and not _task_started:
+            # Hydra's message names the key, except for a syntax error: name what it was given.
+            from rm.foundations.cli import NO_RUN_DIR  # added by rm itself, not typed by the user
+
+            given = " ".join(a for a in sys.argv[1:] if a not in NO_RUN_DIR)
+            text = f"error: the config could not be composed from the command line: {given}"
+            if held is None:
+                print(text, file=sys.stderr)
+            record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
+            raise SystemExit(2) from None
+        raise
+
+
+@contextmanager
+def answer_only_on_stdout():
+    """For commands whose stdout is their answer (a table, or JSON for ``| python -m json.tool``): inside, logs,
+    library warnings and prints go to stderr (Hydra's console handler writes to stdout), errors pass through
+    :func:`boundary`; yields the real stdout to print the answer on."""
+    answer = sys.stdout
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stdout, sys.__stdout__):
+            handler.setStream(sys.stderr)
+    with boundary(), redirect_stdout(sys.stderr):
+        yield answer

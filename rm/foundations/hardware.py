@@ -1,0 +1,98 @@
+"""Detect the devices a run will use (``hardware=auto``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from rm.foundations.config import HardwareConfig
+
+GIB = 1024**3
+# The rates rm.plan's step-time model needs that a CUDA profile must state (rm.plan.constants.rates_for), and what
+# hardware=auto takes from the profile of the card it detects (with_card_rates): those and the two a profile may.
+PROFILE_KEYS = ("peak_bf16_tflops", "peak_fp32_tflops", "memory_gbps", "link_gbps", "host_link_gbps",
+                "host_memory_gbps")
+CARD_RATE_KEYS = (*PROFILE_KEYS, "inter_node_gbps", "kernel_us")
+# The attention kernels that skip fully masked blocks (varlen or block-sparse); the others compute the square under a mask.
+MASK_SKIPPING = ("flash_attention_2", "flex_attention")
+
+
+def attention_kernel(attn_implementation: str) -> str:
+    """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (a packed row's
+    SDPA one sequence or pair at a time, on a CPU and a GPU alike: ``rm.modelling.attention``) or ``square`` (the whole row:
+    eager attention). The step-time model and the memory estimate both follow it.
+
+    >>> attention_kernel("sdpa"), attention_kernel("flex_attention"), attention_kernel("eager")
+    ('segments', 'skips', 'square')
+    """
+    if attn_implementation in MASK_SKIPPING:
+        return "skips"
+    return "segments" if attn_implementation == "sdpa" else "square"
+
+
+def host_ram_gib() -> float:
+    """Physical RAM of this node in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
+def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
+    """Return ``hw`` unchanged, or for ``accelerator: auto`` the detected machine.
+
+    With several GPUs the smallest one's memory is used, since the run must fit
+    on every device.
+    """
+    if hw.accelerator != "auto":
+        return hw
+    import torch  # here: only detection needs it, and `--help` should not load it
+
+    ram = round(host_ram_gib(), 1)
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        # The capacity the runtime reports (what an out-of-memory message calls "total capacity").
+        smallest = min(torch.cuda.mem_get_info(i)[1] for i in range(count))
+        names = {torch.cuda.get_device_name(i) for i in range(count)}
+        detected = dataclasses.replace(
+            hw,
+            name=f"auto:{torch.cuda.get_device_name(0)}",
+            accelerator="cuda",
+            device_memory_gib=math.floor(100 * smallest / GIB) / 100,  # rounded down: never more than there is
+            bf16=torch.cuda.is_bf16_supported(),
+            gpus_per_node=count,
+            host_ram_gib=int(ram),
+        )
+        return with_card_rates(detected, names.pop()) if len(names) == 1 else detected
+    return dataclasses.replace(
+        hw, name="auto:cpu", accelerator="cpu", device_memory_gib=ram, bf16=False, gpus_per_node=1, host_ram_gib=int(ram)
+    )
+
+
+def card_profile(device_name: str):
+    """The named hardware profile (``conf/hardware/*.yaml``) that lists ``device_name`` in its ``device_names``, as
+    ``(name, its YAML as a dict)``; None for a card no profile names."""
+    from omegaconf import OmegaConf
+
+    from rm.foundations.config import CONF_DIR
+
+    for path in sorted((CONF_DIR / "hardware").glob("*.yaml")):
+        raw = OmegaConf.to_container(OmegaConf.load(path))
+        if device_name in (raw.get("device_names") or []):
+            return path.stem, raw
+    return None
+
+
+def with_card_rates(hw: HardwareConfig, device_name: str) -> HardwareConfig:
+    """``hw`` with the rates of the profile that names its card, where ``hw`` gives none: ``hardware=auto`` on an
+    H100 prices ``rm.plan``'s step times (and ``train.layout=auto``'s choice) as ``hardware=h100_80g`` does, and
+    keeps its own detected memory, count and bf16. A rate given on the command line stays. A card no profile
+    names keeps none: ``rm.plan`` then asks for them by name."""
+    found = card_profile(device_name)
+    if found is None:
+        return hw
+    profile, raw = found
+    rates = {key: raw[key] for key in CARD_RATE_KEYS if getattr(hw, key) is None and raw.get(key) is not None}
+    if not rates:
+        return hw
+    source = hw.rates_source or (f"{raw.get('rates_source', '')} (hardware={profile}'s rates, for the {device_name} "
+                                 "detected)")
+    return dataclasses.replace(hw, **rates, rates_source=source)

@@ -1,0 +1,149 @@
+"""The attention mask of prefix-shared pairs (``train.share_prefix``), for each attention implementation.
+
+A row built by :class:`~rm.data.collator.PrefixSharedCollator` holds, per pair, ``prefix + chosen
+suffix + rejected suffix`` (and, when packed, several pairs one after another). A query may attend
+to a key when all of these hold:
+
+* causal: the key is not after the query;
+* same pair: the key belongs to the query's pair (padding is a pair of its own, ``-1``, so a pad
+  query still sees itself and its softmax stays finite);
+* the rejected suffix does not see the chosen suffix that sits between it and the prefix.
+
+Every token then sees exactly the tokens it would see in its own unshared sequence, with the same
+position ids (the collator continues the rejected suffix's positions from the prefix end), so the
+rewards are those of the unshared computation up to floating-point summation order.
+
+One rule, three forms, chosen by the model's ``attn_implementation``:
+
+* ``sdpa``: a boolean ``(rows, 1, T, T)`` mask, True where attention is allowed; transformers passes
+  a 4D mask to the kernel as it is (on a CPU, a packed row's pairs then go to SDPA one at a time, each with
+  its slice of the mask: ``rm.modelling.attention``);
+* ``eager``: the same as an additive float mask (0 allowed, the dtype's minimum elsewhere), since
+  eager attention adds the mask to the scores;
+* ``flex_attention``: a ``BlockMask`` built from the rule itself (``create_block_mask``), which
+  lets the kernel skip every fully masked 128 x 128 block (other pairs, and the rejected suffix
+  against the chosen one): the route of Wang & Hegde (arXiv 2410.20305). It needs a GPU to be fast;
+  on a CPU it is compiled through inductor and far slower than SDPA.
+
+flash-attention 2 takes no arbitrary mask; ``rm.settings.validate`` refuses it with ``train.share_prefix``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from rm.data.collator import CHOSEN, PREFIX, REJECTED
+
+MASKABLE = ("sdpa", "eager", "flex_attention")
+
+
+def allowed(pair_ids: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
+    """Boolean ``(rows, 1, T, T)``: may query ``q`` (dim 2) attend to key ``k`` (dim 3).
+
+    Args:
+        pair_ids: ``(rows, T)`` pair index of each token, -1 on padding.
+        roles: ``(rows, T)`` ``PREFIX``, ``CHOSEN``, ``REJECTED`` or ``PAD`` per token.
+
+    Example (one pair: prefix 2 tokens, chosen suffix 1, rejected suffix 2):
+        >>> allowed(torch.tensor([[0, 0, 0, 0, 0]]), torch.tensor([[0, 0, 1, 2, 2]]))[0, 0].int()
+        tensor([[1, 0, 0, 0, 0],
+                [1, 1, 0, 0, 0],
+                [1, 1, 1, 0, 0],
+                [1, 1, 0, 1, 0],
+                [1, 1, 0, 1, 1]], dtype=torch.int32)
+    """
+    length = pair_ids.shape[-1]
+    positions = torch.arange(length, device=pair_ids.device)
+    causal = positions[None, :] <= positions[:, None]  # (q, k)
+    same_pair = pair_ids[:, :, None] == pair_ids[:, None, :]
+    rejected_sees_chosen = (roles[:, :, None] == REJECTED) & (roles[:, None, :] == CHOSEN)
+    return (causal & same_pair & ~rejected_sees_chosen).unsqueeze(1)
+
+
+def pair_mask(roles: Sequence[int], device) -> Optional[torch.Tensor]:
+    """The ``(1, 1, n, n)`` mask of one prefix-shared pair from its roles (prompt, chosen answer, rejected answer, in
+    that order; an answer may be empty): the causal triangle less the rejected answer's view of the chosen one. What
+    :func:`allowed` gives it, in two passes over ``n^2`` instead of its several. None where the
+    roles are not in that order (a row's padding): the per-token rule decides there.
+
+    >>> pair_mask([0, 1, 2, 2], "cpu")[0, 0].int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [1, 0, 1, 0],
+            [1, 0, 1, 1]], dtype=torch.int32)
+    """
+    prompt = next((i for i, r in enumerate(roles) if r != PREFIX), len(roles))
+    mid = next((i for i in range(prompt, len(roles)) if roles[i] != CHOSEN), len(roles))
+    if not roles or any(r != REJECTED for r in roles[mid:]):
+        return None
+    mask = torch.ones((1, 1, len(roles), len(roles)), dtype=torch.bool, device=device).tril_()
+    mask[:, :, mid:, prompt:mid] = False
+    return mask
+
+
+def shared_prefix_mask(
+    pair_ids: torch.Tensor, roles: torch.Tensor, attn_implementation: str, dtype: torch.dtype
+) -> Union[torch.Tensor, "torch.nn.attention.flex_attention.BlockMask"]:
+    """The mask of prefix-shared rows in the form ``attn_implementation`` takes, on the ids' device.
+
+    Args:
+        pair_ids: ``(rows, T)`` pair index of each token, -1 on padding.
+        roles: ``(rows, T)`` role of each token (``rm.data.collator`` constants).
+        attn_implementation: the model's: ``sdpa``, ``eager`` or ``flex_attention``.
+        dtype: the model's compute dtype (the additive mask of eager attention is in it).
+
+    Returns:
+        A boolean or additive ``(rows, 1, T, T)`` tensor, or a flex-attention ``BlockMask``.
+
+    Raises:
+        ValueError: an attention implementation that takes no custom mask (flash-attention 2).
+    """
+    if attn_implementation == "sdpa":
+        return allowed(pair_ids, roles)
+    if attn_implementation == "eager":
+        mask = torch.zeros((*pair_ids.shape[:1], 1, *pair_ids.shape[1:2] * 2), dtype=dtype, device=pair_ids.device)
+        return mask.masked_fill_(~allowed(pair_ids, roles), torch.finfo(dtype).min)
+    if attn_implementation == "flex_attention":
+        return block_mask(pair_ids, roles)
+    raise ValueError(f"attn_implementation={attn_implementation!r} takes no custom attention mask; "
+                     f"prefix sharing needs one of {', '.join(MASKABLE)}")
+
+
+def block_mask(pair_ids: torch.Tensor, roles: torch.Tensor):
+    """A flex-attention ``BlockMask`` of the same rule; blocks in which nothing is allowed are skipped."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    rows, length = pair_ids.shape
+
+    def mask_mod(b, h, q, k):
+        return (k <= q) & (pair_ids[b, q] == pair_ids[b, k]) & ~((roles[b, q] == REJECTED) & (roles[b, k] == CHOSEN))
+
+    return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=pair_ids.device)
+
+
+def attn_implementation_of(model: torch.nn.Module) -> str:
+    """The attention implementation of a model, through DDP, DeepSpeed and PEFT wrappers."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
+    return model.config._attn_implementation
+
+
+def model_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (the compute dtype of its layers)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def prefix_ratio(chosen_lengths, rejected_lengths, prefix_lengths) -> float:
+    """Shared prefix tokens : suffix tokens over a set of pairs (each prefix counted once).
+
+    Example:
+        >>> prefix_ratio([10, 8], [12, 8], [6, 8])  # suffixes 4 + 6 and 0 + 0; prefixes 6 + 8
+        1.4
+    """
+    prefix = sum(prefix_lengths)
+    suffix = sum(chosen_lengths) + sum(rejected_lengths) - 2 * prefix
+    return prefix / suffix if suffix else float("inf")

@@ -1,0 +1,304 @@
+"""A training run's directory: one object decides what may change in it, and when.
+
+:class:`RunDir` owns, for one run:
+
+- the lock (:class:`RunLock`): a second live run in the same directory is refused;
+- the decision about an earlier run there (:func:`check_run_dir`): continue it (``train.resume``), replace
+  it (``train.overwrite``, done only by :meth:`RunDir.replace_earlier`, once the settings and the data are
+  known to be usable), or refuse. It is taken before anything is written, so a refused run changes no file;
+- the claim: once the directory is this run's, the held log file opens and Hydra's record is written
+  (:mod:`rm.runs.run_record`), on the main process first and on the others once the engine is up;
+- the checkpoints: which one a resume loads (:meth:`RunDir.restore`, naming each it passes over), where the
+  next is saved (:meth:`RunDir.save_checkpoint`) and which is newest;
+- ``metrics.jsonl`` (:meth:`RunDir.metrics`), cut back to the resumed step (:meth:`RunDir.resume_metrics`), so
+  each step appears once.
+
+The checkpoint format itself (atomic writes, manifests, checksums) is :mod:`rm.runs.checkpoint`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from omegaconf import DictConfig
+
+from rm.runs.checkpoint import (
+    CheckpointError, checkpoint_root, checkpoint_state, latest_checkpoint, list_checkpoints, load_checkpoint,
+    resume_candidates, save_checkpoint,
+)
+from rm.foundations.config import RunConfig, TrainConfig
+from rm.foundations.errors import ConfigError, Refused
+from rm.evaluation.metrics import MetricsLog
+from rm.runs.resume import apply_changes, check_resume
+from rm.runs.run_record import release_log, write_record
+
+log = logging.getLogger("rm.train")  # these lines belong to the training command's log
+
+LOCK_FILE = ".lock"
+TOKENIZER_DIR = "tokenizer"  # the tokenizer model.tokenizer=bpe trained, read back on resume
+
+
+class RunDir:
+    """The directory of one training run; a context manager that holds its lock on the main process.
+
+    Entering it (every process) takes the lock and the decision on the main process, which then claims the
+    directory; the other processes claim it with :meth:`join` once the engine is up (by then the main process
+    has accepted it, or torchrun has stopped them).
+
+    Args:
+        path: the run directory (Hydra's ``hydra.run.dir``).
+        resume, overwrite: ``train.resume`` and ``train.overwrite``.
+        is_main: this process decides and writes the shared files (rank 0).
+        record: the Hydra task config, written to ``.hydra/`` when the directory is claimed; ``None`` outside Hydra.
+    """
+
+    def __init__(self, path: Path, resume: bool, overwrite: bool, is_main: bool, record: Optional[DictConfig] = None):
+        self.path = Path(path)
+        self.resume, self.overwrite, self.is_main, self.record = resume, overwrite, is_main, record
+        self.claimed = False  # the directory is this run's: files in it may change
+        self._replaces: List[str] = []
+        self._lock = RunLock(self.path) if is_main else None
+
+    @classmethod
+    def of(cls, path: Path, train: TrainConfig, is_main: bool, record: Optional[DictConfig] = None) -> "RunDir":
+        return cls(path, train.resume, train.overwrite, is_main, record)
+
+    def __enter__(self) -> "RunDir":
+        if self._lock is not None:
+            self._lock.__enter__()
+            try:
+                self._replaces = check_run_dir(self.path, self.resume, self.overwrite)
+            except BaseException:
+                self._lock.__exit__(None, None, None)
+                raise
+            self._claim()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._lock is not None:
+            self._lock.__exit__(*exc)
+
+    def join(self) -> None:
+        """Claim the directory on a process other than the main one, once the engine is up."""
+        if not self.is_main:
+            self._claim()
+
+    def _claim(self) -> None:
+        release_log()
+        if self.is_main and self.record is not None:
+            write_record(self.path, self.record)
+        self.claimed = True
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.path / TOKENIZER_DIR
+
+    @property
+    def resuming(self) -> bool:
+        """``train.resume`` with any checkpoint directory there, whole or not: a resume that is then refused must
+        not have replaced the saved tokenizer first."""
+        return self.resume and bool(list_checkpoints(self.path, complete=False))
+
+    def replace_earlier(self) -> None:
+        """``train.overwrite=true``: delete the earlier run, now that the settings and the data are usable."""
+        if self.is_main:
+            replace_earlier_run(self.path, self._replaces)
+        self._replaces = []
+
+    def latest_checkpoint(self) -> Optional[Path]:
+        return latest_checkpoint(self.path)
+
+    def save_checkpoint(self, engine, step: int, keep: int, fingerprint: Optional[Dict],
+                        train_state: Optional[Dict]) -> Path:
+        """:func:`rm.runs.checkpoint.save_checkpoint` into this directory (every process calls it)."""
+        return save_checkpoint(engine, self.path, step, keep, fingerprint, train_state)
+
+    def saved_fingerprint(self) -> Optional[Dict]:
+        """The settings fingerprint (:func:`rm.runs.resume.fingerprint`) of the newest checkpoint that has one, unverified:
+        what a resumed ``train.layout=auto`` run takes its layout from (every checkpoint of a run has the same)."""
+        for _, path in reversed(list_checkpoints(self.path, complete=False)):
+            found = checkpoint_state(path).get("fingerprint")
+            if found:
+                return found
+        return None
+
+    def restore(self, engine, cfg: RunConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
+        """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
+        loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).
+
+        Checkpoints that fail their checksums, or whose states do not load, are passed over for the previous one,
+        each named with why, as DeepSpeed falls back from a bad ``latest`` tag by hand.
+
+        Args:
+            current: this run's :func:`rm.runs.resume.fingerprint`, compared with the checkpoint's.
+
+        Raises:
+            ConfigError: settings that shape training changed (without ``train.resume_allow_changes``),
+                or the checkpoint is past ``train.max_steps``.
+            CheckpointError: checkpoints exist but none is intact; nothing is changed.
+        """
+        candidates, passed_over = resume_candidates(self.path)
+        if not candidates and not passed_over:
+            log.warning("train.resume=true but %s holds no checkpoint yet: starting from step 0", self.path)
+            return 0, None
+        for checkpoint in candidates:
+            state = checkpoint_state(checkpoint)
+            if state["step"] >= total_steps:
+                raise ConfigError(
+                    f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
+                    f"(train.max_steps={cfg.train.max_steps}, train.num_train_epochs={cfg.train.num_train_epochs}): "
+                    "raise train.max_steps with train.resume_allow_changes=true to train further"
+                )
+            changes = check_resume(state.get("fingerprint"), current, checkpoint, cfg.train.resume_allow_changes)
+            try:
+                step = load_checkpoint(engine, checkpoint)
+            except Exception as err:  # noqa: BLE001  (passed its checksums but does not load: try the previous)
+                log.warning("checkpoint %s does not load (%s: %s): falling back to an earlier one", checkpoint,
+                            type(err).__name__, err)
+                passed_over.append(f"{checkpoint.name}: does not load ({type(err).__name__})")
+                continue
+            apply_changes(engine.optimizer, engine.scheduler, cfg, changes)
+            log.info("resumed from %s at step %d", checkpoint, step)
+            return step, state.get("train_state")
+        raise CheckpointError(
+            f"train.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
+            "Nothing was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
+        )
+
+    def metrics(self, tensorboard: bool) -> MetricsLog:
+        """The run's one ``metrics.jsonl`` (and TensorBoard), written by the main process."""
+        return MetricsLog(self.path, self.is_main, tensorboard=tensorboard)
+
+    def resume_metrics(self, metrics: MetricsLog, start_step: int) -> None:
+        """A resumed run's ``metrics.jsonl`` without the records of steps after ``start_step``: the resumed run writes
+        those steps again, and each step appears once."""
+        if not self.resume:
+            return
+        dropped = metrics.resume_at(start_step)
+        if dropped:
+            log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
+                     dropped, start_step)
+
+
+class RunDirError(ConfigError, FileExistsError):
+    """The run directory holds something that the settings do not say what to do with."""
+
+
+
+def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> List[str]:
+    """Refuse to start a fresh run over an earlier one, or to resume a finished one: a model is never
+    overwritten silently. Nothing is changed here: it runs before the settings are validated, so that a
+    refused run touches nothing of the directory, and an invalid one replaces nothing.
+
+    Returns:
+        What ``train.overwrite=true`` replaces (names under ``run_dir``), for :func:`replace_earlier_run`
+        once the settings are known to be valid; ``[]`` otherwise.
+
+    Raises:
+        RunDirError: ``run_dir`` holds a final model, checkpoints or metrics of an earlier run and
+            neither ``train.resume`` nor ``train.overwrite`` was given; or ``train.resume`` was given
+            for a run that finished (``final/`` exists), which would train again over its model.
+    """
+    run_dir = Path(run_dir)
+    earlier = [name for name in ("final", "checkpoints", "metrics.jsonl") if (run_dir / name).exists()]
+    if resume and (run_dir / "final").exists() and not overwrite:
+        raise RunDirError(
+            f"train.resume=true but {run_dir} holds a finished run (final/): there is nothing to resume, and "
+            "training again would replace its model. Keep it and choose another hydra.run.dir, or replace it "
+            "with train.overwrite=true (without train.resume)"
+        )
+    if not earlier or (resume and not overwrite):
+        return []
+    if resume and overwrite:
+        raise RunDirError("train.resume=true and train.overwrite=true contradict each other: continue the run or replace it")
+    if overwrite:
+        return earlier
+    if "final" in earlier:  # nothing to continue: train.resume=true is refused for a finished run (above)
+        raise RunDirError(f"{run_dir} already holds a finished run (final/). Keep it and choose another hydra.run.dir, "
+                          "or replace it with train.overwrite=true")
+    raise RunDirError(
+        f"{run_dir} already holds an earlier run ({', '.join(earlier)}). Continue it with train.resume=true, replace it "
+        "with train.overwrite=true, or choose another hydra.run.dir"
+    )
+
+
+def replace_earlier_run(run_dir: Path, names: List[str]) -> None:
+    """Delete what :func:`check_run_dir` said ``train.overwrite=true`` replaces."""
+    if not names:
+        return
+    log.warning("train.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(names))
+    for name in names:
+        path = Path(run_dir) / name
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+
+class RunLock:
+    """``<run_dir>/.lock`` holds the pid and host of the run using the directory.
+
+    A second run is refused (:class:`~rm.foundations.errors.Refused`, exit 3) naming the holder. A lock whose
+    process no longer exists on this host (a killed job, a pre-empted SLURM task being requeued)
+    is stale and taken over with a warning. On another host liveness cannot be checked, so the
+    message says which file to delete once that run is known to be gone.
+    """
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_FILE
+        self.held = False
+
+    def _holder(self) -> Optional[Dict]:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}  # being written this instant, or garbage: treated as held by an unknown run
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is None:
+                    continue  # released between our two calls
+                if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
+                    log.warning("taking over the stale lock of %s: process %s is gone", self.path.parent, holder.get("pid"))
+                    self.path.unlink(missing_ok=True)
+                    continue
+                raise Refused(
+                    f"{self.path.parent} is in use by another run (pid {holder.get('pid', '?')} on "
+                    f"{holder.get('host', '?')}, since {holder.get('since', '?')}): wait for it to end or choose "
+                    f"another hydra.run.dir. If that run no longer exists, delete {self.path}"
+                ) from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise Refused(f"{self.path.parent}: could not take the run lock {self.path}; another run is starting there")
+
+    def __exit__(self, *exc):
+        if self.held:
+            self.path.unlink(missing_ok=True)
+            self.held = False
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by another user
+        return True
+    return True

@@ -1,0 +1,77 @@
+"""Hydra's record of a job (``.hydra/``) and its log file, written only once the run directory is this run's.
+
+Hydra writes ``.hydra/config.yaml``, ``hydra.yaml`` and ``overrides.yaml`` into the run directory, and
+opens ``<job name>.log`` there, before the task function starts. A run that rm then refuses for its
+directory (it holds an earlier run, or another run holds its lock) would already have rewritten the
+earlier run's record. So ``conf/config.yaml`` turns Hydra's copy off (``hydra.output_subdir: null``)
+and opens the log file lazily (``conf/hydra/job_logging/rm.yaml``: ``delay: true``); :func:`hold_log`
+keeps the job's log records in memory from the first line of the job, and :class:`rm.runs.run_dir.RunDir`
+writes the same three files with Hydra's own content (:func:`write_record`) and releases the held log
+(:func:`release_log`) once the directory is this run's (its lock is held and the run was accepted
+there). A refused run leaves no file of the directory changed; its message goes to the console only.
+
+``hydra.output_subdir`` given on the command line is Hydra's own behaviour again: ``null`` writes no
+record, a name has Hydra write it there before the job starts.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import List
+
+from omegaconf import DictConfig, OmegaConf
+
+RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir
+
+
+class HeldLog(logging.Handler):
+    """Stands in for a log file's handler: keeps its records until :meth:`hand_over` gives them to it.
+
+    (Not ``release``: that is ``logging.Handler``'s lock method, called after every record.)
+    """
+
+    def __init__(self, target: logging.FileHandler):
+        super().__init__(target.level)
+        self.target = target
+        self.records: List[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def hand_over(self) -> logging.FileHandler:
+        for record in self.records:
+            self.target.handle(record)
+        self.records.clear()
+        return self.target
+
+
+def hold_log(run_dir: Path) -> None:
+    """Swap each root handler that writes a file under ``run_dir`` for a :class:`HeldLog`."""
+    run_dir = Path(run_dir).resolve()
+    root = logging.getLogger()
+    for i, handler in enumerate(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename).resolve().is_relative_to(run_dir):
+            root.handlers[i] = HeldLog(handler)
+
+
+def release_log() -> None:
+    """Put the held log files back in place, with what was logged so far (the first line included)."""
+    root = logging.getLogger()
+    for i, handler in enumerate(root.handlers):
+        if isinstance(handler, HeldLog):
+            root.handlers[i] = handler.hand_over()
+
+
+def write_record(run_dir: Path, task_cfg: DictConfig) -> None:
+    """``run_dir/.hydra/{config,hydra,overrides}.yaml`` as Hydra's ``run_job`` writes them, unless the
+    command line set ``hydra.output_subdir`` (then Hydra wrote its own, or was asked for none)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.instance().cfg  # {"hydra": ...}, what Hydra saves as hydra.yaml
+    if any(o.lstrip("+~").split("=", 1)[0] == "hydra.output_subdir" for o in hydra_cfg.hydra.overrides.hydra):
+        return
+    out = Path(run_dir) / RECORD_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    for name, node in (("config.yaml", task_cfg), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
+        (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")

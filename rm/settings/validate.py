@@ -1,0 +1,536 @@
+"""The one check of a run's settings before anything heavy, and the values it derives."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, NamedTuple, Tuple
+
+from typing import Optional
+
+from rm.foundations.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, HardwareConfig, RunConfig
+from rm.foundations.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
+from rm.foundations.hardware import resolve_hardware
+from rm.foundations.launch_env import launch_env
+from rm.foundations.precision import ALIASES as PRECISION_ALIASES
+from rm.foundations.precision import NAMES as PRECISION_NAMES
+from rm.foundations.precision import Precision, bf16_lost_update_fraction
+from rm.data.tokenizer import config_errors as tokenizer_config_errors
+
+CHOICES = {
+    "model.model_type": ("mistral", "llama", "qwen2"),
+    "model.attn_implementation": ("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    "memory_profile.optimizer": ("adamw", "adamw_8bit"),
+    "memory_profile.quantize_base": ("none", "nf4"),
+    "distributed.strategy": ("auto", "ddp", "deepspeed"),
+    "hardware.accelerator": ("cuda", "cpu", "auto"),
+    "data.source": ("hub", "local", "synthetic"),
+    # The data policies are defined once, in rm.foundations.config (documented in rm.data).
+    "data.format": FORMATS,
+    "data.truncation": TRUNCATION,
+    "data.identical_pairs": IDENTICAL_PAIRS,
+    "data.duplicates": DUPLICATES,
+    "data.on_malformed": ON_MALFORMED,
+    "train.precision": ("auto", *PRECISION_NAMES, *PRECISION_ALIASES),
+    "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
+    "train.layout": ("auto", "given"),
+    "preflight.mode": ("error", "warn", "off"),
+    "sweep.on_failure": ("raise", "continue"),
+    "health.on_nonfinite": ("stop", "skip"),
+}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Values derived from the config, computed once and logged at start.
+
+    The run reads what it resolves from here, never from the config, which stays as composed.
+    """
+
+    world_size: int
+    micro_batch_size: int  # train.micro_batch_size, or the one preflight.auto_micro_batch picked
+    hardware: HardwareConfig  # the hardware group, with hardware=auto resolved to the detected machine
+    gradient_accumulation_steps: int
+    precision: str  # 32-true | bf16-mixed | bf16-true | 16-mixed, after resolving "auto" and legacy aliases
+    device: str  # cuda | cpu
+    strategy: str  # ddp | deepspeed, after resolving "auto" (ddp also covers a single process)
+    zero_stage: int  # 0 unless strategy is deepspeed
+    max_tokens_per_step: int  # global batch x 2 sequences x max_length
+    world_size_source: str = "given"  # where world_size came from, in words (rm.settings.validate.resolve_world_size)
+    launcher: bool = False  # a launcher (torchrun) started the processes, even one: DDP then wraps the model
+    warnings: Tuple[str, ...] = ()  # settings that run but that a user should hear about, logged at start
+
+    @property
+    def numerics(self):
+        """The dtypes of weights, compute and optimizer states for this precision under this engine."""
+        return Precision.of(self.precision).numerics(deepspeed=self.strategy == "deepspeed")
+
+
+def _lookup(cfg: RunConfig, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def launched_as_main() -> bool:
+    """Whether this process is the launch's rank 0 (or was started alone), before the engine exists; afterwards
+    ask ``engine.is_main_process``."""
+    return launch_env().is_main
+
+
+class WorldSize(NamedTuple):
+    """How many processes a run has, where that number came from (in words), and whether a launcher started them:
+    what :func:`validate` takes after the config (``validate(cfg, *resolve_world_size(...))``)."""
+
+    processes: int
+    source: str
+    launcher: bool
+
+
+def resolve_world_size(cfg: RunConfig, launched: bool) -> WorldSize:
+    """How many processes the run has, and where that number came from (the launcher's ``WORLD_SIZE``,
+    :mod:`rm.foundations.launch_env`, or ``distributed.num_processes``).
+
+    Args:
+        cfg: the typed run config (``distributed.num_processes``).
+        launched: this process trains (``rm.train``): a number the launch does not provide is an error.
+            False for ``rm.estimate``, which may ask about a layout without launching it.
+
+    Raises:
+        ConfigError: ``distributed.num_processes`` disagrees with the launcher, or asks ``rm.train``
+            for processes nobody started.
+
+    Example:
+        >>> from rm.foundations.config import RunConfig, DistributedConfig
+        >>> import os; os.environ.pop("WORLD_SIZE", None) and None
+        >>> resolve_world_size(RunConfig(distributed=DistributedConfig(name="ddp", num_processes=8)), launched=False)
+        WorldSize(processes=8, source='distributed.num_processes=8', launcher=False)
+    """
+    wanted = cfg.distributed.num_processes
+    env = launch_env().world_size
+    if env is not None:
+        if wanted and wanted != env:
+            raise ConfigError(f"distributed.num_processes={wanted} but the launcher started {env} processes (WORLD_SIZE); "
+                              f"drop the key or launch {wanted}")
+        return WorldSize(env, f"WORLD_SIZE={env} from the launcher", True)
+    if wanted:
+        if launched and wanted > 1:
+            raise ConfigError(f"distributed.num_processes={wanted} but this is one process started without a launcher: "
+                              f"run bash train_rm_distributed.sh SUBSET {wanted} (torchrun), or drop the key")
+        return WorldSize(wanted, f"distributed.num_processes={wanted}", False)
+    return WorldSize(1, "one process: started without a launcher (torchrun sets WORLD_SIZE; ask about N with "
+                        "distributed.num_processes=N)", False)
+
+
+def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", launcher: bool = False,
+             micro_batch_size: Optional[int] = None) -> Plan:
+    """Reject inconsistent settings and derive what the run needs; ``cfg`` is read, never changed.
+
+    ``hardware=auto`` is resolved here (``rm.foundations.hardware.resolve_hardware``) and checked as detected.
+
+    Args:
+        cfg: the typed run config.
+        world_size: number of training processes.
+        world_size_source: where ``world_size`` came from, in words (:func:`resolve_world_size`).
+        launcher: a launcher started the processes (:attr:`WorldSize.launcher`).
+        micro_batch_size: instead of ``train.micro_batch_size`` (``preflight.auto_micro_batch``).
+
+    Returns:
+        The derived :class:`Plan`.
+
+    Raises:
+        ConfigError: listing every problem found, one per line, each naming its keys.
+    """
+    errors: List[str] = []
+    for key, allowed in CHOICES.items():
+        value = _lookup(cfg, key)
+        if value not in allowed:
+            errors.append(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+    t, d, hw = cfg.train, cfg.data, resolve_hardware(cfg.hardware)
+    micro = t.micro_batch_size if micro_batch_size is None else micro_batch_size
+    positive = {
+        "train.micro_batch_size": micro,
+        "train.global_batch_size": t.global_batch_size,
+        "train.eval_batch_size": t.eval_batch_size,
+        "train.learning_rate": t.learning_rate,
+        "data.max_length": d.max_length,
+        "hardware.nodes": hw.nodes,
+        "hardware.time_limit_min": hw.time_limit_min,
+    }
+    if cfg.memory_profile.use_lora:
+        positive["lora.r"] = cfg.lora.r
+        positive["lora.alpha"] = cfg.lora.alpha
+    for key, value in positive.items():
+        if not value > 0:
+            errors.append(f"{key}={value} must be > 0")
+    for key in ("logging_steps", "eval_steps", "save_steps", "save_total_limit", "dataloader_num_workers"):
+        if getattr(t, key) < 0:
+            errors.append(f"train.{key}={getattr(t, key)} must be >= 0")
+    errors += _range_errors(cfg, hw)
+    if t.max_steps <= 0 and not t.num_train_epochs > 0:
+        errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
+    errors += _health_errors(cfg.health)
+    if not 0 <= t.warmup_ratio < 1:
+        errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+    if t.max_tokens_per_micro_batch and not t.packing:
+        errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} needs train.packing=true")
+    # A budget below one pair of max_length would let a pair exceed it: then the estimate, which follows the budget, is no bound.
+    if t.max_tokens_per_micro_batch and t.max_tokens_per_micro_batch < 2 * d.max_length:
+        errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} must be 0 or >= 2 x data.max_length"
+                      f" = {2 * d.max_length}, so that every pair fits in one micro-batch")
+    if t.share_prefix and cfg.model.attn_implementation == "flash_attention_2":  # its kernel takes no custom mask
+        errors.append("train.share_prefix=true needs a custom attention mask, which model.attn_implementation="
+                      "flash_attention_2 cannot take: use sdpa (CPU), flex_attention (GPU) or eager")
+    if cfg.memory_profile.use_lora and not cfg.lora.target_modules:
+        errors.append("lora.target_modules is empty: name at least one module, e.g. [q_proj, v_proj]")
+    unknown = [m for m in cfg.lora.target_modules if m not in ALL_LINEAR] if cfg.memory_profile.use_lora else []
+    if unknown:
+        errors.append(
+            f"lora.target_modules: {', '.join(unknown)} is not a linear layer of model_type={cfg.model.model_type}; "
+            f"accepted: {', '.join(ALL_LINEAR)}"
+        )
+
+    accumulation = 0
+    per_step = micro * world_size
+    if per_step > 0 and t.global_batch_size > 0:
+        if t.global_batch_size % per_step:
+            errors.append(
+                f"train.global_batch_size={t.global_batch_size} is not divisible by "
+                f"train.micro_batch_size={micro} x world size {world_size} = {per_step}"
+            )
+        accumulation = t.global_batch_size // per_step
+
+    if d.max_length > cfg.model.max_position_embeddings:
+        errors.append(
+            f"data.max_length={d.max_length} exceeds model.max_position_embeddings="
+            f"{cfg.model.max_position_embeddings} of model={cfg.model.name}"
+        )
+    if d.source == "local" and not d.train_files:
+        errors.append("data.source=local needs data.train_files, e.g. data.train_files=[pairs.jsonl]")
+    if d.source == "hub" and not d.path:
+        errors.append("data.source=hub needs data.path, e.g. data.path=Anthropic/hh-rlhf")
+    _check_extra_eval_files(d.extra_eval_files, errors)
+    errors += tokenizer_config_errors(cfg.model)
+
+    device = "cpu" if hw.accelerator == "cpu" else "cuda"
+    precision = _precision(t.precision, hw, device, errors)
+    strategy, zero_stage = _check_profile_and_distribution(cfg, hw, device, errors)
+    warnings = _precision_for_layout(cfg, precision, strategy, errors) + _attention_warnings(cfg)
+    if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
+        errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
+
+    if cfg.distributed.num_processes < 0:
+        errors.append(f"distributed.num_processes={cfg.distributed.num_processes} must be >= 0 (0: as launched)")
+    if hw.device_memory_gib <= 0:
+        errors.append(f"hardware.device_memory_gib={hw.device_memory_gib} must be > 0 (GiB the device reports)")
+    if hw.headroom_gib is not None and not 0 <= hw.headroom_gib < hw.device_memory_gib:
+        errors.append(f"hardware.headroom_gib={hw.headroom_gib} must be >= 0 and below hardware.device_memory_gib")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+    return Plan(
+        world_size=world_size,
+        micro_batch_size=micro,
+        hardware=hw,
+        gradient_accumulation_steps=accumulation,
+        precision=precision,
+        device=device,
+        strategy=strategy,
+        zero_stage=zero_stage,
+        max_tokens_per_step=t.global_batch_size * 2 * d.max_length,
+        world_size_source=world_size_source,
+        launcher=launcher,
+        warnings=tuple(warnings),
+    )
+
+
+def _health_errors(h) -> List[str]:
+    """The health group's counts and tolerances."""
+    errors = [f"health.{key}={getattr(h, key)} must be >= 0"
+              for key in ("ln2_steps", "ln2_tolerance", "chance_after_steps", "chance_tolerance", "max_abs_reward")
+              if getattr(h, key) < 0]
+    _in_range(errors, "health.lost_updates_threshold", h.lost_updates_threshold, 0, 1)  # a fraction
+    if h.max_consecutive_skips < 1:
+        errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
+    return errors
+
+
+def _precision(precision: str, hw: HardwareConfig, device: str, errors: List[str]) -> str:
+    """Resolve ``train.precision=auto`` for the hardware (a mode that loses no update) and the legacy
+    aliases; reject a precision the hardware cannot compute in."""
+    given = f"train.precision={precision}"
+    if precision == "auto":
+        precision = "bf16-mixed" if (device == "cuda" and hw.bf16) else "32-true"
+    precision = Precision.canonical(precision)
+    if precision.startswith("bf16") and not hw.bf16:
+        errors.append(f"{given} but hardware={hw.name} has no bf16 (hardware.bf16=false): use 32-true or 16-mixed")
+    if precision == "16-mixed" and device == "cpu":
+        errors.append(f"{given} needs a GPU; hardware={hw.name} is a CPU: use 32-true")
+    return precision
+
+
+def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors: List[str]) -> List[str]:
+    """Refuse a precision the engine cannot train as named; warn where ``bf16-true`` will lose updates."""
+    mode = Precision.of(precision)
+    if strategy == "deepspeed" and mode.deepspeed_refusal:
+        errors.append(f"train.precision={precision} with distributed={cfg.distributed.name}: {mode.deepspeed_refusal}. "
+                      f"Use train.precision=bf16-mixed, or distributed=ddp for pure bf16")
+    if cfg.train.kahan_summation:
+        if precision != "bf16-true":
+            errors.append(f"train.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
+                          f"{'keeps fp32 weights for the optimizer already' if mode.mixed or not mode.half else 'is not bf16-true'}: "
+                          f"drop the key, or use train.precision=bf16-true")
+        if strategy == "deepspeed" or cfg.memory_profile.optimizer != "adamw":
+            errors.append(f"train.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
+                          f"with distributed={cfg.distributed.name} uses another optimizer: use distributed=ddp with "
+                          f"memory_profile=full or lora")
+        if not _installed("optimi"):
+            errors.append("train.kahan_summation=true needs optimi: pip install torch-optimi")
+    warnings = []
+    if cfg.train.precision in PRECISION_ALIASES:
+        warnings.append(f"train.precision={cfg.train.precision} reads as {precision} (Lightning's names: bf16-mixed keeps "
+                        f"fp32 weights and optimizer states, bf16-true trains bf16 weights)")
+    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.kahan_summation:
+        # The weights' scale is unknown before they load; transformers initialises (and most checkpoints keep)
+        # linear weights near N(0, 0.02).
+        lost = bf16_lost_update_fraction(cfg.train.learning_rate, 0.02)
+        if lost > 0.05:
+            warnings.append(
+                f"train.precision=bf16-true at train.learning_rate={cfg.train.learning_rate:g}: AdamW updates smaller than "
+                f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
+                f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
+                f"{_lr_losing_at_most(0.05):.0e}, or train.kahan_summation=true; the lost_updates alarm measures it while training")
+    return warnings
+
+
+def _attention_warnings(cfg: RunConfig) -> List[str]:
+    """What a user of an attention implementation should hear before a GPU-hour is spent."""
+    if cfg.model.attn_implementation != "flex_attention":
+        return []
+    # Seen on an H100 (torch 2.11, 2026-11-26, docs/gpu.md): the first sequence length compiles, a later one that
+    # torch.compile recompiles with symbolic sizes failed in 2 of 6 runs ("NoValidChoicesError" for flex_attention).
+    return ["model.attn_implementation=flex_attention: torch 2.11's inductor failed to recompile flex-attention for a "
+            "new sequence length in 2 of 6 runs on an H100 (NoValidChoicesError), so a run can stop at its first batch "
+            "of another length; model.attn_implementation=sdpa takes the same masks"]
+
+
+def _lr_losing_at_most(share: float, weight_std: float = 0.02) -> float:
+    """The smallest power-of-two learning rate at which bf16-true loses at most ``share`` of N(0, std) updates."""
+    lr = 2.0**-30
+    while bf16_lost_update_fraction(lr, weight_std) > share:
+        lr *= 2
+    return lr
+
+
+def _in_range(errors: List[str], key: str, value, low=None, high=None, low_open=False, high_open=False, hint="") -> None:
+    """Append ``key=value must be in [low, high)``-style errors; NaN fails every range."""
+    ok = value == value  # NaN
+    if low is not None:
+        ok = ok and (value > low if low_open else value >= low)
+    if high is not None:
+        ok = ok and (value < high if high_open else value <= high)
+    if not ok:
+        lo = "" if low is None else ("(" if low_open else "[") + str(low)
+        hi = "" if high is None else str(high) + (")" if high_open else "]")
+        where = f"in {lo or '(-inf'}, {hi or 'inf)'}"
+        errors.append(f"{key}={value} must be {where}{hint}")
+
+
+def _range_errors(cfg: RunConfig, hw: HardwareConfig) -> List[str]:
+    """Every numeric key that has a range, checked against it (the enumerated ones are in CHOICES); ``hw`` resolved."""
+    errors: List[str] = []
+    t, d, m = cfg.train, cfg.data, cfg.model
+    _in_range(errors, "train.seed", t.seed, 0, 2**32 - 1, hint=" (numpy and torch seeds are unsigned 32-bit)")
+    _in_range(errors, "train.adam_beta1", t.adam_beta1, 0, 1, high_open=True)
+    _in_range(errors, "train.adam_beta2", t.adam_beta2, 0, 1, high_open=True)
+    _in_range(errors, "train.adam_epsilon", t.adam_epsilon, 0, low_open=True)
+    _in_range(errors, "train.weight_decay", t.weight_decay, 0)
+    _in_range(errors, "train.max_grad_norm", t.max_grad_norm, 0, hint=" (0 disables clipping)")
+    _in_range(errors, "train.learning_rate", t.learning_rate, 0, 1, low_open=True)
+    _in_range(errors, "train.center_rewards_coefficient", t.center_rewards_coefficient, 0)
+    _in_range(errors, "train.num_train_epochs", t.num_train_epochs, 0)
+    _in_range(errors, "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0)
+    if t.max_steps < -1:
+        errors.append(f"train.max_steps={t.max_steps} must be -1 (derive from train.num_train_epochs) or > 0")
+    if cfg.memory_profile.use_lora:
+        _in_range(errors, "lora.dropout", cfg.lora.dropout, 0, 1, high_open=True)
+    for key in ("max_train_samples", "max_eval_samples"):
+        value = getattr(d, key)
+        if value is not None and value < 1:
+            errors.append(f"data.{key}={value} must be >= 1, or null for all rows")
+    for key in ("synthetic_train_size", "synthetic_test_size"):
+        if d.source == "synthetic" and getattr(d, key) < 1:
+            errors.append(f"data.{key}={getattr(d, key)} must be >= 1 with data.source=synthetic")
+    if d.source == "synthetic":
+        _in_range(errors, "data.synthetic_seed", d.synthetic_seed, 0, 2**32 - 1)
+    # Hardware "auto" holds placeholders until resolved: checked as detected.
+    _in_range(errors, "hardware.device_memory_gib", hw.device_memory_gib, 0, low_open=True, hint=": the memory of one device in GiB")
+    _in_range(errors, "hardware.host_ram_gib", hw.host_ram_gib, 0, low_open=True, hint=": the RAM of one node in GiB")
+    _in_range(errors, "hardware.gpus_per_node", hw.gpus_per_node, 1)
+    _in_range(errors, "distributed.zero_stage", cfg.distributed.zero_stage, 0, 3)
+    h = cfg.health
+    _in_range(errors, "health.ln2_tolerance", h.ln2_tolerance, 0, 1)
+    _in_range(errors, "health.chance_tolerance", h.chance_tolerance, 0, 0.5)
+    errors += _model_shape_errors(m)
+    return errors
+
+
+def _model_shape_errors(m) -> List[str]:
+    """A model shape that transformers would reject late, with a message naming no key."""
+    errors: List[str] = []
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings"):
+        if getattr(m, key) < 1:
+            errors.append(f"model.{key}={getattr(m, key)} must be >= 1")
+    if m.head_dim is not None and m.head_dim < 1:
+        errors.append(f"model.head_dim={m.head_dim} must be >= 1, or null for hidden_size / num_attention_heads")
+    _in_range(errors, "model.rope_theta", m.rope_theta, 0, low_open=True)
+    _in_range(errors, "model.rms_norm_eps", m.rms_norm_eps, 0, low_open=True)
+    if m.num_attention_heads >= 1 and m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads:
+        errors.append(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
+                      f"{m.num_attention_heads} (each key/value head serves a whole group of query heads)")
+    if m.head_dim is None and m.num_attention_heads >= 1 and m.hidden_size % m.num_attention_heads:
+        errors.append(f"model.hidden_size={m.hidden_size} is not divisible by model.num_attention_heads="
+                      f"{m.num_attention_heads}: set model.head_dim")
+    if m.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
+        errors.append("model.attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
+                      "--no-build-isolation (CUDA only), or use model.attn_implementation=sdpa")
+    if m.pretrained:
+        errors += _pretrained_errors(m.pretrained)
+        errors += _pretrained_tokenizer_errors(m.pretrained, m.tokenizer)
+        errors += _pretrained_shape_errors(m)
+    return errors
+
+
+# config.json key -> the model group's: what the estimate sizes the model by.
+SHAPE_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "tie_word_embeddings")
+
+
+def _pretrained_shape_errors(m) -> List[str]:
+    """A local ``model.pretrained`` must have the shape of the ``model`` group: the estimate (and the label of the
+    run) come from the group, the weights from the directory. Each key that differs is named with its value there,
+    as the override to add. A Hub id cannot be read offline; its group is the one that names it."""
+    import json
+
+    config_file = Path(m.pretrained).expanduser() / "config.json"
+    if not config_file.is_file():
+        return []
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        return [f"model.pretrained={m.pretrained}: {config_file} is not readable JSON ({err})"]
+    config.setdefault("num_key_value_heads", config.get("num_attention_heads"))
+    if config.get("head_dim") is None and config.get("hidden_size") and config.get("num_attention_heads"):
+        config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
+    ours = {key: getattr(m, key) for key in SHAPE_KEYS}
+    if ours["head_dim"] is None:
+        ours["head_dim"] = m.hidden_size // max(m.num_attention_heads, 1)
+    differ = [key for key in SHAPE_KEYS if key in config and config[key] is not None and config[key] != ours[key]]
+    if not differ:
+        return []
+    fix = " ".join(f"model.{key}={str(config[key]).lower() if isinstance(config[key], bool) else config[key]}" for key in differ)
+    return [f"model.pretrained={m.pretrained} has another shape than model={m.name}, by which the memory estimate sizes "
+            f"it: " + ", ".join(f"{key} {config[key]} there, {ours[key]} here" for key in differ)
+            + f". Add: {fix} (and model.name=<yours>), or choose the model group of that architecture"]
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def _pretrained_tokenizer_errors(pretrained: str, tokenizer: Optional[str]) -> List[str]:
+    """The tokenizer comes from a local ``model.pretrained`` unless ``model.tokenizer`` names one: it must be there
+    (a directory of weights alone, such as a saved random init, has none)."""
+    path = Path(pretrained).expanduser()
+    if tokenizer or not (path / "config.json").is_file() or any((path / f).is_file() for f in TOKENIZER_FILES):
+        return []
+    return [f"model.pretrained={pretrained} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): name one with "
+            "model.tokenizer=<directory or Hub id>"]
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def _pretrained_errors(pretrained: str) -> List[str]:
+    """A local ``model.pretrained`` must hold a model; anything else must look like a Hub id."""
+    path = Path(pretrained).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            return [f"model.pretrained={pretrained} is a directory without config.json: not a transformers model "
+                    "directory (give the directory save_pretrained wrote, or a Hub id)"]
+        if not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+            return [f"model.pretrained={pretrained} holds config.json but no weights (*.safetensors)"]
+        return []
+    if path.exists():
+        return [f"model.pretrained={pretrained} is a file: give a model directory or a Hub id"]
+    if pretrained.startswith((".", "/", "~")) or not _HUB_ID.match(pretrained):
+        return [f"model.pretrained={pretrained}: no such directory, and not a Hub id (org/name)"]
+    return []
+
+
+def _check_extra_eval_files(extra_eval_files, errors: List[str]) -> None:
+    """Each name must make metric keys of its own: ``eval_<name>_...`` may not collide with another set's keys."""
+    if not extra_eval_files:
+        return
+    from rm.evaluation.diagnostics import eval_keys  # here: it loads torch, which `--help` and most validations do not need
+
+    owners = {key: "the main eval set" for key in eval_keys("eval_")}
+    for name, files in extra_eval_files.items():
+        key = f"data.extra_eval_files.{name}"
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name):
+            errors.append(f"{key}: a name is letters, digits, '_' and '-', starting with a letter or digit")
+        if not files:
+            errors.append(f"{key} lists no file: give at least one jsonl / json / parquet path")
+        keys = eval_keys(f"eval_{name}_")
+        clash = next((k for k in keys if k in owners), None)
+        if clash:
+            errors.append(f"{key}: its metric {clash} is also a metric of {owners[clash]}; pick another name")
+        owners.update({k: key for k in keys})
+
+
+def _installed(module: str) -> bool:
+    # On the path, not through sys.modules: an estimate keeps bitsandbytes out of its process (rm.foundations.cli).
+    return importlib.machinery.PathFinder.find_spec(module) is not None
+
+
+def _check_profile_and_distribution(cfg: RunConfig, hw: HardwareConfig, device: str, errors: List[str]):
+    """Resolve ``distributed.strategy=auto`` and reject profile/strategy pairs that cannot work."""
+    profile, dist = cfg.memory_profile, cfg.distributed
+    strategy = dist.strategy
+    if strategy == "auto":
+        strategy = "deepspeed" if profile.offload_optimizer else "ddp"
+    zero_stage = dist.zero_stage if strategy == "deepspeed" else 0
+
+    if strategy == "deepspeed":
+        if zero_stage not in (1, 2, 3):
+            errors.append(f"distributed.zero_stage={dist.zero_stage} must be 1, 2 or 3 with distributed.strategy=deepspeed")
+        if not _installed("deepspeed"):
+            errors.append(f"distributed={dist.name} needs DeepSpeed: pip install 'rm-reward[deepspeed]'")
+    if profile.offload_optimizer and strategy != "deepspeed":
+        errors.append(
+            f"memory_profile={profile.name} offloads the optimizer through DeepSpeed ZeRO-Offload, but "
+            f"distributed={dist.name} uses {strategy}: use distributed=zero2 (or zero3, or auto)"
+        )
+    if dist.offload_params and not (strategy == "deepspeed" and zero_stage == 3):
+        errors.append(f"distributed.offload_params=true needs ZeRO-3 (distributed=zero3_offload), got distributed={dist.name}")
+    if profile.optimizer == "adamw_8bit":
+        if not _installed("bitsandbytes"):
+            errors.append(f"memory_profile={profile.name} needs bitsandbytes: pip install 'rm-reward[bnb]'")
+        if strategy == "deepspeed":
+            errors.append(
+                f"memory_profile={profile.name} (bitsandbytes 8-bit AdamW) with distributed={dist.name}: ZeRO does not "
+                "shard bitsandbytes' quantised states; use distributed=ddp, or memory_profile=offload / full with ZeRO"
+            )
+    if profile.quantize_base != "none":
+        # bitsandbytes' 4-bit layers run on the CPU too (its CPU backend, 0.49 on); a model built from its shape is
+        # saved and loaded quantised (rm.modelling.model.saved_random_init), so neither CUDA nor pretrained weights are needed.
+        if not profile.use_lora:
+            errors.append(f"memory_profile.quantize_base={profile.quantize_base} needs memory_profile.use_lora=true (a 4-bit base cannot train)")
+        if strategy == "deepspeed" and zero_stage == 3:
+            errors.append(f"memory_profile={profile.name} with distributed={dist.name}: ZeRO-3 cannot shard 4-bit weights")
+        if not _installed("bitsandbytes"):
+            errors.append(f"memory_profile={profile.name} needs bitsandbytes: pip install 'rm-reward[bnb]'")
+    return strategy, zero_stage

@@ -1,0 +1,347 @@
+"""The trainer behind ``python -m rm.train``: setup, loop, save, close.
+
+:func:`train` reads top to bottom: :func:`rm.training.run_setup.setup` builds one :class:`~rm.training.run_setup.Run`
+(tokenizer, datasets, model, engine, health checks, metrics, the loop's state); :func:`fit` runs
+:func:`train_step` until the last step, a signal or a health stop; :func:`wrap_up` turns the outcome
+into the result (writing a checkpoint for an interrupted run); :func:`save_final` exports the model.
+One ``finally`` closes the metrics and the engine however the run ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from rm.runs.checkpoint import failed_ranks, raise_save_failure
+from rm.foundations.config import RunConfig
+from rm.data.batching import rows_at
+from rm.foundations.errors import StorageError
+from rm.modelling.bundle import PROBE_PAIRS, export_final, reward_stats_from_eval
+from rm.training.health import SKIP, STOP
+from rm.memory.monitor import gather_snapshots
+from rm.evaluation.metrics import LineProgressFile, evaluate_sets, format_eval
+from rm.modelling.model import HEAD, pair_rewards
+from rm.evaluation.plots import write_eval_plots, write_train_plot
+from rm.runs.run_dir import RunDir
+from rm.training.run_setup import Run, rebuild_base, setup
+from rm.settings.validate import launched_as_main
+
+log = logging.getLogger("rm.train")  # these lines belong to the training command's log
+
+
+
+class Status(str, Enum):
+    """How a run ended: what :func:`fit` returns and the ``status`` of :func:`train`'s result (a ``str``, so the
+    result stays JSON as it is)."""
+
+    OK = "ok"  # trained to the last step
+    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.resume=true
+    STOPPED_NONFINITE = "stopped_nonfinite"  # the health checks stopped it; no checkpoint of the bad step
+
+    def __str__(self) -> str:
+        return self.value
+
+# What the model's forward takes from a collated batch (the layout decides which are there).
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles")
+
+
+def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str] = ()) -> Dict[str, float]:
+    """Run one training job into ``run_dir``; return the final eval metrics and the status.
+
+    ``overrides`` are the Hydra overrides the config came from; the pre-flight check
+    re-composes them with candidate changes to say which would fit. ``run_dir`` (a path, or a
+    :class:`~rm.runs.run_dir.RunDir` that writes Hydra's record when claimed) is locked for the whole job
+    by the main process (torchrun's ranks are one run), and nothing of it changes before it is claimed.
+
+    Returns:
+        The last evaluation's metrics, the run's statistics, ``status`` (``ok``, ``interrupted`` with
+        ``signal``, ``stopped_nonfinite`` with ``reason``) and ``step``.
+    """
+    directory = run_dir if isinstance(run_dir, RunDir) else RunDir.of(run_dir, cfg.train, launched_as_main())
+    # The lock and the memory monitor's dispatch mode are undone however the run ends.
+    with directory, ExitStack() as cleanup:
+        run = setup(cfg, directory, overrides, cleanup)
+        finished = False
+        try:
+            with StopRequest() as stop:
+                outcome = fit(run, stop)
+                result, memory = wrap_up(run, outcome, stop)
+            if result["status"] is Status.OK:
+                save_final(run, memory)
+            finished = True
+            return result
+        finally:
+            close(run, finished)
+
+
+def fit(run: Run, stop: "StopRequest") -> Status:
+    """The loop, from the state's step on; returns how it ended: OK, INTERRUPTED (a signal) or STOPPED_NONFINITE
+    (the health checks)."""
+    state, engine, t = run.state, run.engine, run.cfg.train
+    progress = _progress_bar(run)
+    # Throughput of the whole run for sweep summaries: real tokens over time spent training (not evaluating or saving).
+    state.loop_start = time.perf_counter()
+    try:
+        while state.step < run.total_steps:
+            # A signal must stop every rank at the same step, or the next collective would hang: the ranks agree
+            # before each step whether any of them received one (during the last step, its logging or evaluation).
+            if engine.reduce(torch.tensor(float(stop.signum > 0), device=engine.device)).item():
+                stop.signum = stop.signum or signal.SIGTERM
+                return Status.INTERRUPTED
+            stats = train_step(run, run.batches.for_step(state.step))
+            state.add_step(stats.loss, stats.tokens, taken=not stats.stop)
+            if stats.stop:
+                return Status.STOPPED_NONFINITE
+            progress.update(1)
+            if t.logging_steps and (state.step % t.logging_steps == 0 or state.step == run.total_steps):
+                log_window(run, progress)
+            evaluate_and_save(run)
+        return Status.OK
+    finally:
+        progress.close()
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step of this process adds to the loop's state."""
+
+    loss: torch.Tensor  # each micro-batch's mean loss x its share of the step, summed; on the device until logging
+    tokens: int  # real (chosen + rejected) tokens, counted on the host from the collated batches
+    stop: bool  # the health checks stopped the run at this step; the update was not taken
+
+
+def train_step(run: Run, micro_batches: List[List[int]]) -> StepStats:
+    """Forward and backward over the step's micro-batches, the health checks, then the optimizer step.
+
+    Nothing here waits for the device per micro-batch: the loss is summed there, and the tokens are
+    counted on the host before the copy.
+    """
+    engine, per_rank = run.engine, run.batches.per_rank
+    loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
+    tokens = 0
+    for n, indices in enumerate(micro_batches):
+        batch = run.train_collator(rows_at(run.train_set, indices))
+        tokens += real_tokens(batch)
+        inputs = to_device(batch, (*MODEL_INPUTS, "margin"), engine.device)
+        margin = inputs.pop("margin")
+        with engine.autocast():
+            chosen, rejected = pair_rewards(run.model, **inputs)
+            loss = run.loss(chosen, rejected, margin)
+        engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
+        run.health.observe(loss, chosen, rejected)
+        loss_sum += loss.detach().double() * len(indices) / per_rank
+    step = run.state.step + 1
+    # Checked before the optimizer applies the update, so that a NaN never reaches the weights.
+    action = run.health.before_update(step, engine.clip_gradients(), engine.gradients_of(HEAD), engine.reduce)
+    if action == STOP:
+        return StepStats(loss_sum, tokens, stop=True)
+    applied = engine.step(skip=action == SKIP)
+    # e.g. DeepSpeed dropped a non-finite update itself
+    return StepStats(loss_sum, tokens, stop=run.health.after_update(step, applied) == STOP)
+
+
+def real_tokens(batch: Dict[str, torch.Tensor]) -> int:
+    """Chosen + rejected tokens, as an unshared trainer (TRL) counts them, whatever the layout (on the host)."""
+    if "num_pair_tokens" in batch:
+        return int(batch["num_pair_tokens"])
+    return int(batch["attention_mask"].sum()) if "attention_mask" in batch else batch["input_ids"].numel()
+
+
+def to_device(batch: Dict[str, torch.Tensor], keys: Sequence[str], device: torch.device) -> Dict[str, torch.Tensor]:
+    """The batch's tensors under ``keys`` on ``device``, copied without waiting; on CUDA from pinned memory,
+    which an asynchronous copy needs (from pageable memory it would wait). On a CPU device nothing is copied."""
+    pin = device.type == "cuda"
+    return {k: (batch[k].pin_memory() if pin else batch[k]).to(device, non_blocking=True) for k in keys if k in batch}
+
+
+def log_window(run: Run, progress: tqdm) -> None:
+    """A logging step: the window's loss, throughput and lost-update fraction, over processes, to metrics.jsonl."""
+    state, engine, t = run.state, run.engine, run.cfg.train
+    elapsed = time.perf_counter() - state.window_start
+    tokens = int(engine.reduce(torch.tensor(state.window_tokens, device=engine.device), reduction="sum"))
+    values = {
+        "loss": float(engine.reduce((state.window_loss / state.window_steps).float(), reduction="mean")),
+        "lr": engine.lr(),
+        "grad_norm": engine.grad_norm(),
+        "epoch": state.step * t.global_batch_size / len(run.train_set),
+        "tokens_per_s": tokens / elapsed,
+        "step_time_s": elapsed / state.window_steps,
+    }
+    lost = run.health.lost_update_fraction(state.step, engine.reduce)  # also raises the lost_updates alarm
+    if lost is not None:
+        values["lost_update_fraction"] = lost
+    run.metrics.write("train", state.step, values)
+    progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
+    state.reset_window()
+
+
+def evaluate_and_save(run: Run) -> None:
+    """After a step: evaluation and a checkpoint when due; the time they take is not training time."""
+    t, step = run.cfg.train, run.state.step
+    paused = time.perf_counter()
+    if (run.eval_set is not None or run.extra_eval_sets) and ((t.eval_steps and step % t.eval_steps == 0) or step == run.total_steps):
+        run.eval_metrics, run.eval_scores = evaluate_sets(
+            run.model, run.eval_set, run.extra_eval_sets, run.collator, t.eval_batch_size, run.engine, run.loss)
+        run.metrics.write("eval", step, run.eval_metrics)
+        run.health.check_eval(step, run.eval_metrics.get("eval_accuracy"))
+        log.info("step %d: %s", step, format_eval(run.eval_metrics))
+    if t.save_steps and step % t.save_steps == 0 and step < run.total_steps:
+        checkpoint(run, paused)
+    run.state.paused_s += time.perf_counter() - paused
+
+
+def checkpoint(run: Run, paused: float) -> Path:
+    """Save the states and the loop's state; every process calls it, during a pause begun at ``paused``
+    (where the training time it records ends)."""
+    state = run.state
+    record = state.record(run.engine.reduce, state.trained_s(paused), run.health.state_dict())
+    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
+
+
+def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]:
+    """After the loop: the plots, the run's statistics, and the checkpoint of an interrupted run.
+
+    Returns:
+        The result :func:`train` returns, and what ``memory.json`` records (estimated and measured peaks).
+    """
+    state, engine, step, total = run.state, run.engine, run.state.step, run.total_steps
+    ended = time.perf_counter()  # for the checkpoint of a stopped run
+    train_s = state.train_s + state.trained_s(ended)
+    if engine.is_main_process and run.eval_scores:  # after train_s: drawing is not training time
+        log.info("eval plots: %s", write_eval_plots(run.eval_scores, run.dir.path / "eval_plots.png"))
+    if engine.is_main_process and run.metrics.path.is_file():
+        log.info("training-loss plot: %s", write_train_plot(run.metrics.path, run.dir.path / "train_plot.png"))
+    run_tokens = int(engine.reduce(torch.tensor(state.tokens, device=engine.device), reduction="sum"))
+    run.monitor.stop()
+    measured_per_rank = gather_snapshots(run.monitor.snapshot())
+    measured = measured_per_rank[engine.process_index]
+    estimate = run.estimate
+    result = {
+        **run.eval_metrics,
+        "tokens_per_s": run_tokens / train_s if train_s > 0 else None,
+        "measured_peak_bytes": measured.get("peak_allocated_bytes"),
+        "estimated_peak_bytes": estimate.peak_bytes if estimate else None,
+        "usable_bytes": estimate.usable_bytes if estimate else None,
+        "alarms": run.health.fired,
+        "skipped_steps": run.health.skipped_steps,
+    }
+    memory = {"estimate": estimate.to_dict() if estimate else None, "measured": measured,
+              "measured_per_rank": measured_per_rank}
+    if outcome is Status.OK and stop.signum:  # trained to the end anyway: the final model, not a checkpoint
+        log.warning("received %s during the last step: writing the final model instead of a checkpoint",
+                    signal.Signals(stop.signum).name)
+    if outcome is Status.INTERRUPTED:
+        path = checkpoint(run, ended)
+        log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
+                    step, total, path, run.dir.path)
+        return {**result, "status": outcome, "step": step, "signal": stop.signum}, memory
+    if outcome is Status.STOPPED_NONFINITE:  # no checkpoint: the newest one on disk stays the last good one
+        log.error(
+            "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
+            "(continue from it with train.resume=true hydra.run.dir=%s once the cause is fixed)",
+            step + 1, total, run.health.stop_reason, run.dir.latest_checkpoint() or "none (none was due yet)", run.dir.path,
+        )
+        return {**result, "status": outcome, "step": step, "reason": run.health.stop_reason}, memory
+    return {**result, "status": outcome, "step": step}, memory
+
+
+def save_final(run: Run, memory: Dict) -> None:
+    """``memory.json``, then one bundle in ``final/``, reloaded in a fresh model and checked on a probe batch (rm.modelling.bundle).
+
+    Like a checkpoint, the bundle is written and verified in a temporary directory, then renamed, so that
+    ``final/`` is either the whole verified model or absent (a full disk must not leave a ``final/`` that
+    later runs take for a finished one).
+
+    Raises:
+        StorageError: any process failed to write its part; nothing is left half-written.
+    """
+    engine, run_dir, cfg = run.engine, run.dir.path, run.cfg
+    if engine.is_main_process:
+        (run_dir / "memory.json").write_text(json.dumps(memory, indent=2))
+    final_dir, tmp_final = run_dir / "final", run_dir / ".tmp-final"
+    probe_set = run.eval_set if run.eval_set is not None else run.train_set
+    lora = cfg.memory_profile.use_lora
+    if engine.is_main_process:
+        shutil.rmtree(tmp_final, ignore_errors=True)
+    error: Optional[BaseException] = None
+    try:
+        export_final(
+            engine, run.model, run.tokenizer, tmp_final,
+            probe=run.collator(probe_set.select(range(min(PROBE_PAIRS, len(probe_set))))),
+            reward_stats=reward_stats_from_eval(run.eval_metrics, run.state.step, cfg.data.max_length),
+            precision=run.plan.precision, merge=lora and cfg.lora.merge_on_save,
+            base_factory=functools.partial(rebuild_base, run) if lora else None,
+            base_is_random=cfg.model.pretrained is None, final_dir=final_dir, append_eos=cfg.data.append_eos,
+        )
+        if engine.is_main_process:
+            os.replace(tmp_final, final_dir)
+    except Exception as err:  # noqa: BLE001  (every process hears of it first: none may wait for another)
+        error = err
+    failed = failed_ranks(engine, error is not None)
+    if failed:
+        if engine.is_main_process:
+            shutil.rmtree(tmp_final, ignore_errors=True)
+        raise_save_failure(
+            error, failed, f"the final model to {final_dir}", run_dir,
+            f"Nothing was left half-written; free space and run again with train.resume=true (newest checkpoint: "
+            f"{run.dir.latest_checkpoint() or 'none'})", kind=StorageError,
+        )
+    log.info("saved the reward model to %s", final_dir)
+
+
+def close(run: Run, finished: bool) -> None:
+    """The one way out of a run that started: the metrics are closed however it ends; the engine is ended
+    (a barrier under DeepSpeed) only when the run got to its end, since after an error on one process the
+    others might never reach that barrier."""
+    run.metrics.close()
+    if finished:
+        run.model = run.engine.unwrapped_model()  # the DDP wrapper must be gone before its process group (rm.distributed.engine)
+        run.engine.end()
+
+
+def _progress_bar(run: Run) -> tqdm:
+    # In a log file (SLURM, CI) a bar redrawn ten times a second buries everything else.
+    tty = sys.stderr.isatty()
+    return tqdm(total=run.total_steps, initial=run.state.step, desc="train", disable=not run.engine.is_main_process,
+                mininterval=0.1 if tty else 30, file=None if tty else LineProgressFile(sys.stderr))
+
+
+class StopRequest:
+    """Turns SIGTERM (SLURM pre-emption, ``kill``) and SIGINT (Ctrl-C) into a checkpoint and a clean exit.
+
+    The first signal only sets a flag that the loop checks after each optimizer
+    step; a second SIGINT interrupts at once.
+    """
+
+    def __init__(self):
+        self.signum = 0
+        self._previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signum and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = signum
+        log.warning("received %s: stopping after this step and writing a checkpoint", signal.Signals(signum).name)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
