@@ -12,7 +12,7 @@ sides) with ``python -m rm.score`` in fp32 (the reference) and with each consume
 * TRL GRPO's reward path given the bundle's path with ``bf16=True`` (conversational prompts: the path TRL scores
   right; ``rm.score.reward_function`` scores in the bundle's saved dtype and is not in the table);
 * OpenRLHF 0.11's reward server (``serve_rm``, its default ``--ds.param_dtype bf16``), through
-  ``tests/consumers/openrlhf_rewards.py`` in OpenRLHF's own installation (built as the slow tests build it).
+  ``tests/e2e/consumers/openrlhf_rewards.py`` in OpenRLHF's own installation (built as the slow tests build it).
 
 Each row: the largest and mean |bf16 reward - fp32 reward| over the texts, beside the spread (std) of the fp32
 rewards, which says how large that is. The machine, date and load are printed with the table.
@@ -42,7 +42,7 @@ def train(out: Path, steps: int, extra: list) -> Path:
 
 
 def conversations(n: int):
-    from tests.test_consumers import messages
+    from tests.e2e.test_consumers import messages
 
     from rm.data.synthetic import generate_pairs
 
@@ -100,13 +100,13 @@ def serve_rm_bf16(bundle: Path, convs, work: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from tests.test_consumers import _openrlhf_path
+    from tests.e2e.test_consumers import _openrlhf_path
 
     tokenizer = AutoTokenizer.from_pretrained(bundle)
     texts = [tokenizer.apply_chat_template(c, tokenize=False) for c in convs]  # what the agent decodes, specials in
     spec = work / "spec.json"
     spec.write_text(json.dumps({"texts": texts, "padding_side": "right", "normalize_reward": False, "param_dtype": "bf16"}))
-    proc = subprocess.run([sys.executable, str(ROOT / "tests/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/e2e/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
                           capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(_openrlhf_path())})
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])

@@ -309,7 +309,7 @@ def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardwa
                   from_shape: bool = False) -> list:
     """The ``rm.train`` overrides of one GPU grid point (no run directory); ``from_shape``: for an estimate, a qlora
     point's model from its shape rather than from its saved random weights (the same estimate,
-    ``tests/test_estimate.py::test_a_qlora_estimate_reads_a_pretrained_models_config_not_its_weights``; no
+    ``tests/memory/test_estimate.py::test_a_qlora_estimate_reads_a_pretrained_models_config_not_its_weights``; no
     weights to build)."""
     model, profile, checkpointing, length, micro, precision, extra = spec
     shape = GPU_MODELS[model]
@@ -972,7 +972,7 @@ def write_shared_section(path: Path, rows: list) -> None:
         "pair at chosen + rejected tokens (no common prefix, the worst case) and counts the 4D mask; the synthetic",
         "pairs share their prompt and rarely fill a row, so it over-estimates by what sharing saves: an upper bound,",
         "never below the measurement. For a full row it is exact to the byte",
-        "(`tests/test_prefix_sharing.py::test_activation_estimate_matches_a_real_shared_step`).",
+        "(`tests/modelling/test_prefix_sharing.py::test_activation_estimate_matches_a_real_shared_step`).",
         f"Largest error: **{worst:.2f}%**.",
         "",
         *[h.replace("| model | profile |", "| model | layout | profile |").replace("| --- | --- |", "| --- | --- | --- |", 1)

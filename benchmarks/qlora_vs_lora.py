@@ -11,7 +11,7 @@ threads per process made steps 3-10x slower), and prints the last eval accuracy 
 * ``qlora``: ``memory_profile=qlora``, that same random init saved and loaded in NF4 (rm.modelling.model.saved_random_init);
 * ``lorabase``: ``memory_profile=lora`` with ``model.pretrained`` = that saved init, unquantised. Nothing is drawn
   at load, so its adapters start from the draws QLoRA's start from: ``qlora - lorabase`` is the 4-bit base alone
-  (tests/test_profiles.py::test_qlora_trains_as_lora_on_its_dequantised_base: QLoRA computes exactly as LoRA on
+  (tests/memory/test_profiles.py::test_qlora_trains_as_lora_on_its_dequantised_base: QLoRA computes exactly as LoRA on
   the dequantised weights);
 * ``loranoise``: as ``lorabase`` with Gaussian noise of the NF4 error's size added to each quantised matrix: a
   perturbation as large as NF4's, without its structure.

@@ -52,9 +52,9 @@ for name in $stages; do
     # Each failure's reason goes into the log as it happens (RM_TEST_FAILURES, tests/conftest.py); flex_attention's
     # tests, whose compiles took minutes on the H200, run after the others.
     tests) export RM_TEST_FAILURES="$out/gpu_tests.log"
-           stage tests 100 python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider --timeout 60 \
+           stage tests 100 python3 -m pytest -m gpu tests/e2e/test_gpu.py -v -rA -p no:cacheprovider --timeout 60 \
              -o log_cli=false -k "${TESTS_K:-not flex_attention}" >>"$out/gpu_tests.log" 2>&1
-           [[ -z ${TESTS_K:-} ]] && stage tests-flex 60 python3 -m pytest -m gpu tests/test_gpu.py -v -rA -p no:cacheprovider \
+           [[ -z ${TESTS_K:-} ]] && stage tests-flex 60 python3 -m pytest -m gpu tests/e2e/test_gpu.py -v -rA -p no:cacheprovider \
              --timeout 50 -o log_cli=false -k flex_attention >>"$out/gpu_tests.log" 2>&1
            tail -40 "$out/gpu_tests.log" ;;
     # CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.

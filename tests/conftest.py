@@ -41,9 +41,9 @@ FAST_TINY = [
     "train.eval_batch_size=64",
     "train.logging_steps=2",
     # experiment=tiny shares prefixes (the fastest on a CPU); the tests of the other layouts need it off,
-    # and tests/test_prefix_sharing.py turns it on where it is tested.
+    # and tests/modelling/test_prefix_sharing.py turns it on where it is tested.
     "train.share_prefix=false",
-    # Each test names the layout it tests; train.layout=auto (the default) is tested in tests/test_plan.py.
+    # Each test names the layout it tests; train.layout=auto (the default) is tested in tests/plan/test_plan.py.
     "train.layout=given",
 ]
 
@@ -74,7 +74,7 @@ def _session_cache(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_cache(tmp_path_factory, monkeypatch):
     """Each test starts with an empty cache: what it tests is computed, not read from an earlier test's entry
-    (tests/test_startup_cache.py tests the cache itself). The machine's measured rates (``rm.plan.constants``, a few
+    (tests/foundations/test_startup_cache.py tests the cache itself). The machine's measured rates (``rm.plan.constants``, a few
     seconds to measure, read by every train.layout=auto run) are the session's: one machine, measured once."""
     fresh = tmp_path_factory.mktemp("rm_cache")
     speed = Path(os.environ["RM_CACHE"]) / "speed"

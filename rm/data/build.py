@@ -33,7 +33,7 @@ from rm.data.tokenizer import tokenizer_identity
 log = logging.getLogger(__name__)
 
 # The rm modules that load, normalise and tokenise a split: this one and every module it imports at any depth
-# (tests/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
+# (tests/foundations/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
 DATA_SOURCES = ("rm.data.build", "rm.data.audit", "rm.data.counts", "rm.data.load", "rm.data.normalise",
                 "rm.data.synthetic", "rm.data.tokenise", "rm.data.tokenizer", "rm.foundations.config", "rm.foundations.errors", "rm.foundations.cli",
                 "rm.foundations.launch_env", "rm.foundations.cache")

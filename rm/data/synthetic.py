@@ -30,7 +30,7 @@ be the chosen one as the rejected one, so the final answer alone carries no
 information about which side is preferred; only relating it to the prompt
 does. Only the unhelpful pairs can be scored from the response alone, which
 puts a response-only model near 50% on most pairs and around 60% overall
-(``tests/test_synthetic.py`` measures a bag-of-words model on the answers),
+(``tests/data/test_synthetic.py`` measures a bag-of-words model on the answers),
 while a model that reads prompt and response can be right on every pair.
 
 Filler turns (greetings, chit-chat) of varied length come before the task so
@@ -239,7 +239,7 @@ def _literal_texts() -> list[str]:
 
 def emitted_words() -> tuple[str, ...]:
     """Every token the generator can emit, sorted, as the ``Whitespace`` pre-tokenizer splits text: the words
-    :data:`rm.data.tokenizer.VOCABULARY` must hold (``tests/test_synthetic.py`` holds them equal)."""
+    :data:`rm.data.tokenizer.VOCABULARY` must hold (``tests/data/test_synthetic.py`` holds them equal)."""
     words: set[str] = set()
     for text in _literal_texts():
         words.update(_PRETOKENIZE_RE.findall(text))

@@ -79,7 +79,7 @@ MIN_BPE_VOCAB = len(SPECIAL_TOKENS) + 256
 
 # Written out rather than derived from the generator's templates, because the word-level tokenizer's ids are
 # 4 + a word's index here and measurements made with model.tokenizer=words rely on them.
-# tests/test_synthetic.py holds it equal to what the generator can emit (rm.data.synthetic.emitted_words).
+# tests/data/test_synthetic.py holds it equal to what the generator can emit (rm.data.synthetic.emitted_words).
 VOCABULARY: Tuple[str, ...] = tuple("""
 ! ' , . : ? Anna Assistant Ben Berlin Cairo Can Carla David Do Elena Frank Good Got Grace Hello Here Hi How
 Hugo Human I It Learning Let Lima London Madrid My Nice Of Okay Paris Please Repeat Rome Sorry Sure System
@@ -303,7 +303,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, model_max_length:
 
 
 # The rm modules that make a BPE from its texts: this one and every module it imports at any depth
-# (tests/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
+# (tests/foundations/test_startup_cache.py holds the list to the import graph). An edit to any of them is a cache miss.
 TOKENIZER_SOURCES = ("rm.data.tokenizer", "rm.foundations.config", "rm.foundations.errors", "rm.foundations.cli", "rm.foundations.launch_env", "rm.foundations.cache")
 
 

@@ -193,7 +193,7 @@ def _set_rng_state(state: Dict) -> None:
 
 class Engine(Protocol):
     """What the training loop, checkpoints and export ask of an engine; :class:`AccelerateEngine` and
-    :class:`DeepSpeedEngine` implement it with the same signatures (``tests/test_engine.py`` compares them).
+    :class:`DeepSpeedEngine` implement it with the same signatures (``tests/distributed/test_engine.py`` compares them).
 
     Attributes:
         device: where batches go.

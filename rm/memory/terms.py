@@ -858,7 +858,7 @@ def outweighs(heavier: Sequence["BatchShapes"], lighter: Sequence["BatchShapes"]
     one on ``heavier``'s of at least its rows and length, padded where it is, weighed with the optimizer states
     where it is and not lighter for ZeRO-3's recording; their evaluation forwards as large; and gradients
     accumulated alike. The estimate grows with a micro-batch's rows and length, and a padded micro-batch weighs at
-    least an unpadded one as long (:func:`bounding_shapes` rests on the same, and tests/test_worst_rank.py checks it),
+    least an unpadded one as long (:func:`bounding_shapes` rests on the same, and tests/memory/test_worst_rank.py checks it),
     except across a packed row's longest sequence where ``segmented``: there the two must lie on the same side.
 
     Example: one rank, a step of one micro-batch of 4 x 50 tokens against one of 2 x 40, and of 4 x 30:
@@ -898,7 +898,7 @@ def bounding_shapes(shapes: Sequence["BatchShapes"], segmented: bool) -> List["B
     longest sequence is traced as one SDPA call under a whole-row mask, which weighs more than a row one token
     longer taken a segment at a time (measured on a 7B LoRA shape at 512 tokens). Below and above the longest
     sequence the estimate grows with the length, so the micro-batches on each side are bounded apart
-    (tests/test_worst_rank.py checks the growth and the bound on random shapes). ``segmented``: packed rows take SDPA
+    (tests/memory/test_worst_rank.py checks the growth and the bound on random shapes). ``segmented``: packed rows take SDPA
     a segment at a time (:func:`activation_terms`).
 
     Example: three ranks' packed rows of 30, 35 and 50 tokens, sequences of at most 40: the longest row (50), and

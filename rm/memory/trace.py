@@ -80,7 +80,7 @@ from rm.foundations.precision import Numerics
 
 _SUPPORTED_ATTN = ("sdpa", "eager")
 
-# The rm modules a trace runs: this one, and every module it imports at any depth (tests/test_startup_cache.py holds
+# The rm modules a trace runs: this one, and every module it imports at any depth (tests/foundations/test_startup_cache.py holds
 # the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
 TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.modelling.model", "rm.modelling.loss", "rm.foundations.precision", "rm.modelling.prefix_sharing",
                  "rm.modelling.attention", "rm.data.collator", "rm.foundations.config", "rm.foundations.cache", "rm.foundations.launch_env")
@@ -523,7 +523,7 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
             # A first micro-batch leaves .grad allocated; in the next one autograd adds each new
             # gradient into it and frees the new one, a transient we want on the timeline. Allocating the
             # gradients as the first backward leaves them (the parameter's dtype and strides) gives the same
-            # timeline as running that backward (tests/test_activations.py) at half the cost of the trace.
+            # timeline as running that backward (tests/memory/test_activations.py) at half the cost of the trace.
             for p in model.parameters():
                 if p.requires_grad:
                     p.grad = torch.zeros_like(p)
@@ -601,7 +601,7 @@ def measure_layer(traced: TracedModel, batch: int, seq_len: int, *, accumulating
         saved_bytes=at["norm"] - at["layer1"],
         # Layer 1's backward frees what it still held when the backward started (its output's gradient is
         # replaced by its input's, of the same size). Equal to the difference between a two- and a one-layer
-        # trace at the start of the last layer's backward on every case of tests/test_activations.py.
+        # trace at the start of the last layer's backward on every case of tests/memory/test_activations.py.
         backward_saved_bytes=at["layer1_bwd"] - at["layer0_bwd"],
         first_layer_saved_bytes=at["layer1"] - at["layer0"],
         forward_transient_bytes=peak["layer1"] - at["layer1"],

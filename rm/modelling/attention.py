@@ -8,7 +8,7 @@ between different sequences included, though the mask throws them away: a 1,024-
 skip those blocks, but SDPA, the default, has neither. Here each segment of the row gets its own SDPA call
 over its own keys (a causal one for a plain packed sequence, the pair's own mask for a prefix-shared pair),
 and the outputs are concatenated: the same scores and the same softmax per query, since
-a query's masked-out keys contribute nothing (``tests/test_attention.py`` checks outputs and gradients).
+a query's masked-out keys contribute nothing (``tests/modelling/test_attention.py`` checks outputs and gradients).
 
 It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
 configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the

@@ -99,7 +99,7 @@ def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
         # Written here, not with save_pretrained, which writes nothing on a process whose torch.distributed rank is
         # not 0 (transformers' should_save_on_this_rank): when rank 1 took the lock first it renamed an empty
         # directory into place and failed to load it ("Unrecognized model ... config.json"; local rank 0 of a second
-        # node is such a process too). The files are save_pretrained's, byte for byte (tests/test_profiles.py).
+        # node is such a process too). The files are save_pretrained's, byte for byte (tests/memory/test_profiles.py).
         config.architectures = [type(model).__name__]
         config.dtype = "float32"
         config.save_pretrained(tmp)

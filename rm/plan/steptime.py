@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 # Ops one more segment of a packed row adds to a layer's forward (rm.modelling.attention), its backward taken as twice that:
-# the SDPA call, the one node a segment adds to the graph (tests/test_attention.py), and its share of the
+# the SDPA call, the one node a segment adds to the graph (tests/modelling/test_attention.py), and its share of the
 # concatenation; q, k and v are split once a layer whatever the segments. Until 2026-11-28 each segment sliced
 # them (6: three more nodes, whose backwards each filled and added a row-sized tensor).
 SEGMENT_KERNELS = 2

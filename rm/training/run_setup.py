@@ -271,7 +271,7 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
 def lr_schedule(kind: str, optimizer: torch.optim.Optimizer, warmup: int, total: int) -> LambdaLR:
     """transformers' ``get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)`` for the
     three ``train.lr_scheduler_type`` values rm accepts: the same ``LambdaLR`` over a ``functools.partial`` (so a
-    checkpoint of either loads in the other), the same factor at every step (``tests/test_startup_cache.py`` holds
+    checkpoint of either loads in the other), the same factor at every step (``tests/foundations/test_startup_cache.py`` holds
     them equal). Not imported from ``transformers.optimization``, which imports ``transformers.trainer_utils`` and
     with it PEFT and bitsandbytes (which compiles its CPU ops as it loads) into every run, LoRA or not."""
     return LambdaLR(optimizer, functools.partial(lr_factor, kind=kind, warmup=warmup, total=total))

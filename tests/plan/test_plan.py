@@ -14,7 +14,7 @@ import torch
 
 from rm.plan.steptime import MicroBatch, Rates, micro_batch, micro_batch_flops, model_work
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = model_work(128, 256, 2, 4, 2, 32)  # conf/model/tiny.yaml: 295,040 matmul weights, attention width 2 x 4 x 32 = 256
 # Two pairs: (chosen 5, rejected 3, prompt 2) and (chosen 4, rejected 4, prompt 3).
 C, R, P = [5, 4], [3, 4], [2, 3]
@@ -273,7 +273,7 @@ def test_the_search_decides_alike_with_verdicts_started_ahead_in_workers(tiny_cf
 
 def test_cached_only_raises_on_a_miss_and_reads_a_hit(tmp_path, monkeypatch):
     from rm.memory import trace
-    from tests.test_activations import traced
+    from tests.memory.test_activations import traced
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
     trace.clear_cache()

@@ -21,7 +21,7 @@ from rm.training.health import (
 from rm.modelling.model import apply_memory_profile, build_model, fp32_head_enabled, keep_head_in_fp32
 from rm.settings.validate import ConfigError
 from tests.conftest import CONF_DIR, FAST_TINY
-from tests.test_tokenizer import OWN_TEXT
+from tests.data.test_tokenizer import OWN_TEXT
 
 
 def read_metrics(run_dir):
@@ -87,7 +87,7 @@ def test_pad_token_alarm():
 def test_own_text_unknown_to_a_word_level_tokenizer_raises_unknown_tokens_by_name(tiny_cfg, tmp_path):
     """A user's word-level tokenizer (a directory, as model.tokenizer takes it) on text it does not know:
     most words become <unk>, and the run says so by name. The default tokenizer keeps every pair of the same
-    text (tests/test_tokenizer.py)."""
+    text (tests/data/test_tokenizer.py)."""
     from rm.data.tokenizer import build_word_level_tokenizer
 
     build_word_level_tokenizer().save_pretrained(tmp_path / "words")

@@ -1,6 +1,6 @@
-"""Rewards of an rm bundle through OpenRLHF 0.11's own RewardModel, printed as JSON (run by tests/test_consumers.py).
+"""Rewards of an rm bundle through OpenRLHF 0.11's own RewardModel, printed as JSON (run by tests/e2e/test_consumers.py).
 
-    PYTHONPATH=<openrlhf install> python tests/consumers/openrlhf_rewards.py BUNDLE INPUT.json
+    PYTHONPATH=<openrlhf install> python tests/e2e/consumers/openrlhf_rewards.py BUNDLE INPUT.json
 
 OpenRLHF cannot be installed with its dependencies on a CPU machine (it pins flash-attn, a
 CUDA build, and another transformers), so it is installed with ``--no-deps`` and the two

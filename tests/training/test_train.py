@@ -201,7 +201,7 @@ def test_demo_reaches_90_percent(tmp_path):
     assert final["step"] == 800 and final["eval_accuracy"] >= 0.90, final
     # The README's figure (docs/readme_samples.json) is a run of this command: this one lands near it (CPU
     # kernels may round differently on another machine, so not to the bit).
-    from tests.readme_samples import load_record
+    from tests.e2e.readme_samples import load_record
 
     recorded = load_record()["demo"]
     assert recorded["step"] == final["step"] and recorded["eval"]["eval_pairs"] == final["eval_pairs"]

@@ -217,7 +217,7 @@ def test_a_gpu_keeps_off_cudnns_kernel_and_a_cpu_keeps_its_choice():
 def test_every_row_layout_runs_its_sdpa_calls_under_the_kernel_choice(model, layout):
     """Not only packed segments: a padded batch's and a prefix-shared row-per-pair batch's SDPA calls, made by
     transformers under its own mask, go through rm's attention and enter :func:`rm.modelling.attention.sdpa_kernels` with
-    the query's device, one call a layer (on a GPU, no cuDNN; tests/test_gpu.py checks the flags there)."""
+    the query's device, one call a layer (on a GPU, no cuDNN; tests/e2e/test_gpu.py checks the flags there)."""
     import rm.modelling.attention
     from rm.data.collator import PairCollator
 

@@ -382,8 +382,8 @@ def _openrlhf_path():
 
 
 def rewardbench(argv, cwd):
-    """RewardBench's own ``main`` in its environment (tests/consumers/rewardbench_cli.py), offline."""
-    return subprocess.run([str(_rewardbench_python()), str(REPO / "tests/consumers/rewardbench_cli.py"), *argv], cwd=cwd,
+    """RewardBench's own ``main`` in its environment (tests/e2e/consumers/rewardbench_cli.py), offline."""
+    return subprocess.run([str(_rewardbench_python()), str(REPO / "tests/e2e/consumers/rewardbench_cli.py"), *argv], cwd=cwd,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": "", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
 
@@ -473,7 +473,7 @@ def test_openrlhf_reward_model_and_server_match_rm_score(bundle, pairs, tmp_path
         spec = tmp_path / "spec.json"
         spec.write_text(json.dumps({"padding_side": side, "pad_token_id": tokenizer.pad_token_id,
                                     "four_bit_as_trained": kind == "qlora-adapter", **spec_fields}))
-        proc = subprocess.run([sys.executable, str(REPO / "tests/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
+        proc = subprocess.run([sys.executable, str(REPO / "tests/e2e/consumers/openrlhf_rewards.py"), str(bundle), str(spec)],
                               capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(target)})
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -23,7 +23,7 @@ SMALL_RUN = [
     # Plain pairs: a prefix-shared run's estimate sizes its rows for pairs without a common prompt, so its
     # measured peak sits below the estimate by more than the 2% this sweep checks.
     "train.share_prefix=false",
-    "train.layout=given",  # the refusals above are this layout's; train.layout=auto is tested in tests/test_plan.py
+    "train.layout=given",  # the refusals above are this layout's; train.layout=auto is tested in tests/plan/test_plan.py
 ]
 
 
@@ -41,7 +41,7 @@ def summary_rows(sweep_dir):
 
 
 def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
-    from tests.readme_samples import SWEEP_ARGS
+    from tests.e2e.readme_samples import SWEEP_ARGS
 
     proc = multirun(SWEEP_ARGS, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,14 +71,14 @@ def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
     # The table at the end names every job by what differs between them.
     assert "8 jobs: 5 ok, 3 refused, 0 failed" in proc.stderr + proc.stdout
     assert "memory_profile=offload lora.r=16" in proc.stderr + proc.stdout
-    # The README's table (tests/readme_samples.py) is this sweep, recorded: what does not depend on timing must match.
-    from tests.readme_samples import SWEEP_ARGS, load_record
+    # The README's table (tests/e2e/readme_samples.py) is this sweep, recorded: what does not depend on timing must match.
+    from tests.e2e.readme_samples import SWEEP_ARGS, load_record
 
     recorded = load_record()["sweep"]
     assert recorded["args"] == SMALL_RUN + SWEEP_ARGS
     fixed = ("job", "status", "overrides", "estimated_peak_bytes", "usable_bytes", "error")
     assert [{k: r[k] for k in fixed} for r in json.loads((tmp_path / "summary.json").read_text())] == \
-        [{k: r[k] for k in fixed} for r in recorded["records"]], "re-record: python -m tests.readme_samples --run-sweep DIR"
+        [{k: r[k] for k in fixed} for r in recorded["records"]], "re-record: python -m tests.e2e.readme_samples --run-sweep DIR"
 
 
 @pytest.mark.parametrize("on_failure,exit_ok", [pytest.param("raise", False, marks=pytest.mark.slow), ("continue", True)])

@@ -1,9 +1,9 @@
 """Write the README's sample outputs from what the code prints.
 
-    python -m tests.readme_samples                  # rewrite README.md's sample regions
-    python -m tests.readme_samples --check          # exit 1 if one is out of date (tests/test_readme_samples.py)
-    python -m tests.readme_samples --run-demo DIR   # run the demo into DIR, record it, rewrite
-    python -m tests.readme_samples --run-sweep DIR  # run the sweep of tests/test_sweep.py into DIR, record it, rewrite
+    python -m tests.e2e.readme_samples                  # rewrite README.md's sample regions
+    python -m tests.e2e.readme_samples --check          # exit 1 if one is out of date (tests/e2e/test_readme_samples.py)
+    python -m tests.e2e.readme_samples --run-demo DIR   # run the demo into DIR, record it, rewrite
+    python -m tests.e2e.readme_samples --run-sweep DIR  # run the sweep of tests/runs/test_sweep.py into DIR, record it, rewrite
 
 Each region of README.md between ``<!-- sample NAME: ... -->`` and ``<!-- /sample -->`` is
 rendered here, never edited by hand:
@@ -17,7 +17,7 @@ rendered here, never edited by hand:
 Measurements (a run's metrics, seconds, load) cannot be recomputed by a test, so ``--run-demo`` and
 ``--run-sweep`` run the command and keep what it wrote in ``docs/readme_samples.json``; the README is
 then rendered from that record with the code's own formatters, so a change of format shows up as a
-stale README. ``tests/test_sweep.py`` checks the recorded sweep's statuses and estimates against a
+stale README. ``tests/runs/test_sweep.py`` checks the recorded sweep's statuses and estimates against a
 fresh run, and the slow demo test checks the recorded accuracy against its run.
 """
 
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Dict, List
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 RECORD = ROOT / "docs" / "readme_samples.json"
 
@@ -78,9 +78,9 @@ def render_demo_figures(demo: Dict) -> str:
         f"start-up: **{demo['eval']['eval_accuracy']:.3f} pairwise accuracy on the "
         f"{int(demo['eval']['eval_pairs']):,} synthetic test pairs in {demo['wall_s']:.0f} s** (`train.seed=42`, the "
         f"default; 1-minute load average {demo['load_before']:.2f} before the run and {demo['load_after']:.2f} after "
-        f"it, the run's own two threads included), measured on {demo['date']} with `python -m tests.readme_samples "
+        f"it, the run's own two threads included), measured on {demo['date']} with `python -m tests.e2e.readme_samples "
         f"--run-demo DIR`, which runs `python -m rm.train {' '.join(demo['args'])} hydra.run.dir=DIR`. The slow test "
-        "`tests/test_train.py::test_demo_reaches_90_percent` runs the same command and asserts at least 0.90."
+        "`tests/training/test_train.py::test_demo_reaches_90_percent` runs the same command and asserts at least 0.90."
         + (f" {demo['note']}" if demo.get("note") else "") + "\n"
     )
 
@@ -128,7 +128,7 @@ def run_demo(run_dir: Path) -> Dict:
 
 
 def run_sweep(sweep_dir: Path) -> Dict:
-    from tests.test_sweep import SMALL_RUN
+    from tests.runs.test_sweep import SMALL_RUN
 
     proc = subprocess.run([sys.executable, "-m", "rm.train", "-m", *SMALL_RUN, *SWEEP_ARGS, f"hydra.sweep.dir={sweep_dir}"],
                           cwd=ROOT, env=_env())
@@ -149,7 +149,7 @@ def main(argv: List[str]) -> int:
     new = rewrite(text, render_all(record))
     if "--check" in argv:
         if new != text:
-            print("README.md sample outputs are out of date: run python -m tests.readme_samples", file=sys.stderr)
+            print("README.md sample outputs are out of date: run python -m tests.e2e.readme_samples", file=sys.stderr)
             return 1
         return 0
     README.write_text(new)

@@ -397,17 +397,6 @@ def test_zero2_partition_holds_whole_parameters_on_each_side_of_a_boundary():
     assert zero_partition_numels([16, 8, 8], 4) == [16, 16, 8, 8]
 
 
-@pytest.mark.slow  # the GPU grid's first points trained on the CPU: two minutes on 2 cores
-def test_gpu_calibration_dry_run_writes_its_table(tmp_path):
-    """`--device cuda --dry-run`: the GPU grid's first points, on the CPU with the tiny model, through the real CLI."""
-    out = tmp_path / "gpu.md"
-    proc = subprocess.run([sys.executable, "benchmarks/memory_calibration.py", "--device", "cuda", "--dry-run", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    table = [line for line in out.read_text().splitlines() if line.startswith("| 0.45B")]
-    assert len(table) == 3 and all("not measured" not in line for line in table), out.read_text()
-
-
 @pytest.mark.slow
 def test_gpu_report_lists_the_device_and_every_profile():
     proc = subprocess.run([sys.executable, "-m", "rm.gpu_report", "experiment=tiny"], cwd=ROOT, capture_output=True,
@@ -440,35 +429,6 @@ def test_a_first_step_holding_the_longest_micro_batch_has_no_optimizer_states(di
     moments = 8 * one_step.params_trainable  # fp32 exp_avg and exp_avg_sq; the master copy exists under DeepSpeed
     assert longest_later.allocated_bytes - one_step.allocated_bytes == (
         one_step.optimizer_states if distributed == "auto" else moments) > 0
-
-
-def test_cuda_device_terms_as_measured_on_an_h100():
-    """The device terms the H100 runs led to (docs/memory_calibration_gpu.md), by hand from the estimate's own parts:
-    paged 8-bit states on the device but outside the allocator; an NCCL group under DeepSpeed, one process too; the
-    allocator-reserve bound of 30% of the step's transient bytes with full gradients, 10% under LoRA; with
-    gradient checkpointing (the H200 runs) 45% and 20%."""
-    from rm.memory.terms import (ALLOCATOR_SMALL_SEGMENTS, CUDA_CONTEXT_BYTES, MIB, NCCL_PROCESS_GROUP_BYTES)
-
-    gpu = ["hardware=h100_80g", "train.precision=bf16-mixed", "train.gradient_checkpointing=false"]
-    cpu = ["hardware=cpu", "hardware.bf16=true", "train.precision=bf16-mixed", "train.gradient_checkpointing=false"]
-    on_gpu = estimate_run(*planned(["memory_profile=8bit", "distributed=ddp", *gpu]))
-    on_cpu = estimate_run(*planned(["memory_profile=8bit", "distributed=ddp", *cpu]))  # no dropout: same trace
-    assert on_gpu.peak_phase == "forward/backward" and on_gpu.outside_allocator == on_gpu.optimizer_states > 0
-    assert on_gpu.allocated_bytes + on_gpu.outside_allocator == on_cpu.allocated_bytes
-    assert on_gpu.peak_bytes == (on_gpu.allocated_bytes + on_gpu.allocator_reserve + on_gpu.cuda_context
-                                 + on_gpu.communication + on_gpu.outside_allocator)
-    assert on_gpu.cuda_context == CUDA_CONTEXT_BYTES and on_gpu.communication == 0  # one process, no NCCL
-    assert on_gpu.allocator_reserve == int(0.30 * (on_gpu.activations + on_gpu.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
-    lora = estimate_run(*planned(["memory_profile=lora", "distributed=ddp", *gpu]))
-    assert lora.allocator_reserve == int(0.10 * (lora.activations + lora.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
-    # Checkpointing recomputes each layer among the gradients the backward makes: 45% and 20% (the H200 runs).
-    ckpt = ["train.gradient_checkpointing=true"]
-    full_ckpt = estimate_run(*planned(["memory_profile=8bit", "distributed=ddp", *gpu, *ckpt]))
-    assert full_ckpt.allocator_reserve == int(0.45 * (full_ckpt.activations + full_ckpt.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
-    lora_ckpt = estimate_run(*planned(["memory_profile=lora", "distributed=ddp", *gpu, *ckpt]))
-    assert lora_ckpt.allocator_reserve == int(0.20 * (lora_ckpt.activations + lora_ckpt.temporaries)) + ALLOCATOR_SMALL_SEGMENTS
-    zero2 = estimate_run(*planned(["memory_profile=full", "distributed=zero2", *gpu]))
-    assert zero2.communication == NCCL_PROCESS_GROUP_BYTES == 984 * MIB and zero2.outside_allocator == 0
 
 
 def test_zero2_offload_reduction_holds_the_fp64_norm_copy_of_the_largest_slice():

@@ -12,15 +12,14 @@ import torch
 from accelerate.utils import set_seed
 
 import rm.train as rm_train
-from rm.foundations.config import to_run_config
 from rm.data.collator import PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.data.tokenise import truncate_left
 from rm.modelling.loss import bradley_terry_loss
 from rm.modelling.model import apply_memory_profile, build_model, build_reward_model, pair_rewards
 from rm.modelling.prefix_sharing import allowed
 from rm.settings.validate import ConfigError, validate
-from tests.conftest import CONF_DIR, FAST_TINY, compose_run
-from tests.test_packing import STEPS
+from tests.conftest import FAST_TINY
+from tests.modelling.test_packing import STEPS
 
 PROMPT = [2, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]  # BOS + an 11-token shared prompt
 MAX = 14
@@ -208,7 +207,7 @@ def test_flex_attention_block_mask_is_exact_on_cpu(tiny_cfg):
 @pytest.mark.distributed
 def test_two_process_ddp_with_shared_prefix_matches_one_padded_process(tmp_path):
     """DDP over 2 processes, prefix-shared and packed, follows the one-process padded run."""
-    from tests.test_profiles import run_cli
+    from tests.memory.test_profiles import run_cli
 
     steps = ["train.max_steps=6", "train.eval_steps=0", "train.logging_steps=3"]
     one, _ = run_cli(steps, tmp_path / "one")
@@ -228,7 +227,7 @@ def test_activation_estimate_matches_a_real_shared_step(attn, checkpointing):
     trainer builds it: within the 5% the pre-flight check promises (it matched to the byte when written)."""
     from rm.memory.storage import StorageTracker
     from rm.memory.trace import estimate_activations
-    from tests.test_activations import LAYERS, MODEL, TOLERANCE, factory_args, traced
+    from tests.memory.test_activations import LAYERS, MODEL, TOLERANCE, factory_args, traced
 
     torch.manual_seed(0)
     model_cfg = replace(MODEL, attn_implementation=attn)
@@ -276,13 +275,3 @@ def test_run_estimate_bounds_the_measured_peak(tmp_path, packing):
     # buffers) are in the count: the estimate may sit that far under, far inside the 2% the calibration allows.
     assert 0.999 * measured <= estimate <= 1.05 * measured, (estimate, measured)
 
-
-def test_benchmark_rows_measure_the_layout_they_name(monkeypatch):
-    """experiment=tiny shares prefixes; every rm row of bench_vs_trl composes to the layout its name says (the
-    padded, grouped and packed rows turn sharing off), so the table compares what it claims to."""
-    monkeypatch.syspath_prepend(str(CONF_DIR.parent / "benchmarks"))
-    import bench_vs_trl as bench
-
-    for name, extra in bench.VARIANTS.items():
-        t = to_run_config(compose_run(bench.rm_overrides(extra))).train
-        assert (t.share_prefix, t.packing) == ("prefix-shared" in name, "packed" in name), name

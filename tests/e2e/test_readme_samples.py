@@ -1,6 +1,6 @@
-"""README.md's sample outputs are rendered from what the code prints (tests/readme_samples.py) and must be current."""
+"""README.md's sample outputs are rendered from what the code prints (tests/e2e/readme_samples.py) and must be current."""
 
-from tests import readme_samples
+from tests.e2e import readme_samples
 
 
 def test_readme_sample_outputs_are_what_the_code_prints():
@@ -8,7 +8,7 @@ def test_readme_sample_outputs_are_what_the_code_prints():
     assert {"demo", "sweep"} <= record.keys(), "docs/readme_samples.json lacks a recorded demo or sweep"
     text = readme_samples.README.read_text()
     assert text == readme_samples.rewrite(text, readme_samples.render_all(record)), (
-        "README.md's sample outputs are out of date: run python -m tests.readme_samples"
+        "README.md's sample outputs are out of date: run python -m tests.e2e.readme_samples"
     )
 
 

@@ -96,7 +96,7 @@ def test_a_saved_tokenizer_is_read_back_not_trained_again(tiny_cfg, tmp_path):
 def test_own_text_keeps_every_pair_with_the_default_tokenizer(tiny_cfg, tmp_path):
     """Text of the user's own (none of its words but "Human", "Assistant" and "est" are in the synthetic
     vocabulary): no unknown token, no alarm, all 40 pairs used. With a word-level tokenizer the answers
-    become <unk> and the pairs collapse to identical ids (tests/test_health.py)."""
+    become <unk> and the pairs collapse to identical ids (tests/training/test_health.py)."""
     assert {"quelle", "heure", "midi", "aucune"}.isdisjoint(VOCABULARY)
     path = tmp_path / "own.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in OWN_TEXT))

@@ -1,6 +1,6 @@
 """docs/reliability.md is generated from the tests' reliability markers and must be current."""
 
-from tests import reliability_doc
+from tests.e2e import reliability_doc
 
 
 def test_docs_reliability_is_generated_from_the_tests():
@@ -9,5 +9,5 @@ def test_docs_reliability_is_generated_from_the_tests():
     for row in rows:  # every row names a test that exists and what it checks
         assert row.input and row.behaviour and "::test_" in row.test
     assert reliability_doc.DOC.read_text() == reliability_doc.render(rows), (
-        "docs/reliability.md is out of date: run python -m tests.reliability_doc"
+        "docs/reliability.md is out of date: run python -m tests.e2e.reliability_doc"
     )

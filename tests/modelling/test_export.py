@@ -1,6 +1,6 @@
 """The reward at the last real token, and the exported bundle's round trips (full, LoRA adapter,
 merged by ``lora.merge_on_save`` and by ``python -m rm.export``). ZeRO-3's round trip runs in
-``tests/test_profiles.py::test_two_process_zero3_offload_saves_a_loadable_model`` (slow)."""
+``tests/memory/test_profiles.py::test_two_process_zero3_offload_saves_a_loadable_model`` (slow)."""
 
 import json
 import shutil

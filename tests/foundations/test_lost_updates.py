@@ -10,7 +10,7 @@ from rm.training.health import CONTINUE, SKIP, lost_updates_alarm
 from rm.foundations.lost_updates import LostUpdateProbe, lost_fraction, lost_updates, sample_positions
 from rm.training.run_setup import watch_lost_updates
 from rm.settings.validate import ConfigError, validate
-from tests.test_health import monitor, read_metrics, take_step
+from tests.training.test_health import monitor, read_metrics, take_step
 
 
 # ---------------------------------------------------------------- the pure functions

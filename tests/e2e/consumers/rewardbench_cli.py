@@ -1,6 +1,6 @@
-"""RewardBench 0.1.4's own ``rewardbench`` command, run on the CPU (run by tests/test_consumers.py).
+"""RewardBench 0.1.4's own ``rewardbench`` command, run on the CPU (run by tests/e2e/test_consumers.py).
 
-    cd WORKDIR && <rewardbench venv>/bin/python tests/consumers/rewardbench_cli.py --model ... [the command's flags]
+    cd WORKDIR && <rewardbench venv>/bin/python tests/e2e/consumers/rewardbench_cli.py --model ... [the command's flags]
 
 The arguments are the command line, as the README gives it; ``rewardbench.rewardbench.main`` parses
 and runs them (model loading, its chat-template rendering, its pipeline, its output file). One thing is

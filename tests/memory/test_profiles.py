@@ -190,7 +190,7 @@ def test_measured_peaks_follow_what_each_profile_keeps(tiny_cfg, tmp_path):
         rm_train.train(cfg, tmp_path / profile)
         measured = json.loads((tmp_path / profile / "memory.json").read_text())["measured"]
         peaks[profile] = measured["peak_allocated_bytes"]
-    params = 361_216  # the tiny model (tests/test_config.py derives the 7B count the same way)
+    params = 361_216  # the tiny model (tests/foundations/test_config.py derives the 7B count the same way)
     assert peaks["full"] >= 16 * params
     assert peaks["full"] > peaks["8bit"] > peaks["lora"]
     assert peaks["full"] - peaks["8bit"] >= 5 * params  # 8 bytes of fp32 states became about 2 (+ block scales)

@@ -1,6 +1,6 @@
 """Every CUDA code path once, on a real GPU: skipped without one (the ``gpu`` marker, tests/conftest.py).
 
-    python -m pytest -m gpu tests/test_gpu.py        # on a CUDA machine; about a minute on one H100
+    python -m pytest -m gpu tests/e2e/test_gpu.py        # on a CUDA machine; about a minute on one H100
 
 Each test is a short real run of the tiny model through ``rm.train.train`` with ``hardware=auto``, so the
 device, the precision default and the optimizer are the ones a GPU user gets. What the CPU suite cannot
@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 import rm.train as rm_train
 from rm.foundations.config import to_run_config
 from tests.conftest import FAST_TINY, compose_run
-from tests.test_prefix_sharing import FEATURES, PAIRS
+from tests.modelling.test_prefix_sharing import FEATURES, PAIRS
 
 pytestmark = pytest.mark.gpu
 
@@ -167,7 +167,7 @@ def test_masked_rows_keep_off_cudnn_on_cuda_with_checkpointing(layout):
     included, which must take the same kernel as the forward (rm.modelling.attention.sdpa_kernels)."""
     from rm.data.collator import PairCollator, PrefixSharedCollator
     from rm.modelling.model import build_model, enable_activation_checkpointing, pair_rewards
-    from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls
+    from tests.modelling.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls
 
     cfg = to_run_config(compose_run(GPU_TINY + ["model.attn_implementation=sdpa"]))
     set_seed(0)
@@ -194,7 +194,7 @@ def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     graph for each new length (rm.modelling.attention.sdpa_kernels)."""
     from rm.data.collator import PackedPairCollator, PrefixSharedCollator
     from rm.modelling.model import build_model
-    from tests.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls, rewards_and_grads
+    from tests.modelling.test_attention import FEATURES as SEGMENTED, counted_sdpa_calls, rewards_and_grads
 
     cfg = to_run_config(compose_run(GPU_TINY + ["model.attn_implementation=sdpa"]))
     set_seed(0)

@@ -13,7 +13,7 @@ from rm.plan.lengths import PairLengths
 from rm.plan.search import Checker, _Search, _Timer, candidates, check_fastest, verdict
 from rm.settings.validate import resolve_world_size
 from tests.conftest import FAST_TINY
-from tests.test_plan import _rates
+from tests.plan.test_plan import _rates
 
 
 def random_lengths(rng: random.Random, pairs: int, max_length: int) -> PairLengths:
