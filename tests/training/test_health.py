@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 import rm.train as rm_train
 import rm.modelling.model as rm_model
 import rm.training.run_setup as run_setup
-import rm.training.trainer as trainer
 from rm.training.health import (
     LN2, SKIP, STOP, CONTINUE, HealthMonitor, chance_accuracy_alarm, head_gradient_alarm, ln2_plateau_alarm,
     nonfinite_alarm, pad_token_alarm, reward_scale_alarm,
@@ -338,17 +337,23 @@ def test_reward_scale_alarm_with_a_tiny_limit(tiny_cfg, tmp_path):
 
 
 def inject_nan(monkeypatch, steps, micro_batches_per_step=2):
-    """Make the training loss NaN on the first micro-batch of each step in ``steps`` (1-based)."""
-    real, calls = trainer.bradley_terry_loss, []
+    """Make the training loss NaN on the first micro-batch of each step in ``steps`` (1-based): the run's loss as
+    rm.training.run_setup builds it (``Run.loss``), not the memory trace's, which would count calls of its own."""
+    real_build, calls = run_setup.build_loss, []
 
-    def loss(*args, **kwargs):
-        calls.append(1)
-        value = real(*args, **kwargs)
-        step = (len(calls) - 1) // micro_batches_per_step + 1
-        first = (len(calls) - 1) % micro_batches_per_step == 0
-        return value * float("nan") if step in steps and first else value  # NaN flows into the gradients too
+    def build_loss(train_cfg, data_cfg):
+        real = real_build(train_cfg, data_cfg)
 
-    monkeypatch.setattr(trainer, "bradley_terry_loss", loss)
+        def loss(*args, **kwargs):
+            calls.append(1)
+            value = real(*args, **kwargs)
+            step = (len(calls) - 1) // micro_batches_per_step + 1
+            first = (len(calls) - 1) % micro_batches_per_step == 0
+            return value * float("nan") if step in steps and first else value  # NaN flows into the gradients too
+
+        return loss
+
+    monkeypatch.setattr(run_setup, "build_loss", build_loss)
 
 
 @pytest.mark.reliability("Faults", "NaN/inf loss or gradient (`health.on_nonfinite=stop`, default)", "stops before the update, no checkpoint of it; exit 4")
