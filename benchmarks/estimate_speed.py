@@ -64,7 +64,7 @@ for i in range({repeats}):
     t0 = time.perf_counter()
     cfg = compose({MISTRAL!r})
     cfg.hardware = resolve_hardware(cfg.hardware)
-    plan = validate(cfg, *resolve_world_size(cfg, launched=False))
+    plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=False))
     estimate_run(cfg, plan)
     out.append(time.perf_counter() - t0)
 print(json.dumps([imports] + out))

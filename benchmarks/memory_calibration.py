@@ -356,8 +356,8 @@ def data_sized_estimate(overrides: list, world_size: int = 1, random_init_cached
     batches = StepBatches.of(train_set, global_batch_size=t.global_batch_size, micro_batch_size=plan.micro_batch_size,
                              world_size=plan.world_size, rank=0, seed=t.seed, group_by_length=t.group_by_length,
                              max_tokens=t.max_tokens_per_micro_batch, shared_tokens=shared)
-    steps = total_training_steps(cfg, len(train_set))
-    return data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, steps, train_set, shared, [eval_set]),
+    steps = total_training_steps(t, len(train_set))
+    return data_preflight(cfg, plan, overrides, run_shapes(t, batches, steps, train_set, shared, [eval_set]),
                           random_init_cached=random_init_cached)
 
 

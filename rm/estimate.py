@@ -34,7 +34,7 @@ def main() -> None:
             from rm.settings.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
 
             cfg = to_run_config(raw)
-            plan = validate(cfg, *resolve_world_size(cfg, launched=False))
+            plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
             if cfg.estimate.json:

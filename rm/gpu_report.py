@@ -47,7 +47,7 @@ def print_report(raw: DictConfig) -> None:
     base = to_run_config(raw)
     hardware = resolve_hardware(base.hardware)  # for the heading; validate resolves it again for each profile
     overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("memory_profile=")]
-    world, source, _ = resolve_world_size(base, launched=False)  # counted as rm.estimate and rm.train count them
+    world, source, _ = resolve_world_size(base.distributed, launched=False)  # counted as rm.estimate and rm.train count them
     print(f"\nmodel={base.model.name}, {world} process(es) ({source}), {hardware.device_memory_gib} GiB per device ({hardware.name})")
     errors = []
     profiles = [profile.name for profile in memory_profiles()]  # the running app's config search path

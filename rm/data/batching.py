@@ -25,6 +25,8 @@ import torch
 if TYPE_CHECKING:  # the planner cuts micro-batches from token lengths alone: datasets takes seconds to import
     import datasets
 
+    from rm.foundations.config import TrainConfig
+
 
 def rows_at(dataset: "datasets.Dataset", indices: Sequence[int]) -> List[dict]:
     """The pairs at ``indices``, in that order, as the collators take them (one dict a pair).
@@ -46,8 +48,8 @@ def steps_per_epoch(num_pairs: int, global_batch_size: int) -> int:
     return num_pairs // global_batch_size
 
 
-def total_training_steps(cfg, num_pairs: int) -> int:
-    """The optimizer steps a run of ``cfg`` (``rm.foundations.config.RunConfig``) takes over ``num_pairs`` training pairs:
+def total_training_steps(train_cfg: "TrainConfig", num_pairs: int) -> int:
+    """The optimizer steps a run takes over ``num_pairs`` training pairs:
     ``train.max_steps``, else ``train.num_train_epochs`` epochs, at least one.
 
     Raises:
@@ -55,14 +57,14 @@ def total_training_steps(cfg, num_pairs: int) -> int:
     """
     from rm.foundations.errors import ConfigError
 
-    per_epoch = steps_per_epoch(num_pairs, cfg.train.global_batch_size)
+    per_epoch = steps_per_epoch(num_pairs, train_cfg.global_batch_size)
     if per_epoch == 0:
         raise ConfigError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is larger than the {num_pairs} usable training pairs"
+            f"train.global_batch_size={train_cfg.global_batch_size} is larger than the {num_pairs} usable training pairs"
         )
-    if cfg.train.max_steps > 0:
-        return cfg.train.max_steps
-    return max(1, math.ceil(cfg.train.num_train_epochs * per_epoch))
+    if train_cfg.max_steps > 0:
+        return train_cfg.max_steps
+    return max(1, math.ceil(train_cfg.num_train_epochs * per_epoch))
 
 
 @lru_cache(maxsize=2)

@@ -39,7 +39,7 @@ def plan_run(cfg: RunConfig, overrides: Sequence[str]) -> Tuple[Plan, Optional[E
         ConfigError: the settings do not make a run, or name a CUDA profile on a machine without CUDA.
         PreflightRefusal: the run cannot fit whatever its data, with ``preflight=error``.
     """
-    plan = validate(cfg, *resolve_world_size(cfg, launched=True))
+    plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=True))
     check_device_present(plan)
     return preflight(cfg, plan, overrides)
 

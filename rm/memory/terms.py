@@ -550,7 +550,7 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
             copy = largest  # gone by the boundary, where the reduction's own transient comes (measured)
         t.overhead = largest
         if plan.device == "cuda":
-            t.host, t.states, t.moments, copy = plan_procs_per_node(cfg, plan) * t.states, 0, 0, 0
+            t.host, t.states, t.moments, copy = plan_procs_per_node(plan) * t.states, 0, 0, 0
     if stage < 3:
         t.reduction = zero12_reduction_bytes(plan, counts, profile.offload_optimizer, trained_bytes,
                                              weights + t.states + t.temporaries - copy, rank)
@@ -679,13 +679,13 @@ def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int,
     host = 0
     if cfg.model.pretrained:
         # from_pretrained reads the checkpoint into host memory in every process before moving it.
-        host += plan_procs_per_node(cfg, plan) * counts.base * wbytes
+        host += plan_procs_per_node(plan) * counts.base * wbytes
     if cfg.train.resume and plan.device == "cuda":
         # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
         # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
         # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.
         saved = math.ceil(counts.trainable / plan.world_size) * (4 + 8) if plan.strategy == "deepspeed" else states
-        host += plan_procs_per_node(cfg, plan) * saved
+        host += plan_procs_per_node(plan) * saved
     # The export check reloads the saved model on the CPU of the main process (rm.modelling.bundle), beside
     # whatever the host already holds for this node's processes.
     return host + counts.total * wbytes
@@ -1130,5 +1130,6 @@ def shared_prefix_input_bytes(rows: int, seq_len: int) -> int:
     return 4 * rows * seq_len * 8
 
 
-def plan_procs_per_node(cfg: RunConfig, plan: Plan) -> int:
+def plan_procs_per_node(plan: Plan) -> int:
+    """Processes of the run on one node: what shares its host memory."""
     return min(plan.world_size, plan.hardware.gpus_per_node)

@@ -54,12 +54,12 @@ class LayoutChoice:
         return f"train.layout=auto: {what} ({self.reason}){kept}"
 
 
-def user_knobs(cfg: RunConfig, overrides: Sequence[str]) -> set:
+def user_knobs(train_cfg: TrainConfig, overrides: Sequence[str]) -> set:
     """The layout knobs that are the user's: on the command line, or not at the schema's default."""
     defaults = TrainConfig()
     given = set_keys(overrides)
     return {key for key in KNOBS
-            if key in given or getattr(cfg.train, key.split(".")[1]) != getattr(defaults, key.split(".")[1])}
+            if key in given or getattr(train_cfg, key.split(".")[1]) != getattr(defaults, key.split(".")[1])}
 
 
 def _value(v) -> str:
@@ -86,7 +86,7 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
     if cfg.train.layout != "auto":
         return cfg, plan, None
     world = (plan.world_size, plan.world_size_source, plan.launcher)
-    fixed = user_knobs(cfg, overrides)
+    fixed = user_knobs(cfg.train, overrides)
     kept = tuple(f"{key}={_value(getattr(cfg.train, key.split('.')[1]))}" for key in KNOBS if key in fixed)
     if pinned:
         saved = {key.split(".")[1]: pinned[key] for key in KNOBS if key in pinned}

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rm.foundations.config import RunConfig
+from rm.foundations.config import RunConfig, TrainConfig
 from rm.plan.steptime import MicroBatch, micro_batch
 
 # The word-level tokenizer's pieces (tokenizers' Whitespace pre-tokenizer, each piece one id): counting them
@@ -156,16 +156,16 @@ def step_micro_batches(lengths: PairLengths, layout: str, micro_batch_size: int,
     return out
 
 
-def memory_shapes(cfg: RunConfig, plan, lengths: PairLengths):
+def memory_shapes(train_cfg: TrainConfig, plan, lengths: PairLengths):
     """Per rank, the largest micro-batches the run would form over all its steps: what ``rm.train``'s memory
     verdict is sized by (:func:`rm.data.shapes.data_shapes`, :func:`rm.memory.preflight.data_preflight`)."""
     from rm.data.batching import total_training_steps
     from rm.data.shapes import data_shapes, layout_of
 
-    t = cfg.train
+    t = train_cfg
     layout = layout_of(t.packing, t.share_prefix)
     batches = batching(lengths, layout, plan.micro_batch_size, plan.world_size, t.global_batch_size, t.seed,
                        t.group_by_length, t.max_tokens_per_micro_batch)
-    steps = total_training_steps(cfg, len(lengths.chosen))
+    steps = total_training_steps(t, len(lengths.chosen))
     return data_shapes(batches, steps, layout, lengths.chosen.tolist(), lengths.rejected.tolist(),
                        lengths.shared.tolist() if t.share_prefix else None, list(lengths.eval), t.eval_batch_size)

@@ -28,7 +28,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from rm.foundations.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, memory_profiles
+from rm.foundations.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, TrainConfig, memory_profiles
 from rm.foundations.hardware import attention_kernel
 from rm.plan import forkserver
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
@@ -188,9 +188,9 @@ def _engines(cfg: RunConfig, overrides: Sequence[str], fixed: set,
     return out
 
 
-def _knob_overrides(cfg: RunConfig, knobs: Dict) -> List[str]:
+def _knob_overrides(train_cfg: TrainConfig, knobs: Dict) -> List[str]:
     return [f"train.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in knobs.items()
-            if getattr(cfg.train, k) != v]
+            if getattr(train_cfg, k) != v]
 
 
 def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
@@ -216,7 +216,7 @@ def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
                 continue
             family = (tuple(extra), *(v for k, v in knobs.items() if k != "micro_batch_size"))
             accumulating = not knobs["max_tokens_per_micro_batch"] and knobs["micro_batch_size"] < per_rank
-            out.append(Candidate(overrides=extra + _knob_overrides(cfg, knobs), changes_math=changes, cfg=c_cfg,
+            out.append(Candidate(overrides=extra + _knob_overrides(cfg.train, knobs), changes_math=changes, cfg=c_cfg,
                                  plan=c_plan, family=family, size=knobs["micro_batch_size"] if accumulating else 0))
     return out, skipped
 
@@ -230,7 +230,7 @@ def verdict(candidate: Candidate, lengths: PairLengths) -> None:
         candidate.verdict, candidate.note = "does not fit", "weights, gradients and optimizer states alone"
         return
     try:
-        worst = worst_rank_estimate(c_cfg, c_plan, memory_shapes(c_cfg, c_plan, lengths))
+        worst = worst_rank_estimate(c_cfg, c_plan, memory_shapes(c_cfg.train, c_plan, lengths))
     except ValueError as err:  # an attention implementation the trace cannot run
         candidate.verdict, candidate.note = "cannot be estimated", str(err)
         return
@@ -390,7 +390,7 @@ class _Search:
 
     def shapes(self, c: Candidate) -> list:
         if c.shapes is None:
-            c.shapes = memory_shapes(c.cfg, c.plan, self.lengths)
+            c.shapes = memory_shapes(c.cfg.train, c.plan, self.lengths)
         return c.shapes
 
     def tokens(self, c: Candidate) -> int:
@@ -582,7 +582,7 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
            if getattr(cfg.plan, key) < 1]
     if bad:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(bad))
-    world = resolve_world_size(cfg, launched=False)
+    world = resolve_world_size(cfg.distributed, launched=False)
     given_plan = validate(cfg, *world)
     with Checker() as checker:  # its workers' imports start now, alongside this process's work
         rates = rates or rates_for(given_plan.hardware, given_plan.device)

@@ -22,7 +22,7 @@ from array import array
 import logging
 from typing import Dict, List, Optional
 
-from rm.foundations.config import RunConfig
+from rm.foundations.config import RunConfig, TrainConfig
 from rm.foundations.errors import ConfigError
 from rm.settings.validate import Plan
 
@@ -109,7 +109,7 @@ def check_resume(saved: Optional[Dict], current: Dict, checkpoint, allow_changes
     return changes
 
 
-def apply_changes(optimizer, scheduler, cfg: RunConfig, changes: List[str]) -> None:
+def apply_changes(optimizer, scheduler, train_cfg: TrainConfig, changes: List[str]) -> None:
     """Write the new optimizer settings and base learning rate over those restored from the checkpoint.
 
     The learning rate of the current step becomes ``new base lr x schedule factor at this step``,
@@ -119,7 +119,7 @@ def apply_changes(optimizer, scheduler, cfg: RunConfig, changes: List[str]) -> N
     keys = {change.split(":", 1)[0] for change in changes}
     if not keys & set(OPTIMIZER_KEYS):
         return
-    t = cfg.train
+    t = train_cfg
     groups = optimizer.param_groups
     for group in groups:
         group["betas"] = (t.adam_beta1, t.adam_beta2)

@@ -33,7 +33,7 @@ from rm.runs.checkpoint import (
     CheckpointError, checkpoint_root, checkpoint_state, latest_checkpoint, list_checkpoints, load_checkpoint,
     resume_candidates, save_checkpoint,
 )
-from rm.foundations.config import RunConfig, TrainConfig
+from rm.foundations.config import TrainConfig
 from rm.foundations.errors import ConfigError, Refused
 from rm.evaluation.metrics import MetricsLog
 from rm.runs.resume import apply_changes, check_resume
@@ -129,7 +129,7 @@ class RunDir:
                 return found
         return None
 
-    def restore(self, engine, cfg: RunConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
+    def restore(self, engine, train_cfg: TrainConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
         """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
         loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).
 
@@ -153,10 +153,10 @@ class RunDir:
             if state["step"] >= total_steps:
                 raise ConfigError(
                     f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
-                    f"(train.max_steps={cfg.train.max_steps}, train.num_train_epochs={cfg.train.num_train_epochs}): "
+                    f"(train.max_steps={train_cfg.max_steps}, train.num_train_epochs={train_cfg.num_train_epochs}): "
                     "raise train.max_steps with train.resume_allow_changes=true to train further"
                 )
-            changes = check_resume(state.get("fingerprint"), current, checkpoint, cfg.train.resume_allow_changes)
+            changes = check_resume(state.get("fingerprint"), current, checkpoint, train_cfg.resume_allow_changes)
             try:
                 step = load_checkpoint(engine, checkpoint)
             except Exception as err:  # noqa: BLE001  (passed its checksums but does not load: try the previous)
@@ -164,7 +164,7 @@ class RunDir:
                             type(err).__name__, err)
                 passed_over.append(f"{checkpoint.name}: does not load ({type(err).__name__})")
                 continue
-            apply_changes(engine.optimizer, engine.scheduler, cfg, changes)
+            apply_changes(engine.optimizer, engine.scheduler, train_cfg, changes)
             log.info("resumed from %s at step %d", checkpoint, step)
             return step, state.get("train_state")
         raise CheckpointError(

@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Tuple
 
 from typing import Optional
 
-from rm.foundations.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, HardwareConfig, RunConfig
+from rm.foundations.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, DistributedConfig, HardwareConfig, ModelConfig, RunConfig
 from rm.foundations.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from rm.foundations.hardware import resolve_hardware
 from rm.foundations.launch_env import launch_env
@@ -90,12 +90,12 @@ class WorldSize(NamedTuple):
     launcher: bool
 
 
-def resolve_world_size(cfg: RunConfig, launched: bool) -> WorldSize:
+def resolve_world_size(distributed_cfg: DistributedConfig, launched: bool) -> WorldSize:
     """How many processes the run has, and where that number came from (the launcher's ``WORLD_SIZE``,
     :mod:`rm.foundations.launch_env`, or ``distributed.num_processes``).
 
     Args:
-        cfg: the typed run config (``distributed.num_processes``).
+        distributed_cfg: the run's ``distributed`` group (``distributed.num_processes``).
         launched: this process trains (``rm.train``): a number the launch does not provide is an error.
             False for ``rm.estimate``, which may ask about a layout without launching it.
 
@@ -104,12 +104,12 @@ def resolve_world_size(cfg: RunConfig, launched: bool) -> WorldSize:
             for processes nobody started.
 
     Example:
-        >>> from rm.foundations.config import RunConfig, DistributedConfig
+        >>> from rm.foundations.config import DistributedConfig
         >>> import os; os.environ.pop("WORLD_SIZE", None) and None
-        >>> resolve_world_size(RunConfig(distributed=DistributedConfig(name="ddp", num_processes=8)), launched=False)
+        >>> resolve_world_size(DistributedConfig(name="ddp", num_processes=8), launched=False)
         WorldSize(processes=8, source='distributed.num_processes=8', launcher=False)
     """
-    wanted = cfg.distributed.num_processes
+    wanted = distributed_cfg.num_processes
     env = launch_env().world_size
     if env is not None:
         if wanted and wanted != env:
@@ -219,7 +219,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = _precision(t.precision, hw, device, errors)
     strategy, zero_stage = _check_profile_and_distribution(cfg, hw, device, errors)
-    warnings = _precision_for_layout(cfg, precision, strategy, errors) + _attention_warnings(cfg)
+    warnings = _precision_for_layout(cfg, precision, strategy, errors) + _attention_warnings(cfg.model)
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
@@ -306,9 +306,9 @@ def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors:
     return warnings
 
 
-def _attention_warnings(cfg: RunConfig) -> List[str]:
+def _attention_warnings(model_cfg: ModelConfig) -> List[str]:
     """What a user of an attention implementation should hear before a GPU-hour is spent."""
-    if cfg.model.attn_implementation != "flex_attention":
+    if model_cfg.attn_implementation != "flex_attention":
         return []
     # Seen on an H100 (torch 2.11, 2026-11-26, docs/gpu.md): the first sequence length compiles, a later one that
     # torch.compile recompiles with symbolic sizes failed in 2 of 6 runs ("NoValidChoicesError" for flex_attention).

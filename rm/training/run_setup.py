@@ -21,7 +21,7 @@ import torch.distributed as dist
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
-from rm.foundations.config import RunConfig
+from rm.foundations.config import ModelConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
 from rm.data.build import build_datasets, build_extra_eval_sets, split_identity, train_pairs
@@ -127,7 +127,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     t = cfg.train
     engine = _start_engine(cfg, plan, directory)
     run_dir = directory.path
-    total_steps = total_training_steps(cfg, len(train_set))
+    total_steps = total_training_steps(t, len(train_set))
     # rows are prefix + both suffixes: the budget, the grouping and the estimate count those tokens
     shared = log_prefix_sharing(train_set) if t.share_prefix else None
     batches = StepBatches.of(
@@ -139,7 +139,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     # sized at the micro-batches this data forms, not at the worst case the config allows.
     if estimate is not None:
         evaluated = [eval_set, *extra_eval_sets.values()]
-        estimate = data_preflight(cfg, plan, overrides, run_shapes(cfg, batches, total_steps, train_set, shared, evaluated),
+        estimate = data_preflight(cfg, plan, overrides, run_shapes(t, batches, total_steps, train_set, shared, evaluated),
                                   random_init_cached=random_init_cached_everywhere(cfg, tokenizer.pad_token_id))
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     directory.replace_earlier()
@@ -169,7 +169,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     watch_lost_updates(health, engine, cfg, total_steps)
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
-    start_step, record = directory.restore(engine, cfg, current, total_steps) if t.resume else (0, None)
+    start_step, record = directory.restore(engine, t, current, total_steps) if t.resume else (0, None)
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
     directory.resume_metrics(metrics, start_step)
@@ -196,7 +196,7 @@ def random_init_cached_everywhere(cfg: RunConfig, pad_token_id: int) -> bool:
     return cached
 
 
-def run_shapes(cfg: RunConfig, batches: StepBatches, total_steps: int, train_set, shared: Optional[Sequence[int]],
+def run_shapes(train_cfg: TrainConfig, batches: StepBatches, total_steps: int, train_set, shared: Optional[Sequence[int]],
                eval_sets: Sequence) -> List[BatchShapes]:
     """Per rank, the largest training micro-batch and evaluation forward of the run (:func:`rm.data.shapes.data_shapes`).
 
@@ -206,7 +206,7 @@ def run_shapes(cfg: RunConfig, batches: StepBatches, total_steps: int, train_set
         shared: per training pair, its prefix-shared row's tokens (``train.share_prefix``), else ``None``.
         eval_sets: the sets evaluation scores (``None`` entries skipped).
     """
-    t = cfg.train
+    t = train_cfg
     chosen, rejected = pair_lengths(train_set)
     return data_shapes(batches, total_steps, layout_of(t.packing, t.share_prefix), chosen, rejected,
                        shared,
@@ -256,7 +256,7 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
     model = build_reward_model(
         cfg.model, cfg.memory_profile, cfg.lora, numerics=plan.numerics, gradient_checkpointing=t.gradient_checkpointing,
         fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), pad_token_id=pad_token_id,
-        device=init_device(cfg, plan, engine),
+        device=init_device(cfg.model, plan, engine),
     )
     monitor.register(model.parameters())
     monitor.register(quantization_state_tensors(model))
@@ -264,7 +264,7 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
         model,
         lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon,
                                   t.kahan_summation),
-        lambda opt: lr_schedule(t.lr_scheduler_type, opt, warmup_steps(cfg, total_steps), total_steps),
+        lambda opt: lr_schedule(t.lr_scheduler_type, opt, warmup_steps(t, total_steps), total_steps),
     )
 
 
@@ -298,9 +298,9 @@ def lr_factor(step: int, *, kind: str, warmup: int, total: int) -> float:
     raise ValueError(f"train.lr_scheduler_type={kind!r}: rm schedules linear, cosine or constant_with_warmup")
 
 
-def warmup_steps(cfg: RunConfig, total_steps: int) -> int:
+def warmup_steps(train_cfg: TrainConfig, total_steps: int) -> int:
     """The schedule's warmup, in optimizer steps."""
-    return math.ceil(cfg.train.warmup_ratio * total_steps)
+    return math.ceil(train_cfg.warmup_ratio * total_steps)
 
 
 def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, total_steps: int) -> None:
@@ -316,16 +316,16 @@ def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, to
         log.info("health: lost updates not measured: DeepSpeed updates fp32 master partitions of the weights, not "
                  "the module's weights, and an unchanged bf16 copy is no lost update")
         return
-    health.watch_updates(LostUpdateProbe(params, seed=cfg.train.seed), warmup_steps(cfg, total_steps))
+    health.watch_updates(LostUpdateProbe(params, seed=cfg.train.seed), warmup_steps(cfg.train, total_steps))
 
 
-def init_device(cfg: RunConfig, plan: Plan, engine: Engine) -> Optional[torch.device]:
+def init_device(model_cfg: ModelConfig, plan: Plan, engine: Engine) -> Optional[torch.device]:
     """Where a model built from its shape draws its random init: the GPU it trains on (seconds for a 7B shape, where
     the CPU takes minutes), since every engine moves the whole model there anyway, except ZeRO-3, which partitions it
     first; ``None`` (the CPU) otherwise. The seed draws other numbers on another device, so the rebuilt base of an
     exported adapter (:func:`rebuild_base`) must be drawn where the trained one was."""
     zero3 = plan.strategy == "deepspeed" and plan.zero_stage == 3
-    return engine.device if cfg.model.pretrained is None and engine.device.type == "cuda" and not zero3 else None
+    return engine.device if model_cfg.pretrained is None and engine.device.type == "cuda" and not zero3 else None
 
 
 def rebuild_base(run: Run) -> torch.nn.Module:
@@ -333,7 +333,7 @@ def rebuild_base(run: Run) -> torch.nn.Module:
     the device it was first drawn on."""
     set_seed(run.cfg.train.seed)
     return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.numerics.frozen, False,
-                       run.cfg.memory_profile.quantize_base, init_device(run.cfg, run.plan, run.engine))
+                       run.cfg.memory_profile.quantize_base, init_device(run.cfg.model, run.plan, run.engine))
 
 
 def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int,

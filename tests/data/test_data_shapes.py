@@ -270,7 +270,7 @@ def test_the_estimate_counts_the_bos_and_the_appended_eos(tmp_path):
         batches = StepBatches.of(train_set, global_batch_size=cfg.train.global_batch_size,
                                  micro_batch_size=plan.micro_batch_size, world_size=1, rank=0, seed=cfg.train.seed,
                                  group_by_length=cfg.train.group_by_length)
-        [shapes] = run_shapes(cfg, batches, 2, train_set, None, [eval_set])
+        [shapes] = run_shapes(cfg.train, batches, 2, train_set, None, [eval_set])
         ends = {ids[-1] for ids in train_set["chosen_input_ids"]}
         found[append_eos] = (shapes, estimate_run(cfg, plan, shapes).peak_bytes, ends, tokenizer.eos_token_id)
     (with_eos, peak, ends, eos), (without, peak_without, ends_without, _) = found[True], found[False]

@@ -22,8 +22,8 @@ def test_one_process_under_a_launcher_is_planned_as_ddp_with_buckets(monkeypatch
     a launcher started it (a typed field, not the words of its source), and the estimate counts the buckets."""
     cfg = tiny_cfg("distributed=ddp")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    alone = validate(cfg, *resolve_world_size(cfg, launched=True))
+    alone = validate(cfg, *resolve_world_size(cfg.distributed, launched=True))
     monkeypatch.setenv("WORLD_SIZE", "1")
-    launched = validate(cfg, *resolve_world_size(cfg, launched=True))
+    launched = validate(cfg, *resolve_world_size(cfg.distributed, launched=True))
     assert (alone.world_size, alone.launcher) == (1, False) and (launched.world_size, launched.launcher) == (1, True)
     assert estimate_run(cfg, launched).peak_bytes > estimate_run(cfg, alone).peak_bytes

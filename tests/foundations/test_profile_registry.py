@@ -48,7 +48,7 @@ def test_rm_plan_searches_a_profile_on_the_search_path(search_path):
 
     overrides = [search_path, "experiment=tiny", "hardware=cpu"]  # no memory_profile: every profile is a candidate
     cfg = compose(overrides)
-    found, _ = candidates(cfg, overrides, resolve_world_size(cfg, launched=False))
+    found, _ = candidates(cfg, overrides, resolve_world_size(cfg.distributed, launched=False))
     adapters = [c for c in found if "memory_profile=adapters" in c.overrides]
     assert adapters and all(c.changes_math and c.cfg.memory_profile.name == "adapters" for c in adapters)
 
@@ -60,7 +60,7 @@ def test_a_refused_run_is_suggested_a_profile_on_the_search_path(search_path):
 
     overrides = [search_path, "experiment=tiny", "hardware=cpu", "memory_profile=full"]
     cfg = compose(overrides)
-    world = resolve_world_size(cfg, launched=False)
+    world = resolve_world_size(cfg.distributed, launched=False)
     suggested = [extra for extra in candidate_overrides(cfg, validate(cfg, *world), "forward/backward", overrides)
                  if extra[0].startswith("memory_profile=")]
     assert suggested[:4] == [["memory_profile=8bit"], ["memory_profile=lora"], ["memory_profile=adapters"],

@@ -358,15 +358,15 @@ def test_estimate_and_train_plan_the_same_processes(monkeypatch, tiny_cfg):
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     cfg = tiny_cfg()
-    assert resolve_world_size(cfg, launched=True)[0] == resolve_world_size(cfg, launched=False)[0] == 1
+    assert resolve_world_size(cfg.distributed, launched=True)[0] == resolve_world_size(cfg.distributed, launched=False)[0] == 1
     asked = tiny_cfg("distributed.num_processes=8")
-    assert resolve_world_size(asked, launched=False) == (8, "distributed.num_processes=8", False)
+    assert resolve_world_size(asked.distributed, launched=False) == (8, "distributed.num_processes=8", False)
     with pytest.raises(ConfigError, match="distributed.num_processes=8 but this is one process"):
-        resolve_world_size(asked, launched=True)
+        resolve_world_size(asked.distributed, launched=True)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert resolve_world_size(cfg, launched=True) == resolve_world_size(cfg, launched=False) == (2, "WORLD_SIZE=2 from the launcher", True)
+    assert resolve_world_size(cfg.distributed, launched=True) == resolve_world_size(cfg.distributed, launched=False) == (2, "WORLD_SIZE=2 from the launcher", True)
     with pytest.raises(ConfigError, match="distributed.num_processes=8 but the launcher started 2"):
-        resolve_world_size(asked, launched=False)
+        resolve_world_size(asked.distributed, launched=False)
 
 
 def test_ddp_keeps_gradients_in_buckets_for_the_whole_step():

@@ -52,7 +52,7 @@ def random_case(rng: random.Random):
     cfg = compose(overrides)
     cfg.hardware = resolve_hardware(cfg.hardware)
     plan = validate(cfg, world)
-    return cfg, plan, memory_shapes(cfg, plan, random_lengths(rng, 16 * world, cfg.data.max_length)), overrides
+    return cfg, plan, memory_shapes(cfg.train, plan, random_lengths(rng, 16 * world, cfg.data.max_length)), overrides
 
 
 @pytest.mark.parametrize("seed", [0, 1] + [pytest.param(s, marks=pytest.mark.slow) for s in range(2, 24)])

@@ -214,7 +214,7 @@ def test_trace_workers_reach_the_verdicts_of_this_process(tiny_cfg, tmp_path, mo
     lengths = PairLengths.of([20, 30, 12, 40] * 8, [25, 10, 12, 33] * 8, [10, 5, 6, 20] * 8)
 
     def batch():
-        found, _ = candidates(cfg, ["memory_profile=full"], resolve_world_size(cfg, launched=False))
+        found, _ = candidates(cfg, ["memory_profile=full"], resolve_world_size(cfg.distributed, launched=False))
         return [c for c in found if not c.changes_math][:4]
 
     monkeypatch.setenv("RM_CACHE", str(tmp_path / "workers"))
@@ -251,7 +251,7 @@ def test_the_search_decides_alike_with_verdicts_started_ahead_in_workers(tiny_cf
 
     cfg = tiny_cfg("memory_profile=full", "hardware.device_memory_gib=0.02")
     lengths = PairLengths.of(*MULTI_TURN)
-    found, _ = candidates(cfg, ["memory_profile=full"], resolve_world_size(cfg, launched=False))
+    found, _ = candidates(cfg, ["memory_profile=full"], resolve_world_size(cfg.distributed, launched=False))
     timer = _Timer(lengths, _rates(), 4)
     for c in found:
         c.step = timer(c)
@@ -326,7 +326,7 @@ def test_auto_layout_varies_only_the_users_unset_layout_knobs(tiny_cfg):
 
     cfg, (chosen, plan, choice) = _auto(tiny_cfg, "train.gradient_checkpointing=true", "train.global_batch_size=16",
                                         rates=_rates())
-    assert "train.gradient_checkpointing" in user_knobs(cfg, ["train.gradient_checkpointing=true"])
+    assert "train.gradient_checkpointing" in user_knobs(cfg.train, ["train.gradient_checkpointing=true"])
     assert choice.changed and chosen.train.share_prefix and not cfg.train.share_prefix
     assert chosen.train.gradient_checkpointing is True
     assert choice.seconds < choice.given_seconds

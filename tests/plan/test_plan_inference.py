@@ -31,7 +31,7 @@ def space(rng: random.Random, device_gib: float = 64.0):
              "distributed=ddp", f"train.gradient_checkpointing={rng.choice(['true', 'false'])}"]
     cfg = compose([*FAST_TINY, *fixed, "train.global_batch_size=16", "train.max_steps=4",
                                  f"hardware.device_memory_gib={device_gib}", "hardware.headroom_gib=0"])
-    found, _ = candidates(cfg, fixed, resolve_world_size(cfg, launched=False))
+    found, _ = candidates(cfg, fixed, resolve_world_size(cfg.distributed, launched=False))
     return cfg, fixed, [c for c in found if not c.changes_math]
 
 
