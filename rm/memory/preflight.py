@@ -118,7 +118,7 @@ def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes:
     ranks = [estimate_run(cfg, plan, s, rank=r if len(shapes) > 1 else None, random_init_cached=random_init_cached)
              for r, s in enumerate(shapes)]
     est = dataclasses.replace(max(ranks, key=lambda e: e.peak_bytes), rank_peak_bytes=[e.peak_bytes for e in ranks])
-    worst = worst_case_shapes(cfg, plan).train
+    worst = worst_case_shapes(cfg.train, cfg.data, plan).train
     train = est.shapes["train"]  # BatchShapes.to_dict
     log.info("memory estimate sized by the data: longest micro-batch %d rows x %d tokens on rank %d (max_length allows "
              "%d x %d): peak %.1f MiB of %.1f usable%s", train["rows"], train["length"], est.rank or 0, worst.rows, worst.length,

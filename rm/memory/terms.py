@@ -16,7 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from rm.foundations.config import LoraConfig, ModelConfig, RunConfig
+from rm.foundations.config import DataConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig
 from rm.foundations.hardware import attention_kernel
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
@@ -404,14 +404,14 @@ def kbit_cast_bytes(m: ModelConfig, lora: LoraConfig, load_bytes: int, deepspeed
     return max(prepare, deepspeed)
 
 
-def qlora_load_bytes(cfg: RunConfig, plan: Plan) -> int:
+def qlora_load_bytes(model_cfg: ModelConfig, lora_cfg: LoraConfig, plan: Plan) -> int:
     """QLoRA's model building, before the engine exists: the 4-bit load on a CPU (:func:`quantising_load_bytes`; on a
     GPU its host side is not the device's) and the casts after it (:func:`kbit_cast_bytes`), in the dtypes the plan
     loads the base in (``numerics.frozen``) and DeepSpeed's half precision trains in."""
     numerics = plan.numerics
     half = numerics.master is not None and numerics.weight_bytes < 4
-    casts = kbit_cast_bytes(cfg.model, cfg.lora, numerics.frozen_bytes, numerics.weight_bytes if half else None)
-    return max(casts, quantising_load_bytes(cfg.model, numerics.frozen_bytes) if plan.device == "cpu" else 0)
+    casts = kbit_cast_bytes(model_cfg, lora_cfg, numerics.frozen_bytes, numerics.weight_bytes if half else None)
+    return max(casts, quantising_load_bytes(model_cfg, numerics.frozen_bytes) if plan.device == "cpu" else 0)
 
 
 def random_init_build_bytes(m: ModelConfig) -> int:
@@ -746,14 +746,14 @@ def traced_model(cfg: RunConfig, plan: Plan) -> "TracedModel":
                           zero3_linear=plan.strategy == "deepspeed" and plan.zero_stage == 3)
 
 
-def worst_case_shapes(cfg: RunConfig, plan: Plan) -> "BatchShapes":
+def worst_case_shapes(train_cfg: TrainConfig, data_cfg: DataConfig, plan: Plan) -> "BatchShapes":
     """The largest micro-batch the config allows, whatever the data: every sequence ``data.max_length`` tokens,
     and under ``train.share_prefix`` pairs with no common prompt. It bounds :func:`rm.data.shapes.data_shapes`:
     every side is at most ``data.max_length`` tokens (``rm.data.tokenise`` truncates or drops longer ones), a
     micro-batch holds at most ``train.micro_batch_size`` pairs, and a token budget is at least a pair's worst case."""
     from rm.data.shapes import BatchShape, BatchShapes
 
-    t, max_length = cfg.train, cfg.data.max_length
+    t, max_length = train_cfg, data_cfg.max_length
     rows, length = 2 * plan.micro_batch_size, max_length
     accumulating = False
     if t.packing:  # one row of at most the token budget, or of micro-batch x 2 x max_length
@@ -809,7 +809,7 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
             which ``rm.train`` asks before it builds anything), so the run does not build it first. ``False``, the
             default, counts the build, a first run's peak (:func:`random_init_build_bytes`).
     """
-    shapes = shapes or worst_case_shapes(cfg, plan)
+    shapes = shapes or worst_case_shapes(cfg.train, cfg.data, plan)
     build = 0 if random_init_cached or cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained else \
         random_init_build_bytes(cfg.model)
     return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
@@ -970,7 +970,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     # own on each rank that builds it; on a GPU, host RAM.
     builds_here = rank is None or rank in random_init_builders(plan.world_size, plan.hardware.nodes)
     build = random_init if plan.device == "cpu" and builds_here else 0
-    kbit_load = qlora_load_bytes(cfg, plan) if cfg.memory_profile.quantize_base == "nf4" else 0
+    kbit_load = qlora_load_bytes(cfg.model, cfg.lora, plan) if cfg.memory_profile.quantize_base == "nf4" else 0
     states = t.before_first_step if first_step else t.states  # alive through the backward
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.

@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rm.foundations.config import RunConfig, TrainConfig
+from rm.foundations.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from rm.plan.steptime import MicroBatch, micro_batch
 
 # The word-level tokenizer's pieces (tokenizers' Whitespace pre-tokenizer, each piece one id): counting them
@@ -51,24 +51,24 @@ class PairLengths:
                    np.asarray(prefix, dtype=np.int64), **kw)
 
 
-def readable_here(cfg: RunConfig) -> Optional[str]:
+def readable_here(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[str]:
     """``None`` where the configured data and tokenizer can be read without a download, else why not."""
     from rm.data.tokenizer import tokenizer_kind
 
     from pathlib import Path
 
-    if cfg.data.source == "hub":
-        return f"data={cfg.data.name} is on the Hub ({cfg.data.path})"
-    if tokenizer_kind(cfg.model) == "pretrained":
-        name = cfg.model.tokenizer or cfg.model.pretrained
+    if data_cfg.source == "hub":
+        return f"data={data_cfg.name} is on the Hub ({data_cfg.path})"
+    if tokenizer_kind(model_cfg) == "pretrained":
+        name = model_cfg.tokenizer or model_cfg.pretrained
         if not Path(str(name)).expanduser().is_dir():
-            return f"the tokenizer of model={cfg.model.name} ({name}) is on the Hub"
+            return f"the tokenizer of model={model_cfg.name} ({name}) is on the Hub"
     return None
 
 
 def data_lengths(cfg: RunConfig) -> PairLengths:
     """The training pairs' lengths of ``cfg``'s data, or the synthetic stand-in's where it cannot be read here."""
-    why = readable_here(cfg)
+    why = readable_here(cfg.data, cfg.model)
     if why is not None:
         return stand_in_lengths(cfg.data.max_length, cfg.plan.stand_in_pairs, why)
     from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
-from rm.foundations.config import ModelConfig, RunConfig, TrainConfig
+from rm.foundations.config import MemoryProfileConfig, ModelConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
 from rm.data.build import build_datasets, build_extra_eval_sets, split_identity, train_pairs
@@ -139,8 +139,9 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     # sized at the micro-batches this data forms, not at the worst case the config allows.
     if estimate is not None:
         evaluated = [eval_set, *extra_eval_sets.values()]
-        estimate = data_preflight(cfg, plan, overrides, run_shapes(t, batches, total_steps, train_set, shared, evaluated),
-                                  random_init_cached=random_init_cached_everywhere(cfg, tokenizer.pad_token_id))
+        shapes = run_shapes(t, batches, total_steps, train_set, shared, evaluated)
+        cached = random_init_cached_everywhere(cfg.model, cfg.memory_profile, tokenizer.pad_token_id)
+        estimate = data_preflight(cfg, plan, overrides, shapes, random_init_cached=cached)
     # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     directory.replace_earlier()
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
@@ -181,14 +182,14 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
                batches=batches, total_steps=total_steps, state=state)
 
 
-def random_init_cached_everywhere(cfg: RunConfig, pad_token_id: int) -> bool:
+def random_init_cached_everywhere(model_cfg: ModelConfig, profile: MemoryProfileConfig, pad_token_id: int) -> bool:
     """QLoRA from a shape: whether every process finds the shape's random init saved, so that none builds it
     (``rm.modelling.model.saved_random_init``; the estimate counts the build otherwise). A collective where several processes
     run, which every rank reaches before any of them builds: all ranks decide on the same answer, and none can see
     an init another rank saved after it looked."""
-    if cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained:
+    if profile.quantize_base == "none" or model_cfg.pretrained:
         return True  # nothing to build
-    cached = random_init_saved(cfg.model, pad_token_id)
+    cached = random_init_saved(model_cfg, pad_token_id)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everywhere = [None] * dist.get_world_size()
         dist.all_gather_object(everywhere, cached)

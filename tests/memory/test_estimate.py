@@ -141,7 +141,7 @@ def test_qlora_load_and_cast_terms_equal_the_bytes_counted_while_the_model_is_bu
     with StorageTracker() as tracker:
         build_reward_model(cfg.model, cfg.memory_profile, cfg.lora, numerics=plan.numerics, gradient_checkpointing=False,
                            fp32_head=fp32_head_enabled(cfg.health.fp32_head, plan.precision), pad_token_id=0)
-    estimate = qlora_load_bytes(cfg, plan)
+    estimate = qlora_load_bytes(cfg.model, cfg.lora, plan)
     # The estimate counts bitsandbytes' code books from the first weight on, though made along the way: at most their
     # bytes over. Under: a bf16 load leaves a few hundred bytes of small tensors the terms do not model (measured in a
     # fresh process: 272 bytes under a 38.8 MB peak, 7 parts per million; the 32-true load 128 bytes over).

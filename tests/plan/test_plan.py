@@ -141,8 +141,8 @@ def test_hub_data_gets_a_synthetic_stand_in_that_says_so(tiny_cfg):
     from rm.plan.lengths import readable_here, stand_in_lengths
 
     cfg = tiny_cfg("data=hh_helpful")
-    assert "on the Hub" in readable_here(cfg)
-    lengths = stand_in_lengths(64, 32, readable_here(cfg))
+    assert "on the Hub" in readable_here(cfg.data, cfg.model)
+    lengths = stand_in_lengths(64, 32, readable_here(cfg.data, cfg.model))
     assert lengths.stand_in and "stand-in" in lengths.source and len(lengths.chosen) == 32
     assert lengths.chosen.max() <= 64 and (lengths.prefix <= lengths.chosen).all()
 
