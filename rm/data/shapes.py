@@ -88,6 +88,9 @@ class BatchShapes:
             the config, every micro-batch counts as a later one).
         first_step_rest: the most rows and the longest row of the first step's other micro-batches (``None``:
             the first step has one micro-batch, or the shapes are the config's).
+        after_first_step_rest: sized by the data, the same over the micro-batches after the first of each step after
+            the first (``None``: none, or the shapes are the config's). Gradients accumulate from a step's first
+            micro-batch on: these and ``first_step_rest`` alone run beside them (rm.memory.terms.micro_batch_phases).
         segment: packed layouts, the longest sequence (packed) or pair (packed+shared) a row holds: SDPA
             takes a packed row one of those at a time (``rm.modelling.attention``), and the longest bounds its transients.
             ``None``: not packed.
@@ -101,6 +104,7 @@ class BatchShapes:
     first_micro_batch: Optional[BatchShape] = None
     first_step_rest: Optional[BatchShape] = None
     segment: Optional[int] = None
+    after_first_step_rest: Optional[BatchShape] = None
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -180,22 +184,32 @@ def evened_sums(row_tokens_: np.ndarray, sizes: list, count: int) -> list:
     return [int(ends[b + n] - ends[b]) for b, n in segments]
 
 
-def budget_lengths(batches: StepBatches, orders: np.ndarray) -> tuple:
-    """Per step and rank, the longest packed micro-batch a token budget (``train.max_tokens_per_micro_batch``) cuts,
-    as :meth:`StepBatches.for_step` cuts them (greedy, then evened out across ranks for DDP): shape
-    ``(steps, world_size)``; and the most micro-batches a rank runs in a step."""
+def budget_micro_batches(batches: StepBatches, orders: np.ndarray) -> np.ndarray:
+    """Per step, rank and micro-batch in the order it runs, the tokens of each packed micro-batch a token budget
+    (``train.max_tokens_per_micro_batch``) cuts, as :meth:`StepBatches.for_step` cuts them (greedy, then evened out
+    across ranks for DDP): shape ``(steps, world_size, most micro-batches a rank runs in a step)``, 0 past a rank's
+    last micro-batch of a step.
+
+    Example: one rank, one step of pairs of 6, 3, 4 and 9 tokens under a budget of 10 (:func:`greedy_cuts`):
+        >>> from rm.data.batching import StepBatches
+        >>> b = StepBatches(4, 4, 1, 1, 0, seed=0, pair_tokens=[6, 3, 4, 9], max_tokens=10)
+        >>> budget_micro_batches(b, np.array([[[0, 1, 2, 3]]])).tolist()
+        [[[9, 4, 9]]]
+    """
     steps, world, per_rank = orders.shape
     tokens = np.asarray(batches.pair_tokens, dtype=np.int64)[orders].reshape(steps * world, per_rank)
     cuts = greedy_cuts(tokens, batches.max_tokens)
     counts = cuts[:, -1] + 1
     flat = np.arange(steps * world)[:, None] * per_rank + cuts  # one id per (row, micro-batch)
     sums = np.bincount(flat.ravel(), weights=tokens.ravel(), minlength=steps * world * per_rank).reshape(-1, per_rank)
+    sums = sums.astype(np.int64)
     most = np.repeat(counts.reshape(steps, world).max(axis=1), world)  # DDP: every rank runs as many as the most
-    longest = sums.max(axis=1).astype(np.int64)  # per (step, rank) row
     for row in np.flatnonzero(counts < most):  # halving only shortens; these rows are the ones it changes
         sizes = np.bincount(cuts[row], minlength=counts[row]).tolist()
-        longest[row] = max(evened_sums(tokens[row], sizes, int(most[row])))
-    return longest.reshape(steps, world), int(most.max())
+        evened = evened_sums(tokens[row], sizes, int(most[row]))
+        sums[row] = 0
+        sums[row, :len(evened)] = evened
+    return sums[:, :int(most.max())].reshape(steps, world, -1)
 
 
 def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens: np.ndarray,
@@ -213,9 +227,9 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
 
     Returns:
         ``([BatchShape per rank], [BatchShape per rank after the first step, or None], accumulating,
-        [the first micro-batch per rank], [the first step's other micro-batches per rank, or None])``, each with the
-        longest of its padded micro-batches (:attr:`BatchShape.padded_length`). Under a token budget the first micro-batch is sized as
-        the first step's longest (the budget counts only tokens; ZeRO-3, which it matters for, refuses packing).
+        [the first micro-batch per rank], [the first step's other micro-batches per rank, or None],
+        [the other micro-batches than each step's first, after the first step, per rank, or None])``, each with the
+        longest of its padded micro-batches (:attr:`BatchShape.padded_length`).
     """
     orders = rank_orders(batches, steps)
     packed = layout.startswith("packed")
@@ -223,11 +237,8 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
     if batches.pair_tokens is not None:  # a token budget: micro-batches of varying sizes, cut greedily
         if not packed:  # rm.settings.validate allows a budget only with packing: one row of the tokens the budget counts
             raise ValueError(f"a token budget needs a packed layout, not {layout!r}")
-        per_step, most = budget_lengths(batches, orders)
-        rows, accumulating = 1, most > 1
-        # (micro-batches, steps, world): the budget counts only tokens, so every micro-batch of a step is sized as its
-        # longest (ZeRO-3, which sizes the first micro-batch apart, refuses packing)
-        per_micro = np.stack([per_step] * (2 if accumulating else 1))
+        per_micro = np.moveaxis(budget_micro_batches(batches, orders), -1, 0)  # (micro-batches, steps, world)
+        rows, accumulating = 1, len(per_micro) > 1
         uneven = np.ones(per_micro.shape, dtype=bool)
     else:
         values = tokens[orders]  # (steps, world, per_rank)
@@ -245,17 +256,19 @@ def largest_train_batches(batches: StepBatches, steps: int, layout: str, tokens:
     padded_lengths = np.where(uneven, per_micro, 0)
 
     def shapes(micro_batches, steps_):
-        """Per rank, the shape bounding these micro-batches of these steps."""
+        """Per rank, the shape bounding these micro-batches of these steps (``None`` where it runs none: under a
+        token budget a step's micro-batches are as many as its tokens need, 0 tokens past the last)."""
         lengths, padded = per_micro[micro_batches, steps_], padded_lengths[micro_batches, steps_]
         axes = tuple(range(lengths.ndim - 1))  # all but the ranks'
-        return [BatchShape(rows, int(n), int(p)) for n, p in zip(lengths.max(axis=axes), padded.max(axis=axes))]
+        return [BatchShape(rows, int(n), int(p)) if n else None for n, p in zip(lengths.max(axis=axes), padded.max(axis=axes))]
 
     everything = slice(None)
     overall = shapes(everything, everything)
     later = shapes(everything, slice(1, None)) if steps > 1 else [None] * len(overall)
     firsts = shapes(0, 0)
     rests = shapes(slice(1, None), 0) if len(per_micro) > 1 else [None] * len(overall)
-    return overall, later, accumulating, firsts, rests
+    later_rests = shapes(slice(1, None), slice(1, None)) if len(per_micro) > 1 and steps > 1 else [None] * len(overall)
+    return overall, later, accumulating, firsts, rests, later_rests
 
 
 def largest_eval_batch(lengths: Sequence[tuple], batch_size: int, world_size: int, rank: int) -> Optional[BatchShape]:
@@ -334,15 +347,16 @@ def data_shapes(batches: StepBatches, steps: int, layout: str, chosen: Sequence[
     """
     tokens = row_tokens(layout, chosen, rejected, shared)
     shortest = np.minimum(np.asarray(chosen, dtype=np.int64), np.asarray(rejected, dtype=np.int64))
-    train, later, accumulating, first, first_rest = largest_train_batches(batches, steps, layout, tokens, shortest)
+    train, later, accumulating, first, first_rest, later_rest = largest_train_batches(batches, steps, layout, tokens,
+                                                                                      shortest)
     segment = None
     if layout.startswith("packed"):  # its sequences (packed) or its pairs' shared rows (packed+shared)
         segment = int(max(tokens.max(initial=0), 1)) if layout == "packed+shared" else \
             int(max(np.max(chosen, initial=0), np.max(rejected, initial=0), 1))
     return [BatchShapes(train=shape, eval=largest_eval_batch(eval_lengths, eval_batch_size, batches.world_size, rank),
                         accumulating=accumulating, sized_by="data", after_first_step=after,
-                        first_micro_batch=one, first_step_rest=rest, segment=segment)
-            for rank, (shape, after, one, rest) in enumerate(zip(train, later, first, first_rest))]
+                        first_micro_batch=one, first_step_rest=rest, segment=segment, after_first_step_rest=after_rest)
+            for rank, (shape, after, one, rest, after_rest) in enumerate(zip(train, later, first, first_rest, later_rest))]
 
 
 def largest_shape(found: Iterable[Optional[BatchShape]]) -> Optional[BatchShape]:
@@ -370,7 +384,8 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
         >>> both = largest([a, BatchShapes(BatchShape(2, 12), None, True, "data")])
         >>> both  # doctest: +NORMALIZE_WHITESPACE
         BatchShapes(train=BatchShape(rows=4, length=12), eval=BatchShape(rows=2, length=3), accumulating=True,
-                    sized_by='data', after_first_step=None, first_micro_batch=None, first_step_rest=None, segment=None)
+                    sized_by='data', after_first_step=None, first_micro_batch=None, first_step_rest=None, segment=None,
+                    after_first_step_rest=None)
         >>> both.train.padded
         True
     """
@@ -379,4 +394,5 @@ def largest(shapes: Sequence[BatchShapes]) -> BatchShapes:
                        after_first_step=largest_shape(s.after_first_step for s in shapes),
                        first_micro_batch=largest_shape(s.first_micro_batch for s in shapes),
                        first_step_rest=largest_shape(s.first_step_rest for s in shapes),
-                       segment=max((s.segment for s in shapes if s.segment is not None), default=None))
+                       segment=max((s.segment for s in shapes if s.segment is not None), default=None),
+                       after_first_step_rest=largest_shape(s.after_first_step_rest for s in shapes))

@@ -767,19 +767,23 @@ def worst_case_shapes(train_cfg: TrainConfig, data_cfg: DataConfig, plan: Plan) 
                        accumulating=accumulating, sized_by="config", segment=segment)
 
 
-def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets: bool = False) -> Tuple[Dict, int, int, bool]:
+def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets: bool = False,
+                     first_in_step: bool = False) -> Tuple[Dict, int, int, bool]:
     """The traced activations of one training micro-batch, its input tensors, the evaluation forward's peak,
     and whether gradients are already allocated when the micro-batch runs (accumulating), at ``shapes``
     (:func:`worst_case_shapes`, or the data's, :func:`rm.data.shapes.data_shapes`).
 
     ``buckets``: every gradient has a home before the backward (DDP's bucket views), into which each new one is
-    copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed."""
+    copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed.
+    ``first_in_step``: the step's first micro-batch, which runs before any gradient of its step exists: the optimizer
+    step freed the last (``zero_grad(set_to_none=True)``); DeepSpeed keeps its partitions, so there it changes nothing."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
 
     t = cfg.train
     traced = traced_model(cfg, plan)
     batch, seq_len = shapes.train.rows, shapes.train.length
-    accumulating = plan.gradient_accumulation_steps > 1 or shapes.accumulating
+    accumulating = (plan.gradient_accumulation_steps > 1 or shapes.accumulating) and not (
+        first_in_step and plan.strategy != "deepspeed")
     # A packed row under SDPA: a sequence (or pair) at a time, traced with every one as long as the longest.
     segment = shapes.segment or 0
     if not (t.packing and attention_kernel(cfg.model.attn_implementation) == "segments") or segment >= seq_len:
@@ -813,13 +817,15 @@ def estimate_run(cfg: RunConfig, plan: Plan, shapes: Optional["BatchShapes"] = N
     build = 0 if random_init_cached or cfg.memory_profile.quantize_base == "none" or cfg.model.pretrained else \
         random_init_build_bytes(cfg.model)
     return max((_estimate_at(cfg, plan, replace(shapes, train=shape), rank, first_step=first, recording=recording,
-                             random_init=build)
-                for shape, first, recording in micro_batch_phases(shapes)), key=lambda e: e.peak_bytes)
+                             random_init=build, first_in_step=alone)
+                for shape, first, recording, alone in micro_batch_phases(shapes)), key=lambda e: e.peak_bytes)
 
 
-def micro_batch_phases(shapes: "BatchShapes") -> List[Tuple["BatchShape", bool, bool]]:
-    """The micro-batches :func:`estimate_run` weighs, as ``(shape, first step, recording)``: each phase at its
-    longest micro-batch and, where that one is unpadded, at its longest padded one too.
+def micro_batch_phases(shapes: "BatchShapes") -> List[Tuple["BatchShape", bool, bool, bool]]:
+    """The micro-batches :func:`estimate_run` weighs, as ``(shape, first step, recording, first of its step)``: each
+    phase at its longest micro-batch and, where that one is unpadded, at its longest padded one too; a phase another
+    one bounds (as long or longer on the same side of a packed row's segment, no lighter in any of the flags) is left
+    out.
 
     torch's, bitsandbytes' and DeepSpeed's optimizers make their moments at their first step (DeepSpeed its master
     and gradient partitions at initialize). Where the first step's micro-batches are the largest, they run without
@@ -827,26 +833,44 @@ def micro_batch_phases(shapes: "BatchShapes") -> List[Tuple["BatchShape", bool, 
     micro-batch with the states; a ZeRO-3 rank 16% below). The run's very first micro-batch is lighter still under
     ZeRO-3, which gathers one module at a time while it records its trace (:func:`zero3_backward_bytes`).
 
-    Example: a first micro-batch of 2 x 40 tokens, the rest of the first step 2 x 20, later steps 2 x 30 (where
-    the later steps hold the longest, they alone are weighed: with the states, they bound the first):
+    Gradients accumulate from a step's first micro-batch on, and the optimizer step frees them (where they are not a
+    DDP bucket's or a DeepSpeed partition's, :func:`activation_terms`): a step's first micro-batch runs with none, the
+    others beside them. Under a token budget the first is often the fullest (the step's pairs sorted shortest first, cut
+    greedily): weighing every micro-batch as the longest beside the gradients was one set of trainable gradients
+    too many (measured, issue 48: +18.7% on a full fine-tune, +5.7% on LoRA r64).
+
+    Example: a first micro-batch of 2 x 40 tokens, the rest of the first step 2 x 20, later steps' first micro-batches
+    2 x 30 and their others 2 x 25 (which, beside the gradients and with the states, bound the first step's rest):
         >>> from rm.data.shapes import BatchShape, BatchShapes
         >>> s = BatchShapes(BatchShape(2, 40), None, True, "data", after_first_step=BatchShape(2, 30),
-        ...                 first_micro_batch=BatchShape(2, 40), first_step_rest=BatchShape(2, 20))
-        >>> [(b.length, first, recording) for b, first, recording in micro_batch_phases(s)]
-        [(40, True, True), (20, True, False), (30, False, False)]
+        ...                 first_micro_batch=BatchShape(2, 40), first_step_rest=BatchShape(2, 20),
+        ...                 after_first_step_rest=BatchShape(2, 25))
+        >>> [(b.length, *flags) for b, *flags in micro_batch_phases(s)]
+        [(40, True, True, True), (30, False, False, True), (25, False, False, False)]
     """
     later, train = shapes.after_first_step, shapes.train
-    if shapes.sized_by != "data" or (later == train and later.padded_length == train.padded_length):
-        phases = [(train, False, False)]
+    if shapes.sized_by != "data":
+        phases = [(train, False, False, False)]
+    elif shapes.first_micro_batch is None:  # shapes made without the first micro-batch apart: the first step whole
+        phases = [(train, True, False, False), (later, False, False, False)]  # later None: a one-step run
     else:
-        if shapes.first_micro_batch is None:  # shapes made without the first micro-batch apart: the first step whole
-            phases = [(train, True, False)]
-        else:
-            phases = [(shapes.first_micro_batch, True, True)] + ([(shapes.first_step_rest, True, False)]
-                                                                 if shapes.first_step_rest is not None else [])
-        if later is not None:  # else a one-step run
-            phases.append((later, False, False))
-    return [(shape, first, recording) for phase, first, recording in phases for shape in phase.variants()]
+        phases = [(shapes.first_micro_batch, True, True, True), (shapes.first_step_rest, True, False, False),
+                  (later, False, False, True), (shapes.after_first_step_rest, False, False, False)]
+    found = [(v, *flags) for shape, *flags in phases if shape is not None for v in shape.variants()]
+    segment = shapes.segment or 0
+    return [p for i, p in enumerate(found)
+            if not any(_phase_covers(q, p, segment) and (j < i or not _phase_covers(p, q, segment))
+                       for j, q in enumerate(found) if j != i)]
+
+
+def _phase_covers(a: tuple, b: tuple, segment: int) -> bool:
+    """Whether :func:`micro_batch_phases`' phase ``a`` weighs at least ``b``: at least its rows and length (padded
+    where ``b`` is; on the same side of ``segment``, across which a packed row's attention changes), with the optimizer
+    states where ``b`` has them, not recording where ``b`` is not, beside the step's gradients where ``b`` is."""
+    (sa, first_a, recording_a, alone_a), (sb, first_b, recording_b, alone_b) = a, b
+    same_side = not segment or (sa.length > segment) == (sb.length > segment)
+    return (sa.rows >= sb.rows and sa.length >= sb.length and (sa.padded or not sb.padded) and same_side
+            and (first_b or not first_a) and recording_a <= recording_b and (alone_b or not alone_a))
 
 
 def outweighs(heavier: Sequence["BatchShapes"], lighter: Sequence["BatchShapes"], segmented: bool) -> bool:
@@ -855,9 +879,9 @@ def outweighs(heavier: Sequence["BatchShapes"], lighter: Sequence["BatchShapes"]
     not fit either (``rm.plan`` infers those verdicts).
 
     It is when each micro-batch :func:`estimate_run` weighs on ``lighter``'s rank (:func:`micro_batch_phases`) has
-    one on ``heavier``'s of at least its rows and length, padded where it is, weighed with the optimizer states
-    where it is and not lighter for ZeRO-3's recording; their evaluation forwards as large; and gradients
-    accumulated alike. The estimate grows with a micro-batch's rows and length, and a padded micro-batch weighs at
+    one on ``heavier``'s of at least its rows and length, padded where it is, weighed with the optimizer states and
+    beside the step's gradients where it is and not lighter for ZeRO-3's recording (:func:`_phase_covers`); their
+    evaluation forwards as large; and gradients accumulated alike. The estimate grows with a micro-batch's rows and length, and a padded micro-batch weighs at
     least an unpadded one as long (:func:`bounding_shapes` rests on the same, and tests/memory/test_worst_rank.py checks it),
     except across a packed row's longest sequence where ``segmented``: there the two must lie on the same side.
 
@@ -868,19 +892,14 @@ def outweighs(heavier: Sequence["BatchShapes"], lighter: Sequence["BatchShapes"]
         >>> outweighs(one(4, 50), one(2, 40), segmented=False), outweighs(one(4, 30), one(2, 40), segmented=False)
         (True, False)
     """
-    def covers(a: "BatchShape", b: "BatchShape", segment: int) -> bool:
-        same_side = not segment or (a.length > segment) == (b.length > segment)
-        return a.rows >= b.rows and a.length >= b.length and (a.padded or not b.padded) and same_side
-
     def rank(a: "BatchShapes", b: "BatchShapes") -> bool:
         if (a.accumulating, a.sized_by, a.segment) != (b.accumulating, b.sized_by, b.segment):
             return False
-        if b.eval is not None and (a.eval is None or not covers(a.eval, b.eval, 0)):
+        if b.eval is not None and (a.eval is None or not _phase_covers((a.eval, 0, 0, 0), (b.eval, 0, 0, 0), 0)):
             return False
         segment = (b.segment or 0) if segmented else 0
         mine = micro_batch_phases(a)
-        return all(any(covers(sa, sb, segment) and (fb or not fa) and (ra <= rb) for sa, fa, ra in mine)
-                   for sb, fb, rb in micro_batch_phases(b))
+        return all(any(_phase_covers(pa, pb, segment) for pa in mine) for pb in micro_batch_phases(b))
 
     return len(heavier) == len(lighter) and all(rank(a, b) for a, b in zip(heavier, lighter))
 
@@ -912,8 +931,8 @@ def bounding_shapes(shapes: Sequence["BatchShapes"], segmented: bool) -> List["B
     """
     from rm.data.shapes import BatchShapes, largest_shape
 
-    micro = [m for s in shapes for m in (s.train, s.after_first_step, s.first_micro_batch, s.first_step_rest)
-             if m is not None]
+    micro = [m for s in shapes for m in (s.train, s.after_first_step, s.first_micro_batch, s.first_step_rest,
+                                         s.after_first_step_rest) if m is not None]
     segment = max((s.segment or 0 for s in shapes), default=0)
     groups = [micro]
     if segmented and segment:
@@ -961,10 +980,11 @@ def worst_rank_estimate(cfg: RunConfig, plan: Plan, shapes: Sequence["BatchShape
 
 
 def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Optional[int], first_step: bool,
-                 recording: bool = False, random_init: int = 0) -> Estimate:
+                 recording: bool = False, random_init: int = 0, first_in_step: bool = False) -> Estimate:
     """:func:`estimate_run` at one set of shapes; ``first_step``: no optimizer states during the backward;
     ``recording``: the run's first micro-batch, where ZeRO-3 records its module trace; ``random_init``: the bytes of
-    building QLoRA's random init, where the run builds one (:func:`random_init_build_bytes`)."""
+    building QLoRA's random init, where the run builds one (:func:`random_init_build_bytes`); ``first_in_step``: the
+    micro-batch is its step's first, with no gradients accumulated yet (:func:`micro_batch_phases`)."""
     t = trace_free_terms(cfg, plan, rank)
     # The random init is built on the host, before anything else of the run exists: on a CPU device, a phase of its
     # own on each rank that builds it; on a GPU, host RAM.
@@ -975,7 +995,8 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.launcher)
-    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets)
+    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets,
+                                                             first_in_step=first_in_step)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
     # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
     zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1

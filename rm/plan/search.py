@@ -396,7 +396,7 @@ class _Search:
     def tokens(self, c: Candidate) -> int:
         from rm.memory.terms import micro_batch_phases
 
-        return max(b.rows * b.length for s in self.shapes(c) for b, _, _ in micro_batch_phases(s))
+        return max(b.rows * b.length for s in self.shapes(c) for b, *_ in micro_batch_phases(s))
 
     def outweighs(self, heavier: Candidate, lighter: Candidate) -> bool:
         from rm.memory.terms import outweighs

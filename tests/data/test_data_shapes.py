@@ -110,6 +110,19 @@ def test_shapes_are_those_of_every_micro_batch_of_every_rank(layout, world, budg
                                             row_tokens(layout, chosen, rejected, shared))
     assert [s.train for s in got] == want and {s.accumulating for s in got} == {accumulating}
     assert [s.after_first_step for s in got] == later
+    # Each step's first micro-batch apart from the others (which run beside that step's gradients): under a token
+    # budget the steps' micro-batches differ in number and length, and a rank may run none after its first.
+    tokens = row_tokens(layout, chosen, rejected, shared)
+
+    def longest(b, which):
+        found = [int(tokens[mb].sum() if layout.startswith("packed") else tokens[mb].max())
+                 for step in range(steps) for k, mb in enumerate(b.for_step(step)) if which(step, k)]
+        return max(found, default=None)
+
+    phases = {"first_micro_batch": lambda s, k: (s, k) == (0, 0), "first_step_rest": lambda s, k: s == 0 and k > 0,
+              "after_first_step_rest": lambda s, k: s > 0 and k > 0}
+    for name, which in phases.items():
+        assert [getattr(getattr(s, name), "length", None) for s in got] == [longest(of(r), which) for r in range(world)], name
     assert [s.eval for s in got] == [eval_brute_force(eval_lengths, 2, world, rank) for rank in range(world)]
     both = largest(got)
     assert both.train == BatchShape(max(s.rows for s in want), max(s.length for s in want))

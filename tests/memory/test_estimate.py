@@ -62,6 +62,22 @@ def test_bf16_mixed_evaluation_peak_counts_autocasts_copy_of_every_layer(tmp_pat
     assert estimate == pytest.approx(measured, rel=0.01), (estimate, measured)
 
 
+@pytest.mark.parametrize("profile", ["full", "lora"])
+def test_a_token_budgets_first_micro_batch_runs_before_any_gradient_of_its_step(tmp_path, profile):
+    """Under a token budget a step's pairs, sorted shortest first, are cut greedily: the first micro-batch is the
+    fullest (here 537 then 256 tokens, and 665 then 128 at a budget of 768), and runs before any gradient of its step
+    exists; the later, shorter ones run beside them. Every micro-batch weighed as the step's longest beside the
+    gradients was 15.1% over on the full fine-tune and 4.2% on LoRA r64 (issue 48: +18.7% and +5.7%)."""
+    overrides = [*FAST_TINY, *WIDE_TINY, f"memory_profile={profile}", "lora.r=64", "train.packing=true",
+                 "train.max_tokens_per_micro_batch=640", "train.global_batch_size=8", "train.eval_batch_size=1",
+                 "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true"]
+    rm_train.train(compose(overrides), tmp_path, overrides)
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
+    assert memory["estimate"]["shapes"]["accumulating"] and memory["estimate"]["peak_phase"] == "forward/backward"
+    assert estimate == pytest.approx(measured, rel=0.01), (estimate, measured)
+
+
 @pytest.mark.parametrize("precision", [pytest.param("32-true", marks=pytest.mark.slow), "bf16-mixed"])
 @pytest.mark.parametrize("phase_overrides,phase", [
     (["train.eval_batch_size=1"], "forward/backward"),
