@@ -721,7 +721,7 @@ def main() -> None:
                         help="runs per 2-process point; each rank's highest peak is compared (default 2)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dry-run", action="store_true", help="with --device cuda: three tiny points on the CPU")
-    parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid (0-based)")
+    parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid; with --random: only these points of the draw (0-based)")
     parser.add_argument("--random-recompute", metavar="FILE",
                         help="re-estimate the measured points of a random calibration's JSON (no training)")
     parser.add_argument("--save-random-weights", nargs=2, metavar=("MODEL", "PATH"), help=argparse.SUPPRESS)
@@ -1054,6 +1054,9 @@ RANDOM_MAX_FLOPS = 1.5e12
 # 512x1024 @ 1024x1024 product on the 2-core EPYC this was drawn on): a bf16 point's FLOPs weigh this much more
 # against the cap, so that one bf16 point cannot take 13 minutes.
 RANDOM_BF16_WEIGHT = 50
+# Evaluation-peak points (issue 48): this share of points scores its eval set in forwards of one of these many pairs
+# (train.eval_batch_size; 1 otherwise), so that the evaluation forward is the peak of some of them.
+RANDOM_EVAL_SHARE, RANDOM_EVAL_BATCHES = 0.35, (8, 16, 32, 64)
 RANDOM_MISS_OVER, RANDOM_MISS_UNDER = 5.0, -2.0  # %: the calibration's target (within 5% over, never 2% under)
 RANDOM_RESULTS = ROOT / "docs" / "memory_calibration_random.json"
 RANDOM_DOC = ROOT / "docs" / "memory_calibration_random.md"
@@ -1077,6 +1080,15 @@ def draw_shape(rng) -> dict:
             "intermediate_size": intermediate, "vocab_size": vocab}
 
 
+def draw_eval_batch(data_seed: int) -> int:
+    """The point's ``train.eval_batch_size``, from a generator of its own seeded by the point's data seed: every other
+    choice of a seed stays what runs before evaluation-peak points drew."""
+    import random
+
+    side = random.Random(f"eval batch {data_seed}")
+    return side.choice(RANDOM_EVAL_BATCHES) if side.random() < RANDOM_EVAL_SHARE else 1
+
+
 def draw_point(rng, profiles=RANDOM_PROFILES) -> dict:
     """One run configuration, every choice independent; validated by the caller."""
     shape = draw_shape(rng)
@@ -1087,12 +1099,20 @@ def draw_point(rng, profiles=RANDOM_PROFILES) -> dict:
     budget = 0
     if packing and rng.random() < 0.6:
         budget = rng.choice([2, 3, 4, 6]) * max_length
-    return {"shape": shape, "profile": rng.choice(profiles), "layout": layout, "precision": precision,
-            "micro": rng.randint(1, 4), "accumulation": rng.randint(1, 4), "max_length": max_length,
-            "checkpointing": rng.random() < 0.5, "packing": packing, "max_tokens": budget,
-            "share_prefix": rng.random() < 0.3,
-            "data": {"seed": rng.randrange(2**31), "pairs": 128, "long_fraction": round(rng.uniform(0.2, 0.5), 3),
-                     "median_fraction": round(rng.uniform(0.15, 0.6), 3), "sigma": round(rng.uniform(0.4, 1.0), 3)}}
+    p = {"shape": shape, "profile": rng.choice(profiles), "layout": layout, "precision": precision,
+         "micro": rng.randint(1, 4), "accumulation": rng.randint(1, 4), "max_length": max_length,
+         "checkpointing": rng.random() < 0.5, "packing": packing, "max_tokens": budget,
+         "share_prefix": rng.random() < 0.3,
+         "data": {"seed": rng.randrange(2**31), "pairs": 128, "long_fraction": round(rng.uniform(0.2, 0.5), 3),
+                  "median_fraction": round(rng.uniform(0.15, 0.6), 3), "sigma": round(rng.uniform(0.4, 1.0), 3)}}
+    with_eval_batch(p, draw_eval_batch(p["data"]["seed"]))
+    return p
+
+
+def with_eval_batch(p: dict, eval_batch: int) -> None:
+    """Set the point's evaluation batch, with eval pairs enough for every rank to score full batches (8 at least)."""
+    p["eval_batch"] = eval_batch
+    p["data"]["eval_pairs"] = max(8, eval_batch * RANDOM_LAYOUTS[p["layout"]][0])
 
 
 def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
@@ -1107,7 +1127,7 @@ def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
             *PRECISIONS_DRAWN[p["precision"]][1], f"train.gradient_checkpointing={str(p['checkpointing']).lower()}",
             f"data.max_length={p['max_length']}", "data=local", f"data.train_files=[{data}.jsonl]",
             f"data.eval_files=[{data}_eval.jsonl]", f"train.micro_batch_size={p['micro']}",
-            f"train.global_batch_size={p['micro'] * nproc * p['accumulation']}", "train.eval_batch_size=1",
+            f"train.global_batch_size={p['micro'] * nproc * p['accumulation']}", f"train.eval_batch_size={p.get('eval_batch', 1)}",
             f"train.packing={str(p['packing']).lower()}", f"train.max_tokens_per_micro_batch={p['max_tokens']}",
             f"train.share_prefix={str(p['share_prefix']).lower()}",
             "train.max_steps=2", "train.eval_steps=0", "train.save_steps=0", "train.logging_steps=1",
@@ -1115,7 +1135,8 @@ def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
 
 
 def point_cost(p: dict, cfg) -> tuple:
-    """(parameters, training FLOPs of the point's 2 steps over all processes, bf16 weighted by RANDOM_BF16_WEIGHT)."""
+    """(parameters, FLOPs of the point's 2 training steps over all processes and of its evaluation forwards, bf16
+    weighted by RANDOM_BF16_WEIGHT)."""
     from rm.memory.terms import parameter_counts
 
     counts = parameter_counts(cfg.model, None)
@@ -1123,7 +1144,8 @@ def point_cost(p: dict, cfg) -> tuple:
     non_embedding = counts.total - cfg.model.vocab_size * cfg.model.hidden_size
     tokens = 2 * p["micro"] * p["max_length"] * p["accumulation"] * nproc * 2
     weight = RANDOM_BF16_WEIGHT if PRECISIONS_DRAWN[p["precision"]][0].startswith("bf16") else 1
-    return counts.total, (8 if p["checkpointing"] else 6) * non_embedding * tokens * weight
+    eval_tokens = 2 * p["data"].get("eval_pairs", 8) * p["max_length"]  # one forward of each side, padded
+    return counts.total, ((8 if p["checkpointing"] else 6) * tokens + 2 * eval_tokens) * non_embedding * weight
 
 
 def draw_valid_points(n: int, seed: int, profiles=RANDOM_PROFILES):
@@ -1148,6 +1170,9 @@ def draw_valid_points(n: int, seed: int, profiles=RANDOM_PROFILES):
                 redrawn[reason] = redrawn.get(reason, 0) + 1
             continue
         params, flops = point_cost(p, cfg)
+        while flops > RANDOM_MAX_FLOPS and p["eval_batch"] > 1:  # a smaller evaluation, not a redraw: the seed's
+            with_eval_batch(p, p["eval_batch"] // 2)  # other points stay those it drew
+            params, flops = point_cost(p, cfg)
         if params > RANDOM_MAX_PARAMS:
             redrawn["size: more than 150M parameters"] = redrawn.get("size: more than 150M parameters", 0) + 1
             continue
@@ -1181,7 +1206,7 @@ def write_random_pairs(stem: Path, spec: dict, max_length: int) -> None:
         answer = lambda: " ".join(rng.choice(words) for _ in range(min(cap, max(1, int(rng.lognormvariate(math.log(8), 0.7))))))  # noqa: E731
         return {"prompt": " ".join(rng.choice(words) for _ in range(n)), "chosen": answer(), "rejected": answer()}
 
-    for path, count in ((Path(f"{stem}.jsonl"), spec["pairs"]), (Path(f"{stem}_eval.jsonl"), 8)):
+    for path, count in ((Path(f"{stem}.jsonl"), spec["pairs"]), (Path(f"{stem}_eval.jsonl"), spec.get("eval_pairs", 8))):
         with path.open("w") as f:
             for _ in range(count):
                 f.write(json.dumps(pair()) + "\n")
@@ -1193,7 +1218,7 @@ def short_form(p: dict) -> str:
     hd = f" d{s['head_dim']}" if s["head_dim"] else ""
     opts = [f"mb{p['micro']}x{RANDOM_LAYOUTS[p['layout']][0]}x{p['accumulation']}", f"len{p['max_length']}"]
     opts += ["ckpt"] * p["checkpointing"] + (["pack" + (str(p["max_tokens"]) if p["max_tokens"] else "")] if p["packing"] else [])
-    opts += ["share"] * p["share_prefix"]
+    opts += ["share"] * p["share_prefix"] + ([f"eval{p['eval_batch']}"] if p.get("eval_batch", 1) > 1 else [])
     return (f"{s['model_type']} L{s['num_hidden_layers']} h{s['hidden_size']} a{s['num_attention_heads']}/kv{s['num_key_value_heads']}"
             f"{hd} i{s['intermediate_size']} V{s['vocab_size']} ({p['params'] / 1e6:.1f}M) | {p['profile']} | {p['layout']} | "
             f"{PRECISIONS_DRAWN[p['precision']][0]} | {' '.join(opts)}")
@@ -1270,8 +1295,11 @@ def random_main(args) -> None:
     command = f"python benchmarks/memory_calibration.py --random {args.random} --seed {args.seed}" + (
         f" --memtracker {args.memtracker}" if args.memtracker else "") + (
         f" --profiles {' '.join(profiles)}" if args.profiles else "") + (
-        f" --random-init {args.random_init}" if args.random_init != "saved" else "")
+        f" --random-init {args.random_init}" if args.random_init != "saved" else "") + (
+        f" --only {' '.join(map(str, args.only))}" if args.only else "")
     points, redrawn = draw_valid_points(args.random, args.seed, profiles)
+    indices = args.only or range(len(points))  # a few points of a draw: the rest of it stays what the seed drew
+    points = [points[i] for i in indices]
     tracked = set(range(min(args.memtracker, len(points))))
     if args.memtracker and not any(RANDOM_LAYOUTS[points[i]["layout"]][0] > 1 for i in tracked):
         multi = [i for i, p in enumerate(points) if RANDOM_LAYOUTS[p["layout"]][0] > 1]
@@ -1283,7 +1311,7 @@ def random_main(args) -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, p in enumerate(points):
-            row = {"index": i, "point": p, "short": short_form(p), "overrides": random_overrides(p)}
+            row = {"index": indices[i], "point": p, "short": short_form(p), "overrides": random_overrides(p)}
             saved = args.random_init == "saved"
             row.update(run_random_point(i, p, Path(tmp), args.point_timeout, random_init_saved_first=saved))
             if i in tracked:
@@ -1332,7 +1360,8 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         "8bit, offload), process layout (one process, or 2 processes: DDP, ZeRO-1, ZeRO-2, ZeRO-3, ZeRO-3 offload),",
         f"precision ({', '.join(name for name, _ in meta['precisions_drawn'])}), micro-batch 1-4, accumulation 1-4,",
         "`data.max_length` 32-256, gradient checkpointing, `train.packing` (with or without a token budget) and",
-        "`train.share_prefix`. Each point writes its own pairs: log-normal prompt lengths (drawn median and spread) and a",
+        "`train.share_prefix`, and for about a third of the points a larger `train.eval_batch_size` (8-64 pairs, `evalN`;",
+        "1 otherwise) so that the evaluation forward is the peak of some. Each point writes its own pairs: log-normal prompt lengths (drawn median and spread) and a",
         "drawn 20-50% of prompts longer than `max_length` (cut to full-length rows). 2 optimizer steps, live-tensor peak",
         "of every rank (`train.track_memory=true`) against that rank's own estimate in `memory.json` (`rank_peak_bytes`:",
         "sized at the micro-batches its data forms and its ZeRO partition; the verdict is the largest),",
