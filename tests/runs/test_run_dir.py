@@ -1,0 +1,76 @@
+"""rm.runs.run_dir: what a run directory refuses, what overwrite replaces, and the run lock."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from rm.foundations.errors import Refused
+from rm.runs.run_dir import RunDirError, RunLock, check_run_dir, replace_earlier_run
+
+
+def _earlier_run(run_dir, final=True):
+    (run_dir / "checkpoints" / "checkpoint-2").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("{}\n")
+    if final:
+        (run_dir / "final").mkdir()
+
+
+def test_an_empty_or_new_directory_starts_fresh(tmp_path):
+    assert check_run_dir(tmp_path / "new", resume=False, overwrite=False) == []
+    assert check_run_dir(tmp_path, resume=False, overwrite=False) == []
+
+
+def test_an_earlier_run_is_refused_without_resume_or_overwrite_and_nothing_changes(tmp_path):
+    _earlier_run(tmp_path, final=False)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(RunDirError, match="train.resume=true"):
+        check_run_dir(tmp_path, resume=False, overwrite=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_resume_of_a_finished_run_and_resume_with_overwrite_are_refused(tmp_path):
+    _earlier_run(tmp_path)
+    with pytest.raises(RunDirError, match="finished run"):
+        check_run_dir(tmp_path, resume=True, overwrite=False)
+    with pytest.raises(RunDirError, match="contradict"):
+        check_run_dir(tmp_path, resume=True, overwrite=True)
+
+
+def test_resume_of_an_unfinished_run_is_allowed_and_replaces_nothing(tmp_path):
+    _earlier_run(tmp_path, final=False)
+    assert check_run_dir(tmp_path, resume=True, overwrite=False) == []
+
+
+def test_overwrite_names_what_it_replaces_and_replaces_only_that(tmp_path):
+    _earlier_run(tmp_path)
+    (tmp_path / "notes.txt").write_text("mine")
+    names = check_run_dir(tmp_path, resume=False, overwrite=True)
+    assert sorted(names) == ["checkpoints", "final", "metrics.jsonl"]
+    assert (tmp_path / "final").exists()  # checking changes nothing
+    replace_earlier_run(tmp_path, names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_the_lock_is_released(tmp_path):
+    with RunLock(tmp_path):
+        holder = json.loads((tmp_path / ".lock").read_text())
+        assert holder["pid"] == os.getpid()
+        with pytest.raises(Refused, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path).__enter__()
+    assert not (tmp_path / ".lock").exists()
+
+
+def test_a_stale_lock_of_a_dead_process_on_this_host_is_taken_over(tmp_path):
+    (tmp_path / ".lock").write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "since": "x"}))
+    with RunLock(tmp_path):
+        assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+
+
+def test_a_lock_held_on_another_host_is_refused_naming_the_file_to_delete(tmp_path):
+    (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "x"}))
+    with pytest.raises(Refused, match=r"elsewhere.*delete .*\.lock"):
+        RunLock(tmp_path).__enter__()
