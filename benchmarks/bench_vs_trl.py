@@ -2,8 +2,8 @@
 
     pip install -e '.[bench]'                          # trl, the one benchmark-only dependency
     python benchmarks/bench_vs_trl.py                  # prints both tables (multi-turn, single-turn)
-    python benchmarks/bench_vs_trl.py --write-doc      # and writes them to docs/throughput.md
-    python benchmarks/bench_vs_trl.py --setup gpu-1b --out-json gpu_1b.json    # on a CUDA GPU (docs/throughput_gpu.md)
+    python benchmarks/bench_vs_trl.py --write-doc      # and writes them to benchmarks/results/throughput.md
+    python benchmarks/bench_vs_trl.py --setup gpu-1b --out-json gpu_1b.json    # on a CUDA GPU (benchmarks/results/throughput_gpu.md)
 
 One process per trainer, run after run, on the same tokenised pairs: a Mistral-architecture
 model (4 layers, hidden 256, vocabulary 2000, random init), fp32, 8 pairs per optimizer step,
@@ -465,7 +465,7 @@ def matmul_parameters(model) -> int:
 
 
 def pair_flops(pair, model, shared: bool, lora: bool) -> float:
-    """Model FLOPs of one pair's forward and backward, the formula of docs/throughput_gpu.md.
+    """Model FLOPs of one pair's forward and backward, the formula of benchmarks/results/throughput_gpu.md.
 
     Matmuls: 6 N per token (forward 2 N, backward 4 N); LoRA's frozen weights get no weight gradient, so 4 N.
     Attention: 12 x layers x (heads x head_dim) per (query, key) position pair the mask allows (QK^T and AV,
@@ -605,7 +605,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (a smoke test: --steps 10)")
     parser.add_argument("--data", nargs="*", default=list(DATASETS), choices=list(DATASETS), help="data sets to run")
-    parser.add_argument("--write-doc", action="store_true", help="write the tables into docs/throughput.md")
+    parser.add_argument("--write-doc", action="store_true", help="write the tables into benchmarks/results/throughput.md")
     parser.add_argument("--out-json", help="every result as JSON, rewritten after each trainer")
     parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table); TRL always runs")
     parser.add_argument("--repeat", type=int, default=1, help="turns of each rm row (TRL runs once), reported by the "
@@ -638,7 +638,7 @@ def main() -> None:
     text = "\n".join(sections) + "\n" + footer
     print(text)
     if args.write_doc:
-        doc = ROOT / "docs" / "throughput.md"
+        doc = ROOT / "benchmarks" / "results" / "throughput.md"
         body = doc.read_text() if doc.exists() else ""
         start, end = "<!-- bench_vs_trl:begin -->", "<!-- bench_vs_trl:end -->"
         block = f"{start}\n{text}\n{end}"

@@ -1,7 +1,7 @@
 """How far each consumer's bf16 rewards are from rm.score's fp32 ones, on the demo's bundles.
 
     python benchmarks/consumers_bf16.py                          # prints the table
-    python benchmarks/consumers_bf16.py --write-doc docs/consumers_bf16.md
+    python benchmarks/consumers_bf16.py --write-doc benchmarks/results/consumers_bf16.md
 
 Trains the demo (``experiment=tiny``) for ``--steps`` steps twice, a full fine-tune and a LoRA run whose adapter is
 also merged (``lora.merge_on_save=true``), then scores the same eval conversations (the synthetic test pairs, both

@@ -89,7 +89,7 @@ SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, 
          "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 1024}
 # rm's model.* defaults (rm/foundations/config.py:ModelConfig), given to TRL's model too so that both build the same config
 CONFIG_EXTRA = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
-# Cosine after a 3% warm-up: rm's default schedule until 2026-11-29 (docs/learning.md, "Schedules"), kept as a row
+# Cosine after a 3% warm-up: rm's default schedule until 2026-11-29 (benchmarks/results/learning.md, "Schedules"), kept as a row
 TRL_COSINE = {"lr_scheduler_type": "cosine", "warmup_steps": 0.03}  # a warmup_steps below 1 is a ratio in transformers 5
 RM_COSINE = ["train.lr_scheduler_type=cosine", "train.warmup_ratio=0.03"]
 

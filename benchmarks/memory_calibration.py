@@ -1,4 +1,4 @@
-"""Compare the pre-flight estimate with measured peaks over a grid, and write docs/memory_calibration.md.
+"""Compare the pre-flight estimate with measured peaks over a grid, and write benchmarks/results/memory_calibration.md.
 
     python benchmarks/memory_calibration.py              # about 20 minutes on 2 CPU cores
     python benchmarks/memory_calibration.py --quick      # tiny and small models only, about 2 minutes
@@ -150,7 +150,7 @@ def run_overrides(model, profile, checkpointing, length, distributed, nproc, acc
     data = data or ["data.synthetic_train_size=256", "data.synthetic_test_size=8"]
     # experiment=tiny shares prefixes; the layouts of the grid are measured on plain pairs unless a point asks.
     plain = [] if any(o.startswith("train.share_prefix") for o in extra) else ["train.share_prefix=false"]
-    # model.tokenizer=words: the sequence lengths of docs/memory_calibration.md were measured with the word-level tokenizer.
+    # model.tokenizer=words: the sequence lengths of benchmarks/results/memory_calibration.md were measured with the word-level tokenizer.
     return [f"distributed={distributed}", *extra, *plain,
             "experiment=tiny", "model.tokenizer=words", *MODELS[model], f"memory_profile={profile}", f"train.gradient_checkpointing={checkpointing}",
             f"data.max_length={length}", *data,
@@ -448,7 +448,7 @@ def gpu_point(spec, workdir: Path, data: Path, dry_run: bool, timeout: int = 300
 
 
 def gpu_main(out: Path, dry_run: bool, only=None, timeout: int = 300) -> None:
-    """`--device cuda`: the GPU grid, written to docs/memory_calibration_gpu.md (and .json beside it)."""
+    """`--device cuda`: the GPU grid, written to benchmarks/results/memory_calibration_gpu.md (and .json beside it)."""
     import torch
 
     if not dry_run and not torch.cuda.is_available():
@@ -470,8 +470,8 @@ def gpu_main(out: Path, dry_run: bool, only=None, timeout: int = 300) -> None:
 # The saved GPU measurements, each with its card's constants and the named profile that stands in for the
 # ``hardware=auto`` the runs resolved (the same capacity to 0.01 GiB).
 GPU_MEASURED = [
-    (ROOT / "docs" / "gpu" / "memory_calibration_gpu_measured.json", ROOT / "docs" / "gpu" / "gpu_constants.json", "h100_80g"),
-    (ROOT / "docs" / "gpu" / "memory_calibration_gpu_measured_h200.json", ROOT / "docs" / "gpu" / "gpu_constants_h200.json",
+    (ROOT / "benchmarks" / "results" / "gpu" / "memory_calibration_gpu_measured.json", ROOT / "benchmarks" / "results" / "gpu" / "gpu_constants.json", "h100_80g"),
+    (ROOT / "benchmarks" / "results" / "gpu" / "memory_calibration_gpu_measured_h200.json", ROOT / "benchmarks" / "results" / "gpu" / "gpu_constants_h200.json",
      "h200_141g"),
 ]
 
@@ -507,7 +507,7 @@ def write_gpu_doc(out: Path, sections: list) -> None:
     lines = ["# Memory estimate vs measurement (GPU)", "",
              "Measured: `python benchmarks/memory_calibration.py --device cuda` on the machine each table names. "
              "Estimates as the code stands now: `python benchmarks/memory_calibration.py --device cuda --recompute` "
-             "(any machine: it re-estimates the saved measurements in `docs/gpu/memory_calibration_gpu_measured*.json`).", "",
+             "(any machine: it re-estimates the saved measurements in `benchmarks/results/gpu/memory_calibration_gpu_measured*.json`).", "",
              "Each point trains 2 optimizer steps of 2 micro-batches from random weights built from the shape (qlora: saved, "
              "then quantised as it loads); the prompts are 400 words, so every sequence holds 408 tokens of the word-level "
              "tokenizer whatever `max_length` allows, and the estimate is sized by that data, as `rm.train` sizes it. "
@@ -559,7 +559,7 @@ def torch_driver() -> str:
         return "unknown"
 
 
-RESULTS = ROOT / "docs" / "memory_calibration.json"  # every row, so that one part can be rerun alone
+RESULTS = ROOT / "benchmarks" / "results" / "memory_calibration.json"  # every row, so that one part can be rerun alone
 
 
 PRECISION_MODES = {"bf16-mixed": ["train.precision=bf16-mixed", "hardware.bf16=true"],
@@ -710,7 +710,7 @@ def main() -> None:
     parser.add_argument("--part", choices=["all", "single", "zero", "multi", "precision", "qlora"], default="all",
                         help="single: one-process grid (with the ZeRO rows); zero: the one-process ZeRO rows; multi: the "
                              "2-process layouts; precision: the bf16-mixed and bf16-true points; qlora: the QLoRA points; the other parts are kept "
-                             "from docs/memory_calibration.json")
+                             "from benchmarks/results/memory_calibration.json")
     parser.add_argument("--layouts", nargs="*", choices=list(LAYOUTS), help="with --part multi: measure only these layouts")
     parser.add_argument("--accumulation", nargs="*", type=int, help="with --part multi: measure only these accumulations")
     parser.add_argument("--more-runs", action="store_true",
@@ -729,7 +729,7 @@ def main() -> None:
     parser.add_argument("--share-prefix", action="store_true",
                         help="run only the train.share_prefix points and rewrite their section of the doc")
     parser.add_argument("--random", type=int, default=0, metavar="N",
-                        help="N random run configurations (docs/memory_calibration_random.md); see --seed")
+                        help="N random run configurations (benchmarks/results/memory_calibration_random.md); see --seed")
     parser.add_argument("--seed", type=int, default=1, help="with --random: the seed of random.Random")
     parser.add_argument("--memtracker", type=int, default=0, metavar="K",
                         help="with --random: run the first K points (and one multi-process point) again under PyTorch's MemTracker")
@@ -749,12 +749,12 @@ def main() -> None:
         random_main(args)
         return
     if args.device == "cuda":
-        out = Path(args.out or ROOT / "docs" / "memory_calibration_gpu.md")
+        out = Path(args.out or ROOT / "benchmarks" / "results" / "memory_calibration_gpu.md")
         if args.recompute:  # the saved GPU measurements against the estimator as it is now; no GPU needed
             return gpu_recompute(GPU_MEASURED, out)
         gpu_main(out, args.dry_run, args.only, args.point_timeout)
         return
-    out = Path(args.out or ROOT / "docs" / "memory_calibration.md")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / "memory_calibration.md")
     models = [m for m in MODELS if not (args.quick and m.startswith("medium"))]
     if args.share_prefix:
         return write_shared_section(out, shared_points(models))
@@ -789,7 +789,7 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16
         "# Memory estimate vs measurement (CPU)",
         "",
         f"Regenerate: `python benchmarks/memory_calibration.py` (all parts; `--part single` or `--part multi` reruns one "
-        f"and keeps the other from `docs/memory_calibration.json`). This run: `{'--recompute' if args.recompute else '--part ' + args.part}`, {elapsed:.0f} s on "
+        f"and keeps the other from `benchmarks/results/memory_calibration.json`). This run: `{'--recompute' if args.recompute else '--part ' + args.part}`, {elapsed:.0f} s on "
         f"{os.cpu_count()} CPU cores, load average {load[0]:.1f} at the end.",
         "",
         *(PROVENANCE if args.recompute else []),
@@ -1058,8 +1058,8 @@ RANDOM_BF16_WEIGHT = 50
 # (train.eval_batch_size; 1 otherwise), so that the evaluation forward is the peak of some of them.
 RANDOM_EVAL_SHARE, RANDOM_EVAL_BATCHES = 0.35, (8, 16, 32, 64)
 RANDOM_MISS_OVER, RANDOM_MISS_UNDER = 5.0, -2.0  # %: the calibration's target (within 5% over, never 2% under)
-RANDOM_RESULTS = ROOT / "docs" / "memory_calibration_random.json"
-RANDOM_DOC = ROOT / "docs" / "memory_calibration_random.md"
+RANDOM_RESULTS = ROOT / "benchmarks" / "results" / "memory_calibration_random.json"
+RANDOM_DOC = ROOT / "benchmarks" / "results" / "memory_calibration_random.md"
 DATA_PLACEHOLDER = "POINT_DATA"  # in the recorded overrides: the point's own JSONL (train) and POINT_DATA_eval
 
 
@@ -1288,7 +1288,7 @@ def is_miss(row: dict) -> bool:
 
 
 def random_main(args) -> None:
-    """``--random N --seed S``: draw, run, and write docs/memory_calibration_random.{json,md,png} after every point."""
+    """``--random N --seed S``: draw, run, and write benchmarks/results/memory_calibration_random.{json,md,png} after every point."""
     out = Path(args.out or RANDOM_DOC)
     results = out.with_suffix(".json")
     profiles = args.profiles or RANDOM_PROFILES

@@ -5,7 +5,7 @@
     python benchmarks/plan_gpu_check.py --kernel-us 5 46                        # the prediction at other op costs
     python benchmarks/plan_gpu_check.py --pick gpu-7b-lora --hardware h200_141g,h100_80g   # train.layout=auto's pick
 
-Reads a ``bench_vs_trl.py --out-json`` file of a GPU run (default: ``docs/gpu/throughput_gpu_1b_h200.json``),
+Reads a ``bench_vs_trl.py --out-json`` file of a GPU run (default: ``benchmarks/results/gpu/throughput_gpu_1b_h200.json``),
 rebuilds its pairs (the benchmark generates them from a seed) and its setup, and predicts each row's seconds per
 optimizer step with :func:`rm.plan.steptime.predict_step_seconds` under the named hardware profile's rates: the
 terms ``rm.plan`` prices (matmuls and attention, elementwise traffic, a fixed cost per op, the optimizer step).
@@ -97,7 +97,7 @@ def auto_pick(setup_name: str, data_name: str, hardware: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=ROOT / "docs/gpu/throughput_gpu_1b_h200.json")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks/results/gpu/throughput_gpu_1b_h200.json")
     parser.add_argument("--hardware", default="h200_141g", help="the hardware profile to price the rows with")
     parser.add_argument("--measured", nargs="*", default=[], metavar="NAME=SECONDS",
                         help="measured seconds per step of rows the file does not time")

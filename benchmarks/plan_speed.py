@@ -2,7 +2,7 @@
 
     python benchmarks/plan_speed.py                                  # the 7B space: model=mistral_7b hardware=h100_80g
     python benchmarks/plan_speed.py --runs 7 model=llama3_8b hardware=a100_80g
-    python benchmarks/plan_speed.py --neighbours --out docs/plan_speed.md    # the 7B space and its neighbours
+    python benchmarks/plan_speed.py --neighbours --out benchmarks/results/plan_speed.md    # the 7B space and its neighbours
 
 Each run is a fresh process. "cold": an empty trace cache (a first plan of this shape on a machine; the CPU rates
 stay measured, as after any first run); "warm": the traces cached by the run before. Cold and warm runs alternate,

@@ -1,6 +1,6 @@
 """rm.plan's step-time model against measured step times on this CPU: rank correlation, error, and the top pick.
 
-    python benchmarks/plan_validation.py --out docs/plan_validation.md     # about 20 minutes on an idle 2-core CPU
+    python benchmarks/plan_validation.py --out benchmarks/results/plan_validation.md     # about 20 minutes on an idle 2-core CPU
     python benchmarks/plan_validation.py --smoke                            # 3 configurations, 4 steps: does it run?
 
 Each configuration is a real ``python -m rm.train`` (torchrun for two processes) with ``train.layout=given``, fp32,
@@ -301,7 +301,7 @@ def write_doc(points: List[Point], out: Path, command: str, started: str, steps:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "plan_validation.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "plan_validation.md")
     parser.add_argument("--smoke", action="store_true", help="one group, two layouts and the pick, 4 steps")
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--recheck", type=int, default=2, help="runs more of a group's pick and fastest, where they differ")

@@ -1,4 +1,4 @@
-"""What each precision mode does to training at a small learning rate, measured on the CPU: docs/precision_modes.md.
+"""What each precision mode does to training at a small learning rate, measured on the CPU: benchmarks/results/precision_modes.md.
 
     python benchmarks/precision_modes.py                # every row, about 10 minutes on 2 cores
     python benchmarks/precision_modes.py --steps 20     # a quick look
@@ -147,7 +147,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--rows", nargs="*", type=int, help="only these rows of ROWS (0-based)")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "precision_modes.md"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "precision_modes.md"))
     parser.add_argument("--doc-only", type=float, metavar="SECONDS",
                         help="run nothing: write the doc from the saved JSON, stating SECONDS as the run's wall time")
     args = parser.parse_args()

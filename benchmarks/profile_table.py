@@ -1,8 +1,8 @@
-"""Measure each memory profile on a small model on this machine and write docs/memory_profiles.md.
+"""Measure each memory profile on a small model on this machine and write benchmarks/results/memory_profiles.md.
 
     python benchmarks/profile_table.py                 # about 10 minutes on 2 CPU cores
     python benchmarks/profile_table.py --steps 4 --out /tmp/table.md
-    python benchmarks/profile_table.py --rows docs/memory_profiles.rows.jsonl --measure qlora   # one profile again
+    python benchmarks/profile_table.py --rows benchmarks/results/memory_profiles.rows.jsonl --measure qlora   # one profile again
 
 Every profile trains the same ~50M-parameter Mistral-architecture model (random init, the
 word-level tokenizer, synthetic pairs) for the same steps in a fresh process. Peak memory is counted two ways:
@@ -44,7 +44,7 @@ PROFILES = ["none", *WHERE]
 def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
     run_dir = workdir / f"{profile}-{track_memory}"
     overrides = [
-        "experiment=tiny", "model.tokenizer=words",  # the tokenizer docs/memory_profiles.md was measured with
+        "experiment=tiny", "model.tokenizer=words",  # the tokenizer benchmarks/results/memory_profiles.md was measured with
         *MODEL, "data.synthetic_train_size=1024", "data.synthetic_test_size=64",
         "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16",
         f"train.max_steps={max(steps, 1)}", "train.logging_steps=1", "train.eval_steps=0",
@@ -118,7 +118,7 @@ def render(rows: list, steps: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--out", default=str(ROOT / "docs" / "memory_profiles.md"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "memory_profiles.md"))
     parser.add_argument("--rows", help="render the table from the JSON rows an earlier run printed, without running")
     parser.add_argument("--measure", nargs="*", choices=PROFILES, default=None,
                         help="with --rows: measure these profiles again and put them in the rows file")

@@ -34,7 +34,7 @@ with the ``tokenizers`` library:
 * ``model.tokenizer=words``: the word-level tokenizer of the synthetic data's closed
   vocabulary (:data:`VOCABULARY`, :func:`build_word_level_tokenizer`). Any other word becomes ``<unk>``
   (the ``unknown_tokens`` alarm says so); it is kept for measurements that must stay
-  comparable with those made with it (docs/memory_calibration.md, docs/throughput.md).
+  comparable with those made with it (benchmarks/results/memory_calibration.md, benchmarks/results/throughput.md).
 
 Both add a BOS to text, as Llama's and Mistral's tokenizers do (:data:`BOS_ONLY`), pad on the right with
 ``<pad>`` (id 0, never produced from text by the byte-level one unless the text spells ``<pad>`` itself, which the

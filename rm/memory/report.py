@@ -27,7 +27,7 @@ def format_table(est: Estimate, label: str) -> str:
     ]
     if est.random_init_build:  # a phase of its own, before the rest: the first run of a QLoRA shape without weights
         rows.append(("random init built first (fp32)", est.random_init_build))
-    # The device terms, marked where no GPU measurement backs them (docs/memory_calibration_gpu.md).
+    # The device terms, marked where no GPU measurement backs them (benchmarks/results/memory_calibration_gpu.md).
     mark = lambda name: " (assumed)" if any(u.startswith(name) for u in est.uncalibrated) else ""  # noqa: E731
     device_rows = [("allocator reserve" + mark("allocator reserve"), est.allocator_reserve),
                    ("CUDA context (1 GiB bound)", est.cuda_context),

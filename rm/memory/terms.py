@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # imported where used: `--help` and config errors need no tor
 GIB = 1024**3
 MIB = 1024**2
 # Device-level terms that only a GPU shows, measured on one H100 80GB HBM3 (driver 580.159.04, torch 2.11.0+cu130,
-# 2026-11-26; docs/memory_calibration_gpu.md) where a number is given:
+# 2026-11-26; benchmarks/results/memory_calibration_gpu.md) where a number is given:
 # - the CUDA context (what the device holds beyond the allocator's reserve, in one process without NCCL): 769 MiB
 #   (806,158,336 bytes) in 4 runs of 3 profiles and 2 shapes, 767 MiB in a fifth, 787 MiB with bitsandbytes' 4-bit
 #   base. Kept at a 1 GiB bound: older drivers and CUDA versions load more eagerly, and this is one machine.
@@ -38,7 +38,7 @@ CUDA_CONTEXT_BYTES = 1 * GIB
 NCCL_PROCESS_GROUP_BYTES = 984 * MIB
 # PyTorch's caching allocator rounds blocks up (512 B; large segments to 2 MiB) and keeps freed blocks reserved:
 # max_memory_reserved exceeds max_memory_allocated by the fragmentation of the step's short-lived tensors. No closed
-# form exists; the term is a bound read off measured runs (docs/memory_calibration_gpu.md), not a measurement of
+# form exists; the term is a bound read off measured runs (benchmarks/results/memory_calibration_gpu.md), not a measurement of
 # any other card. Where the backward creates full-size parameter gradients while it frees activations (full, 8bit,
 # offload) the reserve beyond the peak was 17-28% of the activations and temporaries without checkpointing (5 runs
 # on an H100, one 7B run on an H200: 26%): bounded at 30%. With gradient checkpointing the backward also recomputes

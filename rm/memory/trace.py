@@ -377,7 +377,7 @@ def _cuda_dropout(dropout):
     """``F.dropout`` as CUDA runs it: the fused ``native_dropout``, which keeps a one-byte bool mask for the backward.
     The CPU kernel multiplies by a noise tensor of the input's dtype and keeps that (2 or 4 bytes an element): under
     LoRA, whose adapters drop out the input of every targeted linear, the CPU trace counted 25-27% more activation
-    memory than an H100 allocated (docs/memory_calibration_gpu.md)."""
+    memory than an H100 allocated (benchmarks/results/memory_calibration_gpu.md)."""
 
     def cuda_like(input, p=0.5, training=True, inplace=False):
         if not training or inplace or not 0.0 < p < 1.0:

@@ -15,7 +15,7 @@ rendered here, never edited by hand:
 * ``sweep``: the table ``rm.runs.sweep.format_summary`` prints for the recorded sweep.
 
 Measurements (a run's metrics, seconds, load) cannot be recomputed by a test, so ``--run-demo`` and
-``--run-sweep`` run the command and keep what it wrote in ``docs/readme_samples.json``; the README is
+``--run-sweep`` run the command and keep what it wrote in ``benchmarks/results/readme_samples.json``; the README is
 then rendered from that record with the code's own formatters, so a change of format shows up as a
 stale README. ``tests/runs/test_sweep.py`` checks the recorded sweep's statuses and estimates against a
 fresh run, and the slow demo test checks the recorded accuracy against its run.
@@ -34,7 +34,7 @@ from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-RECORD = ROOT / "docs" / "readme_samples.json"
+RECORD = ROOT / "benchmarks" / "results" / "readme_samples.json"
 
 ESTIMATE_ARGS = ["memory_profile=full", "hardware=a100_40g", "distributed.num_processes=8"]
 DEMO_ARGS = ["experiment=tiny"]

@@ -5,7 +5,7 @@ from tests.e2e import readme_samples
 
 def test_readme_sample_outputs_are_what_the_code_prints():
     record = readme_samples.load_record()
-    assert {"demo", "sweep"} <= record.keys(), "docs/readme_samples.json lacks a recorded demo or sweep"
+    assert {"demo", "sweep"} <= record.keys(), "benchmarks/results/readme_samples.json lacks a recorded demo or sweep"
     text = readme_samples.README.read_text()
     assert text == readme_samples.rewrite(text, readme_samples.render_all(record)), (
         "README.md's sample outputs are out of date: run python -m tests.e2e.readme_samples"

@@ -261,7 +261,7 @@ def test_resume_counts_the_optimizer_states_read_into_host_memory_by_hand():
 
 def test_64gb_cards_fit_full_fine_tuning_with_zero3_but_not_plain_data_parallel():
     """The 8 x 64 GB report: full fine-tune, 4 pairs x 512 tokens per GPU, no activation checkpointing. ZeRO-2 sits
-    within the allocator-reserve bound of the limit (the bound read off an H100, docs/memory_calibration_gpu.md),
+    within the allocator-reserve bound of the limit (the bound read off an H100, benchmarks/results/memory_calibration_gpu.md),
     so only the ordering is asserted for it."""
     base = ["memory_profile=full", "hardware=gpu_64g", "train.gradient_checkpointing=false"]
     dp = estimate_run(*planned(base + ["distributed=ddp"], world=8))

@@ -1,7 +1,7 @@
 """SDPA one packed segment at a time (rm.modelling.attention): the rewards and gradients of the whole-row masked SDPA.
 
 The tiny model has 4 query heads on 2 key-value heads, so the grouped-query path is the one checked.
-Speed is measured by ``benchmarks/bench_vs_trl.py`` (docs/throughput.md), not here.
+Speed is measured by ``benchmarks/bench_vs_trl.py`` (benchmarks/results/throughput.md), not here.
 """
 
 from contextlib import contextmanager

@@ -1,6 +1,6 @@
 """Padding-free batching (``train.packing``): the same rewards, the same gradient, the same trained weights.
 
-Speed is not tested here: ``benchmarks/bench_vs_trl.py`` measures it (docs/throughput.md).
+Speed is not tested here: ``benchmarks/bench_vs_trl.py`` measures it (benchmarks/results/throughput.md).
 """
 
 import json

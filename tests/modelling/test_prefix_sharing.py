@@ -1,7 +1,7 @@
 """Prefix sharing (``train.share_prefix``): the same rewards, loss, gradients and trained weights as
 scoring chosen and rejected separately, under sdpa and eager attention, packed and one row per pair.
 
-Speed is not tested here: ``benchmarks/bench_vs_trl.py`` measures it (docs/throughput.md).
+Speed is not tested here: ``benchmarks/bench_vs_trl.py`` measures it (benchmarks/results/throughput.md).
 """
 
 import json

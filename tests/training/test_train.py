@@ -199,7 +199,7 @@ def test_demo_reaches_90_percent(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     final = [m for m in read_metrics(tmp_path) if m["event"] == "eval"][-1]
     assert final["step"] == 800 and final["eval_accuracy"] >= 0.90, final
-    # The README's figure (docs/readme_samples.json) is a run of this command: this one lands near it (CPU
+    # The README's figure (benchmarks/results/readme_samples.json) is a run of this command: this one lands near it (CPU
     # kernels may round differently on another machine, so not to the bit).
     from tests.e2e.readme_samples import load_record
 
