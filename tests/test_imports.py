@@ -144,22 +144,6 @@ def test_no_two_modules_share_a_name():
     assert [name for name, count in names.items() if count > 1] == []
 
 
-def test_every_command_of_the_readme_is_a_module_that_runs_as_main():
-    """``python -m rm.<name>`` as the README writes it: the module (or the package's ``__main__.py``) exists and has
-    a ``__main__`` block."""
-    import re
-
-    readme = (PACKAGE.parent / "README.md").read_text()
-    commands = sorted(set(re.findall(r"python -m (rm(?:\.\w+)+)", readme)))
-    assert {"rm.train", "rm.estimate", "rm.score", "rm.gpu_report"} <= set(commands)
-    for command in commands:
-        path = PACKAGE.parent / (command.replace(".", "/") + ".py")
-        if not path.is_file():  # a package runs its __main__.py (rm.plan)
-            path = PACKAGE.parent / command.replace(".", "/") / "__main__.py"
-        assert path.is_file(), f"README runs python -m {command}, which has no module"
-        assert 'if __name__ == "__main__":' in path.read_text(), f"{path} does not run as python -m {command}"
-
-
 def test_the_tokenizer_imports_nothing_else_of_the_data():
     """``rm.data.tokenizer`` is below the rest of ``rm.data``: the data calls it, and the train split reaches it as an
     argument."""

@@ -1,14 +1,15 @@
-"""Write the README's sample outputs from what the code prints.
+"""Write the sample outputs of the README and the guides from what the code prints.
 
-    python -m tests.e2e.readme_samples                  # rewrite README.md's sample regions
+    python -m tests.e2e.readme_samples                  # rewrite the sample regions of README.md and docs/*.md
     python -m tests.e2e.readme_samples --check          # exit 1 if one is out of date (tests/e2e/test_readme_samples.py)
     python -m tests.e2e.readme_samples --run-demo DIR   # run the demo into DIR, record it, rewrite
     python -m tests.e2e.readme_samples --run-sweep DIR  # run the sweep of tests/runs/test_sweep.py into DIR, record it, rewrite
 
-Each region of README.md between ``<!-- sample NAME: ... -->`` and ``<!-- /sample -->`` is
-rendered here, never edited by hand:
+Each region of README.md or a page of docs/ between ``<!-- sample NAME: ... -->`` and ``<!-- /sample -->`` is
+rendered here, never edited by hand; each name appears once, on whichever page it now lives:
 
-* ``estimate``: ``python -m rm.estimate`` run for real, its stdout as it is;
+* ``estimate``: ``python -m rm.estimate`` run for real, its stdout as it is (docs/estimate.md);
+* ``estimate-verdict``: the same run, its first line and its verdict with the changes that fit (README.md);
 * ``demo`` and ``demo-figures``: the demo's final eval line, rendered by ``rm.evaluation.metrics.format_eval``
   from the metrics the recorded run wrote, and the figures of that run (accuracy, wall time, the
   machine's 1-minute load average before and after);
@@ -17,7 +18,7 @@ rendered here, never edited by hand:
 Measurements (a run's metrics, seconds, load) cannot be recomputed by a test, so ``--run-demo`` and
 ``--run-sweep`` run the command and keep what it wrote in ``benchmarks/results/readme_samples.json``; the README is
 then rendered from that record with the code's own formatters, so a change of format shows up as a
-stale README. ``tests/runs/test_sweep.py`` checks the recorded sweep's statuses and estimates against a
+stale page. ``tests/runs/test_sweep.py`` checks the recorded sweep's statuses and estimates against a
 fresh run, and the slow demo test checks the recorded accuracy against its run.
 """
 
@@ -34,6 +35,7 @@ from typing import Dict, List
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]  # where sample regions may live
 RECORD = ROOT / "benchmarks" / "results" / "readme_samples.json"
 
 ESTIMATE_ARGS = ["memory_profile=full", "hardware=a100_40g", "distributed.num_processes=8"]
@@ -55,12 +57,24 @@ def _env() -> Dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def render_estimate() -> str:
+def run_estimate() -> str:
     proc = subprocess.run([sys.executable, "-m", "rm.estimate", *ESTIMATE_ARGS], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300)
-    if proc.returncode not in (0, 3):  # 3: does not fit, which is what the sample shows
-        raise RuntimeError(f"rm.estimate failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return f"```\n$ python -m rm.estimate {' '.join(ESTIMATE_ARGS)}\n{proc.stdout.rstrip()}\n```\n"
+    if proc.returncode != 3:  # 3: does not fit, which is what the samples show
+        raise RuntimeError(f"rm.estimate exited {proc.returncode}, not 3:\n{proc.stderr[-3000:]}")
+    return proc.stdout.rstrip()
+
+
+def render_estimate(stdout: str) -> str:
+    return f"```\n$ python -m rm.estimate {' '.join(ESTIMATE_ARGS)}\n{stdout}\n```\n"
+
+
+def render_estimate_verdict(stdout: str) -> str:
+    """The estimate's first line, its totals and verdict, and the changes that fit: the table's rows left out."""
+    lines = stdout.splitlines()
+    keep = [lines[0]] + [line for line in lines if line.lstrip().startswith(("device total", "usable", "verdict"))]
+    keep += lines[next(i for i, line in enumerate(lines) if line.startswith("changes that fit")):]
+    return "```\n$ python -m rm.estimate " + " ".join(ESTIMATE_ARGS) + "\n" + "\n".join(keep) + "\n```\n"
 
 
 def render_demo(demo: Dict) -> str:
@@ -92,8 +106,10 @@ def render_sweep(sweep: Dict) -> str:
 
 
 def render_all(record: Dict) -> Dict[str, str]:
+    estimate = run_estimate()
     return {
-        "estimate": render_estimate(),
+        "estimate": render_estimate(estimate),
+        "estimate-verdict": render_estimate_verdict(estimate),
         "demo": render_demo(record["demo"]),
         "demo-figures": render_demo_figures(record["demo"]),
         "sweep": render_sweep(record["sweep"]),
@@ -101,10 +117,20 @@ def render_all(record: Dict) -> Dict[str, str]:
 
 
 def rewrite(text: str, bodies: Dict[str, str]) -> str:
-    found = [m.group("name") for m in REGION.finditer(text)]
-    if sorted(found) != sorted(bodies):
-        raise ValueError(f"README sample regions {sorted(found)} != generated {sorted(bodies)}")
+    """``text`` with each sample region it holds rendered anew."""
+    unknown = sorted({m.group("name") for m in REGION.finditer(text)} - set(bodies))
+    if unknown:
+        raise ValueError(f"sample regions {unknown} have no renderer here (generated: {sorted(bodies)})")
     return REGION.sub(lambda m: m.group(1) + bodies[m.group("name")] + m.group(4), text)
+
+
+def rewrite_pages(bodies: Dict[str, str]) -> Dict[Path, str]:
+    """Every page that holds a sample region, rendered anew; each sample must live on exactly one page."""
+    texts = {page: page.read_text() for page in PAGES}
+    found = sorted(m.group("name") for text in texts.values() for m in REGION.finditer(text))
+    if found != sorted(bodies):
+        raise ValueError(f"sample regions on the pages {found} != generated {sorted(bodies)}, each once")
+    return {page: rewrite(text, bodies) for page, text in texts.items() if REGION.search(text)}
 
 
 def load_average() -> float:
@@ -138,6 +164,9 @@ def run_sweep(sweep_dir: Path) -> Dict:
 
 
 def main(argv: List[str]) -> int:
+    if "-h" in argv or "--help" in argv:
+        print(__doc__)
+        return 0
     record = load_record()
     if "--run-demo" in argv:
         record["demo"] = run_demo(Path(argv[argv.index("--run-demo") + 1]))
@@ -145,14 +174,16 @@ def main(argv: List[str]) -> int:
     if "--run-sweep" in argv:
         record["sweep"] = run_sweep(Path(argv[argv.index("--run-sweep") + 1]))
         save_record(record)
-    text = README.read_text()
-    new = rewrite(text, render_all(record))
+    pages = rewrite_pages(render_all(record))
+    stale = [page for page, new in pages.items() if new != page.read_text()]
     if "--check" in argv:
-        if new != text:
-            print("README.md sample outputs are out of date: run python -m tests.e2e.readme_samples", file=sys.stderr)
+        if stale:
+            print(f"sample outputs out of date in {', '.join(str(p.relative_to(ROOT)) for p in stale)}: "
+                  "run python -m tests.e2e.readme_samples", file=sys.stderr)
             return 1
         return 0
-    README.write_text(new)
+    for page in stale:
+        page.write_text(pages[page])
     return 0
 
 

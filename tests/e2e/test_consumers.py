@@ -138,10 +138,13 @@ def messages(text):
 
 
 def readme_snippet(name):
-    """The code block after ``<!-- consumers: NAME -->`` in the README."""
-    match = re.search(rf"<!-- consumers: {name} -->\s*```\w*\n(.*?)```", README.read_text(), re.S)
-    assert match, f"README has no snippet marked <!-- consumers: {name} -->"
-    return match.group(1)
+    """The code block after ``<!-- consumers: NAME -->`` in the README or a guide (docs/export.md); where both show
+    it, the copies must be the same, so the one tested is the one every reader copies."""
+    copies = {page.relative_to(REPO).as_posix(): match.group(1) for page in [README, *sorted((REPO / "docs").glob("*.md"))]
+              for match in re.finditer(rf"<!-- consumers: {name} -->\s*```\w*\n(.*?)```", page.read_text(), re.S)}
+    assert copies, f"no page has a snippet marked <!-- consumers: {name} -->"
+    assert len(set(copies.values())) == 1, f"the snippet marked <!-- consumers: {name} --> differs between {sorted(copies)}"
+    return next(iter(copies.values()))
 
 
 def close(got, want):
