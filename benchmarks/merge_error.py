@@ -1,4 +1,4 @@
-"""How far a merged LoRA / QLoRA bundle scores from its adapter bundle: the merge error the README states.
+"""How far a merged LoRA / QLoRA bundle scores from its adapter bundle: the merge error docs/export.md states.
 
     python benchmarks/merge_error.py RUN_DIR [RUN_DIR ...]
 

@@ -106,7 +106,7 @@ def render(rows: list, steps: int) -> str:
         "rm caps the buckets at the trainable parameter count (DeepSpeed's default, 5e8 elements, would add 4 GB here).",
         "",
         "`qlora` runs on a CPU through bitsandbytes' CPU backend (measured here; the base is a random init saved from the",
-        "shape, then loaded in 4 bits, see the README's profile table). Its 4-bit base saves the frozen weights' 3.5",
+        "shape, then loaded in 4 bits, see the profile table of docs/memory.md). Its 4-bit base saves the frozen weights' 3.5",
         "bytes per parameter; the activations, which dominate at this size, stay. Its step time is bitsandbytes' CPU",
         "4-bit matmul without the optional `kernels` package (the weight dequantised in every matmul, forward and",
         "backward): a CPU measures that QLoRA runs and what it holds, not its speed, which belongs to a CUDA GPU.",

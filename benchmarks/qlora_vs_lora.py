@@ -1,4 +1,4 @@
-"""QLoRA against LoRA on the CPU demo: eval accuracy over seeds, and what the 4-bit base changes (README, QLoRA).
+"""QLoRA against LoRA on the CPU demo: eval accuracy over seeds, and what the 4-bit base changes (docs/memory.md, QLoRA).
 
     python benchmarks/qlora_vs_lora.py runs DIR --seeds 42 1 2 3 4 5 6 7 [--steps 100]
     python benchmarks/qlora_vs_lora.py features --seed 42

@@ -13,7 +13,7 @@ model, so this also checks that a saved model is usable outside ``rm``; each tex
 tokenised as training tokenised its sides (:func:`rm.data.tokenizer.encode_sides`, with the
 bundle's ``trained_tokenizer/``: a plain text gets the EOS appended unless it ends with it,
 a conversation is rendered by the chat template) and its reward read at its last token, the
-EOS (README, "Use your reward model"). ``--normalize`` reports
+EOS (docs/export.md, "Use your reward model"). ``--normalize`` reports
 ``(reward - mean) / std`` with the eval statistics of ``reward_stats.json``.
 """
 

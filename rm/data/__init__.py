@@ -39,7 +39,7 @@ tokenizer's EOS appended unless it already ends with it (``data.append_eos``) an
 tokenizer's own special tokens (BOS where it adds one); a conversation (``messages``) is
 tokenised as its chat template renders it, special tokens included. The reward is read at
 the last token, the EOS. The exported bundle's tokenizer gives these ids to ``tokenizer(text)``
-(README, "Use your reward model").
+(docs/export.md, "Use your reward model").
 
 A side longer than ``max_length`` tokens is handled per ``truncation``
 (``data.truncation``):

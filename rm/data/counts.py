@@ -30,7 +30,7 @@ class Drop(str, Enum):
     DUPLICATE = "duplicate"
 
 
-# The order and words of the log line, which the README quotes.
+# The order and words of the log line, which docs/data.md quotes.
 _DROP_WORDS = (
     (Drop.TOO_LONG, "{} dropped (too long)"),
     (Drop.IDENTICAL, "{} identical"),

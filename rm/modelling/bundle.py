@@ -454,7 +454,7 @@ def merge_adapter(adapter_dir: Path, out_dir: Path, *, base_model: Union[torch.n
     layer quantises the sum again. Its probe is then scored afresh by the unmerged adapter on the
     dequantised base, the model the merge must reproduce; how far that is from the 4-bit model's recorded
     rewards is logged as the merge error (on a CPU with AVX512-BF16, bitsandbytes' inference kernel computes
-    the 4-bit matmul in bf16: README, "Use your reward model").
+    the 4-bit matmul in bf16: docs/export.md, "Use your reward model").
 
     Returns:
         ``out_dir``.

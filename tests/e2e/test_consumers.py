@@ -9,7 +9,7 @@ and reward server (installed without its CUDA-only dependencies). The reference 
 The texts mix lengths (padding is exercised) and each client that lets its caller choose is run with both
 padding sides; TRL always pads on the right.
 
-The convention under test (README, "Use your reward model"): training read the reward at the EOS
+The convention under test (docs/export.md, "Use your reward model"): training read the reward at the EOS
 appended to a plain text (after the tokenizer's BOS) and at the final EOS a conversation's chat template
 writes; the bundle's tokenizer gives a plain text those ids under ``tokenizer(text)``. The README's snippets
 are run here too (``readme_snippet``).
@@ -79,7 +79,7 @@ def rewards_of(model, tokenizer, texts):
 def four_bit_as_trained(monkeypatch):
     """Every bitsandbytes ``Linear4bit`` built from here on computes through its dequantised weight, as training did:
     what a consumer of a QLoRA adapter bundle gets on a GPU, on a CPU without AVX512-BF16, or after setting
-    ``support_avx512bf16_for_cpu = False`` on each 4-bit layer (README, "Use your reward model"). A CPU with
+    ``support_avx512bf16_for_cpu = False`` on each 4-bit layer (docs/export.md, "Use your reward model"). A CPU with
     AVX512-BF16 otherwise scores in bf16, about 5e-3 away (test_qlora_adapter_and_merged_bundles_match_rm_score)."""
     import bitsandbytes.nn.modules
 
@@ -403,7 +403,7 @@ def rewardbench_rows(pairs):
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["merged", "qlora-merged"])
 def test_rewardbench_command_matches_rm_score_under_transformers_4(bundle, pairs, tmp_path, kind):
-    """The README's ``rewardbench`` command line, run by RewardBench's own ``main`` offline on a local JSON
+    """The ``rewardbench`` command line of docs/export.md, run by RewardBench's own ``main`` offline on a local JSON
     file (``--dataset FILE --load_json``): it renders the conversations with the chat template, tokenises them with
     the tokenizer's special tokens (removing a doubled BOS) and always pads on the left; rm.score scores the same
     conversations as messages. ``--tokenizer .../trained_tokenizer``: the bundle's own tokenizer would add a second

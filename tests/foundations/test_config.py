@@ -40,7 +40,7 @@ def test_default_is_the_flagship():
 
 def test_prefix_sharing_is_the_cpu_demos_layout_and_no_gpu_default():
     """``experiment=tiny`` (the CPU demo, ``hardware=cpu``) shares prefixes, one row per pair: the fastest exact
-    layout measured on a CPU (README, "Throughput"). The schema default, which every ``hardware`` option and so
+    layout measured on a CPU (docs/throughput.md). The schema default, which every ``hardware`` option and so
     every GPU run starts from, does not: nothing is measured on a GPU, and a custom mask takes SDPA off its
     flash kernel. The choice is plain YAML, composed and validated like any other key."""
     demo = to_run_config(compose_run(["experiment=tiny"]))

@@ -277,7 +277,7 @@ def test_qlora_trains_as_lora_on_its_dequantised_base(tiny_cfg, tmp_path, monkey
     """memory_profile=qlora is LoRA on the NF4 round trip of its base and nothing else: the same trainable tensors
     (adapters and the ``score`` head, fp32), the same initial adapters at the same seed, and, in training mode with
     dropout, the same rewards and gradients as memory_profile=lora on a plain fp32 copy of the dequantised weights.
-    So an accuracy gap between lora and qlora comes from the 4-bit weights (README, QLoRA), not from how rm wraps,
+    So an accuracy gap between lora and qlora comes from the 4-bit weights (docs/memory.md, QLoRA), not from how rm wraps,
     casts or computes them (a bf16 compute dtype, a frozen head or bitsandbytes' bf16 kernel would fail this)."""
     bnb = pytest.importorskip("bitsandbytes")
     from bitsandbytes.functional import dequantize_4bit

@@ -2,7 +2,7 @@
 
     cd WORKDIR && <rewardbench venv>/bin/python tests/e2e/consumers/rewardbench_cli.py --model ... [the command's flags]
 
-The arguments are the command line, as the README gives it; ``rewardbench.rewardbench.main`` parses
+The arguments are the command line, as docs/export.md gives it; ``rewardbench.rewardbench.main`` parses
 and runs them (model loading, its chat-template rendering, its pipeline, its output file). One thing is
 changed: its ``RewardBenchPipeline`` moves each batch to "cuda" unconditionally, so ``BatchEncoding.to``
 is redirected to the CPU. The last line printed is JSON with the transformers version and the rope
