@@ -3,7 +3,7 @@
     pip install -e '.[bench]'                          # trl, the one benchmark-only dependency
     python benchmarks/bench_vs_trl.py                  # prints both tables (multi-turn, single-turn)
     python benchmarks/bench_vs_trl.py --write-doc      # and writes them to benchmarks/results/throughput.md
-    python benchmarks/bench_vs_trl.py --setup gpu-1b --out-json gpu_1b.json    # on a CUDA GPU (benchmarks/results/throughput_gpu.md)
+    python benchmarks/bench_vs_trl.py --setup gpu-1b --out-json gpu_1b.json    # on a CUDA GPU (docs/gpu.md)
 
 One process per trainer, run after run, on the same tokenised pairs: a Mistral-architecture
 model (4 layers, hidden 256, vocabulary 2000, random init), fp32, 8 pairs per optimizer step,
@@ -465,7 +465,7 @@ def matmul_parameters(model) -> int:
 
 
 def pair_flops(pair, model, shared: bool, lora: bool) -> float:
-    """Model FLOPs of one pair's forward and backward, the formula of benchmarks/results/throughput_gpu.md.
+    """Model FLOPs of one pair's forward and backward, the formula of docs/gpu.md.
 
     Matmuls: 6 N per token (forward 2 N, backward 4 N); LoRA's frozen weights get no weight gradient, so 4 N.
     Attention: 12 x layers x (heads x head_dim) per (query, key) position pair the mask allows (QK^T and AV,

@@ -1,6 +1,6 @@
 """The rates a step-time model needs for this GPU, measured: matmul FLOP/s, device memory and host-link bandwidth.
 
-    python benchmarks/gpu_constants.py --out benchmarks/results/gpu_constants.json     # about 15 s on one H100
+    python benchmarks/gpu_constants.py --out benchmarks/results/gpu/gpu_constants.json     # about 15 s on one H100
 
 Each figure is the median of timed repeats after warm-up, timed with CUDA events, on random data (zeros run
 faster on some cards):

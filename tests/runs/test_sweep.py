@@ -71,7 +71,7 @@ def test_profile_sweep_records_refused_jobs_and_goes_on(tmp_path):
     # The table at the end names every job by what differs between them.
     assert "8 jobs: 5 ok, 3 refused, 0 failed" in proc.stderr + proc.stdout
     assert "memory_profile=offload lora.r=16" in proc.stderr + proc.stdout
-    # The README's table (tests/e2e/readme_samples.py) is this sweep, recorded: what does not depend on timing must match.
+    # The sweep sample of docs/distributed.md (tests/e2e/readme_samples.py) is this sweep, recorded: what does not depend on timing must match.
     from tests.e2e.readme_samples import SWEEP_ARGS, load_record
 
     recorded = load_record()["sweep"]
