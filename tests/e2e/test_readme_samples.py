@@ -81,3 +81,21 @@ def test_every_command_of_the_pages_is_a_module_that_runs_as_main():
             path = ROOT / command.replace(".", "/") / "__main__.py"
         assert path.is_file(), f"the docs run python -m {command}, which has no module"
         assert 'if __name__ == "__main__":' in path.read_text(), f"{path} does not run as python -m {command}"
+
+
+def anchors(page) -> set:
+    """The anchors GitHub and mkdocs give the headings of ``page`` (lower case, punctuation dropped, spaces to -)."""
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+            for heading in re.findall(r"(?m)^#+ (.*)$", page.read_text())}
+
+
+def test_every_link_of_the_readme_reaches_its_page_and_heading():
+    """The README is not part of the docs site, whose links ``mkdocs build --strict`` checks: its own are checked here."""
+    links = re.findall(r"\]\(([^)\s]+)\)", readme_samples.README.read_text())
+    local = [link for link in links if "://" not in link]
+    assert "docs/results.md#demo" in local
+    for link in local:
+        path, _, anchor = link.partition("#")
+        target = ROOT / path
+        assert target.is_file(), f"README links {link}: no such file"
+        assert not anchor or anchor in anchors(target), f"README links {link}: {path} has no heading #{anchor}"
