@@ -48,8 +48,7 @@ def train_commands() -> list:
 
 
 def test_commands_are_read_from_the_pages():
-    commands = dict((line, page) for page, line in train_commands())
-    assert "python -m rm.train experiment=tiny" in commands and commands["python -m rm.train experiment=tiny"] == "README.md"
+    assert ("README.md", "python -m rm.train experiment=tiny") in train_commands()
     assert shell_commands("```bash\npython -m rm.train a=1 \\\n    b=2   # why\n```\n") == ["python -m rm.train a=1 b=2"]
 
 
