@@ -11,8 +11,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-LINK = "](../benchmarks/results/"
-GUIDE = "](../../docs/"  # a record's link to a guide, from benchmarks/results/
+RECORD_FROM_GUIDE = "](../benchmarks/results/"  # how a guide in docs/ links a record
 
 
 def on_files(files, config):
@@ -24,8 +23,9 @@ def on_files(files, config):
 
 
 def on_page_markdown(markdown, page, config, files):
-    up = "../" * page.file.src_uri.count("/")  # a page under docs/<folder>/ sits one level deeper
+    depth = page.file.src_uri.count("/")  # folders between the site's root and the page
     if page.file.src_uri.startswith("records/"):
-        # A record in a folder of benchmarks/results/ reaches docs/ one level further up than on the site.
-        return markdown.replace("../" * (page.file.src_uri.count("/") - 1) + GUIDE[2:], up)
-    return markdown.replace(LINK, "](" + up + "records/")
+        # In the repository a record sits one folder deeper (benchmarks/results/ against records/), and its links to
+        # the guides go up to the root and into docs/; on the site the guides are at the root.
+        return markdown.replace("](" + "../" * (depth + 1) + "docs/", "](" + "../" * depth)
+    return markdown.replace(RECORD_FROM_GUIDE, "](" + "../" * depth + "records/")
