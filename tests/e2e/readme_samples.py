@@ -10,6 +10,8 @@ rendered here, never edited by hand; each name appears once, on whichever page i
 
 * ``estimate``: ``python -m rm.estimate`` run for real, its stdout as it is (docs/estimate.md);
 * ``estimate-verdict``: the same run, its first line and its verdict with the changes that fit (README.md);
+* ``profiles``: one line per memory profile (README.md), what it trains and its optimizer read off the profile's
+  config, and the estimate's device peak and host RAM for the flagship under it on one H100;
 * ``demo`` and ``demo-figures``: the demo's final eval line, rendered by ``rm.evaluation.metrics.format_eval``
   from the metrics the recorded run wrote, and the figures of that run (accuracy, wall time, the
   machine's 1-minute load average before and after);
@@ -77,6 +79,38 @@ def render_estimate_verdict(stdout: str) -> str:
     return "```\n$ python -m rm.estimate " + " ".join(ESTIMATE_ARGS) + "\n" + "\n".join(keep) + "\n```\n"
 
 
+PROFILE_ARGS = ["hardware=h100_80g"]  # the flagship's model, data and batch, one process on one H100
+
+
+def render_profiles() -> str:
+    """The README's profile table: every profile of ``conf/memory_profile/`` in its order, described from its config,
+    with the pre-flight estimate of the flagship under it on one H100 (``rm.memory.terms.estimate_run``, as
+    ``python -m rm.estimate memory_profile=NAME hardware=h100_80g`` prints it)."""
+    from rm.foundations.config import compose, memory_profiles
+    from rm.memory.terms import estimate_run
+    from rm.settings.validate import validate
+
+    default = compose([]).memory_profile.name
+    rows, caption = [], ""
+    for profile in memory_profiles():
+        cfg = compose([f"memory_profile={profile.name}", *PROFILE_ARGS])
+        plan = validate(cfg, 1)
+        est = estimate_run(cfg, plan)
+        caption = caption or (
+            f"{cfg.model.name}, micro-batches of {plan.micro_batch_size} pairs x {cfg.data.max_length} tokens, gradient "
+            f"checkpointing {'on' if cfg.train.gradient_checkpointing else 'off'}, `{plan.precision}`, on one "
+            f"`hardware={cfg.hardware.name}` ({est.usable_bytes / 2**30:.1f} GiB usable):\n\n")
+        trains = "every weight" if not profile.use_lora else (
+            "LoRA adapters on a 4-bit NF4 base" if profile.quantize_base == "nf4" else "LoRA adapters, base frozen")
+        optimizer = ("DeepSpeed CPU Adam: states and step on the CPU" if profile.offload_optimizer else
+                     {"adamw": "torch AdamW", "adamw_8bit": "bitsandbytes 8-bit AdamW"}[profile.optimizer])
+        verdict = "fits" if est.fits else "does not fit"
+        rows.append(f"| `{profile.name}`{' (default)' if profile.name == default else ''} | {trains} | {optimizer} | "
+                    f"{est.peak_bytes / 2**30:.1f} ({verdict}) | {est.host_ram_bytes_per_node / 2**30:.0f} |")
+    return (caption + "| `memory_profile=` | trains | optimizer | device peak, GiB | host RAM, GiB |\n"
+            "| --- | --- | --- | --- | --- |\n" + "\n".join(rows) + "\n")
+
+
 def render_demo(demo: Dict) -> str:
     from rm.evaluation.metrics import format_eval
 
@@ -110,6 +144,7 @@ def render_all(record: Dict) -> Dict[str, str]:
     return {
         "estimate": render_estimate(estimate),
         "estimate-verdict": render_estimate_verdict(estimate),
+        "profiles": render_profiles(),
         "demo": render_demo(record["demo"]),
         "demo-figures": render_demo_figures(record["demo"]),
         "sweep": render_sweep(record["sweep"]),
