@@ -75,7 +75,7 @@ def bench_command(bench: Path) -> tuple[list[str], list[str]]:
     chose = re.search(r"train\.layout=auto: (.*?) \(", (run / "train.log").read_text())
     if not chose:
         sys.exit(f"{run / 'train.log'}: no 'train.layout=auto: ...' line; was this the no-flags run?")
-    keep = [o for o in overrides if not o.startswith(("hydra.", "train.logging_steps", "train.layout"))]
+    keep = [o for o in overrides if not o.startswith(("hydra.", "train.logging.logging_steps", "train.layout"))]
     return keep, chose.group(1).split()
 
 
@@ -99,7 +99,7 @@ def main() -> None:
                 run_dir = Path(tmp) / arm
                 shutil.rmtree(run_dir, ignore_errors=True)
                 command = [sys.executable, __file__, str(args.bench), "--child", arm, args.clock, *base, *layout,
-                           "train.layout=given", "train.logging_steps=1", f"hydra.run.dir={run_dir}"]
+                           "train.layout=given", "train.logging.logging_steps=1", f"hydra.run.dir={run_dir}"]
                 load = os.getloadavg()[0]
                 done = subprocess.run(command, env=env, capture_output=True, text=True)
                 if done.returncode:

@@ -44,7 +44,7 @@ What is measured:
   set, of the chosen + rejected tokens (the text's own tokens, as TRL counts them; a prompt shared by rm counts
   twice), computed here from the data and the tokenizer. The window's ends are timestamps this script takes: for
   TRL a ``TrainerCallback`` at ``on_step_end``; for rm the modification time of ``metrics.jsonl`` when its line for
-  that step appears (``train.logging_steps`` is set to the epoch, and the file is polled every 20 ms). rm's own
+  that step appears (``train.logging.logging_steps`` is set to the epoch, and the file is polled every 20 ms). rm's own
   ``tokens_per_s`` for that window and TRL's own ``num_tokens`` count (which includes the EOS TRL appends to each
   text) are printed beside the independent figures;
 * **eval accuracy** on the held-out pairs after the same steps: each trainer's own (rm's ``eval_accuracy`` in
@@ -334,10 +334,10 @@ def rm_command(data: dict, steps: int, run_dir: Path, layout: list[str]) -> list
         f"model.vocab_size={data['vocab']}", *shape,
         "hardware=cpu", "memory_profile=full", "train.precision=32-true",
         f"train.max_steps={steps}", f"train.global_batch_size={PAIRS_PER_STEP}", f"train.eval_batch_size={EVAL_BATCH}",
-        f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
+        f"train.optim.learning_rate={LR}", "train.optim.lr_scheduler_type=linear",
         # rm takes a ratio and rounds warm-up steps up: half a step under WARMUP_STEPS rounds to exactly WARMUP_STEPS.
-        f"train.warmup_ratio={(WARMUP_STEPS - 0.5) / steps}", "train.max_grad_norm=1.0", "train.weight_decay=0.0",
-        f"train.logging_steps={epoch}", "train.eval_steps=0", "train.save_steps=0", f"train.seed={SEED}",
+        f"train.optim.warmup_ratio={(WARMUP_STEPS - 0.5) / steps}", "train.optim.max_grad_norm=1.0", "train.optim.weight_decay=0.0",
+        f"train.logging.logging_steps={epoch}", "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", f"train.seed={SEED}",
         f"hydra.run.dir={run_dir}", *layout,
     ]
 

@@ -241,9 +241,9 @@ def rm_overrides(variant_overrides, setup: Setup = None):
     return ["model=tiny", "data=synthetic", *(lora or ["memory_profile=full"]), f"hardware={setup.hardware}",
             "model.tokenizer=words", *setup.shape,
             f"data.max_length={MAX_LENGTH}", f"train.max_steps={setup.steps}", f"train.global_batch_size={setup.pairs_per_step}",
-            "train.eval_batch_size=8", f"train.learning_rate={LR}", "train.lr_scheduler_type=linear",
-            f"train.warmup_ratio={WARMUP / setup.steps}", "train.max_grad_norm=1.0", f"train.precision={setup.precision}",
-            "train.eval_steps=0", "train.save_steps=0", f"train.logging_steps={logging}", "preflight.mode=off",
+            "train.eval_batch_size=8", f"train.optim.learning_rate={LR}", "train.optim.lr_scheduler_type=linear",
+            f"train.optim.warmup_ratio={WARMUP / setup.steps}", "train.optim.max_grad_norm=1.0", f"train.precision={setup.precision}",
+            "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", f"train.logging.logging_steps={logging}", "preflight.mode=off",
             *variant_overrides]
 
 

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def train(out: Path, steps: int, extra: list) -> Path:
-    args = [sys.executable, "-m", "rm.train", "experiment=tiny", f"train.max_steps={steps}", f"train.eval_steps={steps}",
+    args = [sys.executable, "-m", "rm.train", "experiment=tiny", f"train.max_steps={steps}", f"train.logging.eval_steps={steps}",
             f"hydra.run.dir={out}", *extra]
     subprocess.run(args, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return out / "final"
@@ -124,7 +124,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="rm-bf16-"))
     bundles = {"full": train(work / "full", args.steps, []),
                "LoRA adapter": train(work / "lora", args.steps, ["memory_profile=lora", "lora=r8", "lora.merge_on_save=true",
-                                                                  "train.learning_rate=5e-3"])}
+                                                                  "train.optim.learning_rate=5e-3"])}
     bundles["LoRA merged"] = bundles["LoRA adapter"] / "merged"
     convs = conversations(args.pairs)
     rows = []

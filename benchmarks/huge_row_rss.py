@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 def run(data: Path, run_dir: Path) -> tuple:
     """Peak RSS (MiB) and wall seconds of one 2-step run; the process runs alone, so the children's maximum is its."""
     args = [sys.executable, "-m", "rm.train", "experiment=tiny", "hardware=cpu", "data=local", f"data.train_files=[{data}]",
-            "train.max_steps=2", "train.eval_steps=0", "train.save_steps=0", f"hydra.run.dir={run_dir}"]
+            "train.max_steps=2", "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", f"hydra.run.dir={run_dir}"]
     code = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, p.returncode); "
             "sys.stderr.write(p.stderr[-3000:] if p.returncode else '')")

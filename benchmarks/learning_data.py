@@ -40,7 +40,7 @@ plateau's end is a matter of luck as much as of the data: compare trainers over 
 
 **Multi-turn defaults** (:data:`MULTI_DEFAULTS`: ``topical_scale`` 2, ``distractor`` 0, ``history_scale`` 0,
 ``history_decay`` 0.5, ``history_apart``; same run set-up, eval accuracy at step 400, 2026-11-29; "rm with TRL's
-schedule" is rm with ``train.lr_scheduler_type=linear train.warmup_ratio=0.0``, since 30a4a23 its default, which gave the very accuracy and loss of TRL's run at
+schedule" is rm with ``train.optim.lr_scheduler_type=linear train.optim.warmup_ratio=0.0``, since 30a4a23 its default, which gave the very accuracy and loss of TRL's run at
 each seed where both ran, 0.724 / 0.5708 and 0.516 / 0.6931 at seeds 1 / 2, so it stood in for TRL at a third of the
 time). The first multi-turn set (``topical_scale`` 1, ``distractor`` 0.25, ``history_scale`` 1, uniform 2-6
 exchanges; median side 259 tokens) stayed at ln 2 (TRL, seed 1: 0.520). No distractor, earlier exchanges without

@@ -43,7 +43,7 @@ with the overrides in :func:`rm_command`, its own schedule (linear, no warm-up: 
 2026-11-29) and no layout flag, unless a row says otherwise (:data:`ROWS`).
 
 **Rows** (``--only``; :data:`ROWS`): ``trl``; ``rm`` (no layout flag); ``rm-cosine`` (rm with
-``train.lr_scheduler_type=cosine train.warmup_ratio=0.03``, rm's default before 2026-11-29); ``trl-cosine`` (TRL with
+``train.optim.lr_scheduler_type=cosine train.optim.warmup_ratio=0.03``, rm's default before 2026-11-29); ``trl-cosine`` (TRL with
 ``lr_scheduler_type="cosine", warmup_steps=0.03``; transformers 5 reads a ``warmup_steps`` below 1 as a ratio and
 rounds up as rm does); and rm's layouts, each pinned by putting its knobs on the command line, which
 ``train.layout=auto`` then keeps as the user's (``rm/plan/auto.py:user_knobs``) while it still picks the
@@ -91,7 +91,7 @@ SHAPE = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 4, 
 CONFIG_EXTRA = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 # Cosine after a 3% warm-up: rm's default schedule until 2026-11-29 (benchmarks/results/learning.md, "Schedules"), kept as a row
 TRL_COSINE = {"lr_scheduler_type": "cosine", "warmup_steps": 0.03}  # a warmup_steps below 1 is a ratio in transformers 5
-RM_COSINE = ["train.lr_scheduler_type=cosine", "train.warmup_ratio=0.03"]
+RM_COSINE = ["train.optim.lr_scheduler_type=cosine", "train.optim.warmup_ratio=0.03"]
 
 
 def _layout(share: bool, packing: bool, grouped: bool) -> list:
@@ -134,9 +134,9 @@ def rm_command(data: dict, row_overrides: list, steps: int, seed: int, eval_ever
         *shape,
         "data.format=hh", f"data.train_files=[{data['train_file']}]", f"data.eval_files=[{data['eval_file']}]",
         f"data.max_length={MAX_LENGTH}",
-        "train.precision=32-true", f"train.learning_rate={LR}", f"train.global_batch_size={PAIRS_PER_STEP}",
+        "train.precision=32-true", f"train.optim.learning_rate={LR}", f"train.global_batch_size={PAIRS_PER_STEP}",
         f"train.max_steps={steps}", f"train.seed={seed}", f"train.eval_batch_size={EVAL_BATCH}",
-        f"train.eval_steps={eval_every}", "train.save_steps=0", "train.logging_steps=10",
+        f"train.logging.eval_steps={eval_every}", "train.checkpoint.save_steps=0", "train.logging.logging_steps=10",
         f"hydra.run.dir={run_dir}", *row_overrides,
     ]
 

@@ -31,10 +31,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEFAULTS = [
-    "experiment=tiny", "hardware=cpu", "hardware.bf16=true", "train.precision=bf16-true", "train.learning_rate=1e-5",
+    "experiment=tiny", "hardware=cpu", "hardware.bf16=true", "train.precision=bf16-true", "train.optim.learning_rate=1e-5",
     "data.synthetic_train_size=2048", "data.synthetic_test_size=64", "data.max_length=64",
     "train.micro_batch_size=8", "train.global_batch_size=16", "train.share_prefix=false",
-    "train.eval_steps=0", "preflight=off",
+    "train.logging.eval_steps=0", "preflight=off",
 ]
 
 

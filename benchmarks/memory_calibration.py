@@ -4,7 +4,7 @@
     python benchmarks/memory_calibration.py --quick      # tiny and small models only, about 2 minutes
 
 Each point trains 2 optimizer steps of 2 micro-batches (so gradients are being accumulated while
-optimizer states exist, the steady-state peak) with ``train.track_memory=true``, which counts live
+optimizer states exist, the steady-state peak) with ``train.logging.track_memory=true``, which counts live
 tensor bytes exactly, and reads estimate and measurement from the run's memory.json. Every point
 runs in its own process. The ``offload`` profile runs DeepSpeed ZeRO-2 with CPU Adam; on a CPU its
 "host" states share the device, so the count includes them. A second table runs the ``full``
@@ -155,7 +155,7 @@ def run_overrides(model, profile, checkpointing, length, distributed, nproc, acc
             "experiment=tiny", "model.tokenizer=words", *MODELS[model], f"memory_profile={profile}", f"train.gradient_checkpointing={checkpointing}",
             f"data.max_length={length}", *data,
             "train.micro_batch_size=2", f"train.global_batch_size={2 * nproc * accumulation}", "train.eval_batch_size=1",
-            "train.max_steps=2", "train.eval_steps=0", "train.logging_steps=1", "train.track_memory=true", "preflight=warn"]
+            "train.max_steps=2", "train.logging.eval_steps=0", "train.logging.logging_steps=1", "train.logging.track_memory=true", "preflight=warn"]
 
 
 def recompute(rows) -> None:
@@ -323,7 +323,7 @@ def gpu_overrides(spec, workdir: Path, data: Path, dry_run: bool = False, hardwa
                  f"train.gradient_checkpointing={checkpointing}", f"data.max_length={length}", "data=local",
                  f"data.train_files=[{data}]", f"data.eval_files=[{data}]", f"train.micro_batch_size={micro}",
                  f"train.global_batch_size={2 * micro}", "train.eval_batch_size=1", "train.max_steps=2",
-                 "train.eval_steps=0", "train.logging_steps=1", "train.track_memory=true", "preflight=warn"]
+                 "train.logging.eval_steps=0", "train.logging.logging_steps=1", "train.logging.track_memory=true", "preflight=warn"]
     if dry_run:  # CPU: the tiny model at the point's settings, to exercise the path end to end
         overrides = [o for o in overrides if not any(o.startswith(k) for k in ("model", "hardware", "lora"))]
         overrides += ["hardware=cpu", "model.tokenizer=words", *([] if profile != "qlora" else ["memory_profile=lora"])]
@@ -794,7 +794,7 @@ def write_doc(out: Path, rows, zero_rows, multi_rows, args, elapsed: float, bf16
         "",
         *(PROVENANCE if args.recompute else []),
         "Each point: 2 optimizer steps of 2 micro-batches of 2 pairs (4 sequences) padded to `max_length`, fp32,",
-        "measured as the exact peak of live tensor bytes (`train.track_memory=true`). Largest error: "
+        "measured as the exact peak of live tensor bytes (`train.logging.track_memory=true`). Largest error: "
         f"**{worst:.2f}%**. On a GPU (allocator reserve, CUDA context, what lives outside the allocator): "
         "[memory_calibration_gpu.md](memory_calibration_gpu.md), `python benchmarks/memory_calibration.py --device cuda`.",
         "",
@@ -1130,8 +1130,8 @@ def random_overrides(p: dict, data: str = DATA_PLACEHOLDER) -> list:
             f"train.global_batch_size={p['micro'] * nproc * p['accumulation']}", f"train.eval_batch_size={p.get('eval_batch', 1)}",
             f"train.packing={str(p['packing']).lower()}", f"train.max_tokens_per_micro_batch={p['max_tokens']}",
             f"train.share_prefix={str(p['share_prefix']).lower()}",
-            "train.max_steps=2", "train.eval_steps=0", "train.save_steps=0", "train.logging_steps=1",
-            "train.track_memory=true", "preflight=warn"]
+            "train.max_steps=2", "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", "train.logging.logging_steps=1",
+            "train.logging.track_memory=true", "preflight=warn"]
 
 
 def point_cost(p: dict, cfg) -> tuple:
@@ -1363,7 +1363,7 @@ def write_random_doc(out: Path, meta: dict, rows: list) -> None:
         "`train.share_prefix`, and for about a third of the points a larger `train.eval_batch_size` (8-64 pairs, `evalN`;",
         "1 otherwise) so that the evaluation forward is the peak of some. Each point writes its own pairs: log-normal prompt lengths (drawn median and spread) and a",
         "drawn 20-50% of prompts longer than `max_length` (cut to full-length rows). 2 optimizer steps, live-tensor peak",
-        "of every rank (`train.track_memory=true`) against that rank's own estimate in `memory.json` (`rank_peak_bytes`:",
+        "of every rank (`train.logging.track_memory=true`) against that rank's own estimate in `memory.json` (`rank_peak_bytes`:",
         "sized at the micro-batches its data forms and its ZeRO partition; the verdict is the largest),",
         "`model.tokenizer=words` (qwen2: `bpe`, as rm refuses `words` for",
         "qwen2). A draw the project's validation (`rm.settings.validate.validate` on the composed config) refuses is redrawn, as",

@@ -1,6 +1,6 @@
 """``rm.train`` with PyTorch's own MemTracker counting beside rm's live-tensor count, in the same process.
 
-    python benchmarks/memtracker_train.py <rm.train overrides> train.track_memory=true
+    python benchmarks/memtracker_train.py <rm.train overrides> train.logging.track_memory=true
     python -m torch.distributed.run --nproc_per_node 2 benchmarks/memtracker_train.py <overrides>
 
 ``torch.distributed._tools.mem_tracker.MemTracker`` is an independent implementation of the same idea as
@@ -71,7 +71,7 @@ _start, _stop, _register, _snapshot = (_monitor.MemoryMonitor.start, _monitor.Me
 def start(self):
     _start(self)
     self._memtracker, self._memtracker_error = None, None
-    if self.tracker is not None:  # CPU with train.track_memory=true: rm's tracker is the outer mode
+    if self.tracker is not None:  # CPU with train.logging.track_memory=true: rm's tracker is the outer mode
         try:
             self._memtracker = loop_memtracker()
             self._memtracker.__enter__()

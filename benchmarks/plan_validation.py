@@ -51,8 +51,8 @@ DATA = {
     "single-turn": ["data=synthetic", "data.max_length=256"],
     "multi-turn": ["data=synthetic_multiturn", "data.max_length=256"],
 }
-COMMON = ["hardware=cpu", "train.precision=32-true", "train.global_batch_size=8", "train.learning_rate=1e-3",
-          "train.eval_steps=0", "train.save_steps=0", "data.synthetic_train_size=1024", "data.synthetic_test_size=16",
+COMMON = ["hardware=cpu", "train.precision=32-true", "train.global_batch_size=8", "train.optim.learning_rate=1e-3",
+          "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", "data.synthetic_train_size=1024", "data.synthetic_test_size=16",
           "train.eval_batch_size=16", "health.lost_updates_threshold=0", "train.layout=given"]
 # Layouts every group measures (train.* overrides beyond the group's own).
 LAYOUTS = {
@@ -159,7 +159,7 @@ def measure(overrides: List[str], processes: int, steps: int, logging: int, work
     from benchmarks.memory_calibration import free_port
 
     run_dir = Path(tempfile.mkdtemp(prefix="run-", dir=workdir))
-    args = [*overrides, f"train.max_steps={steps}", f"train.logging_steps={logging}", f"hydra.run.dir={run_dir}"]
+    args = [*overrides, f"train.max_steps={steps}", f"train.logging.logging_steps={logging}", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(max(1, 2 // processes))}
     if processes > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port",

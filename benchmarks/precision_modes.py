@@ -4,7 +4,7 @@
     python benchmarks/precision_modes.py --steps 20     # a quick look
 
 The demo model (``experiment=tiny``: 2 layers, hidden 128, weights from N(0, 0.02)) trains ``--steps`` optimizer steps
-at ``train.learning_rate=1e-5`` (the README's full fine-tune value) in each mode and layout. A wrapper saves the weights
+at ``train.optim.learning_rate=1e-5`` (the README's full fine-tune value) in each mode and layout. A wrapper saves the weights
 as the factory built them (before the first step); the share of weights that differ bit for bit in ``final/`` is the
 share the run moved at all. CPU autocast computes bf16 as a GPU's does; fp16 (``16-mixed``) needs a GPU and is not run.
 """
@@ -44,7 +44,7 @@ ROWS = [  # (train.precision, extra overrides, layout)
     ("32-true", [], "one process"),
     ("bf16-mixed", [], "one process"),
     ("bf16-true", [], "one process"),
-    ("bf16-true", ["train.kahan_summation=true"], "one process"),
+    ("bf16-true", ["train.optim.kahan_summation=true"], "one process"),
     ("32-true", [], "DDP x2"),
     ("bf16-mixed", [], "DDP x2"),
     ("bf16-true", [], "DDP x2"),
@@ -62,9 +62,9 @@ def run_row(precision: str, extra: list, layout: str, steps: int, lr: float, wor
     script = workdir / "wrapper.py"
     script.write_text(WRAPPER)
     overrides = ["experiment=tiny", *dist, f"train.precision={precision}", "hardware.bf16=true", *extra,
-                 f"train.learning_rate={lr}", f"train.max_steps={steps}", f"train.eval_steps={steps}", "train.warmup_ratio=0",
-                 "train.lr_scheduler_type=constant_with_warmup", f"train.global_batch_size={8 * nproc}",
-                 "train.micro_batch_size=8", "train.eval_batch_size=64", "train.save_steps=0", f"hydra.run.dir={run_dir}"]
+                 f"train.optim.learning_rate={lr}", f"train.max_steps={steps}", f"train.logging.eval_steps={steps}", "train.optim.warmup_ratio=0",
+                 "train.optim.lr_scheduler_type=constant_with_warmup", f"train.global_batch_size={8 * nproc}",
+                 "train.micro_batch_size=8", "train.eval_batch_size=64", "train.checkpoint.save_steps=0", f"hydra.run.dir={run_dir}"]
     launch = [sys.executable, str(script)]
     if nproc > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
@@ -117,7 +117,7 @@ def write_doc(rows: list, args, elapsed: float, out: Path) -> None:
         f"load average {load[0]:.1f} at the end, {time.strftime('%Y-%m-%d')}).",
         "",
         f"The demo model (`experiment=tiny`, 2 layers, hidden 128, weights from N(0, 0.02)) trains {args.steps} optimizer steps of",
-        f"8 pairs per process at `train.learning_rate={args.lr:g}` (constant) in each mode. **Weights changed**: the share of",
+        f"8 pairs per process at `train.optim.learning_rate={args.lr:g}` (constant) in each mode. **Weights changed**: the share of",
         "the model's weights that differ at all from what the factory built, compared in the dtype the run keeps them in.",
         "**Lost updates**: the `lost_update_fraction` the run logged at its last step (`rm.training.health`), where logged.",
         "`16-mixed` needs a GPU (CPU autocast has no gradient scaler path in rm) and is not run here.",

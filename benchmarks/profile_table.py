@@ -6,7 +6,7 @@
 
 Every profile trains the same ~50M-parameter Mistral-architecture model (random init, the
 word-level tokenizer, synthetic pairs) for the same steps in a fresh process. Peak memory is counted two ways:
-the peak of live tensor bytes (``train.track_memory=true``, exact, what a GPU allocator would
+the peak of live tensor bytes (``train.logging.track_memory=true``, exact, what a GPU allocator would
 hold) and the process's peak resident set size (``os.wait4``), which adds Python, the libraries and
 malloc's caches (importing the stack alone is measured as the floor). Step time is the mean over
 logged windows after the first.
@@ -47,8 +47,8 @@ def run(profile: str, steps: int, workdir: Path, track_memory: bool) -> dict:
         "experiment=tiny", "model.tokenizer=words",  # the tokenizer benchmarks/results/memory_profiles.md was measured with
         *MODEL, "data.synthetic_train_size=1024", "data.synthetic_test_size=64",
         "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16",
-        f"train.max_steps={max(steps, 1)}", "train.logging_steps=1", "train.eval_steps=0",
-        "train.learning_rate=1e-4", f"train.track_memory={str(track_memory).lower()}", f"hydra.run.dir={run_dir}",
+        f"train.max_steps={max(steps, 1)}", "train.logging.logging_steps=1", "train.logging.eval_steps=0",
+        "train.optim.learning_rate=1e-4", f"train.logging.track_memory={str(track_memory).lower()}", f"hydra.run.dir={run_dir}",
         "train.share_prefix=false",  # experiment=tiny shares prefixes; the profiles are compared on plain padded pairs
     ]
     command = [sys.executable, "-m", "rm.train", *overrides, f"memory_profile={profile}"]
@@ -84,7 +84,7 @@ def render(rows: list, steps: int) -> str:
         "",
         "A ~50M-parameter Mistral-architecture model (hidden 768, 8 layers, built-in vocabulary), fp32, 16 pairs per",
         "step in micro-batches of 8, sequences up to 64 tokens. Peak tensors = the peak of live tensor bytes during",
-        "training, counted exactly (`train.track_memory=true`); peak RSS = the process's peak resident memory, which",
+        "training, counted exactly (`train.logging.track_memory=true`); peak RSS = the process's peak resident memory, which",
         f"adds Python, the libraries and malloc's caches (importing them alone takes {floor:.0f} MiB).",
         "Step times come from separate runs without counting (counting slows these steps 5-8x).",
         "On a GPU the same split decides device memory; every profile's estimate against an H100: memory_calibration_gpu.md.",

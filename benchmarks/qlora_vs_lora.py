@@ -3,7 +3,7 @@
     python benchmarks/qlora_vs_lora.py runs DIR --seeds 42 1 2 3 4 5 6 7 [--steps 100]
     python benchmarks/qlora_vs_lora.py features --seed 42
 
-``runs`` trains, per seed, ``python -m rm.train experiment=tiny train.max_steps=STEPS train.eval_steps=STEPS
+``runs`` trains, per seed, ``python -m rm.train experiment=tiny train.max_steps=STEPS train.logging.eval_steps=STEPS
 train.seed=SEED`` four ways, one process at a time with ``OMP_NUM_THREADS=1`` (on a shared 2-core machine two
 threads per process made steps 3-10x slower), and prints the last eval accuracy of each with mean and spread:
 
@@ -97,7 +97,7 @@ def train(run_dir: Path, steps: int, seed: int, *overrides: str) -> None:
     if (run_dir / "final").is_dir():
         return
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    command = [sys.executable, "-m", "rm.train", "experiment=tiny", f"train.max_steps={steps}", f"train.eval_steps={steps}",
+    command = [sys.executable, "-m", "rm.train", "experiment=tiny", f"train.max_steps={steps}", f"train.logging.eval_steps={steps}",
                f"train.seed={seed}", *overrides, f"hydra.run.dir={run_dir}"]
     with open(f"{run_dir}.log", "w") as log:
         print(f"{run_dir.name}: load {os.getloadavg()[0]:.1f}", flush=True)

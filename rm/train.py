@@ -62,7 +62,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
     join_submitit_tasks()
     _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
-    directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
+    directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
 
     def record(status, **fields):
         if multirun and directory.is_main and directory.claimed:  # a refused directory keeps the earlier job's record
@@ -88,7 +88,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
         raise
     if result["status"] is Status.INTERRUPTED:
         record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
-                                              "a checkpoint was written, resume with train.resume=true")
+                                              "a checkpoint was written, resume with train.checkpoint.resume=true")
         sys.exit(128 + result["signal"])
     if result["status"] is Status.STOPPED_NONFINITE:
         error = NonFiniteError(f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it")

@@ -39,7 +39,7 @@ FAST_TINY = [
     "train.micro_batch_size=8",
     "train.global_batch_size=16",
     "train.eval_batch_size=64",
-    "train.logging_steps=2",
+    "train.logging.logging_steps=2",
     # experiment=tiny shares prefixes (the fastest on a CPU); the tests of the other layouts need it off,
     # and tests/modelling/test_prefix_sharing.py turns it on where it is tested.
     "train.share_prefix=false",

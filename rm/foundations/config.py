@@ -10,12 +10,15 @@ code reads the typed objects returned by :func:`to_run_config` and never calls
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
+
+from rm.foundations.errors import COMPOSITION_HINTS, ConfigError
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -171,8 +174,54 @@ class DataConfig:
 
 
 @dataclass
+class OptimConfig:
+    """The optimizer and its schedule (``train.optim.*``): numbers in the update, none of them a tensor or an op."""
+
+    learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.optim.learning_rate=1e-4
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    # TRL's RewardTrainer schedule (linear decay, no warm-up). Cosine after a 3% warm-up tied it on single-turn pairs
+    # but lost 9 points of eval accuracy on multi-turn ones, for TRL and rm alike (docs/learning.md, "Schedules")
+    lr_scheduler_type: str = "linear"  # linear | cosine | constant_with_warmup
+    warmup_ratio: float = 0.0
+    max_grad_norm: float = 1.0  # 0 disables clipping
+    kahan_summation: bool = False  # bf16-true only: optimi's AdamW keeps a bf16 compensation buffer (+2 bytes per
+    # trained weight) so that updates below a bf16 step accumulate instead of rounding away (pip install torch-optimi)
+
+
+@dataclass
+class CheckpointConfig:
+    """When checkpoints are written and what a run directory that holds an earlier run does (``train.checkpoint.*``)."""
+
+    save_steps: int = 500  # 0: save only at the end
+    save_total_limit: int = 2  # checkpoints kept
+    resume: bool = False  # continue from the newest intact checkpoint in the run directory
+    resume_allow_changes: bool = False  # resume even if settings that shape training changed (each is logged and applied)
+    overwrite: bool = False  # start afresh in a run directory that holds an earlier run (deletes its outputs)
+
+
+@dataclass
+class LoggingConfig:
+    """What a run reports while it trains (``train.logging.*``)."""
+
+    logging_steps: int = 10
+    eval_steps: int = 200  # 0: evaluate only at the end
+    tensorboard: bool = False
+    track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured
+
+
+@dataclass
 class TrainConfig:
-    """The optimisation loop. Names follow transformers' TrainingArguments where one exists."""
+    """The optimisation loop. Names follow transformers' TrainingArguments where one exists.
+
+    The optimizer (``optim``), checkpointing and resuming (``checkpoint``) and reporting (``logging``) are groups
+    of their own, read by the code that builds each. The layout knobs (micro_batch_size, group_by_length, packing,
+    max_tokens_per_micro_batch, share_prefix, gradient_checkpointing, layout) and the batch sizes and precision stay
+    here, at ``train.*``: they are what ``train.layout=auto`` and ``rm.plan`` turn and print as overrides, kept
+    short and together. A key that moved into a group is named in :data:`MOVED_KEYS`.
+    """
 
     seed: int = 42
     max_steps: int = -1  # optimizer steps; -1: derive from num_train_epochs
@@ -190,31 +239,39 @@ class TrainConfig:
     # (rm/plan/auto.py), over the knobs micro_batch_size, gradient_checkpointing, group_by_length, packing,
     # max_tokens_per_micro_batch and share_prefix that are left at their default here and not set on the command
     # line; given: every knob as configured. Neither changes what trains: the same pairs, gradients and updates.
-    learning_rate: float = 1e-5  # LoRA runs usually want ~1e-4: train.learning_rate=1e-4
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    # TRL's RewardTrainer schedule (linear decay, no warm-up). Cosine after a 3% warm-up tied it on single-turn pairs
-    # but lost 9 points of eval accuracy on multi-turn ones, for TRL and rm alike (docs/learning.md, "Schedules")
-    lr_scheduler_type: str = "linear"  # linear | cosine | constant_with_warmup
-    warmup_ratio: float = 0.0
-    max_grad_norm: float = 1.0  # 0 disables clipping
     precision: str = "auto"  # auto (bf16-mixed where the hardware has bf16, else 32-true) | 32-true | bf16-mixed | bf16-true | 16-mixed (rm.foundations.precision: memory and numerics of each)
-    kahan_summation: bool = False  # bf16-true only: optimi's AdamW keeps a bf16 compensation buffer (+2 bytes per
-    # trained weight) so that updates below a bf16 step accumulate instead of rounding away (pip install torch-optimi)
     gradient_checkpointing: bool = True  # true: recompute activations in backward, far less memory, ~30% slower
     center_rewards_coefficient: float = 0.0  # >0 adds coef * mean(r^2) so rewards stay centred (TRL's name)
-    logging_steps: int = 10
-    eval_steps: int = 200  # 0: evaluate only at the end
-    save_steps: int = 500  # 0: save only at the end
-    save_total_limit: int = 2  # checkpoints kept
-    resume: bool = False  # continue from the newest intact checkpoint in the run directory
-    resume_allow_changes: bool = False  # resume even if settings that shape training changed (each is logged and applied)
-    overwrite: bool = False  # start afresh in a run directory that holds an earlier run (deletes its outputs)
-    tensorboard: bool = False
-    track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured
     dataloader_num_workers: int = 0
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+# Keys that moved from train.* into a group of their own after rm 0.1.0. The old name is an error, not an alias:
+# rm exits 2 naming the new one (rm.foundations.errors.run_hydra_app). A run directory written before the move has
+# the old names in its checkpoints' fingerprints, which rm.runs.resume reads through this mapping. A record of what
+# moved, written out: a key added to a group later did not move.
+MOVED_KEYS: Dict[str, str] = {
+    "train.learning_rate": "train.optim.learning_rate",
+    "train.weight_decay": "train.optim.weight_decay",
+    "train.adam_beta1": "train.optim.adam_beta1",
+    "train.adam_beta2": "train.optim.adam_beta2",
+    "train.adam_epsilon": "train.optim.adam_epsilon",
+    "train.lr_scheduler_type": "train.optim.lr_scheduler_type",
+    "train.warmup_ratio": "train.optim.warmup_ratio",
+    "train.max_grad_norm": "train.optim.max_grad_norm",
+    "train.kahan_summation": "train.optim.kahan_summation",
+    "train.save_steps": "train.checkpoint.save_steps",
+    "train.save_total_limit": "train.checkpoint.save_total_limit",
+    "train.resume": "train.checkpoint.resume",
+    "train.resume_allow_changes": "train.checkpoint.resume_allow_changes",
+    "train.overwrite": "train.checkpoint.overwrite",
+    "train.logging_steps": "train.logging.logging_steps",
+    "train.eval_steps": "train.logging.eval_steps",
+    "train.tensorboard": "train.logging.tensorboard",
+    "train.track_memory": "train.logging.track_memory",
+}
 
 
 @dataclass
@@ -326,8 +383,45 @@ def _rename_submitit_slurm_schema(cs: ConfigStore) -> None:
         cs.store(group="hydra/launcher", name="submitit_slurm_schema", node=node.node, provider=node.provider)
 
 
+def moved_key_message(key: str, value: Optional[str] = None) -> str:
+    """What to write instead of a key of :data:`MOVED_KEYS`: ``key=value`` on the command line, else in YAML."""
+    new = MOVED_KEYS[key]
+    fix = f"write {new}={value}" if value is not None else f"in a YAML file, put it under train: {new.split('.')[1]}:"
+    return f"{key} moved to {new} (after rm 0.1.0): {fix}"
+
+
+def moved_key_errors(argv: Sequence[str], hydra_message: str) -> List[str]:
+    """A line for a key that Hydra could not compose because it moved (:data:`MOVED_KEYS`), naming the new one, with
+    the value where the command line gave it; only a key Hydra's message names (it stops at the first error).
+
+    >>> moved_key_errors(["experiment=tiny", "train.learning_rate=1e-4"], "full_key: train.learning_rate")
+    ['error: train.learning_rate moved to train.optim.learning_rate (after rm 0.1.0): write train.optim.learning_rate=1e-4']
+    >>> moved_key_errors(["train.bogus=1", "train.learning_rate=1e-4"], "full_key: train.bogus")
+    []
+    """
+    given = {}
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and key in MOVED_KEYS:
+            given[key] = value
+    named = [k for pair in re.findall(r"full_key: ([\w.]+)|'([\w.]+)'", hydra_message) for k in pair if k in MOVED_KEYS]
+    return [f"error: {moved_key_message(key, given.get(key))}" for key in dict.fromkeys(named)]
+
+
+COMPOSITION_HINTS.append(moved_key_errors)  # run_hydra_app prints these lines for a composition that failed
+
+
 def to_run_config(cfg: DictConfig) -> RunConfig:
-    """Turn the composed Hydra config into typed objects, once, at the entry point."""
+    """Turn the composed Hydra config into typed objects, once, at the entry point.
+
+    Raises:
+        ConfigError: a key of :data:`MOVED_KEYS` was added under its old name (``+train.learning_rate=1e-4``, as
+            Hydra's own message suggests for a key the schema lacks), which would otherwise be dropped unread.
+    """
+    moved = [f"{moved_key_message(key, str(OmegaConf.select(cfg, key)))}" for key in MOVED_KEYS
+             if OmegaConf.select(cfg, key, default=None) is not None]
+    if moved:
+        raise ConfigError("\n".join(moved))
     return OmegaConf.to_object(cfg)
 
 

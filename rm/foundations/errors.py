@@ -36,7 +36,7 @@ import re
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stdout
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 from rm.foundations.launch_env import launch_env
 
@@ -229,6 +229,32 @@ class _HeldStderr(io.TextIOBase):
         return "".join(self.parts)
 
 
+class _CopiedStderr:
+    """Standard error passed through, with a copy of what Hydra prints until it has composed the config: the key
+    its composition error names (``full_key: train.learning_rate``) may be one that moved (:data:`COMPOSITION_HINTS`).
+    Everything else (``fileno``, ``isatty``, ``encoding``) is the real stream's."""
+
+    def __init__(self, target):
+        self.target, self.parts, self.copying = target, [], True
+
+    def write(self, text: str) -> int:
+        if self.copying:
+            self.parts.append(text)
+        return self.target.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+def _release_copy() -> None:
+    if isinstance(sys.stderr, _CopiedStderr):
+        copied, sys.stderr = sys.stderr, sys.stderr.target
+        copied.copying = False  # a logging handler made meanwhile may still hold it: it passes through, keeps nothing
+
+
 def task_started() -> None:
     """Mark that Hydra composed the config and called the task: an exit 1 from here on is rm's own (a bug).
     A held standard error is written out and released."""
@@ -237,6 +263,13 @@ def task_started() -> None:
     if isinstance(sys.stderr, _HeldStderr):
         held, sys.stderr = sys.stderr, sys.stderr.target
         sys.stderr.write(held.text())
+    _release_copy()
+
+
+# What a failed composition may mean beyond Hydra's own message: each takes the command line and Hydra's message and
+# returns lines to print instead of the generic one (none: not its case). rm.foundations.config adds the one for keys
+# that moved (MOVED_KEYS), so that this module, below it, imports nothing of it.
+COMPOSITION_HINTS: List[Callable[[Sequence[str], str], List[str]]] = []
 
 
 def run_hydra_app(main: Callable[[], object]) -> None:
@@ -245,14 +278,18 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
     rm keeps for bugs; the same mistake caught by :mod:`rm.settings.validate` exits 2, and so does this one.
     """
-    held = None
+    held = copied = None
     if _launcher_collects() and not launch_env().is_main:
         held = sys.stderr = _HeldStderr(sys.stderr)
+    else:
+        copied = sys.stderr = _CopiedStderr(sys.stderr)
     try:
         main()
     except SystemExit as stop:
         if sys.stderr is held:  # Hydra stopped before the task: its message is rank 0's to print
             sys.stderr = held.target
+        hydra_message = (held or copied).text()
+        _release_copy()
         if isinstance(stop.code, int) and stop.code not in (0, 1):
             # Every exit ends here, also those that bypass report() (a signal's 128+N): the launcher reads the code.
             record_exit(stop.code, keep=True)
@@ -261,12 +298,15 @@ def run_hydra_app(main: Callable[[], object]) -> None:
             from rm.foundations.cli import NO_RUN_DIR  # added by rm itself, not typed by the user
 
             given = " ".join(a for a in sys.argv[1:] if a not in NO_RUN_DIR)
-            text = f"error: the config could not be composed from the command line: {given}"
+            hints = [line for hint in COMPOSITION_HINTS for line in hint(sys.argv[1:], hydra_message)]
+            text = "\n".join(hints) or f"error: the config could not be composed from the command line: {given}"
             if held is None:
                 print(text, file=sys.stderr)
             record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
             raise SystemExit(2) from None
         raise
+    finally:
+        _release_copy()
 
 
 @contextmanager

@@ -102,7 +102,7 @@ class MemoryMonitor:
         if self.tracker is not None:
             return {"method": "live CPU tensor storages (rm.memory.storage.StorageTracker)",
                     "peak_allocated_bytes": self.tracker.peak, **rss}
-        return {"method": "not tracked (train.track_memory=false on a CPU)", **rss}
+        return {"method": "not tracked (train.logging.track_memory=false on a CPU)", **rss}
 
 
 def gather_snapshots(snapshot: Dict[str, object]) -> List[Dict[str, object]]:

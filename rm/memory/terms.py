@@ -16,7 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from rm.foundations.config import DataConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig
+from rm.foundations.config import (CheckpointConfig, DataConfig, HealthConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig,
+                                   TrainConfig)
 from rm.foundations.hardware import attention_kernel
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
@@ -652,35 +653,36 @@ def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> 
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
         t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
-        if cfg.train.kahan_summation:
+        if cfg.train.optim.kahan_summation:
             # optimi's compensation buffer, one per trained tensor in its dtype; its per-tensor step divides by
             # sqrt(exp_avg_sq) into one tensor-sized scratch (optimi.adam, _single_adam).
             t.states += counts.trainable * trained_bytes
             t.step_extra = max(counts.trainable_tensors) * trained_bytes
-    t.host += host_bytes(cfg, plan, counts, t.states, wbytes)
-    probe = lost_update_probe_bytes(cfg, plan, counts)
+    t.host += host_bytes(cfg.model, cfg.train.checkpoint, plan, counts, t.states, wbytes)
+    probe = lost_update_probe_bytes(cfg.health, cfg.train.optim, plan, counts)
     t.overhead += probe
     t.step_extra += probe
     return t
 
 
-def lost_update_probe_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts) -> int:
+def lost_update_probe_bytes(health_cfg: HealthConfig, optim_cfg: OptimConfig, plan: Plan, counts: ParameterCounts) -> int:
     """The lost-update probe (``rm.foundations.lost_updates``) where ``rm.training.run_setup.watch_lost_updates`` attaches it: its
     sampled positions (int64) for the whole run, and around each optimizer step a snapshot of as many values and
     gradients, which ``torch.cat`` widens to fp32 (one more 8 bytes an element)."""
     from rm.foundations.lost_updates import SAMPLE_SIZE
 
-    attached = cfg.health.lost_updates_threshold > 0 and plan.strategy != "deepspeed" and not cfg.train.kahan_summation
+    attached = health_cfg.lost_updates_threshold > 0 and plan.strategy != "deepspeed" and not optim_cfg.kahan_summation
     return 8 * min(SAMPLE_SIZE, counts.trainable) if attached else 0
 
 
-def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int, wbytes: int) -> int:
+def host_bytes(model_cfg: ModelConfig, checkpoint_cfg: CheckpointConfig, plan: Plan, counts: ParameterCounts, states: int,
+               wbytes: int) -> int:
     """Host RAM per node beyond what the engine keeps there: loading, resuming and the export check."""
     host = 0
-    if cfg.model.pretrained:
+    if model_cfg.pretrained:
         # from_pretrained reads the checkpoint into host memory in every process before moving it.
         host += plan_procs_per_node(plan) * counts.base * wbytes
-    if cfg.train.resume and plan.device == "cuda":
+    if checkpoint_cfg.resume and plan.device == "cuda":
         # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
         # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
         # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.

@@ -83,7 +83,8 @@ _SUPPORTED_ATTN = ("sdpa", "eager")
 # The rm modules a trace runs: this one, and every module it imports at any depth (tests/foundations/test_startup_cache.py holds
 # the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
 TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.modelling.model", "rm.modelling.loss", "rm.foundations.precision", "rm.modelling.prefix_sharing",
-                 "rm.modelling.attention", "rm.data.collator", "rm.foundations.config", "rm.foundations.cache", "rm.foundations.launch_env")
+                 "rm.modelling.attention", "rm.data.collator", "rm.foundations.config", "rm.foundations.cache", "rm.foundations.launch_env",
+                 "rm.foundations.errors", "rm.foundations.cli")
 # The libraries whose code a trace runs: the model's (transformers), the adapters' (peft), the kernels' saved tensors
 # (torch), ZeRO-3's linear (deepspeed). Another version of any of them is a miss.
 TRACE_LIBRARIES = ("torch", "transformers", "peft", "deepspeed")

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrainedModel
 
 from rm.foundations.cache import cache_root
-from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig
+from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig, OptimConfig
 from rm.foundations.launch_env import launch_env
 from rm.foundations.precision import Numerics, fp32_head_enabled  # noqa: F401  (callers build with it)
 
@@ -308,8 +308,7 @@ def count_parameters(model: torch.nn.Module) -> Tuple[int, int]:
     return trainable, total
 
 
-def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: float, weight_decay: float,
-                    betas: Tuple[float, float], eps: float, kahan_summation: bool = False) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, optim: OptimConfig) -> torch.optim.Optimizer:
     """The profile's optimizer over the trainable parameters.
 
     Biases and norm weights get no weight decay, as in every transformers recipe.
@@ -317,11 +316,12 @@ def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: fl
     ``foreach``, no parameter-sized scratch buffer at the step (the peak of a
     full fine-tune). The 8-bit profile uses bitsandbytes' AdamW8bit (block-wise
     quantised states), paged on CUDA so that state pages can spill to host RAM
-    under pressure instead of failing. ``kahan_summation`` (``bf16-true``) takes optimi's AdamW, which adds each
+    under pressure instead of failing. ``optim.kahan_summation`` (``bf16-true``) takes optimi's AdamW, which adds each
     update to a bf16 weight with Kahan compensation: what rounding drops is kept in a bf16 buffer and added back
     at the next step, so small updates accumulate. Its loop over tensors (``foreach=False``) keeps its scratch to
     one tensor's worth.
     """
+    lr, weight_decay, betas, eps = optim.learning_rate, optim.weight_decay, (optim.adam_beta1, optim.adam_beta2), optim.adam_epsilon
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if param.requires_grad:
@@ -332,7 +332,7 @@ def build_optimizer(model: torch.nn.Module, profile: MemoryProfileConfig, lr: fl
 
         cls = bnb.optim.PagedAdamW8bit if torch.cuda.is_available() else bnb.optim.AdamW8bit
         return cls(groups, lr=lr, betas=betas, eps=eps)
-    if kahan_summation:
+    if optim.kahan_summation:
         from optimi import AdamW
 
         return AdamW(groups, lr=lr, betas=betas, eps=eps, kahan_sum=True, foreach=False)

@@ -31,8 +31,8 @@ here. A new config key is a feature here or a line of ``NOT_SHADOWED``.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, fields
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Dict, List, Optional, Tuple, get_type_hints
 
 from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig, TrainConfig
 from rm.foundations.hardware import attention_kernel
@@ -94,7 +94,7 @@ FEATURES: Tuple[Feature, ...] = (
     # Numerics.
     Feature("precision modes", ("train.precision",), Precision.numerics, steptime.predict_step_seconds,
             (rules._precision, rules._precision_for_layout), values=("32-true", "bf16-mixed", "bf16-true", "16-mixed")),
-    Feature("Kahan summation", ("train.kahan_summation",), terms.trace_free_terms,
+    Feature("Kahan summation", ("train.optim.kahan_summation",), terms.trace_free_terms,
             Gap("not modelled: optimi's compensation buffer adds 2 bytes a trained weight to the optimizer's traffic, "
                 "which steptime.adamw_traffic_bytes leaves out"),
             (rules._precision_for_layout,)),
@@ -137,23 +137,23 @@ NOT_SHADOWED: Dict[str, str] = {
     "train.max_steps": "the run's length; the estimate sizes the largest micro-batch over its steps (memory_shapes)",
     "train.num_train_epochs": "the run's length, as train.max_steps",
     "train.layout": "chooses among the layout features' keys (rm.plan.auto), whose shadows are theirs",
-    "train.learning_rate": "a number in the update, not a tensor or an op",
-    "train.weight_decay": "a number in the update",
-    "train.adam_beta1": "a number in the update",
-    "train.adam_beta2": "a number in the update",
-    "train.adam_epsilon": "a number in the update",
-    "train.lr_scheduler_type": "the learning rate's factor per step",
-    "train.warmup_ratio": "the learning rate's factor per step",
-    "train.max_grad_norm": "clipping: a norm over the gradients, below the step-time model's resolution",
-    "train.logging_steps": "between steps",
-    "train.eval_steps": "between steps: evaluation's memory is the evaluation batch's",
-    "train.save_steps": "between steps, on disk",
-    "train.save_total_limit": "on disk",
-    "train.resume": "where the run starts",
-    "train.resume_allow_changes": "what a resumed run accepts",
-    "train.overwrite": "the run directory",
-    "train.tensorboard": "logging",
-    "train.track_memory": "CPU only: counts live tensors, holds none",
+    "train.optim.learning_rate": "a number in the update, not a tensor or an op",
+    "train.optim.weight_decay": "a number in the update",
+    "train.optim.adam_beta1": "a number in the update",
+    "train.optim.adam_beta2": "a number in the update",
+    "train.optim.adam_epsilon": "a number in the update",
+    "train.optim.lr_scheduler_type": "the learning rate's factor per step",
+    "train.optim.warmup_ratio": "the learning rate's factor per step",
+    "train.optim.max_grad_norm": "clipping: a norm over the gradients, below the step-time model's resolution",
+    "train.logging.logging_steps": "between steps",
+    "train.logging.eval_steps": "between steps: evaluation's memory is the evaluation batch's",
+    "train.checkpoint.save_steps": "between steps, on disk",
+    "train.checkpoint.save_total_limit": "on disk",
+    "train.checkpoint.resume": "where the run starts",
+    "train.checkpoint.resume_allow_changes": "what a resumed run accepts",
+    "train.checkpoint.overwrite": "the run directory",
+    "train.logging.tensorboard": "logging",
+    "train.logging.track_memory": "CPU only: counts live tensors, holds none",
     "train.dataloader_num_workers": "host processes that collate, no device memory",
     "model.name": "a label",
     "model.tokenizer": "the token ids, not their number (data.max_length bounds that)",
@@ -185,6 +185,16 @@ def mentions(rule, key: str) -> bool:
     return name in inspect.getsource(rule)
 
 
+def _keys(prefix: str, schema) -> List[str]:
+    """The dotted keys of a schema, a nested group's (``train.optim``) each under its own name."""
+    hints = get_type_hints(schema)
+    out: List[str] = []
+    for field in fields(schema):
+        kind = hints[field.name]
+        out += _keys(f"{prefix}.{field.name}", kind) if is_dataclass(kind) else [f"{prefix}.{field.name}"]
+    return out
+
+
 def missing(choices: Optional[Dict[str, tuple]] = None) -> List[str]:
     """What the table lacks, one line each (empty: every feature has its shadows).
 
@@ -195,8 +205,7 @@ def missing(choices: Optional[Dict[str, tuple]] = None) -> List[str]:
     problems: List[str] = []
     covered = {key for f in FEATURES for key in f.keys}
     for group, schema in SCHEMAS.items():
-        for field in fields(schema):
-            key = f"{group}.{field.name}"
+        for key in _keys(group, schema):
             if key not in covered and key not in NOT_SHADOWED:
                 problems.append(f"{key}: in no feature of rm.plan.features and not in NOT_SHADOWED")
     for key, names in ENUMERATED.items():

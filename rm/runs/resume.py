@@ -2,10 +2,10 @@
 
 A checkpoint records the *fingerprint* of the settings that shape the training trajectory:
 the model, the LoRA settings and memory profile (which weights train, how), the data and its
-policies, the seed, the batch sizes, the optimizer and the schedule. On ``train.resume=true``
+policies, the seed, the batch sizes, the optimizer and the schedule. On ``train.checkpoint.resume=true``
 the current settings are compared with it. A difference is refused, naming each changed key
 (a resumed run that silently trains on other data or at another learning rate is a different
-model under the same name), unless ``train.resume_allow_changes=true``; then each change is
+model under the same name), unless ``train.checkpoint.resume_allow_changes=true``; then each change is
 logged and applied for real: the optimizer's hyper-parameters and the schedule's base learning
 rate are restored from the checkpoint by ``load_state``, so :func:`apply_changes` writes the
 new values over them afterwards.
@@ -22,7 +22,7 @@ from array import array
 import logging
 from typing import Dict, List, Optional
 
-from rm.foundations.config import RunConfig, TrainConfig
+from rm.foundations.config import MOVED_KEYS, OptimConfig, RunConfig
 from rm.foundations.errors import ConfigError
 from rm.settings.validate import Plan
 
@@ -31,14 +31,18 @@ log = logging.getLogger(__name__)
 # Keys of the train group that shape the trajectory; the rest (logging, eval, saving, resume) do not.
 TRAIN_KEYS = (
     "seed", "max_steps", "num_train_epochs", "micro_batch_size", "global_batch_size", "group_by_length",
-    "packing", "max_tokens_per_micro_batch", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-    "adam_epsilon", "lr_scheduler_type", "warmup_ratio", "max_grad_norm", "precision", "gradient_checkpointing",
-    "center_rewards_coefficient",
+    "packing", "max_tokens_per_micro_batch", "precision", "gradient_checkpointing", "center_rewards_coefficient",
+)
+# Keys of train.optim that shape the trajectory.
+OPTIM_KEYS = (
+    "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler_type", "warmup_ratio",
+    "max_grad_norm",
 )
 # Data keys that only concern evaluation.
 EVAL_DATA_KEYS = ("eval_split", "eval_files", "extra_eval_files", "max_eval_samples", "synthetic_test_size")
 # Changes that apply_changes writes over the restored optimizer and schedule.
-OPTIMIZER_KEYS = ("train.learning_rate", "train.weight_decay", "train.adam_beta1", "train.adam_beta2", "train.adam_epsilon")
+OPTIMIZER_KEYS = ("train.optim.learning_rate", "train.optim.weight_decay", "train.optim.adam_beta1", "train.optim.adam_beta2",
+                  "train.optim.adam_epsilon")
 
 
 def _flat(prefix: str, obj) -> Dict[str, object]:
@@ -57,6 +61,7 @@ def fingerprint(cfg: RunConfig, plan: Plan, train_digest: Optional[str] = None) 
         fp["data.train_sha256"] = train_digest
     fp.update({k: v for k, v in _flat("data", cfg.data).items() if k.split(".", 1)[1] not in EVAL_DATA_KEYS})
     fp.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_KEYS})
+    fp.update({f"train.optim.{k}": getattr(cfg.train.optim, k) for k in OPTIM_KEYS})
     fp["train.micro_batch_size"] = plan.micro_batch_size
     # Its order among the profiles is where rm.plan and the suggestions list it, nothing that trains
     fp.update({k: v for k, v in _flat("memory_profile", cfg.memory_profile).items() if k != "memory_profile.order"})
@@ -64,6 +69,15 @@ def fingerprint(cfg: RunConfig, plan: Plan, train_digest: Optional[str] = None) 
         fp.update({k: v for k, v in _flat("lora", cfg.lora).items() if k != "lora.merge_on_save"})
     fp["world_size"] = plan.world_size  # the per-rank sampling of each step depends on it
     return fp
+
+
+def stored_fingerprint(saved: Optional[Dict]) -> Optional[Dict]:
+    """A fingerprint read from a checkpoint, under today's key names: one written before a key moved into a group
+    (:data:`rm.foundations.config.MOVED_KEYS`, ``train.learning_rate`` -> ``train.optim.learning_rate``) names it
+    by its old name, and would otherwise read as one key removed and another added."""
+    if not saved:
+        return saved
+    return {MOVED_KEYS.get(key, key): value for key, value in saved.items()}
 
 
 def data_digest(train_set) -> str:
@@ -93,23 +107,23 @@ def check_resume(saved: Optional[Dict], current: Dict, checkpoint, allow_changes
     """Compare fingerprints; return the changes (allowed and logged) or raise naming them.
 
     Raises:
-        ConfigError: settings that shape the trajectory differ and ``train.resume_allow_changes`` is false.
+        ConfigError: settings that shape the trajectory differ and ``train.checkpoint.resume_allow_changes`` is false.
     """
     changes = changed_keys(saved, current)
     if not changes:
         return []
     if not allow_changes:
         raise ConfigError(
-            f"train.resume=true, but these settings differ from those that wrote {checkpoint}:\n  - "
+            f"train.checkpoint.resume=true, but these settings differ from those that wrote {checkpoint}:\n  - "
             + "\n  - ".join(changes)
-            + "\nRestore them, or apply them from this step on with train.resume_allow_changes=true"
+            + "\nRestore them, or apply them from this step on with train.checkpoint.resume_allow_changes=true"
         )
-    log.warning("train.resume_allow_changes=true: resuming from %s with these changes applied from here on:\n  - %s",
+    log.warning("train.checkpoint.resume_allow_changes=true: resuming from %s with these changes applied from here on:\n  - %s",
                 checkpoint, "\n  - ".join(changes))
     return changes
 
 
-def apply_changes(optimizer, scheduler, train_cfg: TrainConfig, changes: List[str]) -> None:
+def apply_changes(optimizer, scheduler, optim_cfg: OptimConfig, changes: List[str]) -> None:
     """Write the new optimizer settings and base learning rate over those restored from the checkpoint.
 
     The learning rate of the current step becomes ``new base lr x schedule factor at this step``,
@@ -119,7 +133,7 @@ def apply_changes(optimizer, scheduler, train_cfg: TrainConfig, changes: List[st
     keys = {change.split(":", 1)[0] for change in changes}
     if not keys & set(OPTIMIZER_KEYS):
         return
-    t = train_cfg
+    t = optim_cfg
     groups = optimizer.param_groups
     for group in groups:
         group["betas"] = (t.adam_beta1, t.adam_beta2)

@@ -229,7 +229,7 @@ def lost_updates_alarm(fraction: Optional[float], threshold: float, steps: int) 
         f"health.lost_updates_threshold={threshold:g}): those weights did not move although their gradient was "
         "nonzero. Likely cause: pure bf16 training (train.precision=bf16-true), whose 8 significant bits drop updates "
         "much smaller than the weight; train with fp32 master weights and optimizer states (train.precision=bf16-mixed), "
-        "keep what rounding drops (train.kahan_summation=true), or use a larger learning rate (train.learning_rate).",
+        "keep what rounding drops (train.optim.kahan_summation=true), or use a larger learning rate (train.optim.learning_rate).",
     )
 
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
-from rm.foundations.config import MemoryProfileConfig, ModelConfig, RunConfig, TrainConfig
+from rm.foundations.config import HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
 from rm.data.build import build_datasets, build_extra_eval_sets, split_identity, train_pairs
@@ -94,7 +94,7 @@ class Run:
 
 
 def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: ExitStack) -> Run:
-    """Validate, estimate, and build everything the loop needs; restore a checkpoint with ``train.resume``.
+    """Validate, estimate, and build everything the loop needs; restore a checkpoint with ``train.checkpoint.resume``.
 
     Args:
         cfg: the typed config; read, never changed (``train.layout=auto``'s choice is a new config, ``Run.cfg``).
@@ -142,7 +142,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         shapes = run_shapes(t, batches, total_steps, train_set, shared, evaluated)
         cached = random_init_cached_everywhere(cfg.model, cfg.memory_profile, tokenizer.pad_token_id)
         estimate = data_preflight(cfg, plan, overrides, shapes, random_init_cached=cached)
-    # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
+    # train.checkpoint.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     directory.replace_earlier()
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
     if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
@@ -151,7 +151,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         write_audit(run_dir / "data_audit.json", data_audit)
     log.info("%s", format_audit(data_audit))
 
-    metrics = directory.metrics(tensorboard=t.tensorboard)
+    metrics = directory.metrics(tensorboard=t.logging.tensorboard)
     health = HealthMonitor.from_config(  # training-health alarms (rm.training.health), written to metrics.jsonl
         cfg.health, metrics=metrics, is_main_process=engine.is_main_process,
         loss_scaling=plan.numerics.compute == "float16",
@@ -163,14 +163,14 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         train_collator = PrefixSharedCollator(packed=t.packing, pad_token_id=tokenizer.pad_token_id)
     # Started before the model exists: everything the step's peak holds (weights, the engine's buckets and
     # partitions, restored states) is counted as it is allocated.
-    monitor = MemoryMonitor(engine.device, track_cpu_tensors=t.track_memory).start()
+    monitor = MemoryMonitor(engine.device, track_cpu_tensors=t.logging.track_memory).start()
     cleanup.callback(monitor.stop)
     model = _build_model(cfg, plan, engine, tokenizer.pad_token_id, monitor, total_steps)
     log.info(summary(cfg, plan, engine, total_steps, len(train_set), layout))
-    watch_lost_updates(health, engine, cfg, total_steps)
+    watch_lost_updates(health, engine, cfg.health, cfg.train, total_steps)
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
-    start_step, record = directory.restore(engine, t, current, total_steps) if t.resume else (0, None)
+    start_step, record = directory.restore(engine, t, current, total_steps) if t.checkpoint.resume else (0, None)
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
     directory.resume_metrics(metrics, start_step)
@@ -226,7 +226,7 @@ def _start_engine(cfg: RunConfig, plan: Plan, directory: RunDir) -> Engine:
 
 def build_engine(cfg: RunConfig, plan: Plan) -> Engine:
     """The engine the plan asks for: DeepSpeed's for ZeRO, accelerate's for one process or DDP."""
-    t = cfg.train
+    t = cfg.train.optim
     if plan.strategy == "deepspeed":
         config = deepspeed_config(
             micro_batch_size=plan.micro_batch_size,
@@ -263,15 +263,14 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
     monitor.register(quantization_state_tensors(model))
     return engine.prepare(
         model,
-        lambda m: build_optimizer(m, cfg.memory_profile, t.learning_rate, t.weight_decay, (t.adam_beta1, t.adam_beta2), t.adam_epsilon,
-                                  t.kahan_summation),
-        lambda opt: lr_schedule(t.lr_scheduler_type, opt, warmup_steps(t, total_steps), total_steps),
+        lambda m: build_optimizer(m, cfg.memory_profile, t.optim),
+        lambda opt: lr_schedule(t.optim.lr_scheduler_type, opt, warmup_steps(t.optim, total_steps), total_steps),
     )
 
 
 def lr_schedule(kind: str, optimizer: torch.optim.Optimizer, warmup: int, total: int) -> LambdaLR:
     """transformers' ``get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)`` for the
-    three ``train.lr_scheduler_type`` values rm accepts: the same ``LambdaLR`` over a ``functools.partial`` (so a
+    three ``train.optim.lr_scheduler_type`` values rm accepts: the same ``LambdaLR`` over a ``functools.partial`` (so a
     checkpoint of either loads in the other), the same factor at every step (``tests/foundations/test_startup_cache.py`` holds
     them equal). Not imported from ``transformers.optimization``, which imports ``transformers.trainer_utils`` and
     with it PEFT and bitsandbytes (which compiles its CPU ops as it loads) into every run, LoRA or not."""
@@ -296,20 +295,21 @@ def lr_factor(step: int, *, kind: str, warmup: int, total: int) -> float:
     if kind == "cosine":  # transformers' num_cycles=0.5: pi x 0.5 x 2 x progress, which is pi x progress exactly
         progress = float(step - warmup) / float(max(1, total - warmup))
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-    raise ValueError(f"train.lr_scheduler_type={kind!r}: rm schedules linear, cosine or constant_with_warmup")
+    raise ValueError(f"train.optim.lr_scheduler_type={kind!r}: rm schedules linear, cosine or constant_with_warmup")
 
 
-def warmup_steps(train_cfg: TrainConfig, total_steps: int) -> int:
+def warmup_steps(optim_cfg: OptimConfig, total_steps: int) -> int:
     """The schedule's warmup, in optimizer steps."""
-    return math.ceil(train_cfg.warmup_ratio * total_steps)
+    return math.ceil(optim_cfg.warmup_ratio * total_steps)
 
 
-def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, total_steps: int) -> None:
+def watch_lost_updates(health: HealthMonitor, engine: Engine, health_cfg: HealthConfig, train_cfg: TrainConfig,
+                       total_steps: int) -> None:
     """Attach the lost-update probe (``rm.foundations.lost_updates``) where the optimizer updates the module's own weights."""
-    if not cfg.health.lost_updates_threshold:
+    if not health_cfg.lost_updates_threshold:
         return
-    if cfg.train.kahan_summation:
-        log.info("health: lost updates not measured: with train.kahan_summation the optimizer keeps what rounding drops "
+    if train_cfg.optim.kahan_summation:
+        log.info("health: lost updates not measured: with train.optim.kahan_summation the optimizer keeps what rounding drops "
                  "from a bf16 weight in its compensation buffer, so an unchanged weight is no lost update")
         return
     params = engine.stepped_parameters()
@@ -317,7 +317,7 @@ def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, to
         log.info("health: lost updates not measured: DeepSpeed updates fp32 master partitions of the weights, not "
                  "the module's weights, and an unchanged bf16 copy is no lost update")
         return
-    health.watch_updates(LostUpdateProbe(params, seed=cfg.train.seed), warmup_steps(cfg.train, total_steps))
+    health.watch_updates(LostUpdateProbe(params, seed=train_cfg.seed), warmup_steps(train_cfg.optim, total_steps))
 
 
 def init_device(model_cfg: ModelConfig, plan: Plan, engine: Engine) -> Optional[torch.device]:
@@ -355,7 +355,7 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
         f" x {plan.world_size} processes = {t.global_batch_size} pairs/step",
         f"tokens per step  at most {plan.max_tokens_per_step:,} ({t.global_batch_size} pairs x 2 x max_length {cfg.data.max_length})",
         f"schedule         {total_steps} steps = {total_steps * t.global_batch_size / num_pairs:.2f} epochs of {num_pairs:,} pairs,"
-        f" lr {t.learning_rate:g} {t.lr_scheduler_type}, warmup {t.warmup_ratio:g}",
+        f" lr {t.optim.learning_rate:g} {t.optim.lr_scheduler_type}, warmup {t.optim.warmup_ratio:g}",
         f"gradient ckpt    {'on' if t.gradient_checkpointing else 'off'}",
         f"layout           {layout_of(t.packing, t.share_prefix)}"
         + (f", token budget {t.max_tokens_per_micro_batch}" if t.max_tokens_per_micro_batch else "")

@@ -49,7 +49,7 @@ class Status(str, Enum):
     result stays JSON as it is)."""
 
     OK = "ok"  # trained to the last step
-    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.resume=true
+    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.checkpoint.resume=true
     STOPPED_NONFINITE = "stopped_nonfinite"  # the health checks stopped it; no checkpoint of the bad step
 
     def __str__(self) -> str:
@@ -71,7 +71,7 @@ def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str]
         The last evaluation's metrics, the run's statistics, ``status`` (``ok``, ``interrupted`` with
         ``signal``, ``stopped_nonfinite`` with ``reason``) and ``step``.
     """
-    directory = run_dir if isinstance(run_dir, RunDir) else RunDir.of(run_dir, cfg.train, launched_as_main())
+    directory = run_dir if isinstance(run_dir, RunDir) else RunDir.of(run_dir, cfg.train.checkpoint, launched_as_main())
     # The lock and the memory monitor's dispatch mode are undone however the run ends.
     with directory, ExitStack() as cleanup:
         run = setup(cfg, directory, overrides, cleanup)
@@ -107,7 +107,7 @@ def fit(run: Run, stop: "StopRequest") -> Status:
             if stats.stop:
                 return Status.STOPPED_NONFINITE
             progress.update(1)
-            if t.logging_steps and (state.step % t.logging_steps == 0 or state.step == run.total_steps):
+            if t.logging.logging_steps and (state.step % t.logging.logging_steps == 0 or state.step == run.total_steps):
                 log_window(run, progress)
             evaluate_and_save(run)
         return Status.OK
@@ -193,13 +193,13 @@ def evaluate_and_save(run: Run) -> None:
     """After a step: evaluation and a checkpoint when due; the time they take is not training time."""
     t, step = run.cfg.train, run.state.step
     paused = time.perf_counter()
-    if (run.eval_set is not None or run.extra_eval_sets) and ((t.eval_steps and step % t.eval_steps == 0) or step == run.total_steps):
+    if (run.eval_set is not None or run.extra_eval_sets) and ((t.logging.eval_steps and step % t.logging.eval_steps == 0) or step == run.total_steps):
         run.eval_metrics, run.eval_scores = evaluate_sets(
             run.model, run.eval_set, run.extra_eval_sets, run.collator, t.eval_batch_size, run.engine, run.loss)
         run.metrics.write("eval", step, run.eval_metrics)
         run.health.check_eval(step, run.eval_metrics.get("eval_accuracy"))
         log.info("step %d: %s", step, format_eval(run.eval_metrics))
-    if t.save_steps and step % t.save_steps == 0 and step < run.total_steps:
+    if t.checkpoint.save_steps and step % t.checkpoint.save_steps == 0 and step < run.total_steps:
         checkpoint(run, paused)
     run.state.paused_s += time.perf_counter() - paused
 
@@ -209,7 +209,7 @@ def checkpoint(run: Run, paused: float) -> Path:
     (where the training time it records ends)."""
     state = run.state
     record = state.record(run.engine.reduce, state.trained_s(paused), run.health.state_dict())
-    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
+    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.checkpoint.save_total_limit, state.fingerprint, record)
 
 
 def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]:
@@ -246,13 +246,13 @@ def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]
                     signal.Signals(stop.signum).name)
     if outcome is Status.INTERRUPTED:
         path = checkpoint(run, ended)
-        log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
+        log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.checkpoint.resume=true hydra.run.dir=%s",
                     step, total, path, run.dir.path)
         return {**result, "status": outcome, "step": step, "signal": stop.signum}, memory
     if outcome is Status.STOPPED_NONFINITE:  # no checkpoint: the newest one on disk stays the last good one
         log.error(
             "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
-            "(continue from it with train.resume=true hydra.run.dir=%s once the cause is fixed)",
+            "(continue from it with train.checkpoint.resume=true hydra.run.dir=%s once the cause is fixed)",
             step + 1, total, run.health.stop_reason, run.dir.latest_checkpoint() or "none (none was due yet)", run.dir.path,
         )
         return {**result, "status": outcome, "step": step, "reason": run.health.stop_reason}, memory
@@ -297,7 +297,7 @@ def save_final(run: Run, memory: Dict) -> None:
             shutil.rmtree(tmp_final, ignore_errors=True)
         raise_save_failure(
             error, failed, f"the final model to {final_dir}", run_dir,
-            f"Nothing was left half-written; free space and run again with train.resume=true (newest checkpoint: "
+            f"Nothing was left half-written; free space and run again with train.checkpoint.resume=true (newest checkpoint: "
             f"{run.dir.latest_checkpoint() or 'none'})", kind=StorageError,
         )
     log.info("saved the reward model to %s", final_dir)

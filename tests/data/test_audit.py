@@ -255,7 +255,7 @@ def local_files(tmp_path, tokenizer):
 def local_run(tiny_cfg, files, *overrides):
     return tiny_cfg(
         "data=local", f"data.train_files=[{files['train']}]", f"data.eval_files=[{files['eval']}]",
-        f"data.max_length={E2E_MAX_LENGTH}", "train.max_steps=2", "train.eval_steps=0",
+        f"data.max_length={E2E_MAX_LENGTH}", "train.max_steps=2", "train.logging.eval_steps=0",
         "model.tokenizer=words",  # the hand-counted token numbers above are the word-level tokenizer's
         *overrides,
     )

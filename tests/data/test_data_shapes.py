@@ -225,7 +225,7 @@ def short_pairs(path, n, seed):
 def short_run(tmp_path, *extra):
     overrides = [*FAST_TINY, "data=local", f"data.train_files=[{short_pairs(tmp_path / 'train.jsonl', 256, 0)}]",
                  f"data.eval_files=[{short_pairs(tmp_path / 'eval.jsonl', 64, 1)}]", "data.max_length=256",
-                 "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true", *extra]
+                 "train.max_steps=2", "train.logging.eval_steps=0", "train.logging.track_memory=true", *extra]
     return overrides, compose(overrides)
 
 

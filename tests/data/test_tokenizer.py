@@ -101,7 +101,7 @@ def test_own_text_keeps_every_pair_with_the_default_tokenizer(tiny_cfg, tmp_path
     path = tmp_path / "own.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in OWN_TEXT))
     cfg = tiny_cfg("data=local", f"data.train_files=[{path}]", f"data.eval_files=[{path}]", "train.max_steps=1",
-                   "train.eval_steps=0", "health.chance_after_steps=0")
+                   "train.logging.eval_steps=0", "health.chance_after_steps=0")
     result = rm_train.train(cfg, tmp_path / "run")
     assert result["status"] == "ok" and "unknown_tokens" not in result["alarms"], result["alarms"]
     audit = json.loads((tmp_path / "run" / "data_audit.json").read_text())["splits"]
@@ -116,7 +116,7 @@ def exported(tmp_path_factory):
     from tests.conftest import compose_run
 
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = to_run_config(compose_run(FAST_TINY + ["train.max_steps=2", "train.eval_steps=0"]))
+    cfg = to_run_config(compose_run(FAST_TINY + ["train.max_steps=2", "train.logging.eval_steps=0"]))
     assert rm_train.train(cfg, run_dir)["status"] == "ok"
     return cfg, run_dir
 

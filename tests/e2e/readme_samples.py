@@ -42,7 +42,7 @@ RECORD = ROOT / "benchmarks" / "results" / "readme_samples.json"
 
 ESTIMATE_ARGS = ["memory_profile=full", "hardware=a100_40g", "distributed.num_processes=8"]
 DEMO_ARGS = ["experiment=tiny"]
-SWEEP_ARGS = ["hardware.device_memory_gib=0.032", "hardware.headroom_gib=0", "train.track_memory=true",
+SWEEP_ARGS = ["hardware.device_memory_gib=0.032", "hardware.headroom_gib=0", "train.logging.track_memory=true",
               "memory_profile=full,lora,8bit,offload", "lora.r=8,16"]
 REGION = re.compile(r"(<!-- sample (?P<name>[\w-]+): [^>]*-->\n)(?P<body>.*?)(<!-- /sample -->)", re.S)
 

@@ -38,7 +38,7 @@ REPO = CONF_DIR.parent
 README = REPO / "README.md"
 # A rope base other than transformers 4's default (10000), as Llama 3's 5e5: a bundle whose base only
 # transformers 5 finds would load under transformers 4 (RewardBench) with the wrong one.
-STEPS = ["train.max_steps=6", "train.eval_steps=6", "train.logging_steps=3", "model.rope_theta=500000.0"]
+STEPS = ["train.max_steps=6", "train.logging.eval_steps=6", "train.logging.logging_steps=3", "model.rope_theta=500000.0"]
 PLACEHOLDER = "outputs/<date>/<time>/final"
 
 
@@ -49,7 +49,7 @@ def runs(tmp_path_factory):
 
     out = {}
     for name, extra in (("full", []), ("lora", ["memory_profile=lora", "lora=r8", "lora.merge_on_save=true",
-                                                "train.learning_rate=5e-3"])):
+                                                "train.optim.learning_rate=5e-3"])):
         run_dir = tmp_path_factory.mktemp(name)
         rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + extra)), run_dir)
         out[name] = run_dir / "final"
@@ -67,7 +67,7 @@ def qlora(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RM_CACHE", str(cache))
         rm_train.train(to_run_config(compose_run(FAST_TINY + STEPS + [
-            "memory_profile=qlora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3"])), run_dir)
+            "memory_profile=qlora", "lora=r8", "lora.merge_on_save=true", "train.optim.learning_rate=5e-3"])), run_dir)
     return run_dir / "final"
 
 

@@ -66,7 +66,7 @@ def test_any_sizes_validate_to_a_plan_or_an_error_naming_the_keys(micro, global_
     cfg = compose(["experiment=tiny", "memory_profile=lora"])
     cfg.hardware = resolve_hardware(cfg.hardware)
     cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.eval_batch_size = micro, global_, eval_
-    cfg.data.max_length, cfg.lora.r, cfg.train.warmup_ratio = max_length, r, warmup
+    cfg.data.max_length, cfg.lora.r, cfg.train.optim.warmup_ratio = max_length, r, warmup
     try:
         plan = validate(cfg, world)
     except ConfigError as err:

@@ -26,8 +26,8 @@ from tests.modelling.test_prefix_sharing import FEATURES, PAIRS
 pytestmark = pytest.mark.gpu
 
 GPU_TINY = [o for o in FAST_TINY if not o.startswith("hardware=")] + [
-    "hardware=auto", "train.precision=auto", "model.tokenizer=words", "train.max_steps=4", "train.eval_steps=0",
-    "train.track_memory=true",
+    "hardware=auto", "train.precision=auto", "model.tokenizer=words", "train.max_steps=4", "train.logging.eval_steps=0",
+    "train.logging.track_memory=true",
 ]
 
 
@@ -152,7 +152,7 @@ def test_two_processes_over_nccl(tmp_path, layout):
 
     if torch.cuda.device_count() < 2:
         pytest.skip(f"{torch.cuda.device_count()} GPU here: NCCL needs one GPU per process")
-    overrides = [o for o in GPU_TINY if not o.startswith("train.track_memory")]
+    overrides = [o for o in GPU_TINY if not o.startswith("train.logging.track_memory")]
     env = {**os.environ, "RUN_DIR": str(tmp_path / layout)}
     proc = subprocess.run(["bash", "train_rm_distributed.sh", "synthetic", "2", *overrides, f"distributed={layout}"],
                           capture_output=True, text=True, timeout=600, env=env)

@@ -142,7 +142,7 @@ def diag_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("diag")
     hard = write_jsonl(tmp / "hard.jsonl", generate_pairs(40, seed=7, split="test"))
     cfg = to_run_config(compose_run(FAST_TINY + [
-        "train.max_steps=6", "train.eval_steps=3", "train.tensorboard=true", f"+data.extra_eval_files.hard=[{hard}]",
+        "train.max_steps=6", "train.logging.eval_steps=3", "train.logging.tensorboard=true", f"+data.extra_eval_files.hard=[{hard}]",
     ]))
     run_dir = tmp / "run"
     result = rm_train.train(cfg, run_dir)

@@ -145,11 +145,11 @@ def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
         assert needle in out, (needle, out[-3000:])
 
 
-@pytest.mark.reliability("Entry points", "`rm.estimate` with an invalid key (`train.adam_beta1=1.5`)",
-                         "`train.adam_beta1=1.5 must be in [0, 1)`; exit 2")
+@pytest.mark.reliability("Entry points", "`rm.estimate` with an invalid key (`train.optim.adam_beta1=1.5`)",
+                         "`train.optim.adam_beta1=1.5 must be in [0, 1)`; exit 2")
 def test_estimate_cli_config_error_exits_2(tmp_path):
-    code, out = _run("rm.estimate", "experiment=tiny", "train.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
-    assert code == 2 and "train.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
+    code, out = _run("rm.estimate", "experiment=tiny", "train.optim.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
+    assert code == 2 and "train.optim.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.reliability("Entry points", "`rm.estimate`, `rm.gpu_report`: a key Hydra cannot compose (unknown key, "
@@ -167,13 +167,13 @@ def test_printing_clis_exit_2_on_what_hydra_cannot_compose(tmp_path, module, ove
     assert "Traceback" not in out and not any(tmp_path.iterdir())
 
 
-@pytest.mark.reliability("Entry points", "`rm.gpu_report` with an invalid key (`train.adam_beta1=1.5`)",
+@pytest.mark.reliability("Entry points", "`rm.gpu_report` with an invalid key (`train.optim.adam_beta1=1.5`)",
                          "each profile's line says why it cannot run, then `no memory profile can run this config` "
                          "naming the key; exit 2")
 @pytest.mark.slow  # rm.gpu_report estimates every profile before it answers
 def test_gpu_report_config_error_exits_2(tmp_path):
-    code, out = _run("rm.gpu_report", "experiment=tiny", "train.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
-    assert code == 2 and "no memory profile can run this config" in out and "train.adam_beta1=1.5 must be in [0, 1)" in out
+    code, out = _run("rm.gpu_report", "experiment=tiny", "train.optim.adam_beta1=1.5", f"hydra.run.dir={tmp_path}")
+    assert code == 2 and "no memory profile can run this config" in out and "train.optim.adam_beta1=1.5 must be in [0, 1)" in out
     assert "Traceback" not in out, out[-3000:]
     # one profile that cannot run (8-bit AdamW is not sharded by ZeRO) does not stop the report
     code, out = _run("rm.gpu_report", "experiment=tiny", "distributed=zero2", f"hydra.run.dir={tmp_path}")
@@ -301,3 +301,37 @@ def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model
     assert exited.value.code == 2
     out = "".join(capsys.readouterr())
     assert f"base model {tmp_path / 'nope'} (given as the base) does not exist" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.reliability("Configuration", "a key that moved into a group (`train.learning_rate=1e-4`, now "
+                         "`train.optim.learning_rate`), on the command line or in the user's own experiment YAML",
+                         "an error, not an alias: `train.learning_rate moved to train.optim.learning_rate (after rm 0.1.0): "
+                         "write train.optim.learning_rate=1e-4` (in a YAML file: the group to put it under); exit 2, "
+                         "no `Traceback`")
+@pytest.mark.parametrize("where", ["command line", "yaml"])
+def test_a_moved_key_exits_2_naming_its_new_name(tmp_path, where):
+    if where == "yaml":
+        (tmp_path / "experiment").mkdir()
+        (tmp_path / "experiment" / "mine.yaml").write_text("# @package _global_\ntrain:\n  learning_rate: 1.0e-4\n")
+        args = ["experiment=mine", f"hydra.searchpath=[file://{tmp_path}]"]
+        fix = "in a YAML file, put it under train: optim:"
+    else:
+        args = ["experiment=tiny", "train.learning_rate=1e-4"]
+        fix = "write train.optim.learning_rate=1e-4"
+    proc = subprocess.run([sys.executable, "-m", "rm.estimate", *args], cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"error: train.learning_rate moved to train.optim.learning_rate (after rm 0.1.0): {fix}" in out, out[-3000:]
+    assert "could not be composed" not in out and "Traceback" not in out
+
+
+def test_a_moved_key_added_with_a_plus_is_refused_not_dropped():
+    """Hydra's own message for a key the schema lacks suggests ``+train.learning_rate=...``, which composes (the key
+    is added beside the schema's) and would be dropped unread: the typed config refuses it."""
+    from rm.foundations.config import compose
+
+    with pytest.raises(ConfigError, match=r"^train\.learning_rate moved to train\.optim\.learning_rate \(after rm 0\.1\.0\): "
+                                          r"write train\.optim\.learning_rate=0\.0001$"):
+        compose(["experiment=tiny", "+train.learning_rate=1e-4"])
+    assert compose(["experiment=tiny", "train.optim.learning_rate=1e-4"]).train.optim.learning_rate == 1e-4

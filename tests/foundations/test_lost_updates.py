@@ -165,11 +165,12 @@ def test_only_the_optimizers_own_weights_are_watched(tiny_cfg, caplog):
     cfg = tiny_cfg()
     health = monitor()
     with caplog.at_level(logging.INFO, logger="rm.train"):
-        watch_lost_updates(health, Stub(None), cfg, total_steps=10)  # DeepSpeed: fp32 master partitions
+        watch_lost_updates(health, Stub(None), cfg.health, cfg.train, total_steps=10)  # DeepSpeed: fp32 master partitions
     assert health._probe is None and "DeepSpeed updates fp32 master partitions" in caplog.text
-    watch_lost_updates(health, Stub([torch.nn.Parameter(torch.zeros(3))]), tiny_cfg("health.lost_updates_threshold=0"), 10)
+    off = tiny_cfg("health.lost_updates_threshold=0")
+    watch_lost_updates(health, Stub([torch.nn.Parameter(torch.zeros(3))]), off.health, off.train, 10)
     assert health._probe is None  # off: nothing measured
-    watch_lost_updates(health, Stub([torch.nn.Parameter(torch.zeros(3))]), cfg, total_steps=100)
+    watch_lost_updates(health, Stub([torch.nn.Parameter(torch.zeros(3))]), cfg.health, cfg.train, total_steps=100)
     assert health._probe.size == 3 and health._warmup_steps == 5  # experiment=tiny: warmup_ratio 0.05
 
 
@@ -188,8 +189,8 @@ def lost_metrics(run_dir):
 def test_pure_bf16_at_lr_1e5_raises_the_alarm(tiny_cfg, tmp_path, fresh_accelerator_state):
     """train.precision=bf16-true trains bf16 weights with torch AdamW (on the CPU too): at 1e-5 most
     sampled updates round to nothing (about 95% on the tiny model)."""
-    cfg = tiny_cfg("hardware.bf16=true", "train.precision=bf16-true", "train.learning_rate=1e-5", "train.max_steps=2",
-                   "train.eval_steps=0")
+    cfg = tiny_cfg("hardware.bf16=true", "train.precision=bf16-true", "train.optim.learning_rate=1e-5", "train.max_steps=2",
+                   "train.logging.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok" and "lost_updates" in result["alarms"]
     assert lost_metrics(tmp_path)[0] > 0.5
@@ -202,7 +203,7 @@ def test_fp32_at_lr_1e5_raises_no_alarm(tiny_cfg, tmp_path, fresh_accelerator_st
     """Same run with fp32 weights for the optimizer (32-true, and bf16-mixed's master weights under autocast).
     Step 1 is warmup at a learning rate of 0: its updates are all lost (the window logs about 0.5), but the
     alarm reads only the steps after warmup, where nothing is lost."""
-    cfg = tiny_cfg("train.learning_rate=1e-5", "train.max_steps=2", "train.eval_steps=0", f"train.precision={precision}",
+    cfg = tiny_cfg("train.optim.learning_rate=1e-5", "train.max_steps=2", "train.logging.eval_steps=0", f"train.precision={precision}",
                    "hardware.bf16=true")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok" and result["alarms"] == []

@@ -315,7 +315,7 @@ def test_a_warm_run_trains_as_a_cold_one_and_an_unwritable_cache_fails_nothing(t
 
     digests = []
     monkeypatch.setattr("rm.training.run_setup.data_digest", lambda ds: digests.append(data_digest(ds)) or digests[-1])
-    overrides = ["train.max_steps=1", "train.eval_steps=0", "train.share_prefix=true"]
+    overrides = ["train.max_steps=1", "train.logging.eval_steps=0", "train.share_prefix=true"]
     runs = {}
     for name, root in [("unwritable", unwritable(tmp_path)), ("cold", str(tmp_path / "cache")), ("warm", str(tmp_path / "cache"))]:
         monkeypatch.setenv("RM_CACHE", root)

@@ -21,7 +21,7 @@ from rm.data.tokenizer import run_tokenizer
 from rm.modelling.model import build_model, sequence_rewards
 from tests.conftest import CONF_DIR
 
-STEPS = ["train.max_steps=4", "train.eval_steps=0", "train.logging_steps=2"]
+STEPS = ["train.max_steps=4", "train.logging.eval_steps=0", "train.logging.logging_steps=2"]
 ROWS = [[2, 10, 11, 12, 13, 3], [2, 14, 3], [2, 15, 16, 17, 18, 19, 20, 3]]  # <s> ... </s>, three lengths
 
 
@@ -200,7 +200,7 @@ def lora_run(tmp_path_factory):
     from tests.conftest import FAST_TINY, compose_run
 
     cfg = to_run_config(compose_run(
-        FAST_TINY + STEPS + ["memory_profile=lora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3"]
+        FAST_TINY + STEPS + ["memory_profile=lora", "lora=r8", "lora.merge_on_save=true", "train.optim.learning_rate=5e-3"]
     ))
     run_dir = tmp_path_factory.mktemp("lora")
     return cfg, run_dir, rm_train.train(cfg, run_dir)
@@ -270,7 +270,7 @@ def test_export_cli_merges_an_adapter_onto_its_base_on_disk(tiny_cfg, tmp_path):
     build_model(cfg.model, tokenizer.pad_token_id, "float32", False).save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")  # a checkpoint carries its tokenizer, which the run then uses
     run = tmp_path / "run"
-    rm_train.train(tiny_cfg(*STEPS, "memory_profile=lora", "lora=r8", "train.learning_rate=5e-3",
+    rm_train.train(tiny_cfg(*STEPS, "memory_profile=lora", "lora=r8", "train.optim.learning_rate=5e-3",
                             f"model.pretrained={tmp_path / 'base'}"), run)
     assert json.loads((run / "final" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tmp_path / "base")
     proc = subprocess.run([sys.executable, "-m", "rm.export", str(run), "--merge"],

@@ -85,9 +85,9 @@ def test_packing_options_are_validated(tiny_cfg):
 # Adam with epsilon 1 and learning rate 1 steps by about the gradient itself: a gradient-level
 # comparison. With the default epsilon, Adam's update is nearly the gradient's sign, and float
 # noise in gradients near 0 flips it; that is not a difference between the two batchings.
-STEPS = ["train.max_steps=3", "train.eval_steps=0", "train.save_steps=0", "train.warmup_ratio=0",
-         "train.lr_scheduler_type=constant_with_warmup", "train.max_grad_norm=0", "preflight.mode=off",
-         "train.learning_rate=1", "train.adam_epsilon=1"]
+STEPS = ["train.max_steps=3", "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", "train.optim.warmup_ratio=0",
+         "train.optim.lr_scheduler_type=constant_with_warmup", "train.optim.max_grad_norm=0", "preflight.mode=off",
+         "train.optim.learning_rate=1", "train.optim.adam_epsilon=1"]
 
 
 def final_weights(tiny_cfg, tmp_path, name, *overrides):
@@ -101,7 +101,7 @@ def test_packed_training_gives_the_padded_weights(tiny_cfg, tmp_path):
     """Three steps padded (2 micro-batches of 8 pairs) and packed by a 300-token budget (micro-batches
     of unequal pair counts) end at the same weights to float tolerance: same pairs, same gradient.
     A run at learning rate 1e-30 gives the initial weights, to show that every tensor moved."""
-    initial = final_weights(tiny_cfg, tmp_path, "initial", "train.learning_rate=1e-30")
+    initial = final_weights(tiny_cfg, tmp_path, "initial", "train.optim.learning_rate=1e-30")
     padded = final_weights(tiny_cfg, tmp_path, "padded")
     packed = final_weights(tiny_cfg, tmp_path, "packed", "train.packing=true", "train.max_tokens_per_micro_batch=300")
     assert padded.keys() == packed.keys()
@@ -118,12 +118,12 @@ def test_packed_estimate_matches_measured_peak(tmp_path, budget):
 
     data.max_length=16 truncates every synthetic sequence to 16 tokens, so each pair is 32 tokens and
     each micro-batch fills its row exactly: 128 tokens = 4 pairs for the budget; 8 x 2 x 16 = 256
-    tokens without one. The live-tensor count (train.track_memory) is then exactly what is estimated.
+    tokens without one. The live-tensor count (train.logging.track_memory) is then exactly what is estimated.
     """
     from rm.foundations.config import compose
 
-    overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
-                 "train.track_memory=true", "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"]
+    overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.logging.eval_steps=0", "train.eval_batch_size=1",
+                 "train.logging.track_memory=true", "train.packing=true", f"train.max_tokens_per_micro_batch={budget}"]
     rm_train.train(compose(overrides), tmp_path, overrides)
     memory = json.loads((tmp_path / "memory.json").read_text())
     estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]

@@ -172,7 +172,7 @@ def test_shared_training_gives_the_padded_weights(tiny_cfg, tmp_path):
     """Three steps of the synthetic HH-style pairs (data.max_length=64, so some are left-truncated)
     padded, prefix-shared one row per pair, and prefix-shared packed by a 200-token budget end at the
     same weights to float tolerance; every tensor moved from its initial value."""
-    initial = final_weights(tiny_cfg, tmp_path, "initial", "train.learning_rate=1e-30")
+    initial = final_weights(tiny_cfg, tmp_path, "initial", "train.optim.learning_rate=1e-30")
     padded = final_weights(tiny_cfg, tmp_path, "padded")
     rows = final_weights(tiny_cfg, tmp_path, "rows", "train.share_prefix=true")
     packed = final_weights(tiny_cfg, tmp_path, "packed", "train.share_prefix=true", "train.packing=true",
@@ -209,7 +209,7 @@ def test_two_process_ddp_with_shared_prefix_matches_one_padded_process(tmp_path)
     """DDP over 2 processes, prefix-shared and packed, follows the one-process padded run."""
     from tests.memory.test_profiles import run_cli
 
-    steps = ["train.max_steps=6", "train.eval_steps=0", "train.logging_steps=3"]
+    steps = ["train.max_steps=6", "train.logging.eval_steps=0", "train.logging.logging_steps=3"]
     one, _ = run_cli(steps, tmp_path / "one")
     two, proc = run_cli(["distributed=ddp", "train.share_prefix=true", "train.packing=true",
                          "train.max_tokens_per_micro_batch=256", *steps], tmp_path / "two", nproc=2)
@@ -258,13 +258,13 @@ def test_activation_estimate_matches_a_real_shared_step(attn, checkpointing):
 
 @pytest.mark.parametrize("packing", [False, True], ids=["row-per-pair", "packed-budget-128"])
 def test_run_estimate_bounds_the_measured_peak(tmp_path, packing):
-    """A whole run (train.track_memory counts live tensors): the pre-flight estimate sizes rows for the worst
+    """A whole run (train.logging.track_memory counts live tensors): the pre-flight estimate sizes rows for the worst
     case, a pair with no common prefix (2 x max_length tokens); the synthetic pairs share their prompt, so
     the measured peak is lower, but by little at this length (data.max_length=16 cuts most prompts)."""
     from rm.foundations.config import compose
 
-    overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.eval_steps=0", "train.eval_batch_size=1",
-                 "train.track_memory=true", "train.share_prefix=true", f"train.packing={packing}",
+    overrides = [*FAST_TINY, "data.max_length=16", "train.max_steps=2", "train.logging.eval_steps=0", "train.eval_batch_size=1",
+                 "train.logging.track_memory=true", "train.share_prefix=true", f"train.packing={packing}",
                  f"train.max_tokens_per_micro_batch={128 if packing else 0}"]
     rm_train.train(compose(overrides), tmp_path, overrides)
     memory = json.loads((tmp_path / "memory.json").read_text())

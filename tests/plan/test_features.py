@@ -3,6 +3,7 @@ rule, and a new setting or allowed value without them fails here."""
 
 import dataclasses
 
+from rm.foundations.config import OptimConfig
 from rm.plan import features
 from rm.settings.validate import CHOICES
 
@@ -16,8 +17,8 @@ def test_every_shadow_is_a_real_term_or_a_declared_gap():
         for shadow in (*features._shadows(f.memory), *features._shadows(f.step_time), *features._shadows(f.validation)):
             assert isinstance(shadow, features.Gap) or callable(shadow) or isinstance(shadow, (tuple, dict)), (f.name, shadow)
         for key in f.keys:
-            group, _, name = key.partition(".")
-            assert name in {x.name for x in dataclasses.fields(features.SCHEMAS[group])}, key
+            group = key.partition(".")[0]
+            assert key in features._keys(group, features.SCHEMAS[group]), key
 
 
 def test_a_new_attention_implementation_without_a_feature_fails():
@@ -38,6 +39,19 @@ def test_a_new_key_without_a_feature_or_a_reason_fails(monkeypatch):
 
     monkeypatch.setitem(features.SCHEMAS, "train", Train)
     assert features.missing() == ["train.fused_loss: in no feature of rm.plan.features and not in NOT_SHADOWED"]
+
+
+def test_a_new_key_of_a_nested_group_without_a_feature_or_a_reason_fails(monkeypatch):
+    @dataclasses.dataclass
+    class Optim(OptimConfig):
+        lion_beta: float = 0.9
+
+    @dataclasses.dataclass
+    class Train(features.TrainConfig):
+        optim: Optim = dataclasses.field(default_factory=Optim)
+
+    monkeypatch.setitem(features.SCHEMAS, "train", Train)
+    assert features.missing() == ["train.optim.lion_beta: in no feature of rm.plan.features and not in NOT_SHADOWED"]
 
 
 def test_a_rule_that_does_not_mention_its_key_fails(monkeypatch):

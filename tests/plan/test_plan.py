@@ -330,7 +330,8 @@ def test_auto_layout_varies_only_the_users_unset_layout_knobs(tiny_cfg):
     assert choice.changed and chosen.train.share_prefix and not cfg.train.share_prefix
     assert chosen.train.gradient_checkpointing is True
     assert choice.seconds < choice.given_seconds
-    for key in ("learning_rate", "global_batch_size", "precision", "seed", "max_steps"):
+    assert chosen.train.optim == cfg.train.optim
+    for key in ("global_batch_size", "precision", "seed", "max_steps"):
         assert getattr(chosen.train, key) == getattr(cfg.train, key)
     assert (chosen.memory_profile, chosen.distributed, chosen.model) == (cfg.memory_profile, cfg.distributed, cfg.model)
     assert plan.micro_batch_size == chosen.train.micro_batch_size

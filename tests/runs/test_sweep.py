@@ -19,7 +19,7 @@ ROOT = CONF_DIR.parent
 SMALL_RUN = [
     "experiment=tiny", "hardware=cpu", "data.synthetic_train_size=256", "data.synthetic_test_size=64",
     "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16", "train.eval_batch_size=16",
-    "train.max_steps=4", "train.eval_steps=0", "train.logging_steps=2",
+    "train.max_steps=4", "train.logging.eval_steps=0", "train.logging.logging_steps=2",
     # Plain pairs: a prefix-shared run's estimate sizes its rows for pairs without a common prompt, so its
     # measured peak sits below the estimate by more than the 2% this sweep checks.
     "train.share_prefix=false",

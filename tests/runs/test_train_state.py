@@ -38,8 +38,8 @@ def _cfg(*overrides):
 
     # A log line every 3 steps and checkpoints at 2 and 4: the window at checkpoint-2 holds steps 1-2.
     # ln2_tolerance=1: every early loss (about ln 2 = 0.69) is "at ln 2", so the alarm fires at step ln2_steps=2, before checkpoint-2.
-    six = ["train.max_steps=6", "train.save_steps=2", "train.eval_steps=0", "train.save_total_limit=3",
-           "train.logging_steps=3", "health.ln2_steps=2", "health.ln2_tolerance=1"]
+    six = ["train.max_steps=6", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0", "train.checkpoint.save_total_limit=3",
+           "train.logging.logging_steps=3", "health.ln2_steps=2", "health.ln2_tolerance=1"]
     return to_run_config(compose_run(FAST_TINY + six + list(overrides)))
 
 
@@ -62,7 +62,7 @@ def test_resume_continues_tokens_log_window_and_health_counters(tmp_path):
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoints" / "checkpoint-4")
     (resumed / "metrics.jsonl").unlink()  # only the resumed run's lines
-    result = rm_train.train(_cfg("train.resume=true"), resumed)
+    result = rm_train.train(_cfg("train.checkpoint.resume=true"), resumed)
     assert result["status"] == "ok" and result["step"] == 6
     assert "loss_at_ln2" in result["alarms"]
     assert not [x for x in _lines(resumed) if x["event"] == "alarm" and x["name"] == "loss_at_ln2"]

@@ -1,6 +1,7 @@
 """Training-health alarms: the pure checks by hand, then each failure built on purpose in a tiny run."""
 
 import copy
+import dataclasses
 import json
 import math
 import subprocess
@@ -220,7 +221,7 @@ def test_fp32_head_keeps_weights_and_compute_in_fp32_under_bf16_autocast(tiny_cf
 # ---------------------------------------------------------------- each failure built on purpose
 
 
-SHORT = ("train.eval_steps=0", "train.save_steps=0", "health.chance_after_steps=0")
+SHORT = ("train.logging.eval_steps=0", "train.checkpoint.save_steps=0", "health.chance_after_steps=0")
 
 
 def test_learning_rate_zero_and_zero_head_raise_ln2_and_chance_alarms(tiny_cfg, tmp_path, monkeypatch):
@@ -235,8 +236,9 @@ def test_learning_rate_zero_and_zero_head_raise_ln2_and_chance_alarms(tiny_cfg, 
         return model
 
     monkeypatch.setattr(rm_model, "build_model", zero_head_model)  # what the factory, build_reward_model, calls
-    # train.learning_rate=0 is refused by validation; the optimizer gets it directly.
-    monkeypatch.setattr(run_setup, "build_optimizer", lambda m, profile, lr, *rest: real_build_optimizer(m, profile, 0.0, *rest))
+    # train.optim.learning_rate=0 is refused by validation; the optimizer gets it directly.
+    monkeypatch.setattr(run_setup, "build_optimizer", lambda m, profile, optim: real_build_optimizer(
+        m, profile, dataclasses.replace(optim, learning_rate=0.0)))
     result = rm_train.train(tiny_cfg("train.max_steps=4", "health.ln2_steps=4", *SHORT), tmp_path)
     assert result["status"] == "ok" and result["eval_accuracy"] == 0.0
     assert set(result["alarms"]) == {"loss_at_ln2", "eval_at_chance"}
@@ -269,7 +271,7 @@ def test_a_dataset_of_identical_pairs_kept_on_purpose_raises_the_ln2_alarm(tiny_
 def test_a_learning_run_raises_no_alarm(tiny_cfg, tmp_path):
     """The control: the same short run with the default learning rate leaves ln 2 within 4 steps
     (per-step losses move by more than 0.02 from the first updates on) and raises nothing."""
-    result = rm_train.train(tiny_cfg("train.max_steps=4", "health.ln2_steps=4", "train.eval_steps=0"), tmp_path)
+    result = rm_train.train(tiny_cfg("train.max_steps=4", "health.ln2_steps=4", "train.logging.eval_steps=0"), tmp_path)
     assert result["status"] == "ok" and result["alarms"] == [] and not alarms_in(tmp_path)
 
 
@@ -317,7 +319,7 @@ def test_head_frozen_by_mistake_raises_an_alarm(tiny_cfg, tmp_path, monkeypatch,
         return model
 
     monkeypatch.setattr(rm_model, "apply_memory_profile", freeze_head)  # what the factory calls
-    result = rm_train.train(tiny_cfg(f"memory_profile={profile}", "train.max_steps=2", "train.eval_steps=0"), tmp_path)
+    result = rm_train.train(tiny_cfg(f"memory_profile={profile}", "train.max_steps=2", "train.logging.eval_steps=0"), tmp_path)
     assert result["status"] == "ok" and result["alarms"] == ["head_no_gradient"]
     alarm = alarms_in(tmp_path)["head_no_gradient"]
     assert alarm["step"] == 1 and "frozen by mistake" in alarm["message"]
@@ -325,13 +327,13 @@ def test_head_frozen_by_mistake_raises_an_alarm(tiny_cfg, tmp_path, monkeypatch,
 
 def test_lora_head_copy_counts_as_the_trained_head(tiny_cfg, tmp_path):
     """Under PEFT the original head is frozen and its copy trains: no alarm."""
-    result = rm_train.train(tiny_cfg("memory_profile=lora", "train.max_steps=2", "train.eval_steps=0"), tmp_path)
+    result = rm_train.train(tiny_cfg("memory_profile=lora", "train.max_steps=2", "train.logging.eval_steps=0"), tmp_path)
     assert result["status"] == "ok" and "head_no_gradient" not in result["alarms"]
 
 
 def test_reward_scale_alarm_with_a_tiny_limit(tiny_cfg, tmp_path):
     """A random head gives rewards of order 0.1-1, far above a limit of 1e-4."""
-    result = rm_train.train(tiny_cfg("train.max_steps=2", "health.max_abs_reward=1e-4", "train.eval_steps=0"), tmp_path)
+    result = rm_train.train(tiny_cfg("train.max_steps=2", "health.max_abs_reward=1e-4", "train.logging.eval_steps=0"), tmp_path)
     assert result["status"] == "ok" and result["alarms"] == ["reward_scale"]
     assert alarms_in(tmp_path)["reward_scale"]["step"] == 1
 
@@ -358,7 +360,7 @@ def inject_nan(monkeypatch, steps, micro_batches_per_step=2):
 
 @pytest.mark.reliability("Faults", "NaN/inf loss or gradient (`health.on_nonfinite=stop`, default)", "stops before the update, no checkpoint of it; exit 4")
 def test_nan_loss_stops_cleanly_and_keeps_the_last_good_checkpoint(tiny_cfg, tmp_path, monkeypatch):
-    overrides = ("train.max_steps=6", "train.save_steps=2", "train.eval_steps=0")
+    overrides = ("train.max_steps=6", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0")
     inject_nan(monkeypatch, {3})
     result = rm_train.train(tiny_cfg(*overrides), tmp_path)
     assert (result["status"], result["step"]) == ("stopped_nonfinite", 2)
@@ -371,15 +373,15 @@ def test_nan_loss_stops_cleanly_and_keeps_the_last_good_checkpoint(tiny_cfg, tmp
     assert all(torch.isfinite(v).all() for v in saved.values())
     monkeypatch.undo()
 
-    resumed = rm_train.train(tiny_cfg(*overrides, "train.resume=true"), tmp_path)  # the checkpoint loads and trains on
+    resumed = rm_train.train(tiny_cfg(*overrides, "train.checkpoint.resume=true"), tmp_path)  # the checkpoint loads and trains on
     assert (resumed["status"], resumed["step"]) == ("ok", 6)
 
 
 @pytest.mark.reliability("Faults", "NaN/inf loss with `health.on_nonfinite=skip`", "drops that update and goes on")
 def test_nan_loss_with_skip_drops_that_update_and_goes_on(tiny_cfg, tmp_path, monkeypatch):
     inject_nan(monkeypatch, {3})
-    cfg = tiny_cfg("health.on_nonfinite=skip", "train.max_steps=4", "train.save_steps=1", "train.save_total_limit=4",
-                   "train.eval_steps=0")
+    cfg = tiny_cfg("health.on_nonfinite=skip", "train.max_steps=4", "train.checkpoint.save_steps=1", "train.checkpoint.save_total_limit=4",
+                   "train.logging.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert (result["status"], result["step"], result["skipped_steps"]) == ("ok", 4, 1)
     assert [(m["event"], m["step"]) for m in read_metrics(tmp_path) if m["event"] in ("alarm", "skip")] == [
@@ -394,7 +396,7 @@ def test_nan_loss_with_skip_drops_that_update_and_goes_on(tiny_cfg, tmp_path, mo
 @pytest.mark.reliability("Faults", "`health.max_consecutive_skips` non-finite steps in a row", "the run stops (status `stopped_nonfinite`)")
 def test_consecutive_skips_stop_the_run(tiny_cfg, tmp_path, monkeypatch):
     inject_nan(monkeypatch, {2, 3, 4})
-    cfg = tiny_cfg("health.on_nonfinite=skip", "health.max_consecutive_skips=2", "train.max_steps=5", "train.eval_steps=0")
+    cfg = tiny_cfg("health.on_nonfinite=skip", "health.max_consecutive_skips=2", "train.max_steps=5", "train.logging.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert (result["status"], result["step"], result["skipped_steps"]) == ("stopped_nonfinite", 2, 2)
     assert "2 non-finite steps in a row up to step 3" in result["reason"]
@@ -404,8 +406,8 @@ def test_consecutive_skips_stop_the_run(tiny_cfg, tmp_path, monkeypatch):
 def test_bf16_run_trains_an_fp32_head(tiny_cfg, tmp_path, fresh_accelerator_state, precision, weights):
     """bf16 on a CPU, health.fp32_head left at auto: the head trains and is saved in fp32; the other weights
     are stored as the mode keeps them (bf16-true: bf16; bf16-mixed: the fp32 weights autocast computes from)."""
-    cfg = tiny_cfg("hardware.bf16=true", f"train.precision={precision}", "train.max_steps=2", "train.save_steps=1",
-                   "train.eval_steps=0")
+    cfg = tiny_cfg("hardware.bf16=true", f"train.precision={precision}", "train.max_steps=2", "train.checkpoint.save_steps=1",
+                   "train.logging.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok" and result["alarms"] == []
     saved = load_file(tmp_path / "checkpoints" / "checkpoint-1" / "model.safetensors")

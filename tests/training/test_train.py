@@ -37,7 +37,7 @@ def learned_run(tmp_path_factory):
         compose_run(
             FAST_TINY
             + ["data.max_length=128", "data.synthetic_train_size=8192", "data.synthetic_test_size=256",
-               "train.global_batch_size=32", "train.max_steps=400", "train.eval_steps=200"]
+               "train.global_batch_size=32", "train.max_steps=400", "train.logging.eval_steps=200"]
         )
     )
     run_dir = tmp_path_factory.mktemp("learned")
@@ -115,10 +115,10 @@ def _signal_at(monkeypatch, step_to_stop, signum):
     monkeypatch.setattr(MetricsLog, "write", write)
 
 
-@pytest.mark.reliability("Faults", "SIGTERM / SIGINT during training", "finishes the step, writes a checkpoint, exits 128+N; `train.resume=true` continues; final weights equal an uninterrupted run's bit for bit")
+@pytest.mark.reliability("Faults", "SIGTERM / SIGINT during training", "finishes the step, writes a checkpoint, exits 128+N; `train.checkpoint.resume=true` continues; final weights equal an uninterrupted run's bit for bit")
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_cfg, tmp_path, monkeypatch, signum):
-    overrides = ("train.max_steps=10", "train.save_steps=4", "train.eval_steps=0", "train.save_total_limit=2")
+    overrides = ("train.max_steps=10", "train.checkpoint.save_steps=4", "train.logging.eval_steps=0", "train.checkpoint.save_total_limit=2")
     straight = rm_train.train(tiny_cfg(*overrides), tmp_path / "straight")
     assert straight["status"] == "ok"
 
@@ -130,7 +130,7 @@ def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_cfg, tmp_path, mo
     monkeypatch.undo()
 
     assert (tmp_path / "resumed" / TOKENIZER_DIR / "tokenizer.json").is_file()  # read back on resume
-    resumed = rm_train.train(tiny_cfg(*overrides, "train.resume=true"), tmp_path / "resumed")
+    resumed = rm_train.train(tiny_cfg(*overrides, "train.checkpoint.resume=true"), tmp_path / "resumed")
     assert resumed["status"] == "ok"
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(tmp_path / "resumed" / "final" / "model.safetensors")
@@ -147,7 +147,7 @@ def test_interrupted_and_resumed_qlora_run_equals_uninterrupted(tiny_cfg, tmp_pa
     head and optimizer come from the checkpoint, and the final adapter equals an uninterrupted run's bit for bit."""
     pytest.importorskip("bitsandbytes")
     monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
-    overrides = ("memory_profile=qlora", "train.max_steps=8", "train.save_steps=4", "train.eval_steps=0")
+    overrides = ("memory_profile=qlora", "train.max_steps=8", "train.checkpoint.save_steps=4", "train.logging.eval_steps=0")
     straight = rm_train.train(tiny_cfg(*overrides), tmp_path / "straight")
     assert straight["status"] == "ok"
 
@@ -156,7 +156,7 @@ def test_interrupted_and_resumed_qlora_run_equals_uninterrupted(tiny_cfg, tmp_pa
     assert (stopped["status"], stopped["step"]) == ("interrupted", 6)
     monkeypatch.undo()
     monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
-    resumed = rm_train.train(tiny_cfg(*overrides, "train.resume=true"), tmp_path / "resumed")
+    resumed = rm_train.train(tiny_cfg(*overrides, "train.checkpoint.resume=true"), tmp_path / "resumed")
     assert resumed["status"] == "ok"
     a = load_file(tmp_path / "straight" / "final" / "adapter_model.safetensors")
     b = load_file(tmp_path / "resumed" / "final" / "adapter_model.safetensors")
@@ -166,7 +166,7 @@ def test_interrupted_and_resumed_qlora_run_equals_uninterrupted(tiny_cfg, tmp_pa
 
 
 def test_lora_profile_trains_adapters_and_head_only(tiny_cfg, tmp_path):
-    cfg = tiny_cfg("memory_profile=lora", "lora=r8", "train.max_steps=4", "train.save_steps=2", "train.eval_steps=0")
+    cfg = tiny_cfg("memory_profile=lora", "lora=r8", "train.max_steps=4", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0")
     result = rm_train.train(cfg, tmp_path)
     assert result["status"] == "ok"
     tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
@@ -184,7 +184,7 @@ def test_lora_profile_trains_adapters_and_head_only(tiny_cfg, tmp_path):
 
 def test_tensorboard_when_asked(tiny_cfg, tmp_path):
     pytest.importorskip("tensorboard")
-    rm_train.train(tiny_cfg("train.max_steps=2", "train.eval_steps=0", "train.tensorboard=true"), tmp_path)
+    rm_train.train(tiny_cfg("train.max_steps=2", "train.logging.eval_steps=0", "train.logging.tensorboard=true"), tmp_path)
     assert list(tmp_path.rglob("events.out.tfevents.*")), "no tensorboard event file written"
 
 
