@@ -11,20 +11,18 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import datasets
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+# Only what composes and validates the config is imported here: `--help`, a misspelt key or a refusal answers
+# without torch, transformers or datasets (seconds idle, a minute under load); the trainer comes in _job.
 from rm.foundations.config import to_run_config
-from rm.distributed.engine import join_submitit_tasks
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.memory.preflight import PreflightRefusal
-from rm.runs.run_dir import RunDir
 from rm.runs.run_record import hold_log
 from rm.runs.sweep import job_record, write_job_record
-from rm.training.trainer import Status, train
 from rm.settings.validate import launched_as_main
 
 log = logging.getLogger("rm.train")
@@ -33,6 +31,8 @@ log = logging.getLogger("rm.train")
 def _quiet_other_ranks() -> None:
     """Only rank 0 speaks: other ranks keep warnings and errors."""
     if not launched_as_main():
+        import datasets
+
         logging.getLogger().setLevel(logging.WARNING)
         datasets.disable_progress_bars()
 
@@ -53,6 +53,10 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 def _job(cfg: DictConfig) -> Optional[float]:
+    from rm.distributed.engine import join_submitit_tasks
+    from rm.runs.run_dir import RunDir
+    from rm.training.trainer import Status, train
+
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
