@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 # without torch, transformers or datasets (seconds idle, a minute under load); the trainer comes in _job.
 from rm.foundations.config import to_run_config
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
+from rm.foundations.quiet import quiet_progress_bars
 from rm.memory.preflight import PreflightRefusal
 from rm.runs.run_record import hold_log
 from rm.runs.sweep import job_record, write_job_record
@@ -65,6 +66,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
     hold_log(run_dir)
     join_submitit_tasks()
     _quiet_other_ranks()
+    quiet_progress_bars()  # the first screen: the run summary, then progress (rm.foundations.quiet)
     run_cfg = to_run_config(cfg)
     directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
 
