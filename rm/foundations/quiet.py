@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 # log.info(..., extra=DETAIL): a line for the run's log file, on the console only with hydra.verbose (FirstScreen).
 DETAIL = {"rm_detail": True}
-# Loggers whose INFO lines the console shows: rm's own and Hydra's (a sweep's "Launching jobs" and its overrides).
-CONSOLE_INFO = ("rm", "hydra", "__main__")
+# Loggers whose INFO lines the console shows: rm's own, Hydra's and its plugins' (a sweep's jobs and their overrides,
+# the Optuna sweeper's trials).
+CONSOLE_INFO = ("rm", "hydra", "hydra_plugins", "__main__")
 
 # logger name -> substring of the message to drop, and why (logged at debug level).
 DROPPED = {
