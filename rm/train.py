@@ -16,8 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-# Only what composes and validates the config is imported here: `--help`, a misspelt key or a refusal answers
-# without torch, transformers or datasets (seconds idle, a minute under load); the trainer comes in _job.
+# Only what composes the config is imported here: `--help` and a misspelt key answer without torch, transformers or
+# datasets (their import takes seconds idle, a minute under load); the trainer comes in _job.
 from rm.foundations.config import to_run_config
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.foundations.quiet import quiet_progress_bars
