@@ -29,6 +29,16 @@ from rm.settings.validate import launched_as_main
 log = logging.getLogger("rm.train")
 
 
+def __getattr__(name: str):
+    """``rm.train.train`` and ``rm.train.Status``, the trainer's (tests and docs/gpu.md call ``rm.train.train``),
+    imported on first use (PEP 562) so that importing this module stays light."""
+    if name in ("train", "Status"):
+        from rm.training import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _quiet_other_ranks() -> None:
     """Only rank 0 speaks: other ranks keep warnings and errors."""
     if not launched_as_main():

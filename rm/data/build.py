@@ -28,7 +28,7 @@ from rm.data.normalise import CHARS_PER_TOKEN_BOUND, max_chars_for, normalise_pa
 from rm.data.synthetic import generate_pairs
 from rm.data.tokenise import pair_lengths, tokenize_pairs
 from rm.foundations.errors import DataError
-from rm.foundations.quiet import DETAIL
+from rm.foundations.cli import DETAIL
 from rm.data.tokenizer import tokenizer_identity
 
 log = logging.getLogger(__name__)

@@ -55,7 +55,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from rm.foundations import cache
 from rm.foundations.errors import ConfigError, StorageError, is_storage_failure
-from rm.foundations.quiet import DETAIL
+from rm.foundations.cli import DETAIL
 
 if TYPE_CHECKING:  # transformers and the config schema are imported where used: training a BPE needs neither
     from transformers import PreTrainedTokenizerFast

@@ -13,6 +13,11 @@ NO_RUN_DIR = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=
 RECORD = ["hydra.output_subdir=.hydra"]
 
 
+# log.info(..., extra=DETAIL): a line for the run's log file, on the console only with hydra.verbose
+# (rm.foundations.quiet.FirstScreen). Here, not there: the data and tokenizer caches digest this module already.
+DETAIL = {"rm_detail": True}
+
+
 def _sets(argv: List[str], key: str) -> bool:
     return any(a.lstrip("+").startswith(f"{key}=") for a in argv[1:])
 

@@ -27,10 +27,10 @@ from __future__ import annotations
 import logging
 import warnings
 
+from rm.foundations.cli import DETAIL
+
 log = logging.getLogger(__name__)
 
-# log.info(..., extra=DETAIL): a line for the run's log file, on the console only with hydra.verbose (FirstScreen).
-DETAIL = {"rm_detail": True}
 # Loggers whose INFO lines the console shows: rm's own, Hydra's and its plugins' (a sweep's jobs and their overrides,
 # the Optuna sweeper's trials).
 CONSOLE_INFO = ("rm", "hydra", "hydra_plugins", "__main__")
@@ -78,7 +78,7 @@ class FirstScreen(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING or verbose():
             return True
-        if getattr(record, "rm_detail", False):
+        if all(getattr(record, key, None) == value for key, value in DETAIL.items()):
             return False
         return record.name.split(".", 1)[0] in CONSOLE_INFO
 

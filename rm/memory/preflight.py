@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from rm.foundations.config import RunConfig
 from rm.foundations.errors import Refused
-from rm.foundations.quiet import DETAIL
+from rm.foundations.cli import DETAIL
 from rm.memory.terms import Estimate, cannot_fit, estimate_run, worst_case_shapes
 from rm.memory.report import estimate_label, format_table
 from rm.memory.suggest import best_micro_batch, format_suggestions, suggestions

@@ -41,7 +41,7 @@ from rm.modelling.model import (build_model, build_optimizer, build_reward_model
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.foundations.precision import SHORT
-from rm.foundations.quiet import DETAIL
+from rm.foundations.cli import DETAIL
 from rm.memory.preflight import data_preflight, plan_run
 from rm.runs.resume import data_digest, fingerprint
 from rm.runs.run_dir import RunDir

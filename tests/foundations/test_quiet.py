@@ -99,7 +99,8 @@ def _record(name, level=logging.INFO, **extra):
 
 
 def test_the_console_shows_rm_lines_and_warnings_and_the_log_file_the_rest():
-    from rm.foundations.quiet import DETAIL, FirstScreen
+    from rm.foundations.cli import DETAIL
+    from rm.foundations.quiet import FirstScreen
 
     screen, rm_logger = FirstScreen(), logging.getLogger("rm")
     level = rm_logger.level
