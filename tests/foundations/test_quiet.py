@@ -121,9 +121,9 @@ def test_a_run_prints_what_runs_first_then_progress_and_keeps_the_rest_in_its_lo
     """The first block on the console is the run summary, naming the model, the memory profile, the layout, the
     precision, the steps, the global batch and where the output goes; the memory table, the data audit and the
     tokenizer's line are in train.log only. The run is stopped once its summary is out (about 10 s idle)."""
-    run_dir = tmp_path / "run"
+    run_dir, stderr = tmp_path / "run", (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "rm.train", "experiment=tiny", "memory_profile=lora", "train.max_steps=2",
-                             f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                             f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=stderr, text=True,
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
     lines, block = [], []
     try:
@@ -138,7 +138,8 @@ def test_a_run_prints_what_runs_first_then_progress_and_keeps_the_rest_in_its_lo
     finally:
         proc.kill()
         proc.wait()
-    assert lines and lines[-1].endswith("- run summary"), lines
+        stderr.close()
+    assert lines and lines[-1].endswith("- run summary"), (lines, (tmp_path / "stderr.txt").read_text()[-3000:])
     # Before it, at most rm saying that it prepares data (a cold cache): nothing for the record only.
     assert all("reading, normalising and tokenising" in line for line in lines[:-1]), lines
     facts = {" ".join(line.split()[:2]) if line.startswith("memory profile") else line.split()[0]: line for line in block}
