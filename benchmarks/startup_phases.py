@@ -55,12 +55,12 @@ timed.stack = []
 
 
 def main() -> None:
-    import rm.train  # everything the command imports before its first log line
-
-    imported = time.perf_counter()
-    import rm.training.run_setup as setup
+    import rm.train  # what the command imports before Hydra composes ...
+    import rm.training.run_setup as setup  # ... and what its job imports first (rm.train imports it in the job)
     import rm.training.trainer as trainer
     from rm.data.batching import StepBatches
+
+    imported = time.perf_counter()
 
     for name, label in [
         ("plan_run", "config, validate, worst-case estimate"), ("_start_engine", "engine, seed"),

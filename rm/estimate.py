@@ -21,12 +21,13 @@ def main() -> None:
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
-    from rm.foundations.cli import without_bitsandbytes, without_run_dir
+    from rm.foundations.cli import help_page, without_bitsandbytes, without_run_dir
     from rm.foundations.config import to_run_config
     from rm.foundations.errors import answer_only_on_stdout, run_hydra_app
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
+    help_page("estimate")
 
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:

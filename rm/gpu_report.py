@@ -66,8 +66,9 @@ def print_report(raw: DictConfig) -> None:
 
 
 if __name__ == "__main__":
-    from rm.foundations.cli import without_bitsandbytes, without_run_dir
+    from rm.foundations.cli import help_page, without_bitsandbytes, without_run_dir
 
     without_run_dir()  # it only prints: no outputs/<date>/<time>/ unless hydra.run.dir is given
     without_bitsandbytes()
+    help_page("gpu_report")
     run_hydra_app(main)

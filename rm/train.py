@@ -11,28 +11,39 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import datasets
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
+# Only what composes the config is imported here: `--help` and a misspelt key answer without torch, transformers or
+# datasets (their import takes seconds idle, a minute under load); the trainer comes in _job.
 from rm.foundations.config import to_run_config
-from rm.distributed.engine import join_submitit_tasks
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
+from rm.foundations.quiet import quiet_progress_bars
 from rm.memory.preflight import PreflightRefusal
-from rm.runs.run_dir import RunDir
 from rm.runs.run_record import hold_log
 from rm.runs.sweep import job_record, write_job_record
-from rm.training.trainer import Status, train
 from rm.settings.validate import launched_as_main
 
 log = logging.getLogger("rm.train")
 
 
+def __getattr__(name: str):
+    """``rm.train.train`` and ``rm.train.Status``, the trainer's (tests and docs/gpu.md call ``rm.train.train``),
+    imported on first use (PEP 562) so that importing this module stays light."""
+    if name in ("train", "Status"):
+        from rm.training import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def _quiet_other_ranks() -> None:
     """Only rank 0 speaks: other ranks keep warnings and errors."""
     if not launched_as_main():
+        import datasets
+
         logging.getLogger().setLevel(logging.WARNING)
         datasets.disable_progress_bars()
 
@@ -53,6 +64,10 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 def _job(cfg: DictConfig) -> Optional[float]:
+    from rm.distributed.engine import join_submitit_tasks
+    from rm.runs.run_dir import RunDir
+    from rm.training.trainer import Status, train
+
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
@@ -61,6 +76,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
     hold_log(run_dir)
     join_submitit_tasks()
     _quiet_other_ranks()
+    quiet_progress_bars()  # the first screen: the run summary, then progress (rm.foundations.quiet)
     run_cfg = to_run_config(cfg)
     directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
 

@@ -28,6 +28,7 @@ from rm.data.normalise import CHARS_PER_TOKEN_BOUND, max_chars_for, normalise_pa
 from rm.data.synthetic import generate_pairs
 from rm.data.tokenise import pair_lengths, tokenize_pairs
 from rm.foundations.errors import DataError
+from rm.foundations.cli import DETAIL
 from rm.data.tokenizer import tokenizer_identity
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,8 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     entry = split_cache_entry(data_cfg, tokenizer, split)
     cached = _read_split(entry) if entry is not None else None
     if cached is None:
+        log.info("data %s [%s]: reading, normalising and tokenising the pairs%s", data_cfg.name, split,
+                 " (kept in the cache for the next run)" if entry is not None else "")
         with _logged() as lines:
             tokenised, counts = _tokenised_split(data_cfg, tokenizer, split)
         if entry is not None:
@@ -102,8 +105,8 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
         tokenised, counts, lines = cached
         for name, level, message in lines:  # what loading the split logged (its format, a column it ignores)
             logging.getLogger(name).log(level, "%s", message)
-        log.info("data %s [%s]: tokenised pairs read from the cache %s", data_cfg.name, split, entry)
-    log.info("data %s [%s]: %s", data_cfg.name, split, counts.format())
+        log.info("data %s [%s]: tokenised pairs read from the cache %s", data_cfg.name, split, entry, extra=DETAIL)
+    log.info("data %s [%s]: %s", data_cfg.name, split, counts.format(), extra=DETAIL)  # dropped rows: a warning below
     if counts.capped:
         log.warning("data %s [%s]: %d pair(s) with a side over %s characters (data.max_length=%d x %d), cut to their last "
                     "%s characters before tokenizing, as truncation would cut them; the longest is %s characters (first: "

@@ -55,6 +55,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from rm.foundations import cache
 from rm.foundations.errors import ConfigError, StorageError, is_storage_failure
+from rm.foundations.cli import DETAIL
 
 if TYPE_CHECKING:  # transformers and the config schema are imported where used: training a BPE needs neither
     from transformers import PreTrainedTokenizerFast
@@ -227,13 +228,13 @@ def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterabl
     kind = tokenizer_kind(model_cfg)
     if kind == "bpe" and saved is not None and Path(saved).is_dir():
         tokenizer = AutoTokenizer.from_pretrained(saved)
-        log.info("tokenizer: the run's byte-level BPE, loaded from %s (%d tokens)", saved, len(tokenizer))
+        log.info("tokenizer: the run's byte-level BPE, loaded from %s (%d tokens)", saved, len(tokenizer), extra=DETAIL)
     elif kind == "bpe":
         if texts is None:
             raise ValueError("model.tokenizer=bpe is trained on the run's texts: pass texts (rm.data.tokenizer.run_tokenizer does)")
         tokenizer, entry = cached_bpe(texts, model_cfg.vocab_size, texts_identity)
         log.info("tokenizer: byte-level BPE trained on the training texts%s: %d tokens (model.vocab_size=%d)",
-                 f" (read from the cache {entry})" if entry else "", len(tokenizer), model_cfg.vocab_size)
+                 f" (read from the cache {entry})" if entry else "", len(tokenizer), model_cfg.vocab_size, extra=DETAIL)
     elif kind == "words":
         tokenizer = build_word_level_tokenizer()
     else:

@@ -13,6 +13,11 @@ NO_RUN_DIR = ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/job_logging=
 RECORD = ["hydra.output_subdir=.hydra"]
 
 
+# log.info(..., extra=DETAIL): a line for the run's log file, on the console only with hydra.verbose
+# (rm.foundations.quiet.FirstScreen). Here, not there: the data and tokenizer caches digest this module already.
+DETAIL = {"rm_detail": True}
+
+
 def _sets(argv: List[str], key: str) -> bool:
     return any(a.lstrip("+").startswith(f"{key}=") for a in argv[1:])
 
@@ -33,6 +38,25 @@ def without_run_dir(argv: Optional[List[str]] = None) -> List[str]:
     elif not _sets(argv, "hydra.output_subdir"):
         argv += RECORD
     return argv
+
+
+def help_page(command: str, argv: Optional[List[str]] = None) -> List[str]:
+    """Append ``hydra/help=<command>`` to ``argv`` (default ``sys.argv``, in place) unless it picks a help page:
+    ``--help`` then names this command and says what it does (``conf/hydra/help/<command>.yaml``), where Hydra
+    would name the calling file (``__main__`` for ``python -m rm.plan``). conf/config.yaml picks rm.train's.
+
+    >>> help_page("plan", ["rm.plan", "--help"])
+    ['rm.plan', '--help', 'hydra/help=plan']
+    """
+    argv = sys.argv if argv is None else argv
+    if not _sets(argv, "hydra/help"):
+        argv.append(f"hydra/help={command}")
+    return argv
+
+
+def asks_for_help(argv: Optional[List[str]] = None) -> bool:
+    """Whether the command line asks Hydra for a help page, which composes the config and runs nothing."""
+    return any(a in ("--help", "-h", "--hydra-help") for a in (sys.argv if argv is None else argv)[1:])
 
 
 def without_bitsandbytes() -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional, Sequence, Tuple
 
 from rm.foundations.config import RunConfig
 from rm.foundations.errors import Refused
+from rm.foundations.cli import DETAIL
 from rm.memory.terms import Estimate, cannot_fit, estimate_run, worst_case_shapes
 from rm.memory.report import estimate_label, format_table
 from rm.memory.suggest import best_micro_batch, format_suggestions, suggestions
@@ -83,14 +84,14 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
     est = estimate_run(cfg, plan)
     table = format_table(est, estimate_label(cfg, plan))
     if est.fits:
-        log.info("%s", table)
+        log.info("%s", table, extra=DETAIL)  # for the log file: the run summary gives the data-sized peak
         return plan, est
     if not cannot_fit(cfg, plan):
         # The worst case the config allows bounds the data's largest micro-batch from above, so refusing (or
         # warning) here could refuse a run that fits; the verdict waits for the data (data_preflight), unless
         # the step's weights, gradients and states alone exceed the device, which no data can change.
         log.info("%s\nthe worst case the config allows does not fit: the data's own micro-batches decide, "
-                 "once the data is built", table)
+                 "once the data is built", table, extra=DETAIL)
         return plan, est
     return plan, refuse_or_warn(cfg, plan, overrides, est, table)
 
@@ -123,7 +124,8 @@ def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes:
     log.info("memory estimate sized by the data: longest micro-batch %d rows x %d tokens on rank %d (max_length allows "
              "%d x %d): peak %.1f MiB of %.1f usable%s", train["rows"], train["length"], est.rank or 0, worst.rows, worst.length,
              est.peak_bytes / 2**20, est.usable_bytes / 2**20,
-             "" if len(ranks) == 1 else " (ranks: " + ", ".join(f"{e.peak_bytes / 2**20:.1f}" for e in ranks) + " MiB)")
+             "" if len(ranks) == 1 else " (ranks: " + ", ".join(f"{e.peak_bytes / 2**20:.1f}" for e in ranks) + " MiB)",
+             extra=DETAIL)
     if est.fits:
         return est
     table = format_table(est, estimate_label(cfg, plan) + ", sized by the data's longest micro-batch")

@@ -14,6 +14,7 @@ import logging
 import math
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from rm.modelling.model import (build_model, build_optimizer, build_reward_model
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.foundations.precision import SHORT
+from rm.foundations.cli import DETAIL
 from rm.memory.preflight import data_preflight, plan_run
 from rm.runs.resume import data_digest, fingerprint
 from rm.runs.run_dir import RunDir
@@ -122,7 +124,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     cfg, plan, layout = choose_layout(cfg, plan, overrides, lengths,
                                       pinned=directory.saved_fingerprint() if resuming else None)
     if layout is not None:
-        log.info("%s", layout.describe())
+        log.info("%s", layout.describe(), extra=DETAIL)  # the summary's layout line says it again
         overrides = [*overrides, *layout.changed]  # what the pre-flight composes its suggestions with
     t = cfg.train
     engine = _start_engine(cfg, plan, directory)
@@ -149,7 +151,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         save_tokenizer(tokenizer, directory.tokenizer_dir)
     if engine.is_main_process:  # written only once every split is built: no audit of a run that refused its data
         write_audit(run_dir / "data_audit.json", data_audit)
-    log.info("%s", format_audit(data_audit))
+    log.info("%s", format_audit(data_audit), extra=DETAIL)
 
     metrics = directory.metrics(tensorboard=t.logging.tensorboard)
     health = HealthMonitor.from_config(  # training-health alarms (rm.training.health), written to metrics.jsonl
@@ -166,7 +168,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     monitor = MemoryMonitor(engine.device, track_cpu_tensors=t.logging.track_memory).start()
     cleanup.callback(monitor.stop)
     model = _build_model(cfg, plan, engine, tokenizer.pad_token_id, monitor, total_steps)
-    log.info(summary(cfg, plan, engine, total_steps, len(train_set), layout))
+    log.info(summary(cfg, plan, engine, total_steps, len(train_set), layout, estimate, run_dir))
     watch_lost_updates(health, engine, cfg.health, cfg.train, total_steps)
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
@@ -338,7 +340,8 @@ def rebuild_base(run: Run) -> torch.nn.Module:
 
 
 def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int,
-            layout: Optional[LayoutChoice] = None) -> str:
+            layout: Optional[LayoutChoice] = None, estimate: Optional[Estimate] = None, run_dir: Optional[Path] = None) -> str:
+    """What runs, the first block a run prints on the console (rm.foundations.quiet.FirstScreen); train.log has the rest."""
     trainable, total = count_parameters(engine.unwrapped_model())
     t = cfg.train
     states = "CPU (ZeRO-Offload)" if cfg.memory_profile.offload_optimizer else plan.device
@@ -362,8 +365,16 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
         + (", grouped by length" if t.group_by_length else "")
         + (f"; train.layout=auto: {' '.join(layout.changed) or 'as configured'} ({layout.reason})" if layout else
            "; train.layout=given"),
+        "memory           " + (f"peak {_size(estimate.peak_bytes)} of {_size(estimate.usable_bytes)} usable per device "
+                               "(pre-flight estimate at this data's micro-batches)" if estimate else "not estimated (preflight=off)"),
     ]
+    if run_dir is not None:
+        lines.append(f"output           {run_dir} (train.log: every line, the memory table, the data audit)")
     return "run summary\n  " + "\n  ".join(lines)
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def dtypes(cfg: RunConfig, plan: Plan) -> str:
@@ -401,5 +412,5 @@ def log_prefix_sharing(train_set) -> list:
     both = sum(len(c) + len(r) for c, r in zip(chosen, rejected))
     shared = both - sum(prefix)
     log.info("train.share_prefix: shared prefix : suffix tokens = %.2f : 1; %s tokens computed instead of %s (%.2fx fewer)",
-             sum(prefix) / max(1, shared - sum(prefix)), f"{shared:,}", f"{both:,}", both / max(1, shared))
+             sum(prefix) / max(1, shared - sum(prefix)), f"{shared:,}", f"{both:,}", both / max(1, shared), extra=DETAIL)
     return [len(c) + len(r) - n for c, r, n in zip(chosen, rejected, prefix)]

@@ -1,7 +1,8 @@
 """Output a person reads: no dependency warnings (rm.foundations.quiet), `--help` for every CLI, no stray run
-directories, the training-loss plot."""
+directories, the first screen of a training run, the training-loss plot."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -58,6 +59,123 @@ def test_help_does_not_load_torch(cli, tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
     assert proc.stdout.strip().endswith("NO TORCH"), proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+def run_cli(args, cwd):
+    """``python -X importtime -m <args>``: exit code, stdout, stderr, and which of the heavy libraries it imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd, env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    heavy = imported & {"torch", "transformers", "datasets", "peft", "accelerate"}
+    stderr = "\n".join(line for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    return proc.returncode, proc.stdout, stderr, heavy
+
+
+@pytest.mark.parametrize("cli", ["rm.train", "rm.estimate", "rm.plan"])
+def test_help_names_the_command_lists_the_groups_and_points_to_the_docs_without_torch(cli, tmp_path):
+    """`python -m rm.plan --help` said "__main__ is powered by Hydra"; each command's page is conf/hydra/help/."""
+    code, out, err, heavy = run_cli([cli, "--help"], tmp_path)
+    assert code == 0, out[-2000:] + err[-2000:]
+    assert out.splitlines()[0].startswith(f"python -m {cli} ") and "powered by Hydra" not in out, out[:500]
+    groups = dict(line.split(": ", 1) for line in out.splitlines() if line.split(":")[0] in
+                  ("model", "memory_profile", "hardware", "lora", "data", "distributed", "train", "experiment"))
+    assert len(groups) == 8 and "tiny" in groups["model"] and "qlora" in groups["memory_profile"], out
+    assert "README.md" in out and "--cfg job" in out
+    assert heavy == set(), f"{cli} --help imported {heavy}"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_misspelt_key_exits_2_naming_it_before_torch_loads(tmp_path):
+    code, out, err, heavy = run_cli(["rm.train", "experiment=tiny", "train.learnin_rate=1"], tmp_path)
+    assert code == 2 and "train.learnin_rate" in err and "Traceback" not in err, out[-2000:] + err[-2000:]
+    assert heavy == set(), f"a composition error imported {heavy}"
+    assert list(tmp_path.iterdir()) == []  # no run directory either
+
+
+def _record(name, level=logging.INFO, **extra):
+    record = logging.LogRecord(name, level, __file__, 1, "a line", None, None)
+    record.__dict__.update(extra)
+    return record
+
+
+def test_the_console_shows_rm_lines_and_warnings_and_the_log_file_the_rest():
+    from rm.foundations.cli import DETAIL
+    from rm.foundations.quiet import FirstScreen
+
+    screen, rm_logger = FirstScreen(), logging.getLogger("rm")
+    level = rm_logger.level
+    try:
+        rm_logger.setLevel(logging.INFO)
+        assert screen.filter(_record("rm.train")) and screen.filter(_record("hydra.core.utils"))
+        assert not screen.filter(_record("rm.train", **DETAIL))  # for the log file
+        assert not screen.filter(_record("accelerate.state"))  # a library's INFO line
+        assert screen.filter(_record("accelerate.state", logging.WARNING))
+        assert screen.filter(_record("rm.train", logging.WARNING, **DETAIL))
+        rm_logger.setLevel(logging.DEBUG)  # hydra.verbose=rm
+        assert screen.filter(_record("rm.train", **DETAIL)) and screen.filter(_record("accelerate.state"))
+    finally:
+        rm_logger.setLevel(level)
+
+
+def test_a_run_prints_what_runs_first_then_progress_and_keeps_the_rest_in_its_log(tmp_path):
+    """The first block on the console is the run summary, naming the model, the memory profile, the layout, the
+    precision, the steps, the global batch and where the output goes; the memory table, the data audit and the
+    tokenizer's line are in train.log only. The run is stopped once its summary is out (about 10 s idle)."""
+    run_dir, stderr = tmp_path / "run", (tmp_path / "stderr.txt").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "rm.train", "experiment=tiny", "memory_profile=lora", "train.max_steps=2",
+                             f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
+    lines, block = [], []
+    try:
+        for line in proc.stdout:  # the console handler flushes each record
+            line = line.rstrip("\n")
+            if lines and lines[-1].endswith("- run summary") or block and line.startswith("  "):
+                block.append(line.strip())
+                continue
+            if block:
+                break
+            lines.append(line)
+    finally:
+        proc.kill()
+        proc.wait()
+        stderr.close()
+    assert lines and lines[-1].endswith("- run summary"), (lines, (tmp_path / "stderr.txt").read_text()[-3000:])
+    # Before it, at most rm saying that it prepares data (a cold cache): nothing for the record only.
+    assert all("reading, normalising and tokenising" in line for line in lines[:-1]), lines
+    facts = {" ".join(line.split()[:2]) if line.startswith("memory profile") else line.split()[0]: line for line in block}
+    assert "tiny" in facts["model"] and "lora" in facts["memory profile"] and "LoRA r=16" in facts["memory profile"]
+    assert "32-true" in facts["precision"] and "packed" in facts["layout"]
+    assert "2 steps" in facts["schedule"] and "= 32 pairs/step" in facts["batch"]
+    assert str(run_dir) in facts["output"] and "MiB" in facts["memory"]
+    log = (run_dir / "train.log").read_text()
+    for detail in ("memory estimate per device", "data audit (", "tokenizer: "):
+        assert detail in log and not any(detail in line for line in lines), detail
+
+
+def test_library_progress_bars_are_off_unless_verbose():
+    """datasets' map bars, transformers' "Loading weights", the Hub's "Writing model shards": one line of noise
+    each on the demo, where each ends in under a second."""
+    import datasets
+    import huggingface_hub.utils
+    import transformers
+
+    from rm.foundations.quiet import quiet_progress_bars
+
+    rm_logger = logging.getLogger("rm")
+    level = rm_logger.level
+    try:
+        rm_logger.setLevel(logging.DEBUG)  # hydra.verbose=rm
+        quiet_progress_bars()
+        assert datasets.is_progress_bar_enabled() and transformers.utils.logging.is_progress_bar_enabled()
+        rm_logger.setLevel(logging.INFO)
+        quiet_progress_bars()
+        assert not datasets.is_progress_bar_enabled() and not transformers.utils.logging.is_progress_bar_enabled()
+        assert huggingface_hub.utils.are_progress_bars_disabled()
+    finally:
+        rm_logger.setLevel(level)
+        datasets.enable_progress_bars()
+        transformers.utils.logging.enable_progress_bar()
+        huggingface_hub.utils.enable_progress_bars()
 
 
 # rm.gpu_report estimates every profile (a minute on 2 cores): slow; rm.estimate runs the same code path here.
