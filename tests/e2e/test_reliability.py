@@ -519,11 +519,11 @@ def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
             torch.save(self.model.state_dict(), directory / "model.bin")
 
     engine = Engine()
-    ckpt.save_checkpoint(engine, tmp_path, 2, keep=3)
+    good = ckpt.save_checkpoint(engine, tmp_path, 2, keep=3)
     with torch.no_grad():
         engine.model.weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"weights at step 4 are not finite.*checkpoint-2, stays") as err:
-        ckpt.save_checkpoint(engine, tmp_path, 4, keep=3)
+        ckpt.save_checkpoint(engine, tmp_path, 4, keep=3, last_good=good)
     assert err.value.exit_code == 4
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
 
