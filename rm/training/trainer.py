@@ -79,23 +79,25 @@ def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str]
     with directory, ExitStack() as cleanup, StopRequest() as stop:
         try:
             run = setup(cfg, directory, overrides, cleanup)
-        except Interrupted as stopped:
-            log.warning("stopped by %s during set-up, before this start trained anything. Continue with:\n  %s",
-                        signal.Signals(stopped.signum).name, resume_command(directory.path, overrides))
+            stop.phase = TRAINING
+            finished = False
+            try:
+                outcome = fit(run, stop)
+                if outcome is Status.OK:
+                    stop.phase = FINISHING
+                result, memory = wrap_up(run, outcome, stop, overrides)
+                if result["status"] is Status.OK:
+                    save_final(run, memory)
+                finished = True
+                return result
+            finally:
+                close(run, finished)
+        except Interrupted as stopped:  # during set-up, or a second Ctrl-C: exit 128 + N at the boundary
+            log.warning("stopped by %s during %s; nothing is left half-written%s. Continue with:\n  %s",
+                        signal.Signals(stopped.signum).name, stop.phase,
+                        f", and the last good checkpoint is {directory.checked}" if stop.phase != SETUP else "",
+                        resume_command(directory.path, overrides))
             raise
-        stop.phase = TRAINING
-        finished = False
-        try:
-            outcome = fit(run, stop)
-            if outcome is Status.OK:
-                stop.phase = FINISHING
-            result, memory = wrap_up(run, outcome, stop, overrides)
-            if result["status"] is Status.OK:
-                save_final(run, memory)
-            finished = True
-            return result
-        finally:
-            close(run, finished)
 
 
 def fit(run: Run, stop: "StopRequest") -> Status:
@@ -372,8 +374,8 @@ class StopRequest:
 
     _SAYS = {
         TRAINING: "stopping after this step (its evaluation and checkpoint, if due) and writing a checkpoint",
-        FINISHING: "the run trained its last step: finishing the final model (Ctrl-C again abandons it, and the steps "
-                   "after the last checkpoint with it)",
+        FINISHING: "the run trained its last step: finishing the final model (a second Ctrl-C "
+                   "abandons it, and the steps after the last checkpoint with it)",
     }
 
     def __init__(self):
