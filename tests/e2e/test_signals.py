@@ -81,20 +81,31 @@ PHASES = {"set-up": None, "training": 3, "evaluation": 3, "checkpoint": 2, "plot
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+@pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the final model is written (`.tmp-final/` exists; a real "
+                         "process)", "the final model is finished: a whole `final/` that reloads to its rewards, no "
+                         "`.tmp-final/`, exit 0 (quicker than a checkpoint, which adds the optimizer states)")
+@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
+def test_a_signal_while_the_final_model_is_written_finishes_it(signum, tmp_path, request):
+    """One real run each, about 25 s on 2 busy cores."""
+    _signal_at("export", signum, tmp_path, request)
+
+
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT to a real `rm.train` during set-up",
                          "stops at once, exit 128+N, no checkpoint (nothing trained); the printed command resumes it")
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT during a step, an evaluation or a checkpoint's write (real process)",
                          "the step, evaluation or checkpoint finishes, then the checkpoint of that step (never written "
                          "twice), exit 128+N; the printed command (the run's own overrides, `train.resume=true`, "
                          "`hydra.run.dir`) resumes it to the weights of an uninterrupted run")
-@pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the plots or the final model are written (`.tmp-final/` "
-                         "exists; real process)", "the final model is finished: a whole `final/` that reloads to its "
-                         "rewards, no `.tmp-final/`, exit 0 (quicker than a checkpoint, which adds the optimizer states)")
+@pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the plots are drawn (real process)",
+                         "the run trained its last step: the final model is written, exit 0")
+@pytest.mark.slow  # a run and its resume for each of ten cases: about 8 minutes on 2 busy cores
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
-@pytest.mark.parametrize("phase", [pytest.param(p, marks=() if p == "export" else pytest.mark.slow) for p in PHASES])
-def test_a_signal_at_any_phase_loses_nothing_trained(phase, signum, tmp_path, request):
-    """The export pair runs in the default suite (one run each, about 20 s on 2 busy cores); the other phases,
-    a run and its resume each, are slow (about 8 minutes for all ten)."""
+@pytest.mark.parametrize("phase", [p for p in PHASES if p != "export"])
+def test_a_signal_at_any_other_phase_loses_nothing_trained(phase, signum, tmp_path, request):
+    _signal_at(phase, signum, tmp_path, request)
+
+
+def _signal_at(phase, signum, tmp_path, request):
     run_dir = tmp_path / "run"
     victim = _start(phase, "rm.train", *ARGS, f"hydra.run.dir={run_dir}")
     out = _signal_when_paused(victim, signum)
@@ -125,6 +136,7 @@ def test_a_signal_at_any_phase_loses_nothing_trained(phase, signum, tmp_path, re
 @pytest.mark.reliability("Faults", "a second Ctrl-C while the final model is written",
                          "abandoned whole: no `final/`, no `.tmp-final/`; exit 130, naming the last good checkpoint "
                          "and the command that resumes from it")
+@pytest.mark.slow  # a real process, about 25 s on 2 busy cores; test_a_second_ctrl_c_in_process is its fast twin
 def test_a_second_ctrl_c_abandons_the_final_model_whole(tmp_path):
     run_dir = tmp_path / "run"
     victim = _start("export", "rm.train", *ARGS, f"hydra.run.dir={run_dir}")
@@ -155,3 +167,22 @@ def test_a_signal_during_a_merge_leaves_no_partial_merged_model(signum, tmp_path
     again = subprocess.run([sys.executable, "-m", "rm.export", str(run_dir), "--merge"], cwd=ROOT, capture_output=True,
                            text=True, timeout=TIMEOUT)
     assert again.returncode == 0 and (final / "merged" / "model.safetensors").is_file(), again.stderr[-2000:]
+
+
+def test_a_second_ctrl_c_in_process_leaves_no_temporary_final(tiny_cfg, tmp_path, monkeypatch, caplog):
+    """The second Ctrl-C of the test above, raised inside the export's write: ``.tmp-final`` goes with it."""
+    import rm.modelling.bundle as bundle
+    import rm.train as rm_train
+    from rm.foundations.errors import Interrupted
+
+    real_save = bundle.save_bundle
+
+    def save_then_ctrl_c(model, tokenizer, directory, **kwargs):
+        real_save(model, tokenizer, directory, **kwargs)
+        raise Interrupted(signal.SIGINT)
+
+    monkeypatch.setattr(bundle, "save_bundle", save_then_ctrl_c)
+    with pytest.raises(Interrupted):
+        rm_train.train(tiny_cfg("train.max_steps=4", "train.save_steps=2", "train.eval_steps=0"), tmp_path)
+    assert not (tmp_path / "final").exists() and _leftovers(tmp_path) == []
+    assert f"the last good checkpoint is {tmp_path}/checkpoints/checkpoint-2. Continue with:" in caplog.text
