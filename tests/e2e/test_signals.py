@@ -98,7 +98,7 @@ def test_a_signal_while_the_final_model_is_written_finishes_it(signum, tmp_path,
                          "`hydra.run.dir`) resumes it to the weights of an uninterrupted run")
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the plots are drawn (real process)",
                          "the run trained its last step: the final model is written, exit 0")
-@pytest.mark.slow  # a run and its resume for each of ten cases: about 8 minutes on 2 busy cores
+@pytest.mark.slow  # a run and its resume for each of ten cases: about 10 minutes on 2 busy cores
 @pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
 @pytest.mark.parametrize("phase", [p for p in PHASES if p != "export"])
 def test_a_signal_at_any_other_phase_loses_nothing_trained(phase, signum, tmp_path, request):
@@ -120,7 +120,7 @@ def _signal_at(phase, signum, tmp_path, request):
         assert f"received {signal.Signals(signum).name}: the run trained its last step: finishing" in out
         return
     assert victim.returncode == 128 + signum and not (run_dir / "final").exists(), out[-3000:]
-    assert _checkpoints(run_dir) == ([] if expected is None else [2, expected]), out[-3000:]
+    assert _checkpoints(run_dir) == ([] if expected is None else sorted({2, expected})), out[-3000:]
     if expected is not None:
         assert out.count(f"Saving current state to {run_dir}/checkpoints/.tmp-checkpoint-{expected}") == 1, \
             "the checkpoint of the stopping step is written once"
