@@ -109,3 +109,19 @@ def test_overwrite_never_leaves_a_half_deleted_final(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         replace_earlier_run(tmp_path, check_run_dir(tmp_path, resume=False, overwrite=True))
     assert not (tmp_path / "final").exists() and (tmp_path / ".tmp-replaced-final").is_dir()
+
+
+def test_the_resume_command_is_the_run_own_overrides_quoted(tmp_path):
+    """Issue 50: followed literally, "Continue with:" must compose the run's config, not the defaults."""
+    import shlex
+
+    from rm.runs.run_record import resume_command
+
+    run_dir = tmp_path / "my run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(
+        "- experiment=tiny\n- data.train_files=[a b.jsonl]\n- train.resume=true\n- +train.overwrite=false\n")
+    command = resume_command(run_dir, overrides=["ignored=1"])
+    assert shlex.split(command) == ["python", "-m", "rm.train", "experiment=tiny", "data.train_files=[a b.jsonl]",
+                                    "train.resume=true", f"hydra.run.dir={run_dir}"]
+    assert shlex.split(resume_command(tmp_path / "no record", ["model=tiny"]))[3] == "model=tiny"
