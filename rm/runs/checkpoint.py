@@ -171,7 +171,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
     if not weights_are_finite(engine):
         raise NonFiniteError(
             f"the weights at step {step} are not finite: no checkpoint was written. The newest good one, "
-            f"{last_good or 'none (this run has checked none)'}, stays; lower train.learning_rate or check the data"
+            f"{last_good or 'none (this run has checked none)'}, stays; lower train.optim.learning_rate or check the data"
         )
     if engine.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -199,7 +199,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
             shutil.rmtree(tmp, ignore_errors=True)
         raise_save_failure(
             error, failed, f"checkpoint-{step} in {root}", root,
-            f"The previous checkpoint, {last_good or 'none'}, is intact; free space and resume with train.resume=true",
+            f"The previous checkpoint, {last_good or 'none'}, is intact; free space and resume with train.checkpoint.resume=true",
         )
     if engine.is_main_process:
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:

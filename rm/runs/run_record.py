@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir
 # What a resume command sets itself, in place of the run's own values.
-RESUME_SETS = ("train.resume", "train.overwrite", "hydra.run.dir")
+RESUME_SETS = ("train.checkpoint.resume", "train.checkpoint.overwrite", "hydra.run.dir")
 
 
 class HeldLog(logging.Handler):
@@ -82,15 +82,15 @@ def write_record(run_dir: Path, task_cfg: DictConfig) -> None:
 
 def resume_command(run_dir: Path, overrides: Sequence[str] = ()) -> str:
     """The command that continues the run in ``run_dir`` as it was, to copy and paste: ``python -m rm.train``, the
-    run's own overrides (``.hydra/overrides.yaml``; ``overrides`` where there is none), then ``train.resume=true`` and
+    run's own overrides (``.hydra/overrides.yaml``; ``overrides`` where there is none), then ``train.checkpoint.resume=true`` and
     ``hydra.run.dir``, each quoted for the shell. Without its overrides a resume composes the defaults (another
     model) and is refused.
 
-    >>> resume_command(Path("/nonexistent/run 1"), ["experiment=tiny", "data.train_files=[a b.jsonl]", "train.resume=true"])
-    "python -m rm.train experiment=tiny 'data.train_files=[a b.jsonl]' train.resume=true 'hydra.run.dir=/nonexistent/run 1'"
+    >>> resume_command(Path("/nonexistent/run 1"), ["experiment=tiny", "data.train_files=[a b.jsonl]", "train.checkpoint.resume=true"])
+    "python -m rm.train experiment=tiny 'data.train_files=[a b.jsonl]' train.checkpoint.resume=true 'hydra.run.dir=/nonexistent/run 1'"
     """
     saved = Path(run_dir) / RECORD_DIR / "overrides.yaml"
     if saved.is_file():
         overrides = [str(o) for o in OmegaConf.load(saved)]
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in RESUME_SETS]
-    return shlex.join(["python", "-m", "rm.train", *kept, "train.resume=true", f"hydra.run.dir={run_dir}"])
+    return shlex.join(["python", "-m", "rm.train", *kept, "train.checkpoint.resume=true", f"hydra.run.dir={run_dir}"])

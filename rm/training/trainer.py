@@ -51,7 +51,7 @@ class Status(str, Enum):
     result stays JSON as it is)."""
 
     OK = "ok"  # trained to the last step
-    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.resume=true
+    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.checkpoint.resume=true
     STOPPED_NONFINITE = "stopped_nonfinite"  # the health checks stopped it; no checkpoint of the bad step
 
     def __str__(self) -> str:
@@ -221,7 +221,7 @@ def checkpoint(run: Run, paused: float) -> Path:
     (where the training time it records ends)."""
     state = run.state
     record = state.record(run.engine.reduce, state.trained_s(paused), run.health.state_dict())
-    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
+    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.checkpoint.save_total_limit, state.fingerprint, record)
 
 
 def wrap_up(run: Run, outcome: Status, stop: "StopRequest", overrides: Sequence[str] = ()) -> Tuple[Dict, Dict]:
@@ -328,7 +328,7 @@ def save_final(run: Run, memory: Dict) -> None:
             shutil.rmtree(tmp_final, ignore_errors=True)
         raise_save_failure(
             error, failed, f"the final model to {final_dir}", run_dir,
-            f"Nothing was left half-written; free space and run again with train.resume=true (newest checkpoint: "
+            f"Nothing was left half-written; free space and run again with train.checkpoint.resume=true (newest checkpoint: "
             f"{run.dir.latest_checkpoint() or 'none'})", kind=StorageError,
         )
     log.info("saved the reward model to %s", final_dir)

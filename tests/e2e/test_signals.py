@@ -20,7 +20,7 @@ from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
 # Checkpoints at steps 2 and 4, evaluations at 3 and 6; the "training" pause is inside step 3.
-ARGS = [*FAST_TINY, "train.max_steps=6", "train.save_steps=2", "train.eval_steps=3", "train.logging_steps=1"]
+ARGS = [*FAST_TINY, "train.max_steps=6", "train.checkpoint.save_steps=2", "train.logging.eval_steps=3", "train.logging.logging_steps=1"]
 TIMEOUT = 600
 
 
@@ -56,7 +56,7 @@ def _resume_as_printed(out):
     """Run the command the stopped run printed after "Continue with:", as a user would paste it."""
     lines = out.splitlines()
     command = shlex.split(lines[next(i for i, line in enumerate(lines) if line.rstrip().endswith("Continue with:")) + 1])
-    assert command[:3] == ["python", "-m", "rm.train"] and "train.resume=true" in command, command
+    assert command[:3] == ["python", "-m", "rm.train"] and "train.checkpoint.resume=true" in command, command
     return subprocess.run([sys.executable, *command[1:]], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
 
 
@@ -94,7 +94,7 @@ def test_a_signal_while_the_final_model_is_written_finishes_it(signum, tmp_path,
                          "stops at once, exit 128+N, no checkpoint (nothing trained); the printed command resumes it")
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT during a step, an evaluation or a checkpoint's write (real process)",
                          "the step, evaluation or checkpoint finishes, then the checkpoint of that step (never written "
-                         "twice), exit 128+N; the printed command (the run's own overrides, `train.resume=true`, "
+                         "twice), exit 128+N; the printed command (the run's own overrides, `train.checkpoint.resume=true`, "
                          "`hydra.run.dir`) resumes it to the weights of an uninterrupted run")
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the plots are drawn (real process)",
                          "the run trained its last step: the final model is written, exit 0")
@@ -183,6 +183,6 @@ def test_a_second_ctrl_c_in_process_leaves_no_temporary_final(tiny_cfg, tmp_path
 
     monkeypatch.setattr(bundle, "save_bundle", save_then_ctrl_c)
     with pytest.raises(Interrupted):
-        rm_train.train(tiny_cfg("train.max_steps=4", "train.save_steps=2", "train.eval_steps=0"), tmp_path)
+        rm_train.train(tiny_cfg("train.max_steps=4", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0"), tmp_path)
     assert not (tmp_path / "final").exists() and _leftovers(tmp_path) == []
     assert f"the last good checkpoint is {tmp_path}/checkpoints/checkpoint-2. Continue with:" in caplog.text

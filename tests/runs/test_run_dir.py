@@ -27,7 +27,7 @@ def test_an_empty_or_new_directory_starts_fresh(tmp_path):
 def test_an_earlier_run_is_refused_without_resume_or_overwrite_and_nothing_changes(tmp_path):
     _earlier_run(tmp_path, final=False)
     before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(RunDirError, match="train.resume=true"):
+    with pytest.raises(RunDirError, match="train.checkpoint.resume=true"):
         check_run_dir(tmp_path, resume=False, overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -120,8 +120,8 @@ def test_the_resume_command_is_the_run_own_overrides_quoted(tmp_path):
     run_dir = tmp_path / "my run"
     (run_dir / ".hydra").mkdir(parents=True)
     (run_dir / ".hydra" / "overrides.yaml").write_text(
-        "- experiment=tiny\n- data.train_files=[a b.jsonl]\n- train.resume=true\n- +train.overwrite=false\n")
+        "- experiment=tiny\n- data.train_files=[a b.jsonl]\n- train.checkpoint.resume=true\n- +train.checkpoint.overwrite=false\n")
     command = resume_command(run_dir, overrides=["ignored=1"])
     assert shlex.split(command) == ["python", "-m", "rm.train", "experiment=tiny", "data.train_files=[a b.jsonl]",
-                                    "train.resume=true", f"hydra.run.dir={run_dir}"]
+                                    "train.checkpoint.resume=true", f"hydra.run.dir={run_dir}"]
     assert shlex.split(resume_command(tmp_path / "no record", ["model=tiny"]))[3] == "model=tiny"
