@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from rm.foundations.errors import ConfigError, boundary
+from rm.foundations.errors import ConfigError, boundary, stop_on_signals
 from rm.modelling.bundle import ADAPTER_CONFIG, PROBE_FILE, merge_adapter, rehome, verify_bundle
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.merge:
             if not (bundle / ADAPTER_CONFIG).is_file():
                 raise ConfigError(f"{bundle} is not a LoRA adapter ({ADAPTER_CONFIG} missing): nothing to merge")
-            out = merge_adapter(bundle, args.out or bundle / "merged", base_model=args.base, device=args.device)
+            out = merge_into_place(bundle, args.out or bundle / "merged", base_model=args.base, device=args.device)
             print(f"merged model written and verified: {out}")
         else:
             verify_bundle(bundle, base_model=args.base, device=args.device)
@@ -55,6 +57,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return 0
 
 
+def merge_into_place(bundle: Path, out: Path, **merge_args) -> Path:
+    """:func:`rm.modelling.bundle.merge_adapter` into a hidden temporary directory beside ``out``, renamed to ``out``
+    once written and verified: a merge stopped (a signal, a full disk) leaves no ``out`` that looks like a model, and
+    its temporary directory is removed. An earlier ``out`` is replaced only by a whole new one."""
+    out = Path(out)
+    tmp, old = out.with_name(f".tmp-{out.name}"), out.with_name(f".tmp-replaced-{out.name}")
+    for leftover in (tmp, old):  # from a merge stopped harder (SIGKILL)
+        shutil.rmtree(leftover, ignore_errors=True)
+    try:
+        merge_adapter(bundle, tmp, **merge_args)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
 if __name__ == "__main__":
-    with boundary(log):
+    # SIGTERM as Ctrl-C: the merge in progress is abandoned whole, exit 128 + N.
+    with boundary(log), stop_on_signals():
         sys.exit(main())

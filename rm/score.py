@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from rm.foundations.errors import ConfigError, DataError, boundary
+from rm.foundations.errors import ConfigError, DataError, boundary, stop_on_signals
 
 
 def score_token_rows(model, tokenizer, rows: Sequence[Sequence[int]], batch_size: int) -> List[float]:
@@ -61,12 +61,12 @@ def reward_function(model_dir: str, *, device: Optional[str] = None, batch_size:
     import torch
 
     from rm.data.tokenise import leading_special_ids, truncate_left
-    from rm.modelling.bundle import bundle_tokenizer, load_bundle
+    from rm.modelling.bundle import bundle_tokenizer, load_checked_bundle
     from rm.data.tokenizer import encode_sides
 
     directory = check_model_dir(model_dir)
     tokenizer, append_eos = bundle_tokenizer(directory)
-    model = load_bundle(directory, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model = load_checked_bundle(directory, device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     lead = leading_special_ids(tokenizer)
 
     def rm_reward(prompts, completions, **kwargs) -> List[float]:
@@ -151,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rm.data.load import load_preference_split
     from rm.data.normalise import max_chars_for, normalise_pairs
     from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
-    from rm.modelling.bundle import bundle_tokenizer, load_bundle, read_reward_stats
+    from rm.modelling.bundle import bundle_tokenizer, load_checked_bundle, read_reward_stats
 
     model_dir = check_model_dir(args.model)
     stats = read_reward_stats(model_dir) if args.normalize else None
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(raw) == 0:
         raise DataError(f"--input {' '.join(args.input)}: no rows to score")
     tokenizer, append_eos = bundle_tokenizer(model_dir)
-    model = load_bundle(model_dir)
+    model = load_checked_bundle(model_dir)  # its weights as written and verified, and finite
     norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
     unpaired = "chosen" not in raw.column_names
     is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and unpaired)
@@ -197,14 +197,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             for p, c, r in zip(pairs, chosen, rejected)
         ]
         print(f"pairwise accuracy {correct / max(len(records), 1):.4f} over {len(records)} pairs")
-    if args.output:
-        with open(args.output, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
+    if args.output:  # renamed into place: a stopped run leaves no --output cut short
+        tmp = Path(args.output).with_name(f".tmp-{Path(args.output).name}")
+        try:
+            with open(tmp, "w") as f:
+                for rec in records:
+                    f.write(json.dumps(rec) + "\n")
+            tmp.replace(args.output)
+        finally:
+            tmp.unlink(missing_ok=True)
         print(f"wrote {args.output}")
     return 0
 
 
 if __name__ == "__main__":
-    with boundary():
+    with boundary(), stop_on_signals():  # SIGTERM as Ctrl-C: exit 128 + N
         sys.exit(main())

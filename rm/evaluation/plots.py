@@ -59,8 +59,18 @@ def write_eval_plots(scores: Mapping[str, PairScores], path: Path) -> Path:
         bucket_ax.set_xlabel("len(chosen) - len(rejected), tokens (n: pairs)")
         bucket_ax.set_ylabel("pairwise accuracy")
         bucket_ax.legend(fontsize=8, loc="upper center", ncol=3)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    """``fig`` as a PNG at ``path``, renamed into place: a run stopped while drawing leaves no PNG cut short."""
     path = Path(path)
-    fig.savefig(path, dpi=100)
+    tmp = path.with_name(f".tmp-{path.name}")
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -90,6 +100,4 @@ def write_train_plot(metrics_path: Path, path: Path) -> Optional[Path]:
     ax.set_xlabel("step")
     ax.set_ylabel("Bradley-Terry loss")
     ax.legend()
-    path = Path(path)
-    fig.savefig(path, dpi=100)
-    return path
+    return _save(fig, path)

@@ -19,6 +19,8 @@ code meaning
      and any ``OSError`` or safetensors error that reaches the boundary)
 ==== =====================================================================
 
+A command stopped by signal N exits 128 + N (SIGTERM 143, SIGINT 130; :class:`Interrupted`).
+
 ``RM_DEBUG=1`` adds the traceback to every message.
 
 Hydra catches exceptions raised in a task function and prints them with a traceback and
@@ -33,6 +35,7 @@ import io
 import logging
 import os
 import re
+import signal
 import sys
 import traceback
 from contextlib import contextmanager, redirect_stdout
@@ -88,6 +91,36 @@ class StorageError(RmError, OSError):
     """A file could not be written or read back intact; the message names the path."""
 
     exit_code = 5
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM (a SLURM pre-emption, ``kill``) or SIGINT (Ctrl-C) stopped a command where it was; exit 128 + N.
+
+    A ``KeyboardInterrupt``, so that ``except Exception`` lets it through to the boundary while ``finally`` blocks
+    run on the way: an atomic write removes its temporary directory (:func:`stop_on_signals`).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
+
+
+@contextmanager
+def stop_on_signals():
+    """Inside, SIGTERM stops the command as Ctrl-C does (:class:`Interrupted`), where Python's default for SIGTERM
+    would end the process at once, in the middle of a write. For commands with nothing worth finishing
+    (``rm.export``, ``rm.score``): each write they make is atomic, abandoned whole. ``rm.train`` keeps its own
+    handler (``rm.training.trainer.StopRequest``), which finishes a step and writes a checkpoint."""
+
+    def interrupt(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _storage_types():
@@ -204,9 +237,10 @@ def boundary(log: Optional[logging.Logger] = None):
     task_started()
     try:
         yield
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as err:  # Ctrl-C, or Interrupted: SIGTERM too
+        signum = getattr(err, "signum", signal.SIGINT)
+        print(f"interrupted by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
     except Exception as err:  # noqa: BLE001  (the boundary: every exception ends here, with its code)
         sys.exit(report(err, log))
 

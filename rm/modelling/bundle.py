@@ -20,7 +20,9 @@ A bundle holds what a user needs to score text the way training did:
   for users who normalise rewards; the same ``mean``/``std`` go into ``config.json``, where
   OpenRLHF's ``--normalize_reward`` reads them;
 * ``reward_probe.json``: a few pairs of the eval set (train set without one), padded, with
-  the rewards the in-memory model gave them and the compute dtype.
+  the rewards the in-memory model gave them and the compute dtype;
+* ``weights_sha256.json``: size and sha256 of each weights file, written once the bundle is verified; ``rm.score``
+  checks them, and that the loaded weights are finite, before it scores (:func:`load_checked_bundle`).
 
 After writing, :func:`verify_bundle` loads the directory into a fresh model and scores the
 probe; a difference beyond the precision's ``export_tolerance`` (``rm.foundations.precision``) raises :class:`ExportMismatch`, which fails the
@@ -41,7 +43,8 @@ from typing import TYPE_CHECKING, Callable, Dict, List, Mapping, Optional, Tuple
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from rm.foundations.errors import ConfigError, StorageError
+from rm.foundations.cache import file_digest
+from rm.foundations.errors import ConfigError, NonFiniteError, StorageError
 from rm.modelling.model import evaluate_4bit_as_trained, last_token_index, sequence_rewards
 from rm.foundations.precision import Precision
 from rm.data.tokenizer import consumer_tokenizer, write_tokenizer_compat_fields
@@ -56,6 +59,7 @@ STATS_FILE = "reward_stats.json"
 TOKENS_FILE = "reward_tokens.json"  # how training tokenised: {"append_eos": ..., "trained_tokenizer": ...}
 TRAINED_TOKENIZER = "trained_tokenizer"  # the tokenizer as training used it, beside the consumers' one
 ADAPTER_CONFIG = "adapter_config.json"
+WEIGHT_SUMS = "weights_sha256.json"  # {file: {"size", "sha256"}} of the bundle's *.safetensors (merged/ has its own)
 BASE_DIR = "base"  # where bundles written before the base moved into the bundle itself kept it
 PROBE_PAIRS = 4  # pairs of the probe batch: 8 sequences of different lengths, so padding is exercised
 
@@ -102,7 +106,10 @@ def read_reward_stats(directory: Path) -> Optional[Dict[str, float]]:
 def _edit_json(path: Path, edit: Callable[[dict], None]) -> None:
     data = json.loads(path.read_text())
     edit(data)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    # Renamed into place: rm.export edits a finished bundle's adapter_config.json, which a stop must not cut short.
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def write_compat_fields(directory: Path, reward_stats: Optional[Mapping[str, float]] = None) -> None:
@@ -234,6 +241,38 @@ def load_bundle(directory: Path, base_model: Union[torch.nn.Module, str, None] =
     directory = Path(directory)
     with named_damage(directory):
         return _load_bundle(directory, base_model, device)
+
+
+def write_weight_sums(directory: Path) -> None:
+    """Record the size and sha256 of each weights file at the top of ``directory`` (:data:`WEIGHT_SUMS`), once it
+    is verified: what :func:`load_checked_bundle` compares before it loads."""
+    directory = Path(directory)
+    sums = {p.name: {"size": p.stat().st_size, "sha256": file_digest(p)} for p in sorted(directory.glob("*.safetensors"))}
+    (directory / WEIGHT_SUMS).write_text(json.dumps(sums, indent=2, sort_keys=True) + "\n")
+
+
+def load_checked_bundle(directory: Path, device="cpu"):
+    """:func:`load_bundle`, after each weights file matched its recorded sha256 (:data:`WEIGHT_SUMS`; a bundle written
+    before it was recorded is read as it is), and with every loaded weight finite. A model that does not hold the
+    weights that were verified, or holds NaN, would score without a word of warning.
+
+    Raises:
+        StorageError: a weights file is missing, or its size or sha256 differs from the recorded one (exit 5).
+        NonFiniteError: a loaded weight is NaN or infinite (exit 4), naming the first tensors.
+    """
+    directory = Path(directory)
+    record = directory / WEIGHT_SUMS
+    for name, entry in (json.loads(record.read_text()) if record.is_file() else {}).items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != entry["size"] or file_digest(path) != entry["sha256"]:
+            raise StorageError(f"{path} does not match the sha256 in {record} (missing, cut short or changed since "
+                               "the model was written and verified): copy the model again, or export it again")
+    model = load_bundle(directory, device=device)
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise NonFiniteError(f"{directory}: {len(bad)} weight tensor(s) hold NaN or inf ({', '.join(bad[:3])}"
+                             f"{', ...' if len(bad) > 3 else ''}): this model cannot score; export an earlier checkpoint")
+    return model
 
 
 @contextmanager
@@ -484,6 +523,7 @@ def merge_adapter(adapter_dir: Path, out_dir: Path, *, base_model: Union[torch.n
     if probe is not None:
         (out_dir / PROBE_FILE).write_text(json.dumps(probe) + "\n")
     verify_bundle(out_dir, device=device)
+    write_weight_sums(out_dir)
     return out_dir
 
 
@@ -571,6 +611,7 @@ def export_final(
             # rm.estimate counts it in host RAM instead.
             from_factory = adapter and base_factory is not None and not base_is_random
             verify_bundle(directory, base_model=base_factory() if from_factory else None, device="cpu")
+            write_weight_sums(directory)
             if merge:
                 merge_adapter(directory, directory / "merged", device="cpu",
                               base_model=base_factory() if base_factory else None)

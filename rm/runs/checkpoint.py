@@ -149,10 +149,12 @@ def raise_save_failure(err: Optional[BaseException], failed: List[int], what: st
 
 
 def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Optional[Dict] = None,
-                    train_state: Optional[Dict] = None) -> Path:
+                    train_state: Optional[Dict] = None, last_good: Optional[Path] = None) -> Path:
     """Save model, optimizer, scheduler and RNG states for ``step``; keep the newest ``keep``.
 
-    ``fingerprint`` and ``train_state`` (``TrainState.record``) go into ``trainer_state.json``.
+    ``fingerprint`` and ``train_state`` (``TrainState.record``) go into ``trainer_state.json``. ``last_good``: the
+    newest checkpoint this run checked (wrote, or loaded and found finite); a failed save names it as the one to
+    continue from, never merely the newest on disk, which nothing here has checked.
 
     Every process takes part (each writes its own shards under ZeRO); the main
     process alone checksums, renames and prunes. The processes agree on the outcome
@@ -169,7 +171,7 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
     if not weights_are_finite(engine):
         raise NonFiniteError(
             f"the weights at step {step} are not finite: no checkpoint was written. The newest good one, "
-            f"{latest_checkpoint(run_dir) or 'none'}, stays; lower train.optim.learning_rate or check the data"
+            f"{last_good or 'none (this run has checked none)'}, stays; lower train.optim.learning_rate or check the data"
         )
     if engine.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -195,10 +197,9 @@ def save_checkpoint(engine, run_dir: Path, step: int, keep: int, fingerprint: Op
     if failed:
         if engine.is_main_process:
             shutil.rmtree(tmp, ignore_errors=True)
-        previous = latest_checkpoint(run_dir)
         raise_save_failure(
             error, failed, f"checkpoint-{step} in {root}", root,
-            f"The previous checkpoint, {previous or 'none'}, is intact; free space and resume with train.checkpoint.resume=true",
+            f"The previous checkpoint, {last_good or 'none'}, is intact; free space and resume with train.checkpoint.resume=true",
         )
     if engine.is_main_process:
         for _, old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:

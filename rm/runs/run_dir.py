@@ -9,7 +9,10 @@
 - the claim: once the directory is this run's, the held log file opens and Hydra's record is written
   (:mod:`rm.runs.run_record`), on the main process first and on the others once the engine is up;
 - the checkpoints: which one a resume loads (:meth:`RunDir.restore`, naming each it passes over), where the
-  next is saved (:meth:`RunDir.save_checkpoint`) and which is newest;
+  next is saved (:meth:`RunDir.save_checkpoint`), which is newest, and which is the last good one (:attr:`RunDir.checked`:
+  only one this run wrote or loaded and found finite);
+- what an abandoned write left (a killed run's ``.tmp-*`` directories): removed once the run goes ahead
+  (:meth:`RunDir.remove_abandoned`);
 - ``metrics.jsonl`` (:meth:`RunDir.metrics`), cut back to the resumed step (:meth:`RunDir.resume_metrics`), so
   each step appears once.
 
@@ -31,7 +34,7 @@ from omegaconf import DictConfig
 
 from rm.runs.checkpoint import (
     CheckpointError, checkpoint_root, checkpoint_state, latest_checkpoint, list_checkpoints, load_checkpoint,
-    resume_candidates, save_checkpoint,
+    resume_candidates, save_checkpoint, weights_are_finite,
 )
 from rm.foundations.config import CheckpointConfig, TrainConfig
 from rm.foundations.errors import ConfigError, Refused
@@ -43,6 +46,9 @@ log = logging.getLogger("rm.train")  # these lines belong to the training comman
 
 LOCK_FILE = ".lock"
 TOKENIZER_DIR = "tokenizer"  # the tokenizer model.tokenizer=bpe trained, read back on resume
+# Where a write in progress lives until it is whole and renamed into place (checkpoints, final/, what
+# train.checkpoint.overwrite=true replaces): nothing with this prefix is ever read as a result.
+TMP_PREFIX = ".tmp-"
 
 
 class RunDir:
@@ -63,6 +69,7 @@ class RunDir:
         self.path = Path(path)
         self.resume, self.overwrite, self.is_main, self.record = resume, overwrite, is_main, record
         self.claimed = False  # the directory is this run's: files in it may change
+        self.checked: Optional[Path] = None  # the newest checkpoint this run wrote, or loaded and found finite
         self._replaces: List[str] = []
         self._lock = RunLock(self.path) if is_main else None
 
@@ -117,8 +124,21 @@ class RunDir:
 
     def save_checkpoint(self, engine, step: int, keep: int, fingerprint: Optional[Dict],
                         train_state: Optional[Dict]) -> Path:
-        """:func:`rm.runs.checkpoint.save_checkpoint` into this directory (every process calls it)."""
-        return save_checkpoint(engine, self.path, step, keep, fingerprint, train_state)
+        """:func:`rm.runs.checkpoint.save_checkpoint` into this directory (every process calls it); it becomes
+        :attr:`checked`, the last good one (its weights were found finite before it was written)."""
+        self.checked = save_checkpoint(engine, self.path, step, keep, fingerprint, train_state, last_good=self.checked)
+        return self.checked
+
+    def remove_abandoned(self) -> None:
+        """Remove what a run stopped in the middle of a write left (``.tmp-final``, ``checkpoints/.tmp-checkpoint-N``,
+        an earlier run that ``train.checkpoint.overwrite=true`` was replacing): never read, and it would stay forever (a new
+        checkpoint replaces only its own step's). On the main process, once the run goes ahead."""
+        if not self.is_main:
+            return
+        for parent in (self.path, checkpoint_root(self.path)):
+            for path in parent.glob(f"{TMP_PREFIX}*") if parent.is_dir() else ():
+                log.info("removing %s, left by a write that was abandoned (a run stopped while writing it)", path)
+                shutil.rmtree(path) if path.is_dir() else path.unlink()
 
     def saved_fingerprint(self) -> Optional[Dict]:
         """The settings fingerprint (:func:`rm.runs.resume.fingerprint`) of the newest checkpoint that has one, unverified:
@@ -165,8 +185,16 @@ class RunDir:
                             type(err).__name__, err)
                 passed_over.append(f"{checkpoint.name}: does not load ({type(err).__name__})")
                 continue
+            # A sha256 says the files are as written, not that what was written is sound: a checkpoint written
+            # before rm checked weights, or by other tools, may hold NaN. The next one loaded overwrites every state.
+            if not weights_are_finite(engine):
+                log.warning("checkpoint %s matches its sha256 but its weights are not finite: falling back to an "
+                            "earlier one", checkpoint)
+                passed_over.append(f"{checkpoint.name}: its weights are not finite (loaded and checked)")
+                continue
             apply_changes(engine.optimizer, engine.scheduler, train_cfg.optim, changes)
             log.info("resumed from %s at step %d", checkpoint, step)
+            self.checked = checkpoint
             return step, state.get("train_state")
         raise CheckpointError(
             f"train.checkpoint.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
@@ -237,7 +265,12 @@ def replace_earlier_run(run_dir: Path, names: List[str]) -> None:
     log.warning("train.checkpoint.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(names))
     for name in names:
         path = Path(run_dir) / name
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        # Renamed first: a run stopped while deleting (a signal during set-up) must not leave a final/ that is
+        # half gone and still reads as a finished run. The next start removes the rest (RunDir.remove_abandoned).
+        doomed = path.with_name(f"{TMP_PREFIX}replaced-{name}")
+        shutil.rmtree(doomed, ignore_errors=True)  # left by an earlier replacement that was stopped
+        os.replace(path, doomed)
+        shutil.rmtree(doomed) if doomed.is_dir() else doomed.unlink()
 
 
 

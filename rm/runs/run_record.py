@@ -17,12 +17,15 @@ record, a name has Hydra write it there before the job starts.
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
-from typing import List
+from typing import List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
 RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir
+# What a resume command sets itself, in place of the run's own values.
+RESUME_SETS = ("train.checkpoint.resume", "train.checkpoint.overwrite", "hydra.run.dir")
 
 
 class HeldLog(logging.Handler):
@@ -75,3 +78,19 @@ def write_record(run_dir: Path, task_cfg: DictConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, node in (("config.yaml", task_cfg), ("hydra.yaml", hydra_cfg), ("overrides.yaml", hydra_cfg.hydra.overrides.task)):
         (out / name).write_text(OmegaConf.to_yaml(node), encoding="utf-8")
+
+
+def resume_command(run_dir: Path, overrides: Sequence[str] = ()) -> str:
+    """The command that continues the run in ``run_dir`` as it was, to copy and paste: ``python -m rm.train``, the
+    run's own overrides (``.hydra/overrides.yaml``; ``overrides`` where there is none), then ``train.checkpoint.resume=true`` and
+    ``hydra.run.dir``, each quoted for the shell. Without its overrides a resume composes the defaults (another
+    model) and is refused.
+
+    >>> resume_command(Path("/nonexistent/run 1"), ["experiment=tiny", "data.train_files=[a b.jsonl]", "train.checkpoint.resume=true"])
+    "python -m rm.train experiment=tiny 'data.train_files=[a b.jsonl]' train.checkpoint.resume=true 'hydra.run.dir=/nonexistent/run 1'"
+    """
+    saved = Path(run_dir) / RECORD_DIR / "overrides.yaml"
+    if saved.is_file():
+        overrides = [str(o) for o in OmegaConf.load(saved)]
+    kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in RESUME_SETS]
+    return shlex.join(["python", "-m", "rm.train", *kept, "train.checkpoint.resume=true", f"hydra.run.dir={run_dir}"])

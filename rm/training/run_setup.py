@@ -173,6 +173,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
 
     current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
     start_step, record = directory.restore(engine, t, current, total_steps) if t.checkpoint.resume else (0, None)
+    directory.remove_abandoned()  # what a run stopped mid-write left; only now that this run goes ahead
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
     directory.resume_metrics(metrics, start_step)

@@ -4,7 +4,8 @@
 (tokenizer, datasets, model, engine, health checks, metrics, the loop's state); :func:`fit` runs
 :func:`train_step` until the last step, a signal or a health stop; :func:`wrap_up` turns the outcome
 into the result (writing a checkpoint for an interrupted run); :func:`save_final` exports the model.
-One ``finally`` closes the metrics and the engine however the run ends.
+One ``finally`` closes the metrics and the engine however the run ends. A signal (SIGTERM, SIGINT) at any point
+loses nothing trained (:class:`StopRequest`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tqdm.auto import tqdm
 from rm.runs.checkpoint import failed_ranks, raise_save_failure
 from rm.foundations.config import RunConfig
 from rm.data.batching import rows_at
-from rm.foundations.errors import StorageError
+from rm.foundations.errors import Interrupted, StorageError
 from rm.modelling.bundle import PROBE_PAIRS, export_final, reward_stats_from_eval
 from rm.training.health import SKIP, STOP
 from rm.memory.monitor import gather_snapshots
@@ -37,6 +38,7 @@ from rm.evaluation.metrics import LineProgressFile, evaluate_sets, format_eval
 from rm.modelling.model import HEAD, pair_rewards
 from rm.evaluation.plots import write_eval_plots, write_train_plot
 from rm.runs.run_dir import RunDir
+from rm.runs.run_record import resume_command
 from rm.training.run_setup import Run, rebuild_base, setup
 from rm.settings.validate import launched_as_main
 
@@ -72,20 +74,30 @@ def train(cfg: RunConfig, run_dir: Union[Path, RunDir], overrides: Sequence[str]
         ``signal``, ``stopped_nonfinite`` with ``reason``) and ``step``.
     """
     directory = run_dir if isinstance(run_dir, RunDir) else RunDir.of(run_dir, cfg.train.checkpoint, launched_as_main())
-    # The lock and the memory monitor's dispatch mode are undone however the run ends.
-    with directory, ExitStack() as cleanup:
-        run = setup(cfg, directory, overrides, cleanup)
-        finished = False
+    # The lock and the memory monitor's dispatch mode are undone however the run ends; signals are handled from the
+    # first line of set-up to the last of the export.
+    with directory, ExitStack() as cleanup, StopRequest() as stop:
         try:
-            with StopRequest() as stop:
+            run = setup(cfg, directory, overrides, cleanup)
+            stop.phase = TRAINING
+            finished = False
+            try:
                 outcome = fit(run, stop)
-                result, memory = wrap_up(run, outcome, stop)
-            if result["status"] is Status.OK:
-                save_final(run, memory)
-            finished = True
-            return result
-        finally:
-            close(run, finished)
+                if outcome is Status.OK:
+                    stop.phase = FINISHING
+                result, memory = wrap_up(run, outcome, stop, overrides)
+                if result["status"] is Status.OK:
+                    save_final(run, memory)
+                finished = True
+                return result
+            finally:
+                close(run, finished)
+        except Interrupted as stopped:  # during set-up, or a second Ctrl-C: exit 128 + N at the boundary
+            log.warning("stopped by %s during %s; nothing is left half-written%s. Continue with:\n  %s",
+                        signal.Signals(stopped.signum).name, stop.phase,
+                        f", and the last good checkpoint is {directory.checked}" if stop.phase != SETUP else "",
+                        resume_command(directory.path, overrides))
+            raise
 
 
 def fit(run: Run, stop: "StopRequest") -> Status:
@@ -212,8 +224,8 @@ def checkpoint(run: Run, paused: float) -> Path:
     return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.checkpoint.save_total_limit, state.fingerprint, record)
 
 
-def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]:
-    """After the loop: the plots, the run's statistics, and the checkpoint of an interrupted run.
+def wrap_up(run: Run, outcome: Status, stop: "StopRequest", overrides: Sequence[str] = ()) -> Tuple[Dict, Dict]:
+    """After the loop: the checkpoint of an interrupted run, the plots and the run's statistics.
 
     Returns:
         The result :func:`train` returns, and what ``memory.json`` records (estimated and measured peaks).
@@ -221,6 +233,8 @@ def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]
     state, engine, step, total = run.state, run.engine, run.state.step, run.total_steps
     ended = time.perf_counter()  # for the checkpoint of a stopped run
     train_s = state.train_s + state.trained_s(ended)
+    # First: a pre-empted job has seconds left, and the plots can wait for them.
+    saved = stop_checkpoint(run, ended) if outcome is Status.INTERRUPTED else None
     if engine.is_main_process and run.eval_scores:  # after train_s: drawing is not training time
         log.info("eval plots: %s", write_eval_plots(run.eval_scores, run.dir.path / "eval_plots.png"))
     if engine.is_main_process and run.metrics.path.is_file():
@@ -244,19 +258,31 @@ def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]
     if outcome is Status.OK and stop.signum:  # trained to the end anyway: the final model, not a checkpoint
         log.warning("received %s during the last step: writing the final model instead of a checkpoint",
                     signal.Signals(stop.signum).name)
+    command = resume_command(run.dir.path, overrides) + (
+        f"  (under the launcher that started its {engine.num_processes} processes)" if engine.num_processes > 1 else "")
     if outcome is Status.INTERRUPTED:
-        path = checkpoint(run, ended)
-        log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.checkpoint.resume=true hydra.run.dir=%s",
-                    step, total, path, run.dir.path)
+        log.warning("stopped at step %d of %d; %s. Continue with:\n  %s", step, total,
+                    f"checkpoint {saved}" if saved else "nothing was trained yet", command)
         return {**result, "status": outcome, "step": step, "signal": stop.signum}, memory
-    if outcome is Status.STOPPED_NONFINITE:  # no checkpoint: the newest one on disk stays the last good one
+    if outcome is Status.STOPPED_NONFINITE:  # no checkpoint: the newest one this run checked stays the last good one
         log.error(
-            "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
-            "(continue from it with train.checkpoint.resume=true hydra.run.dir=%s once the cause is fixed)",
-            step + 1, total, run.health.stop_reason, run.dir.latest_checkpoint() or "none (none was due yet)", run.dir.path,
+            "stopped before step %d of %d: %s. No checkpoint was written; the last good one is %s. Once the cause is "
+            "fixed, continue from it with:\n  %s",
+            step + 1, total, run.health.stop_reason,
+            run.dir.checked or "none: this run wrote or loaded none (none was due yet)", command,
         )
         return {**result, "status": outcome, "step": step, "reason": run.health.stop_reason}, memory
     return {**result, "status": outcome, "step": step}, memory
+
+
+def stop_checkpoint(run: Run, ended: float) -> Optional[Path]:
+    """The checkpoint a stopped run continues from: the one of its last step where this run has it already (the
+    signal came while it was written, or before the first step after a resume from it), none where nothing was
+    trained yet, else a new one (every process calls it)."""
+    checked = run.dir.checked
+    if checked is not None and checked.name == f"checkpoint-{run.state.step}":
+        return checked
+    return checkpoint(run, ended) if run.state.step > 0 else None
 
 
 def save_final(run: Run, memory: Dict) -> None:
@@ -264,7 +290,8 @@ def save_final(run: Run, memory: Dict) -> None:
 
     Like a checkpoint, the bundle is written and verified in a temporary directory, then renamed, so that
     ``final/`` is either the whole verified model or absent (a full disk must not leave a ``final/`` that
-    later runs take for a finished one).
+    later runs take for a finished one). A signal while it is written lets it finish (:class:`StopRequest`); a
+    second Ctrl-C abandons it, and its temporary directory goes with it.
 
     Raises:
         StorageError: any process failed to write its part; nothing is left half-written.
@@ -291,6 +318,10 @@ def save_final(run: Run, memory: Dict) -> None:
             os.replace(tmp_final, final_dir)
     except Exception as err:  # noqa: BLE001  (every process hears of it first: none may wait for another)
         error = err
+    except BaseException:  # a second Ctrl-C (Interrupted): nothing half-written stays
+        if engine.is_main_process:
+            shutil.rmtree(tmp_final, ignore_errors=True)
+        raise
     failed = failed_ranks(engine, error is not None)
     if failed:
         if engine.is_main_process:
@@ -320,15 +351,36 @@ def _progress_bar(run: Run) -> tqdm:
                 mininterval=0.1 if tty else 30, file=None if tty else LineProgressFile(sys.stderr))
 
 
-class StopRequest:
-    """Turns SIGTERM (SLURM pre-emption, ``kill``) and SIGINT (Ctrl-C) into a checkpoint and a clean exit.
+# Where a run is, for what a signal does (StopRequest).
+SETUP, TRAINING, FINISHING = "set-up", "training", "finishing"
 
-    The first signal only sets a flag that the loop checks after each optimizer
-    step; a second SIGINT interrupts at once.
+
+class StopRequest:
+    """Turns SIGTERM (SLURM pre-emption, ``kill``) and SIGINT (Ctrl-C) into a clean exit that loses nothing trained.
+
+    What the first signal does depends on :attr:`phase`:
+
+    - ``set-up``: nothing was trained by this start, so it stops at once (:class:`~rm.foundations.errors.Interrupted`,
+      exit 128 + N); a resume starts where this one would have (its checkpoint, or step 0).
+    - ``training`` (steps, evaluation, periodic checkpoints): a flag that every process checks before each step. The
+      step, its evaluation and its checkpoint finish; then the checkpoint of that step (none is written twice), and
+      exit 128 + N.
+    - ``finishing`` (the run trained its last step: plots, ``final/``): the final model is finished, exit 0. It is
+      the quicker way to keep the run: a checkpoint would also write the optimizer states.
+
+    A second SIGINT interrupts at once wherever the run is; a write in progress is abandoned whole (its temporary
+    directory is removed, or never read and removed by the next start: :meth:`rm.runs.run_dir.RunDir.remove_abandoned`).
     """
+
+    _SAYS = {
+        TRAINING: "stopping after this step (its evaluation and checkpoint, if due) and writing a checkpoint",
+        FINISHING: "the run trained its last step: finishing the final model (a second Ctrl-C "
+                   "abandons it, and the steps after the last checkpoint with it)",
+    }
 
     def __init__(self):
         self.signum = 0
+        self.phase = SETUP
         self._previous = {}
 
     def __enter__(self):
@@ -337,10 +389,14 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame):
-        if self.signum and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        name = signal.Signals(signum).name
+        if self.phase == SETUP or (self.signum and signum == signal.SIGINT):
+            raise Interrupted(signum)
+        if self.signum:
+            log.warning("received %s again: already stopping", name)
+            return
         self.signum = signum
-        log.warning("received %s: stopping after this step and writing a checkpoint", signal.Signals(signum).name)
+        log.warning("received %s: %s", name, self._SAYS[self.phase])
 
     def __exit__(self, *exc):
         for sig, handler in self._previous.items():

@@ -56,6 +56,10 @@ FOOTER = """## Not covered yet
   the sweep's console output.
 - A run lock on a shared file system seen from two hosts: liveness of the holder cannot be checked from
   the other host, so the message names the lock file to delete once that run is known to be gone.
+- SIGKILL (or SLURM's kill after its grace period) while the final model is written: nothing half-written is
+  read (`.tmp-final/` is removed at the next start), but the steps after the last periodic checkpoint are
+  lost. A signal during set-up reaching one process of several stops that one at once; the others wait at
+  their next collective until the launcher stops them.
 """
 
 

@@ -368,6 +368,89 @@ def test_a_checkpoint_with_changed_bytes_falls_back_to_the_previous_one(six_step
     assert err.value.exit_code == 5 and "weights_only" not in str(err.value)
 
 
+def _poison(checkpoint):
+    """NaN in a checkpoint's weights, with its manifest rewritten to match: sha256 alone cannot tell."""
+    from safetensors.torch import load_file, save_file
+
+    from rm.foundations.cache import file_digest
+
+    weights = checkpoint / "model.safetensors"
+    tensors = load_file(weights)
+    first = sorted(tensors)[0]
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    save_file(tensors, weights, metadata={"format": "pt"})
+    state = json.loads((checkpoint / ckpt.STATE_FILE).read_text())
+    state["files"]["model.safetensors"] = {"size": weights.stat().st_size, "sha256": file_digest(weights)}
+    (checkpoint / ckpt.STATE_FILE).write_text(json.dumps(state))
+    assert ckpt.damage(checkpoint) is None
+
+
+@pytest.mark.reliability("Faults", "a checkpoint whose weights are NaN but whose files match their sha256, then `train.checkpoint.resume=true`",
+                         "loaded, checked and passed over (`its weights are not finite`) for the previous one; a run that "
+                         "then stops on a NaN names as the last good checkpoint only one it loaded and checked or wrote, "
+                         "never the newest on disk; all of them NaN: `no checkpoint ... is intact`, exit 5")
+def test_a_checkpoint_with_nan_weights_and_matching_sha256_is_never_the_last_good_one(six_step_run, tmp_path, caplog, monkeypatch):
+    import rm.training.trainer as trainer
+
+    caplog.set_level("INFO", logger="rm.train")
+    run_dir = _copy(six_step_run, tmp_path)
+    _poison(run_dir / "checkpoints" / "checkpoint-4")
+    real_rewards, calls = trainer.pair_rewards, []
+
+    def nan_from_step_4(model, **inputs):  # 2 micro-batches a step: the 3rd call after the resume is step 4's
+        calls.append(1)
+        chosen, rejected = real_rewards(model, **inputs)
+        return (chosen * float("nan"), rejected) if len(calls) >= 3 else (chosen, rejected)
+
+    monkeypatch.setattr(trainer, "pair_rewards", nan_from_step_4)
+    result = rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
+    assert "checkpoint-4 matches its sha256 but its weights are not finite" in caplog.text
+    assert f"resumed from {run_dir / 'checkpoints' / 'checkpoint-2'} at step 2" in caplog.text
+    assert (result["status"], result["step"]) == ("stopped_nonfinite", 3)
+    assert f"the last good one is {run_dir / 'checkpoints' / 'checkpoint-2'}." in caplog.text
+    monkeypatch.undo()
+
+    run_dir = _copy(six_step_run, tmp_path / "all")
+    for checkpoint in (run_dir / "checkpoints").glob("checkpoint-*"):
+        _poison(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint .* is intact: checkpoint-4: its weights are not "
+                                                   r"finite .*checkpoint-2: its weights are not finite") as err:
+        rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
+    assert err.value.exit_code == 5
+
+
+@pytest.mark.reliability("Faults", "`rm.score` on a model whose weights changed after the export, or are NaN",
+                         "changed bytes: `does not match the sha256 in .../weights_sha256.json`, exit 5; NaN weights "
+                         "(the sha256 rewritten to match): `weight tensor(s) hold NaN or inf`, exit 4; nothing scored")
+def test_score_checks_the_weights_it_loads(six_step_run, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import rm.score
+    from rm.modelling.bundle import WEIGHT_SUMS, write_weight_sums
+
+    final = tmp_path / "final"
+    shutil.copytree(six_step_run / "final", final)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"prompt": "Human: hi", "chosen": " hello", "rejected": " go away"}) + "\n")
+    args = ["--model", str(final), "--input", str(pairs)]
+    assert rm.score.main(args) == 0
+    _flip(final / "model.safetensors")
+    with pytest.raises(StorageError, match=rf"model.safetensors does not match the sha256 in .*{WEIGHT_SUMS}") as err:
+        rm.score.main(args)
+    assert err.value.exit_code == 5
+
+    tensors = load_file(six_step_run / "final" / "model.safetensors")
+    first = sorted(tensors)[0]
+    tensors[first] = torch.full_like(tensors[first], float("nan"))
+    save_file(tensors, final / "model.safetensors", metadata={"format": "pt"})
+    write_weight_sums(final)
+    with pytest.raises(NonFiniteError, match=rf"1 weight tensor\(s\) hold NaN or inf \({first}\)") as err:
+        rm.score.main(args)
+    assert err.value.exit_code == 4
+
+
 @pytest.mark.reliability("Faults", "resume with changed settings that shape training (model, data, seed, batch sizes, optimizer, schedule)",
                          "refused, naming each changed key with its old and new value (`train.optim.learning_rate: 0.002 -> 0.01`); exit 2")
 def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path):
@@ -519,11 +602,11 @@ def test_non_finite_weights_are_never_saved_as_a_checkpoint(tmp_path):
             torch.save(self.model.state_dict(), directory / "model.bin")
 
     engine = Engine()
-    ckpt.save_checkpoint(engine, tmp_path, 2, keep=3)
+    good = ckpt.save_checkpoint(engine, tmp_path, 2, keep=3)
     with torch.no_grad():
         engine.model.weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match=r"weights at step 4 are not finite.*checkpoint-2, stays") as err:
-        ckpt.save_checkpoint(engine, tmp_path, 4, keep=3)
+        ckpt.save_checkpoint(engine, tmp_path, 4, keep=3, last_good=good)
     assert err.value.exit_code == 4
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [2]
 

@@ -85,11 +85,11 @@ def test_a_missing_file_or_state_makes_a_checkpoint_incomplete(tmp_path):
 
 def test_non_finite_weights_are_never_written_and_the_previous_checkpoint_stays(tmp_path):
     engine = StandInEngine()
-    ckpt.save_checkpoint(engine, tmp_path, step=2, keep=2)
+    good = ckpt.save_checkpoint(engine, tmp_path, step=2, keep=2)
     with torch.no_grad():
         engine.model.weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteError, match="checkpoint-2"):
-        ckpt.save_checkpoint(engine, tmp_path, step=4, keep=2)
+        ckpt.save_checkpoint(engine, tmp_path, step=4, keep=2, last_good=good)
     assert [step for step, _ in ckpt.list_checkpoints(tmp_path)] == [2]
 
 

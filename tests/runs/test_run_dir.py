@@ -74,3 +74,54 @@ def test_a_lock_held_on_another_host_is_refused_naming_the_file_to_delete(tmp_pa
     (tmp_path / ".lock").write_text(json.dumps({"pid": 1, "host": "elsewhere", "since": "x"}))
     with pytest.raises(Refused, match=r"elsewhere.*delete .*\.lock"):
         RunLock(tmp_path).__enter__()
+
+
+def test_what_an_abandoned_write_left_is_removed_and_nothing_else(tmp_path):
+    """A run killed mid-write (SIGKILL, a second Ctrl-C) leaves temporary directories that nothing reads; the next
+    start removes them, and only them."""
+    from rm.runs.run_dir import RunDir
+
+    _earlier_run(tmp_path, final=False)
+    left = [tmp_path / ".tmp-final" / "model.safetensors", tmp_path / "checkpoints" / ".tmp-checkpoint-7" / "optimizer.bin",
+            tmp_path / ".tmp-replaced-final" / "config.json"]
+    for path in left:
+        path.parent.mkdir(parents=True)
+        path.write_text("half")
+    RunDir(tmp_path, resume=True, overwrite=False, is_main=True).remove_abandoned()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "checkpoints", "checkpoints/checkpoint-2", "metrics.jsonl"]
+
+
+def test_overwrite_never_leaves_a_half_deleted_final(tmp_path, monkeypatch):
+    """The earlier run is renamed out of the way before it is deleted: a stop during the deletion leaves no final/."""
+    import shutil
+
+    _earlier_run(tmp_path)
+    (tmp_path / "final" / "model.safetensors").write_text("weights")
+    real_rmtree = shutil.rmtree
+
+    def stopped_halfway(path, *args, **kwargs):
+        if os.path.basename(path).endswith("final") and os.path.exists(path):  # deleting the earlier final/
+            raise KeyboardInterrupt
+        real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", stopped_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        replace_earlier_run(tmp_path, check_run_dir(tmp_path, resume=False, overwrite=True))
+    assert not (tmp_path / "final").exists() and (tmp_path / ".tmp-replaced-final").is_dir()
+
+
+def test_the_resume_command_is_the_run_own_overrides_quoted(tmp_path):
+    """Issue 50: followed literally, "Continue with:" must compose the run's config, not the defaults."""
+    import shlex
+
+    from rm.runs.run_record import resume_command
+
+    run_dir = tmp_path / "my run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text(
+        "- experiment=tiny\n- data.train_files=[a b.jsonl]\n- train.checkpoint.resume=true\n- +train.checkpoint.overwrite=false\n")
+    command = resume_command(run_dir, overrides=["ignored=1"])
+    assert shlex.split(command) == ["python", "-m", "rm.train", "experiment=tiny", "data.train_files=[a b.jsonl]",
+                                    "train.checkpoint.resume=true", f"hydra.run.dir={run_dir}"]
+    assert shlex.split(resume_command(tmp_path / "no record", ["model=tiny"]))[3] == "model=tiny"
