@@ -40,7 +40,7 @@ def _quiet_other_ranks() -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> Optional[float]:
     """One job. Every failure ends at the error boundary of ``rm.foundations.errors``: a message and the documented
-    exit code (2 config or data, 3 refused, 4 non-finite, 5 storage), or a traceback for a bug. In a
+    exit code (2 config or data, 3 refused, 4 non-finite, 5 storage, 6 a lost peer), or a traceback for a bug. In a
     multirun (``-m``) a refusal is recorded in ``job_result.json`` and the sweep goes on (``rm.runs.sweep``);
     other failures follow ``sweep.on_failure``.
     Returns the final eval accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which

@@ -301,3 +301,22 @@ def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model
     assert exited.value.code == 2
     out = "".join(capsys.readouterr())
     assert f"base model {tmp_path / 'nope'} (given as the base) does not exist" in out and "Traceback" not in out, out[-3000:]
+
+
+def test_a_lost_peer_is_exit_6_naming_the_rank_not_a_bug(monkeypatch):
+    """gloo's error (as raised when the other rank was SIGKILLed) and torch's DistBackendError are a lost peer, exit 6,
+    with this rank's number and gloo's reason; an unrelated RuntimeError stays a bug."""
+    import torch.distributed as dist
+
+    from rm.foundations.errors import exit_code, message
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:14755: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application.")
+    assert exit_code(gloo) == 6
+    assert message(gloo).startswith("rank 1 of 4 lost its connection to another rank of the run (Read error "
+                                    "[127.0.0.1]:14755: Connection reset by peer)")
+    assert exit_code(dist.DistBackendError("NCCL communicator was aborted on rank 1")) == 6
+    assert exit_code(RuntimeError("shape mismatch")) == 1
