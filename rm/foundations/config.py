@@ -245,8 +245,9 @@ class PlanOutput:
 class SweepConfig:
     """How a job of a multirun (``-m``) ends when it fails for a reason other than a refusal.
 
-    raise: Hydra's own behaviour. The job is recorded as failed; the basic sweeper runs the
-        remaining jobs and the multirun exits non-zero at the end; Optuna stops the study.
+    raise: Hydra's own behaviour. The job is recorded as failed and prints its message; the basic sweeper runs the
+        remaining jobs and the multirun exits with the first failed job's code at the end (2 for an invalid value;
+        no traceback but a bug's); Optuna stops the study.
     continue: the job is recorded as failed and returns no objective (Optuna counts a failed trial);
         every sweeper goes on and the multirun exits 0.
     A job the pre-flight estimate refuses is always recorded as refused, returns no objective, and

@@ -258,6 +258,9 @@ def boundary(log: Optional[logging.Logger] = None):
 
 
 _task_started = False
+# The exit code of the first failed job of a multirun under sweep.on_failure=raise (rm.runs.sweep.job_failed): Hydra
+# exits 1 after its sweeper re-raises the job's failure, and run_hydra_app exits with this instead.
+sweep_exit_code: Optional[int] = None
 
 
 class _HeldStderr(io.TextIOBase):
@@ -302,6 +305,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
         if isinstance(stop.code, int) and stop.code not in (0, 1):
             # Every exit ends here, also those that bypass report() (a signal's 128+N): the launcher reads the code.
             record_exit(stop.code, keep=True)
+        if stop.code == 1 and sweep_exit_code is not None:
+            raise SystemExit(sweep_exit_code) from None
         if stop.code == 1 and not _task_started:
             # Hydra's message names the key, except for a syntax error: name what it was given.
             from rm.foundations.cli import NO_RUN_DIR  # added by rm itself, not typed by the user
