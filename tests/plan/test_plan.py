@@ -174,6 +174,40 @@ def test_user_set_knobs_stay_and_candidates_pass_validation(tiny_cfg):
     assert any(c.cfg.train.share_prefix for c in result.candidates)  # not set by the user: varied
 
 
+def test_on_a_gpu_profile_layouts_never_timed_there_rank_after_those_that_were(tiny_cfg):
+    """Packed and prefix-shared rows were timed on CPUs only (their one GPU run, an H200, took 6x the padded step):
+    on hardware=h100_80g every layout that turns one on comes after every layout that does not, and says so; on a
+    CPU none is marked. ZeRO-1 is offered as distributed=zero1, not as zero2 with zero_stage=1."""
+    from rm.plan.auto import GPU_UNMEASURED
+    from rm.plan.features import FEATURES
+    from rm.plan.lengths import PairLengths
+    from rm.plan.search import plan
+
+    lengths = PairLengths.of([20, 30, 12, 40] * 8, [25, 10, 12, 33] * 8, [10, 5, 6, 20] * 8)
+    result = plan(tiny_cfg("hardware=h100_80g", "distributed.num_processes=2"), ["distributed.num_processes=2"],
+                  lengths=lengths, top=2)
+    marks = [bool(c.unmeasured) for c in result.candidates]
+    assert marks == sorted(marks) and any(marks) and not all(marks)
+    for c in result.candidates:
+        assert ("prefix sharing" in c.unmeasured) == c.cfg.train.share_prefix
+        assert ("packing" in c.unmeasured) == c.cfg.train.packing
+        assert "distributed.zero_stage=1" not in c.overrides
+    assert any("distributed=zero1" in c.overrides for c in result.candidates) == _deepspeed_installed()
+    assert result.top and not any(c.unmeasured for c in result.top)
+    from rm.plan.__main__ import format_plan
+
+    text = format_plan(result, "tiny")
+    assert "Layouts with a feature never timed on a GPU (marked) rank after those that were" in text
+    result.top[0].unmeasured = ("packing",)
+    assert "(not measured on a GPU: packing)" in format_plan(result, "tiny")
+    cpu = plan(tiny_cfg("distributed.num_processes=2"), ["distributed.num_processes=2"], lengths=lengths,
+               rates=_rates(), top=1)
+    assert not any(c.unmeasured for c in cpu.candidates)
+    # train.layout=auto keeps on a GPU what no GPU has timed: the registry says so of each of those knobs
+    unmeasured_keys = {k for f in FEATURES if f.measured_on and "cuda" not in f.measured_on for k in f.keys}
+    assert set(GPU_UNMEASURED) <= unmeasured_keys
+
+
 def _deepspeed_installed() -> bool:
     import importlib.machinery
 
