@@ -79,6 +79,35 @@ def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert list((tmp_path / "speed").glob("*.json"))
 
 
+def test_cpu_rates_say_when_and_at_what_load_and_a_run_that_disagrees_drops_them(tmp_path, monkeypatch):
+    """The cached entry records when it was measured, the load average then and the host, and the prediction's rates
+    carry them; a run whose measured step is over 2x off the prediction (here 0.05 s against 1.37: rates measured
+    under load) removes the entry, so that the next plan measures again; 1.5x off keeps it."""
+    import json
+
+    from rm.foundations.config import HardwareConfig
+    from rm.plan import constants
+    from rm.plan.auto import LayoutChoice
+
+    fake = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]}, "attention": {"float32": [[256, 1e9]],
+            "bfloat16": [[256, 1e9]]}, "memory": 1e10, "kernel_seconds": 1e-6, "micro_batch_seconds": 1e-3,
+            "dropout": 1e9, "elementwise": []}
+    monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "measure_rates", lambda: dict(fake))
+    monkeypatch.setattr(constants.os, "getloadavg", lambda: (3.25, 1.0, 1.0))
+    constants.cpu_rates()
+    entry = json.loads(constants.rates_path().read_text())
+    assert entry["load_average"] == 3.25 and entry["machine"] and entry["measured_at"].endswith("UTC")
+    rates = constants.rates_for(HardwareConfig(name="cpu", accelerator="cpu"), "cpu")
+    assert f"measured {entry['measured_at']} at load 3.25 on" in rates.measured and rates.measured in rates.source
+    choice = LayoutChoice((), (), 1.37, 1.37, "why", rates)
+    assert choice.against_run(1.37 * 1.5) is None and constants.rates_path().exists()
+    stale = choice.against_run(0.05)
+    assert "step time measured 0.05 s against 1.37 predicted (0.04x)" in stale and "at load 3.25" in stale
+    assert "measures them again" in stale and not constants.rates_path().exists()
+    assert LayoutChoice((), (), 1.0, 1.0, "no rates").against_run(0.01) is None
+
+
 def test_a_cuda_profile_without_rates_names_the_key(tiny_cfg):
     from dataclasses import replace
 
