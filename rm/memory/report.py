@@ -66,7 +66,7 @@ def format_shapes(est: Estimate) -> str:
 
 def format_numerics(precision: str, numerics: dict) -> str:
     """``bf16-mixed: trained weights fp32, AdamW states fp32, compute bf16 (autocast)``, from ``Plan.numerics``."""
-    short = SHORT
+    short = {**SHORT, "nf4": "4-bit NF4"}
     master = f" + {short[numerics['master']]} master copy" if numerics["master"] else ""
     compute = short[numerics["compute"]] + (" (autocast)" if numerics["autocast"] else "")
     return (f"{precision}: trained weights {short[numerics['weights']]}{master}, optimizer states "
