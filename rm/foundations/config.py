@@ -84,14 +84,15 @@ class HardwareConfig:
     name: str = MISSING
     accelerator: str = "cuda"  # cuda | cpu | auto (detect at start)
     # Capacity of one device as its runtime reports it (torch.cuda.mem_get_info()[1]), not the size on
-    # the box: an "80 GB" H100 reports 79.19 GiB. hardware=auto reads it from the device.
-    device_memory_gib: float = MISSING
+    # the box: an "80 GB" H100 reports 79.19 GiB. hardware=auto reads it from the device; null on a CPU profile:
+    # this machine's RAM (rm.foundations.hardware.resolve_hardware), a number overrides it.
+    device_memory_gib: Optional[float] = MISSING
     # Kept free for what the estimate does not see (other processes on the device, a profiler).
     # null: 2% of device_memory_gib, the calibration's bound on how far an estimate may be under.
     headroom_gib: Optional[float] = None
     bf16: bool = False  # device computes in bfloat16 natively
     gpus_per_node: int = 1
-    host_ram_gib: int = MISSING  # RAM of one node
+    host_ram_gib: Optional[int] = MISSING  # RAM of one node; null: this machine's (detected)
     # Rates the step-time model reads (python -m rm.plan; rm/plan/steptime.py). null on a CPU: measured on this
     # machine by a short micro-benchmark, cached per machine (rm/plan/constants.py). A CUDA profile states its
     # card's datasheet figures, each with its source in a comment, until benchmarks/gpu_constants.py measures them.

@@ -322,7 +322,8 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
 def describe(rates: Rates) -> List[str]:
     """The rates in words, for the table's header."""
     mm = ", ".join(f"{d} {max(entry[-1] for entry in t) / 1e12:.3g}" for d, t in rates.matmul.items())
-    return [f"rates ({rates.source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
+    source = rates.source if not rates.measured or rates.measured in rates.source else f"{rates.source}, {rates.measured}"
+    return [f"rates ({source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
             f"link {rates.link / GB:.3g} GB/s; host link {rates.host_link / GB:.3g} GB/s"
             + (f"; {rates.kernel_seconds * 1e6:.1f} us an op" if rates.kernel_seconds else "")
             + (f", {rates.micro_batch_seconds * 1e3:.2f} ms a micro-batch" if rates.micro_batch_seconds else "")]
