@@ -25,7 +25,7 @@ from rm.runs.run_dir import RunDir
 from rm.runs.run_record import hold_log
 from rm.runs.sweep import job_failed, job_record, write_job_record
 from rm.training.trainer import Status, train
-from rm.settings.validate import launched_as_main
+from rm.settings.validate import launched_as_main, unused_overrides
 
 log = logging.getLogger("rm.train")
 
@@ -63,6 +63,8 @@ def _job(cfg: DictConfig) -> Optional[float]:
     join_submitit_tasks()
     _quiet_other_ranks()
     run_cfg = to_run_config(cfg)
+    for warning in unused_overrides(run_cfg, overrides):
+        log.warning("%s", warning)
     directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
 
     def record(status, **fields):
