@@ -19,7 +19,8 @@ code meaning
      and any ``OSError`` or safetensors error that reaches the boundary)
 6    distributed: this rank lost its connection to another rank of the run, which stopped (killed, out of
      memory, crashed) or cannot be reached (:class:`PeerLost`, and gloo's or NCCL's error that reaches the
-     boundary); the launcher names the rank that stopped first and exits with its code
+     boundary); the launcher names the rank that stopped first and exits with its code, and exits 6 itself
+     where torchrun could not start the ranks (its rendezvous port in use)
 ==== =====================================================================
 
 ``RM_DEBUG=1`` adds the traceback to every message.

@@ -51,6 +51,8 @@ def without_torchrun_traceback(lines: Iterable[str]) -> Iterator[str]:
 _FAILED_LINE = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 _RANK_LINE = re.compile(r"^\s*rank\s*: (\d+) \(local_rank: (\d+)\)")
 _EXITCODE_LINE = re.compile(r"^\s*exitcode\s*: (-?\d+) \(pid: (\d+)\)")
+# The last line of a traceback: the exception torchrun itself stopped with (the rendezvous port in use, say).
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception)(:|$)")
 
 
 def _signal_name(number: int) -> str:
@@ -73,6 +75,11 @@ class FailureLog:
     def feed(self, line: str) -> None:
         if self.directory is None:
             return
+        if _EXCEPTION_LINE.match(line):  # the filter drops torchrun's traceback: its last line is kept for summarize
+            try:
+                (self.directory / "torchrun").write_text(line.strip() + "\n")
+            except OSError:
+                pass
         if "Root Cause (first observed failure)" in line:
             self.root = True
         if (m := _FAILED_LINE.search(line)) and os.environ.get("NNODES", "1") == "1":
@@ -118,7 +125,8 @@ def summarize(directory: Path, status: int) -> int:
     (2 config, 3 refused, 4 non-finite, 5 storage), else 1 where a rank met a bug, else 128+N of the first rank
     a signal N stopped without a word (SIGKILL: 137, printed here naming the rank; the others then report 6, a lost
     peer), else a rank's 128+N where a signal N stopped it with a checkpoint (SLURM's requeue reads 143), else 6
-    where ranks lost a peer, else torchrun's status (a crash before rm started). Rank 0
+    where ranks lost a peer, else 6 with torchrun's own error where it stopped before any rank reported (the
+    rendezvous port in use), else torchrun's status (a crash before rm started). Rank 0
     printed its message itself; where it reported nothing (torchrun stopped it first), the lowest reporting rank's
     message is printed here.
     """
@@ -149,6 +157,13 @@ def summarize(directory: Path, status: int) -> int:
         rank = min(lost)
         if 0 not in exits and lost[rank][1]:
             print(f"{lost[rank][1]}\n(rank {rank} of the run)", file=sys.stderr)
+        return 6
+    own = (directory / "torchrun").read_text().strip() if (directory / "torchrun").exists() else ""
+    if not exits and own and "ChildFailedError" not in own:
+        # torchrun failed before any rank ran rm (its traceback was filtered out): its own words, and the usual fix
+        hint = ("; another run holds MASTER_PORT: set MASTER_PORT=<a free port>" if "EADDRINUSE" in own
+                or "address already in use" in own else "")
+        print(f"error: torchrun stopped before the ranks started: {own}{hint}", file=sys.stderr)
         return 6
     return status
 

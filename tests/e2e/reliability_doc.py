@@ -42,7 +42,7 @@ Exit codes of every entry point (`rm.train`, `rm.estimate`, `rm.score`, `rm.expo
 run holds the run directory); 4 stopped by a non-finite loss, gradient or weight; 5 storage (a file could
 not be written or read back intact: any `OSError` or safetensors error); 6 distributed: this rank lost its
 connection to another rank, which stopped first or cannot be reached (`train_rm_distributed.sh` then exits with the
-code of the rank that failed first, and names it); 128+N stopped by signal N (137: SIGKILL, the out-of-memory killer).
+code of the rank that failed first, and names it), or torchrun could not start the ranks (its port in use); 128+N stopped by signal N (137: SIGKILL, the out-of-memory killer).
 Expected errors print one message naming the key, file, row or path and the fix, without a traceback;
 `RM_DEBUG=1` adds the traceback.
 """

@@ -326,3 +326,18 @@ def test_the_launcher_names_a_rank_torchrun_saw_killed_from_torchruns_own_report
     assert "rank 1 (pid 13375) was stopped by SIGKILL" in capsys.readouterr().err
     (tmp_path / "rank1").write_text("2\nerror: invalid configuration\n")  # a rank's own expected error still wins
     assert summarize(tmp_path, 1) == 2
+
+
+def test_the_launcher_names_torchruns_own_failure_before_any_rank_ran(tmp_path, capsys):
+    """torchrun's rendezvous port in use: its traceback (which the filter drops) ends on a DistNetworkError and no
+    rank ran; the launcher says so with the fix and exits 6, not a silent 1."""
+    from rm.training.launch import FailureLog, summarize
+
+    failures = FailureLog(str(tmp_path))
+    for line in ["Traceback (most recent call last):\n", '  File "/usr/bin/torchrun", line 8, in <module>\n',
+                 "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+                 "address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"]:
+        failures.feed(line)
+    assert summarize(tmp_path, 1) == 6
+    err = capsys.readouterr().err
+    assert "torchrun stopped before the ranks started: torch.distributed.DistNetworkError" in err and "MASTER_PORT" in err
