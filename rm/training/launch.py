@@ -71,11 +71,12 @@ class FailureLog:
         self.directory = Path(directory) if directory else None
         self.root = False
         self.rank: Optional[int] = None
+        self.in_torchrun = False  # past the start of torchrun's own traceback (a rank's passes the filter)
 
     def feed(self, line: str) -> None:
         if self.directory is None:
             return
-        if _EXCEPTION_LINE.match(line):  # the filter drops torchrun's traceback: its last line is kept for summarize
+        if self.in_torchrun and _EXCEPTION_LINE.match(line):  # torchrun's traceback, filtered out: its last line kept
             try:
                 (self.directory / "torchrun").write_text(line.strip() + "\n")
             except OSError:
@@ -182,6 +183,7 @@ def main(argv=None) -> int:
         for line in without_torchrun_traceback(lines):
             sys.stdout.write(line)
             sys.stdout.flush()
+        failures.in_torchrun = True
         for _ in lines:  # keep reading (torchrun's summary names the ranks) so torchrun never blocks on a full pipe
             pass
         return 0

@@ -334,6 +334,9 @@ def test_the_launcher_names_torchruns_own_failure_before_any_rank_ran(tmp_path, 
     from rm.training.launch import FailureLog, summarize
 
     failures = FailureLog(str(tmp_path))
+    failures.feed("ModuleNotFoundError: a rank's own traceback, which the filter passes\n")
+    assert not (tmp_path / "torchrun").exists()
+    failures.in_torchrun = True  # as the filter sets it at torchrun's first frame
     for line in ["Traceback (most recent call last):\n", '  File "/usr/bin/torchrun", line 8, in <module>\n',
                  "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
                  "address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"]:
