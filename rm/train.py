@@ -91,7 +91,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
         raise job_failed(hydra_cfg.job.num, code, Path(hydra_cfg.sweep.dir)) from None
     if result["status"] is Status.INTERRUPTED:
         record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
-                                              "a checkpoint was written, resume with train.resume=true")
+                                              "a checkpoint was written, resume with train.checkpoint.resume=true")
         sys.exit(128 + result["signal"])
     if result["status"] is Status.STOPPED_NONFINITE:
         error = NonFiniteError(f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it")

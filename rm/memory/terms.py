@@ -661,7 +661,7 @@ def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> 
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
         t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
-        if cfg.train.kahan_summation:
+        if cfg.train.optim.kahan_summation:
             # optimi's compensation buffer, one per trained tensor in its dtype; its per-tensor step divides by
             # sqrt(exp_avg_sq) into one tensor-sized scratch (optimi.adam, _single_adam).
             t.states += counts.trainable * trained_bytes
@@ -679,7 +679,7 @@ def lost_update_probe_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts)
     gradients, which ``torch.cat`` widens to fp32 (one more 8 bytes an element)."""
     from rm.foundations.lost_updates import SAMPLE_SIZE
 
-    attached = cfg.health.lost_updates_threshold > 0 and plan.strategy != "deepspeed" and not cfg.train.kahan_summation
+    attached = cfg.health.lost_updates_threshold > 0 and plan.strategy != "deepspeed" and not cfg.train.optim.kahan_summation
     return 8 * min(SAMPLE_SIZE, counts.trainable) if attached else 0
 
 
@@ -689,7 +689,7 @@ def host_bytes(cfg: RunConfig, plan: Plan, counts: ParameterCounts, states: int,
     if cfg.model.pretrained:
         # from_pretrained reads the checkpoint into host memory in every process before moving it.
         host += plan_procs_per_node(plan) * counts.base * wbytes
-    if cfg.train.resume and plan.device == "cuda":
+    if cfg.train.checkpoint.resume and plan.device == "cuda":
         # Resuming reads each process's optimizer states from the checkpoint into host memory first (accelerate
         # and DeepSpeed load with map_location="cpu"), then copies them into the optimizer. On a CPU device the
         # loaded tensors are the optimizer's own (same device and dtype): nothing is copied.

@@ -105,8 +105,8 @@ def write_summary(sweep_dir: Path, records: List[Dict]) -> None:
 def one_line(text: str, width: int = 160) -> str:
     """A message on one line of the table (``summary.json`` keeps it whole).
 
-        >>> one_line("ConfigError: invalid configuration:\\n  - train.adam_beta1=1.5 must be in [0, 1)")
-        'ConfigError: invalid configuration: - train.adam_beta1=1.5 must be in [0, 1)'
+        >>> one_line("ConfigError: invalid configuration:\\n  - train.optim.adam_beta1=1.5 must be in [0, 1)")
+        'ConfigError: invalid configuration: - train.optim.adam_beta1=1.5 must be in [0, 1)'
     """
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 3] + "..."

@@ -34,7 +34,7 @@ CHOICES = {
     "data.duplicates": DUPLICATES,
     "data.on_malformed": ON_MALFORMED,
     "train.precision": ("auto", *PRECISION_NAMES, *PRECISION_ALIASES),
-    "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
+    "train.optim.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
     "train.layout": ("auto", "given"),
     "preflight.mode": ("error", "warn", "off"),
     "sweep.on_failure": ("raise", "continue"),
@@ -156,7 +156,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
         "train.micro_batch_size": micro,
         "train.global_batch_size": t.global_batch_size,
         "train.eval_batch_size": t.eval_batch_size,
-        "train.learning_rate": t.learning_rate,
+        "train.optim.learning_rate": t.learning_rate,
         "data.max_length": d.max_length,
         "hardware.nodes": hw.nodes,
         "hardware.time_limit_min": hw.time_limit_min,
@@ -175,7 +175,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
         errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
     errors += _health_errors(cfg.health)
     if not 0 <= t.warmup_ratio < 1:
-        errors.append(f"train.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
+        errors.append(f"train.optim.warmup_ratio={t.warmup_ratio} must be in [0, 1)")
     if t.max_tokens_per_micro_batch and not t.packing:
         errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} needs train.packing=true")
     # A budget below one pair of max_length would let a pair exceed it: then the estimate, which follows the budget, is no bound.
@@ -296,31 +296,31 @@ def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors:
     if strategy == "deepspeed" and mode.deepspeed_refusal:
         errors.append(f"train.precision={precision} with distributed={cfg.distributed.name}: {mode.deepspeed_refusal}. "
                       f"Use train.precision=bf16-mixed, or distributed=ddp for pure bf16")
-    if cfg.train.kahan_summation:
+    if cfg.train.optim.kahan_summation:
         if precision != "bf16-true":
-            errors.append(f"train.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
+            errors.append(f"train.optim.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
                           f"{'keeps fp32 weights for the optimizer already' if mode.mixed or not mode.half else 'is not bf16-true'}: "
                           f"drop the key, or use train.precision=bf16-true")
         if strategy == "deepspeed" or cfg.memory_profile.optimizer != "adamw":
-            errors.append(f"train.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
+            errors.append(f"train.optim.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
                           f"with distributed={cfg.distributed.name} uses another optimizer: use distributed=ddp with "
                           f"memory_profile=full or lora")
         if not _installed("optimi"):
-            errors.append("train.kahan_summation=true needs optimi: pip install torch-optimi")
+            errors.append("train.optim.kahan_summation=true needs optimi: pip install torch-optimi")
     warnings = []
     if cfg.train.precision in PRECISION_ALIASES:
         warnings.append(f"train.precision={cfg.train.precision} reads as {precision} (Lightning's names: bf16-mixed keeps "
                         f"fp32 weights and optimizer states, bf16-true trains bf16 weights)")
-    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.kahan_summation:
+    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.optim.kahan_summation:
         # The weights' scale is unknown before they load; transformers initialises (and most checkpoints keep)
         # linear weights near N(0, 0.02).
-        lost = bf16_lost_update_fraction(cfg.train.learning_rate, 0.02)
+        lost = bf16_lost_update_fraction(cfg.train.optim.learning_rate, 0.02)
         if lost > 0.05:
             warnings.append(
-                f"train.precision=bf16-true at train.learning_rate={cfg.train.learning_rate:g}: AdamW updates smaller than "
+                f"train.precision=bf16-true at train.optim.learning_rate={cfg.train.optim.learning_rate:g}: AdamW updates smaller than "
                 f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
                 f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
-                f"{_lr_losing_at_most(0.05):.0e}, or train.kahan_summation=true; the lost_updates alarm measures it while training")
+                f"{_lr_losing_at_most(0.05):.0e}, or train.optim.kahan_summation=true; the lost_updates alarm measures it while training")
     return warnings
 
 
@@ -362,12 +362,12 @@ def _range_errors(cfg: RunConfig, hw: HardwareConfig) -> List[str]:
     errors: List[str] = []
     t, d, m = cfg.train, cfg.data, cfg.model
     _in_range(errors, "train.seed", t.seed, 0, 2**32 - 1, hint=" (numpy and torch seeds are unsigned 32-bit)")
-    _in_range(errors, "train.adam_beta1", t.adam_beta1, 0, 1, high_open=True)
-    _in_range(errors, "train.adam_beta2", t.adam_beta2, 0, 1, high_open=True)
-    _in_range(errors, "train.adam_epsilon", t.adam_epsilon, 0, low_open=True)
-    _in_range(errors, "train.weight_decay", t.weight_decay, 0)
-    _in_range(errors, "train.max_grad_norm", t.max_grad_norm, 0, hint=" (0 disables clipping)")
-    _in_range(errors, "train.learning_rate", t.learning_rate, 0, 1, low_open=True)
+    _in_range(errors, "train.optim.adam_beta1", t.adam_beta1, 0, 1, high_open=True)
+    _in_range(errors, "train.optim.adam_beta2", t.adam_beta2, 0, 1, high_open=True)
+    _in_range(errors, "train.optim.adam_epsilon", t.adam_epsilon, 0, low_open=True)
+    _in_range(errors, "train.optim.weight_decay", t.weight_decay, 0)
+    _in_range(errors, "train.optim.max_grad_norm", t.max_grad_norm, 0, hint=" (0 disables clipping)")
+    _in_range(errors, "train.optim.learning_rate", t.learning_rate, 0, 1, low_open=True)
     _in_range(errors, "train.center_rewards_coefficient", t.center_rewards_coefficient, 0)
     _in_range(errors, "train.num_train_epochs", t.num_train_epochs, 0)
     _in_range(errors, "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0)

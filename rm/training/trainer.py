@@ -49,7 +49,7 @@ class Status(str, Enum):
     result stays JSON as it is)."""
 
     OK = "ok"  # trained to the last step
-    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.resume=true
+    INTERRUPTED = "interrupted"  # a signal: a checkpoint was written, resume with train.checkpoint.resume=true
     STOPPED_NONFINITE = "stopped_nonfinite"  # the health checks stopped it; no checkpoint of the bad step
 
     def __str__(self) -> str:
@@ -216,7 +216,7 @@ def checkpoint(run: Run, paused: float) -> Path:
     (where the training time it records ends)."""
     state = run.state
     record = state.record(run.engine.reduce, state.trained_s(paused), run.health.state_dict())
-    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.save_total_limit, state.fingerprint, record)
+    return run.dir.save_checkpoint(run.engine, state.step, run.cfg.train.checkpoint.save_total_limit, state.fingerprint, record)
 
 
 def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]:
@@ -253,13 +253,13 @@ def wrap_up(run: Run, outcome: Status, stop: "StopRequest") -> Tuple[Dict, Dict]
                     signal.Signals(stop.signum).name)
     if outcome is Status.INTERRUPTED:
         path = checkpoint(run, ended)
-        log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.resume=true hydra.run.dir=%s",
+        log.warning("stopped at step %d of %d; checkpoint %s. Continue with: train.checkpoint.resume=true hydra.run.dir=%s",
                     step, total, path, run.dir.path)
         return {**result, "status": outcome, "step": step, "signal": stop.signum}, memory
     if outcome is Status.STOPPED_NONFINITE:  # no checkpoint: the newest one on disk stays the last good one
         log.error(
             "stopped before step %d of %d: %s. No checkpoint was written; the newest, %s, is the last good one "
-            "(continue from it with train.resume=true hydra.run.dir=%s once the cause is fixed)",
+            "(continue from it with train.checkpoint.resume=true hydra.run.dir=%s once the cause is fixed)",
             step + 1, total, run.health.stop_reason, run.dir.latest_checkpoint() or "none (none was due yet)", run.dir.path,
         )
         return {**result, "status": outcome, "step": step, "reason": run.health.stop_reason}, memory
@@ -305,7 +305,7 @@ def save_final(run: Run, memory: Dict) -> None:
             shutil.rmtree(tmp_final, ignore_errors=True)
         raise_save_failure(
             error, failed, f"the final model to {final_dir}", run_dir,
-            f"Nothing was left half-written; free space and run again with train.resume=true (newest checkpoint: "
+            f"Nothing was left half-written; free space and run again with train.checkpoint.resume=true (newest checkpoint: "
             f"{run.dir.latest_checkpoint() or 'none'})", kind=StorageError,
         )
     log.info("saved the reward model to %s", final_dir)

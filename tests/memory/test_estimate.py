@@ -33,8 +33,8 @@ def planned(overrides, world=1):
 def test_estimate_matches_measured_peak_within_1_percent(tmp_path, profile, phase_overrides, phase):
     if profile == "8bit":
         pytest.importorskip("bitsandbytes")
-    overrides = [*FAST_TINY, f"memory_profile={profile}", "train.max_steps=3", "train.eval_steps=0",
-                 "train.track_memory=true", *phase_overrides]
+    overrides = [*FAST_TINY, f"memory_profile={profile}", "train.max_steps=3", "train.logging.eval_steps=0",
+                 "train.logging.track_memory=true", *phase_overrides]
     rm_train.train(compose(overrides), tmp_path, overrides)
     memory = json.loads((tmp_path / "memory.json").read_text())
     estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
@@ -54,7 +54,7 @@ def test_bf16_mixed_evaluation_peak_counts_autocasts_copy_of_every_layer(tmp_pat
     under at 6 layers and 10.1% over at 1 (issue 48: 6.8% under, 5-11% over on random points)."""
     overrides = [*FAST_TINY, *WIDE_TINY, f"model.num_hidden_layers={layers}", "train.precision=bf16-mixed",
                  "hardware.bf16=true", "train.micro_batch_size=2", "train.global_batch_size=4",
-                 "train.eval_batch_size=64", "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true"]
+                 "train.eval_batch_size=64", "train.max_steps=2", "train.logging.eval_steps=0", "train.logging.track_memory=true"]
     rm_train.train(compose(overrides), tmp_path, overrides)
     memory = json.loads((tmp_path / "memory.json").read_text())
     estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
@@ -70,7 +70,7 @@ def test_a_token_budgets_first_micro_batch_runs_before_any_gradient_of_its_step(
     gradients was 15.1% over on the full fine-tune and 4.2% on LoRA r64 (issue 48: +18.7% and +5.7%)."""
     overrides = [*FAST_TINY, *WIDE_TINY, f"memory_profile={profile}", "lora.r=64", "train.packing=true",
                  "train.max_tokens_per_micro_batch=640", "train.global_batch_size=8", "train.eval_batch_size=1",
-                 "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true"]
+                 "train.max_steps=2", "train.logging.eval_steps=0", "train.logging.track_memory=true"]
     rm_train.train(compose(overrides), tmp_path, overrides)
     memory = json.loads((tmp_path / "memory.json").read_text())
     estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
@@ -90,7 +90,7 @@ def test_qlora_estimate_matches_measured_peak(tmp_path, monkeypatch, fresh_accel
     pytest.importorskip("bitsandbytes")
     monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
     overrides = [*FAST_TINY, "memory_profile=qlora", f"train.precision={precision}", "hardware.bf16=true",
-                 "train.max_steps=2", "train.eval_steps=0", "train.track_memory=true", *phase_overrides]
+                 "train.max_steps=2", "train.logging.eval_steps=0", "train.logging.track_memory=true", *phase_overrides]
     rm_train.train(compose(overrides), tmp_path / "run", overrides)
     memory = json.loads((tmp_path / "run" / "memory.json").read_text())
     estimate, measured = memory["estimate"]["peak_bytes"], memory["measured"]["peak_allocated_bytes"]
@@ -209,7 +209,7 @@ def test_seed_000_fits_only_in_the_mode_that_barely_trains():
     the changes offered (ZeRO across the 8 GPUs, LoRA) each fit when estimated again. In bf16-true (8 bytes a
     parameter) it fits, with the warning that lr 1e-5 rounds most updates away."""
     base = ["memory_profile=full", "hardware=gpu_64g", "distributed=ddp", "train.micro_batch_size=1",
-            "train.global_batch_size=8", "data.max_length=384", "train.learning_rate=1e-5"]
+            "train.global_batch_size=8", "data.max_length=384", "train.optim.learning_rate=1e-5"]
     mixed_overrides = base + ["train.precision=bf16-mixed"]
     cfg, plan = planned(mixed_overrides, world=8)
     mixed = estimate_run(cfg, plan)
@@ -250,11 +250,11 @@ def test_resume_counts_the_optimizer_states_read_into_host_memory_by_hand():
     base = ["memory_profile=offload", "hardware=gpu_64g", "train.micro_batch_size=1", "train.global_batch_size=8",
             "data.max_length=384"]
     fresh = estimate_run(*planned(base, world=8))
-    resumed = estimate_run(*planned(base + ["train.resume=true"], world=8))
+    resumed = estimate_run(*planned(base + ["train.checkpoint.resume=true"], world=8))
     assert resumed.host_ram_bytes_per_node - fresh.host_ram_bytes_per_node == 8 * 888_833_024 * 12
     assert resumed.peak_bytes == fresh.peak_bytes
     lora = ["memory_profile=lora", "hardware=h100_80g", "distributed=ddp"]
-    fresh, resumed = estimate_run(*planned(lora, world=2)), estimate_run(*planned(lora + ["train.resume=true"], world=2))
+    fresh, resumed = estimate_run(*planned(lora, world=2)), estimate_run(*planned(lora + ["train.checkpoint.resume=true"], world=2))
     assert resumed.host_ram_bytes_per_node - fresh.host_ram_bytes_per_node == 2 * fresh.optimizer_states
     assert fresh.optimizer_states == 8 * fresh.params_trainable
 
@@ -354,14 +354,14 @@ def test_refusal_happens_before_anything_loads(tmp_path):
 
 def test_warn_and_off_let_the_run_go_on(tmp_path):
     for mode in ("warn", "off"):
-        overrides = [*FAST_TINY, f"preflight={mode}", "hardware.device_memory_gib=0.001", "train.max_steps=1", "train.eval_steps=0"]
+        overrides = [*FAST_TINY, f"preflight={mode}", "hardware.device_memory_gib=0.001", "train.max_steps=1", "train.logging.eval_steps=0"]
         assert rm_train.train(compose(overrides), tmp_path / mode, overrides)["status"] == "ok"
 
 
 def test_auto_micro_batch_picks_the_largest_that_fits(tmp_path, caplog):
     """The plan carries the micro-batch picked, and the run uses it; the config stays as composed."""
     overrides = [*FAST_TINY, "train.micro_batch_size=16", "train.global_batch_size=16", "train.eval_batch_size=1",
-                 "preflight.auto_micro_batch=true", "train.max_steps=1", "train.eval_steps=0"]
+                 "preflight.auto_micro_batch=true", "train.max_steps=1", "train.logging.eval_steps=0"]
     sizes = {}
     for micro in (16, 8, 4):
         cfg, plan = planned([*FAST_TINY, f"train.micro_batch_size={micro}", "train.global_batch_size=16", "train.eval_batch_size=1"])

@@ -20,7 +20,7 @@ from rm.data.tokenizer import run_tokenizer
 from rm.modelling.model import build_model, pair_rewards
 from tests.conftest import CONF_DIR, FAST_TINY
 
-STEPS = ["train.max_steps=30", "train.save_steps=15", "train.eval_steps=0", "train.logging_steps=5"]
+STEPS = ["train.max_steps=30", "train.checkpoint.save_steps=15", "train.logging.eval_steps=0", "train.logging.logging_steps=5"]
 
 
 def eval_loss_of(model, tokenizer, data_cfg):
@@ -61,7 +61,7 @@ def test_all_weights_train_and_reload(tiny_cfg, tmp_path, profile):
 def test_lora_trains_adapters_and_head_and_reloads_as_adapter_and_merged(tiny_cfg, tmp_path):
     from peft import PeftModel
 
-    cfg = tiny_cfg("memory_profile=lora", "lora=r8", "lora.merge_on_save=true", "train.learning_rate=5e-3", *STEPS)
+    cfg = tiny_cfg("memory_profile=lora", "lora=r8", "lora.merge_on_save=true", "train.optim.learning_rate=5e-3", *STEPS)
     result = rm_train.train(cfg, tmp_path)
     trace = losses(tmp_path)
     assert trace[-1] < trace[0], trace
@@ -112,7 +112,7 @@ def reload_eval_loss(tmp_path, cfg):
 @pytest.mark.slow
 def test_offload_profile_trains_on_deepspeed_cpu_adam(tiny_cfg, tmp_path):
     pytest.importorskip("deepspeed")
-    events, proc = run_cli(["memory_profile=offload", "train.track_memory=true", *STEPS], tmp_path)
+    events, proc = run_cli(["memory_profile=offload", "train.logging.track_memory=true", *STEPS], tmp_path)
     assert "DeepSpeedCPUAdam under DeepSpeed ZeRO-2, optimizer states on CPU" in proc.stdout + proc.stderr
     trace = [e["loss"] for e in events if e["event"] == "train"]
     assert trace[-1] < trace[0], trace
@@ -136,7 +136,7 @@ def test_two_process_zero2_matches_one_process(tiny_cfg, tmp_path):
     floating-point sums (all-reduce over 2 ranks vs accumulation over 2 micro-batches).
     """
     pytest.importorskip("deepspeed")
-    steps = ["train.max_steps=10", "train.eval_steps=0", "train.logging_steps=5"]
+    steps = ["train.max_steps=10", "train.logging.eval_steps=0", "train.logging.logging_steps=5"]
     one, _ = run_cli(steps, tmp_path / "one")
     two, proc = run_cli(["distributed=zero2", *steps], tmp_path / "two", nproc=2)
     assert "DeepSpeed ZeRO-2, 2 process(es)" in proc.stdout + proc.stderr
@@ -153,7 +153,7 @@ def test_two_process_zero2_matches_one_process(tiny_cfg, tmp_path):
 def test_two_process_ddp_matches_one_process_and_its_schedule(tiny_cfg, tmp_path):
     """DDP through accelerate: the same trajectory as one process, and the learning-rate schedule
     advances once per optimizer step (accelerate's prepared scheduler would step once per process)."""
-    steps = ["train.max_steps=10", "train.eval_steps=0", "train.logging_steps=1", "train.warmup_ratio=0.3"]
+    steps = ["train.max_steps=10", "train.logging.eval_steps=0", "train.logging.logging_steps=1", "train.optim.warmup_ratio=0.3"]
     one, _ = run_cli(steps, tmp_path / "one")
     two, proc = run_cli(["distributed=ddp", *steps], tmp_path / "two", nproc=2)
     assert "DDP, 2 process(es)" in proc.stdout + proc.stderr
@@ -170,7 +170,7 @@ def test_two_process_ddp_matches_one_process_and_its_schedule(tiny_cfg, tmp_path
 def test_two_process_zero3_offload_saves_a_loadable_model(tiny_cfg, tmp_path):
     pytest.importorskip("deepspeed")
     events, proc = run_cli(
-        ["memory_profile=offload", "distributed=zero3_offload", "train.max_steps=6", "train.eval_steps=0"], tmp_path, nproc=2
+        ["memory_profile=offload", "distributed=zero3_offload", "train.max_steps=6", "train.logging.eval_steps=0"], tmp_path, nproc=2
     )
     final_eval = [e for e in events if e["event"] == "eval"][-1]
     # The saved weights are the gathered ZeRO-3 shards: the full model, giving the run's own rewards.
@@ -191,7 +191,7 @@ def test_measured_peaks_follow_what_each_profile_keeps(tiny_cfg, tmp_path):
     pytest.importorskip("bitsandbytes")
     peaks = {}
     for profile in ["full", "8bit", "lora"]:
-        cfg = tiny_cfg(f"memory_profile={profile}", "train.max_steps=3", "train.eval_steps=0", "train.track_memory=true",
+        cfg = tiny_cfg(f"memory_profile={profile}", "train.max_steps=3", "train.logging.eval_steps=0", "train.logging.track_memory=true",
                        "data.max_length=32", "train.micro_batch_size=1", "train.global_batch_size=2", "train.eval_batch_size=1")
         rm_train.train(cfg, tmp_path / profile)
         measured = json.loads((tmp_path / profile / "memory.json").read_text())["measured"]
@@ -271,7 +271,7 @@ def test_qlora_trains_and_exports_on_the_cpu(tiny_cfg, tmp_path, monkeypatch):
     """The whole run on a CPU: 4-bit base, adapters and head train, the export reloads with the same rewards."""
     pytest.importorskip("bitsandbytes")
     monkeypatch.setenv("RM_CACHE", str(tmp_path / "cache"))
-    cfg = tiny_cfg("memory_profile=qlora", "train.learning_rate=5e-3", *STEPS)
+    cfg = tiny_cfg("memory_profile=qlora", "train.optim.learning_rate=5e-3", *STEPS)
     result = rm_train.train(cfg, tmp_path / "run")
     assert result["status"] == "ok"
     trace = losses(tmp_path / "run")

@@ -19,7 +19,7 @@ ROOT = CONF_DIR.parent
 SMALL_RUN = [
     "experiment=tiny", "hardware=cpu", "data.synthetic_train_size=256", "data.synthetic_test_size=64",
     "data.max_length=64", "train.micro_batch_size=8", "train.global_batch_size=16", "train.eval_batch_size=16",
-    "train.max_steps=4", "train.eval_steps=0", "train.logging_steps=2",
+    "train.max_steps=4", "train.logging.eval_steps=0", "train.logging.logging_steps=2",
     # Plain pairs: a prefix-shared run's estimate sizes its rows for pairs without a common prompt, so its
     # measured peak sits below the estimate by more than the 2% this sweep checks.
     "train.share_prefix=false",
@@ -95,18 +95,18 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, on_failure, ex
 
 
 @pytest.mark.reliability("Configuration", "a multirun (`-m`) with `sweep.on_failure=raise` whose job has an invalid value "
-                         "(`train.adam_beta1=1.5,0.9`)", "the job prints its message, the remaining jobs run (Hydra's basic sweeper), "
+                         "(`train.optim.adam_beta1=1.5,0.9`)", "the job prints its message, the remaining jobs run (Hydra's basic sweeper), "
                          "the multirun exits 2, the job's code, without Hydra's traceback; `summary.json` keeps the "
                          "whole message, naming the key")
 def test_an_invalid_job_under_on_failure_raise_ends_the_sweep_with_its_message_and_code(tmp_path):
-    proc = multirun(["sweep.on_failure=raise", "train.adam_beta1=1.5,0.9"], tmp_path)
+    proc = multirun(["sweep.on_failure=raise", "train.optim.adam_beta1=1.5,0.9"], tmp_path)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
-    assert "train.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
+    assert "train.optim.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
     records = json.loads((tmp_path / "summary.json").read_text())
     assert [r["status"] for r in records] == ["failed", "ok"], records
     assert records[0]["error"].startswith("ConfigError: invalid configuration:")
-    assert "train.adam_beta1=1.5 must be in [0, 1)" in records[0]["error"]
+    assert "train.optim.adam_beta1=1.5 must be in [0, 1)" in records[0]["error"]
     assert "the sweep failed: job 0 exited 2" in out
 
 
