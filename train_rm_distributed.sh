@@ -58,7 +58,8 @@ cmd=(torchrun --nnodes "$NNODES" --nproc_per_node "$nproc" --node_rank "$NODE_RA
      -m rm.train "${data[@]}" "hydra.run.dir=$RUN_DIR" "$@")
 echo "+ ${cmd[*]}"
 # torchrun exits 1 with a traceback of its own whenever a rank fails: the ranks leave their exit codes and messages
-# in RM_EXIT_DIR, and the script exits with theirs (2 config, 3 refused, 4 non-finite, 5 storage; rm/training/launch.py).
+# in RM_EXIT_DIR, and the script exits with theirs (2 config, 3 refused, 4 non-finite, 5 storage, 6 lost a peer; a rank
+# killed without a word, 128+N, named from torchrun's own report; rm/training/launch.py).
 export RM_EXIT_DIR
 RM_EXIT_DIR=$(mktemp -d)
 trap 'rm -rf "$RM_EXIT_DIR"' EXIT

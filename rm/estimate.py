@@ -32,12 +32,13 @@ def main() -> None:
     @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
     def run(raw) -> None:
         with answer_only_on_stdout() as answer:
-            from rm.settings.validate import resolve_world_size, validate  # here, not above: `--help` needs no torch
+            from rm.settings.validate import resolve_world_size, unused_overrides, validate  # here: `--help` needs no torch
 
             cfg = to_run_config(raw)
             plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
+            est.warnings += unused_overrides(cfg, overrides)
             if cfg.estimate.json:
                 text = json.dumps(est.to_dict(), indent=2)
             else:

@@ -2,6 +2,9 @@
 
     python -m rm.score --model outputs/.../final --input pairs.jsonl [--output scored.jsonl]
 
+The scored rows are JSON lines on stdout (``--output -`` too; the counts and the accuracy then go to stderr), or in
+the ``--output`` file.
+
 Pairs (any layout ``rm.train`` reads: HH transcripts, prompt/chosen/rejected,
 conversational messages) get ``reward_chosen``/``reward_rejected`` and the
 pairwise accuracy is printed; rows with a ``text`` column get ``reward``, and so
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import redirect_stdout
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -120,6 +124,8 @@ def check_model_dir(path: str) -> Path:
     try the path as a Hub id and fail with "Repo id must be in the form ...".
     """
     directory = Path(path).expanduser()
+    if directory.is_file():
+        raise ConfigError(f"--model {path} is a file: give the directory that holds it (--model {directory.parent})")
     if not directory.is_dir():
         raise ConfigError(f"--model {path}: no such directory; give the final/ directory that rm.train wrote")
     if (directory / "final" / "config.json").is_file() and not (directory / "config.json").is_file():
@@ -138,7 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", required=True,
                         help="directory written by rm.train (its final/, final/merged/ or a LoRA adapter final/)")
     parser.add_argument("--input", required=True, nargs="+", help="jsonl / json / parquet file(s)")
-    parser.add_argument("--output", help="write the rows with their rewards here (jsonl)")
+    parser.add_argument("--output", help="write the rows with their rewards here (jsonl); without it, or with '-', they "
+                                         "go to stdout as JSON lines and the counts to stderr")
     parser.add_argument("--format", default="auto", choices=("auto", "hh", "prompt", "messages", "text"))
     parser.add_argument("--max-length", type=_positive_int, default=2048, help="tokens; longer sequences lose their start")
     parser.add_argument("--batch-size", type=_positive_int, default=16)
@@ -146,7 +153,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--normalize", action="store_true",
                         help="report (reward - mean) / std with the eval mean and std of the model's reward_stats.json")
     args = parser.parse_args(argv)
+    answer = sys.stdout
+    if args.output in (None, "-"):  # stdout is the answer: what is said along the way goes to stderr
+        with redirect_stdout(sys.stderr):
+            records = _score(args)
+        for rec in records:
+            answer.write(json.dumps(rec) + "\n")
+        answer.flush()
+        return 0
+    records = _score(args)
+    tmp = Path(args.output).with_name(f".tmp-{Path(args.output).name}")
+    try:  # renamed into place: a stopped run leaves no --output cut short
+        with open(tmp, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        tmp.replace(args.output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {args.output}")
+    return 0
 
+
+def _score(args) -> List[dict]:
+    """The rows of ``--input`` with their rewards; prints the counts and the accuracy."""
     # Imported here so that --help answers without loading torch's model stack.
     from rm.data.load import load_preference_split
     from rm.data.normalise import max_chars_for, normalise_pairs
@@ -197,17 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for p, c, r in zip(pairs, chosen, rejected)
         ]
         print(f"pairwise accuracy {correct / max(len(records), 1):.4f} over {len(records)} pairs")
-    if args.output:  # renamed into place: a stopped run leaves no --output cut short
-        tmp = Path(args.output).with_name(f".tmp-{Path(args.output).name}")
-        try:
-            with open(tmp, "w") as f:
-                for rec in records:
-                    f.write(json.dumps(rec) + "\n")
-            tmp.replace(args.output)
-        finally:
-            tmp.unlink(missing_ok=True)
-        print(f"wrote {args.output}")
-    return 0
+    return records
 
 
 if __name__ == "__main__":

@@ -23,8 +23,8 @@ from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_ap
 from rm.foundations.quiet import quiet_progress_bars
 from rm.memory.preflight import PreflightRefusal
 from rm.runs.run_record import hold_log
-from rm.runs.sweep import job_record, write_job_record
-from rm.settings.validate import launched_as_main
+from rm.runs.sweep import job_failed, job_record, write_job_record
+from rm.settings.validate import launched_as_main, unused_overrides
 
 log = logging.getLogger("rm.train")
 
@@ -51,9 +51,10 @@ def _quiet_other_ranks() -> None:
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> Optional[float]:
     """One job. Every failure ends at the error boundary of ``rm.foundations.errors``: a message and the documented
-    exit code (2 config or data, 3 refused, 4 non-finite, 5 storage), or a traceback for a bug. In a
+    exit code (2 config or data, 3 refused, 4 non-finite, 5 storage, 6 a lost peer), or a traceback for a bug. In a
     multirun (``-m``) a refusal is recorded in ``job_result.json`` and the sweep goes on (``rm.runs.sweep``);
-    other failures follow ``sweep.on_failure``.
+    other failures follow ``sweep.on_failure``: under ``raise`` the job prints its message as a single run would, and
+    the multirun exits with its code, not Hydra's traceback and 1 (``rm.runs.sweep.JobFailed``).
     Returns the final eval accuracy, the objective of ``hydra/sweeper=optuna``; None for a job that did not train, which
     the Optuna sweeper records as a failed (infeasible) trial rather than a value to learn from."""
     task_started()  # from here on, an exit 1 is a bug (a multirun job does not pass through boundary())
@@ -78,6 +79,8 @@ def _job(cfg: DictConfig) -> Optional[float]:
     _quiet_other_ranks()
     quiet_progress_bars()  # the first screen: the run summary, then progress (rm.foundations.quiet)
     run_cfg = to_run_config(cfg)
+    for warning in unused_overrides(run_cfg, overrides):
+        log.warning("%s", warning)
     directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
 
     def record(status, **fields):
@@ -97,11 +100,11 @@ def _job(cfg: DictConfig) -> Optional[float]:
         record("failed", error=err)
         if not multirun:
             raise  # to the boundary in main: message and exit code
+        code = report(err, log)
         if run_cfg.sweep.on_failure == "continue":
-            report(err, log)
             log.error("job failed; sweep.on_failure=continue: the sweep goes on")
             return None
-        raise
+        raise job_failed(hydra_cfg.job.num, code, Path(hydra_cfg.sweep.dir)) from None
     if result["status"] is Status.INTERRUPTED:
         record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
                                               "a checkpoint was written, resume with train.checkpoint.resume=true")
@@ -111,7 +114,9 @@ def _job(cfg: DictConfig) -> Optional[float]:
         record("failed", result=result, error=error)
         if multirun and run_cfg.sweep.on_failure == "continue":
             return None
-        raise error  # exit 4 at the boundary; in a multirun, like any failed job under sweep.on_failure=raise
+        if multirun:
+            raise job_failed(hydra_cfg.job.num, report(error, log), Path(hydra_cfg.sweep.dir))
+        raise error  # exit 4 at the boundary
     record("ok", result=result)
     return result.get("eval_accuracy", float("nan"))
 

@@ -87,14 +87,15 @@ class HardwareConfig:
     name: str = MISSING
     accelerator: str = "cuda"  # cuda | cpu | auto (detect at start)
     # Capacity of one device as its runtime reports it (torch.cuda.mem_get_info()[1]), not the size on
-    # the box: an "80 GB" H100 reports 79.19 GiB. hardware=auto reads it from the device.
-    device_memory_gib: float = MISSING
+    # the box: an "80 GB" H100 reports 79.19 GiB. hardware=auto reads it from the device; null on a CPU profile:
+    # this machine's RAM (rm.foundations.hardware.resolve_hardware), a number overrides it.
+    device_memory_gib: Optional[float] = MISSING
     # Kept free for what the estimate does not see (other processes on the device, a profiler).
     # null: 2% of device_memory_gib, the calibration's bound on how far an estimate may be under.
     headroom_gib: Optional[float] = None
     bf16: bool = False  # device computes in bfloat16 natively
     gpus_per_node: int = 1
-    host_ram_gib: int = MISSING  # RAM of one node
+    host_ram_gib: Optional[int] = MISSING  # RAM of one node; null: this machine's (detected)
     # Rates the step-time model reads (python -m rm.plan; rm/plan/steptime.py). null on a CPU: measured on this
     # machine by a short micro-benchmark, cached per machine (rm/plan/constants.py). A CUDA profile states its
     # card's datasheet figures, each with its source in a comment, until benchmarks/gpu_constants.py measures them.
@@ -302,8 +303,9 @@ class PlanOutput:
 class SweepConfig:
     """How a job of a multirun (``-m``) ends when it fails for a reason other than a refusal.
 
-    raise: Hydra's own behaviour. The job is recorded as failed; the basic sweeper runs the
-        remaining jobs and the multirun exits non-zero at the end; Optuna stops the study.
+    raise: Hydra's own behaviour. The job is recorded as failed and prints its message; the basic sweeper runs the
+        remaining jobs and the multirun exits with the first failed job's code at the end (2 for an invalid value;
+        no traceback but a bug's); Optuna stops the study.
     continue: the job is recorded as failed and returns no objective (Optuna counts a failed trial);
         every sweeper goes on and the multirun exits 0.
     A job the pre-flight estimate refuses is always recorded as refused, returns no objective, and

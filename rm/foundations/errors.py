@@ -17,6 +17,10 @@ code meaning
 4    stopped by a non-finite loss, gradient or weight (:class:`NonFiniteError`)
 5    storage: a file could not be written or read back intact (:class:`StorageError`,
      and any ``OSError`` or safetensors error that reaches the boundary)
+6    distributed: this rank lost its connection to another rank of the run, which stopped (killed, out of
+     memory, crashed) or cannot be reached (:class:`PeerLost`, and gloo's or NCCL's error that reaches the
+     boundary); the launcher names the rank that stopped first and exits with its code, and exits 6 itself
+     where torchrun could not start the ranks (its rendezvous port in use)
 ==== =====================================================================
 
 A command stopped by signal N exits 128 + N (SIGTERM 143, SIGINT 130; :class:`Interrupted`).
@@ -123,6 +127,12 @@ def stop_on_signals():
             signal.signal(sig, handler)
 
 
+class PeerLost(RmError):
+    """This rank lost its connection to another rank of the run (which stopped first, or cannot be reached)."""
+
+    exit_code = 6
+
+
 def _storage_types():
     types = [OSError]
     try:  # safetensors raises its own type (not an OSError) for a full disk or a damaged file
@@ -157,19 +167,56 @@ def is_storage_failure(err: BaseException) -> bool:
     return False
 
 
+# What gloo and NCCL raise in a collective whose peer is gone: a RuntimeError (gloo on CPUs, torch 2.x) or one of
+# torch.distributed's DistError types (named here, so that this module does not import torch). Seen with gloo when
+# the other rank was SIGKILLed: "[.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:14755: Connection reset
+# by peer. This is typically caused by a remote worker hanging or bugs in the application."
+_DIST_ERROR_TYPES = ("DistError", "DistBackendError", "DistNetworkError", "DistStoreError")
+_PEER_FAILURES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport",
+                  "remote process exited", "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+def peer_failure(err: BaseException) -> Optional[str]:
+    """Why ``err`` is the loss of another rank (gloo's or NCCL's own words, one line), or None where it is not."""
+    for e in (err, err.__context__, err.__cause__):
+        if e is None:
+            continue
+        text = str(e)
+        dist_type = any(c.__name__ in _DIST_ERROR_TYPES for c in type(e).__mro__)
+        if dist_type or (isinstance(e, RuntimeError) and any(m in text for m in _PEER_FAILURES)):
+            # gloo's line starts with its source file in brackets; the reason follows it
+            line = (text.strip().splitlines() or [""])[0]
+            line = re.sub(r"^\[[^\]]*\]\s*", "", line)
+            return line.split(". This is typically")[0].strip() or type(e).__name__
+    return None
+
+
 def exit_code(err: BaseException) -> int:
     """The documented exit status for ``err`` (1: unexpected, a bug)."""
     if isinstance(err, RmError):
         return err.exit_code
     if is_storage_failure(err):
         return StorageError.exit_code
+    if peer_failure(err) is not None:
+        return PeerLost.exit_code
     return 1
+
+
+def peer_lost_message(cause: str) -> str:
+    """The message of a rank whose peer is gone: which rank this is, what the backend said, where to look next."""
+    env = launch_env()
+    rank = f"rank {env.rank or 0} of {env.world_size}" if env.world_size else "this process"
+    return (f"{rank} lost its connection to another rank of the run ({cause}): another rank stopped first (killed, "
+            "out of memory, or failed; its own message, or the launcher's, names it) or cannot be reached. Nothing is "
+            "wrong with this rank's settings or data; resume from the last checkpoint with train.resume=true")
 
 
 def message(err: BaseException) -> str:
     """What the user reads for ``err``: our own message, or a storage error with its path."""
     if isinstance(err, RmError) or exit_code(err) == 1:
         return str(err)
+    if exit_code(err) == PeerLost.exit_code:
+        return peer_lost_message(peer_failure(err))
     path = getattr(err, "filename", None)
     what = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
     where = f" ({path})" if path else ""
@@ -246,6 +293,9 @@ def boundary(log: Optional[logging.Logger] = None):
 
 
 _task_started = False
+# The exit code of the first failed job of a multirun under sweep.on_failure=raise (rm.runs.sweep.job_failed): Hydra
+# exits 1 after its sweeper re-raises the job's failure, and run_hydra_app exits with this instead.
+sweep_exit_code: Optional[int] = None
 
 
 class _HeldStderr(io.TextIOBase):
@@ -327,6 +377,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
         if isinstance(stop.code, int) and stop.code not in (0, 1):
             # Every exit ends here, also those that bypass report() (a signal's 128+N): the launcher reads the code.
             record_exit(stop.code, keep=True)
+        if stop.code == 1 and sweep_exit_code is not None:
+            raise SystemExit(sweep_exit_code) from None
         if stop.code == 1 and not _task_started:
             # Hydra's message names the key, except for a syntax error: name what it was given.
             from rm.foundations.cli import NO_RUN_DIR  # added by rm itself, not typed by the user

@@ -43,7 +43,7 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     on every device.
     """
     if hw.accelerator != "auto":
-        return hw
+        return _with_detected_ram(hw)
     import torch  # here: only detection needs it, and `--help` should not load it
 
     ram = round(host_ram_gib(), 1)
@@ -65,6 +65,26 @@ def resolve_hardware(hw: HardwareConfig) -> HardwareConfig:
     return dataclasses.replace(
         hw, name="auto:cpu", accelerator="cpu", device_memory_gib=ram, bf16=False, gpus_per_node=1, host_ram_gib=int(ram)
     )
+
+
+def _with_detected_ram(hw: HardwareConfig) -> HardwareConfig:
+    """A named profile's memory left null, detected: a CPU profile's device memory and any profile's host RAM are
+    this machine's (``hardware=cpu`` on a 24 GiB machine is 24 GiB, not a fixed 16). A card's memory is never
+    guessed from the host: a CUDA profile must state it (or use ``hardware=auto``).
+
+    Raises:
+        ConfigError: a CUDA profile with ``hardware.device_memory_gib=null``.
+    """
+    if hw.device_memory_gib is not None and hw.host_ram_gib is not None:
+        return hw
+    if hw.device_memory_gib is None and hw.accelerator != "cpu":
+        from rm.foundations.errors import ConfigError
+
+        raise ConfigError(f"hardware.device_memory_gib=null with hardware={hw.name} (accelerator {hw.accelerator}): only a "
+                          "CPU's memory is detected from the machine; give the card's GiB, or use hardware=auto")
+    ram = round(host_ram_gib(), 1)
+    return dataclasses.replace(hw, device_memory_gib=ram if hw.device_memory_gib is None else hw.device_memory_gib,
+                               host_ram_gib=int(ram) if hw.host_ram_gib is None else hw.host_ram_gib)
 
 
 def card_profile(device_name: str):

@@ -45,7 +45,10 @@ def format_table(est: Estimate, label: str) -> str:
         lines += [f"  {name:<36}{value / scale:>10.2f}" for name, value in device_rows if value]
     lines.append(f"  {'device total at peak':<36}{est.peak_bytes / scale:>10.2f}")
     lines.append(f"  {'usable (capacity - headroom)':<36}{est.usable_bytes / scale:>10.2f}"
-                 f"   headroom {est.headroom_bytes / scale:.2f} (hardware.headroom_gib)")
+                 + (f"   headroom {est.headroom_bytes / scale:.2f} (hardware.headroom_gib)" if unit == "GiB" else
+                    # the key is in GiB, the table in MiB: both, so that neither is read as the other
+                    f"   headroom {est.headroom_bytes / scale:.2f} MiB (hardware.headroom_gib="
+                    f"{est.headroom_bytes / GIB:.3g})"))
     if est.host_ram_bytes_per_node:
         lines.append(f"  {'host RAM per node':<36}{est.host_ram_bytes_per_node / scale:>10.2f}")
     lines.append(f"  parameters: {est.params_total:,} total, {est.params_trainable:,} trainable")
@@ -66,7 +69,7 @@ def format_shapes(est: Estimate) -> str:
 
 def format_numerics(precision: str, numerics: dict) -> str:
     """``bf16-mixed: trained weights fp32, AdamW states fp32, compute bf16 (autocast)``, from ``Plan.numerics``."""
-    short = SHORT
+    short = {**SHORT, "nf4": "4-bit NF4"}
     master = f" + {short[numerics['master']]} master copy" if numerics["master"] else ""
     compute = short[numerics["compute"]] + (" (autocast)" if numerics["autocast"] else "")
     return (f"{precision}: trained weights {short[numerics['weights']]}{master}, optimizer states "

@@ -241,6 +241,15 @@ class Estimate:
         return asdict(self)
 
 
+def _stored_numerics(plan, profile) -> Dict:
+    """The plan's dtypes as stored: QLoRA's frozen base is 4-bit NF4 (bitsandbytes packs it), whatever dtype it
+    computes in, so the table does not call it bf16."""
+    numerics = asdict(plan.numerics)
+    if profile.quantize_base != "none":
+        numerics["frozen"] = profile.quantize_base
+    return numerics
+
+
 @dataclass
 class TraceFreeTerms:
     """Per-device bytes that are arithmetic on parameter counts: no trace needed.
@@ -1049,7 +1058,7 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         usable_bytes=usable, headroom_bytes=headroom, fits=peak <= usable,
         host_ram_bytes_per_node=t.host + random_init, params_total=t.counts.total, params_trainable=t.counts.trainable,
         uncalibrated=t.uncalibrated + device_assumed, world_size=plan.world_size, world_size_source=plan.world_size_source,
-        precision=plan.precision, numerics=asdict(plan.numerics), warnings=list(plan.warnings),
+        precision=plan.precision, numerics=_stored_numerics(plan, cfg.memory_profile), warnings=list(plan.warnings),
         sized_by=shapes.sized_by, shapes=shapes.to_dict(), rank=rank, outside_allocator=outside, random_init_build=build,
     )
 

@@ -153,6 +153,7 @@ def save_bundle(
     probe: Optional[Mapping[str, torch.Tensor]] = None,
     precision: str = "32-true",
     append_eos: bool = True,
+    card: Optional[str] = None,
 ) -> Path:
     """Write a model directory (one process).
 
@@ -167,6 +168,7 @@ def save_bundle(
             ``reward_probe.json`` for :func:`verify_bundle`.
         precision: ``train.precision`` the rewards were computed in; picks the tolerance.
         append_eos: ``data.append_eos`` of the run: plain-text sides trained with the EOS appended.
+        card: the ``README.md`` (:func:`model_card`); None leaves none (PEFT's empty template is removed).
 
     Returns:
         ``directory``.
@@ -180,6 +182,10 @@ def save_bundle(
         raise ValueError("the tokenizer has no pad token: set one before saving (rm.data.tokenizer.build_tokenizer does)")
     _set_special_ids(model.config, tokenizer)  # for PEFT this is the base config, which is not written
     model.save_pretrained(directory, safe_serialization=True, **({"state_dict": state_dict} if state_dict is not None else {}))
+    if card is not None:
+        (directory / CARD_FILE).write_text(card)  # over PEFT's template, whose every field says "More Information Needed"
+    else:
+        (directory / CARD_FILE).unlink(missing_ok=True)
     for where, form in ((directory, consumer_tokenizer(tokenizer, append_eos)), (directory / TRAINED_TOKENIZER, tokenizer)):
         form.save_pretrained(where)
         write_tokenizer_compat_fields(where)
@@ -194,6 +200,47 @@ def save_bundle(
         record["compute_dtype"] = Precision.of(precision).dtype_name
         (directory / PROBE_FILE).write_text(json.dumps(record) + "\n")
     return directory
+
+
+CARD_FILE = "README.md"
+
+
+def model_card(*, name: str, base: str, profile: str, data: str, steps: int, pairs: Optional[int],
+               eval_accuracy: Optional[float], eval_pairs: Optional[int], precision: str, adapter: bool,
+               merged: bool) -> str:
+    """The bundle's ``README.md``: what trained, on what, how well, and how to load it. It replaces the empty
+    template PEFT's ``save_pretrained`` writes beside an adapter.
+
+    Args:
+        name: the model group's name; base: the pretrained id or directory, or what a random init was built from.
+        profile: ``memory_profile``; data: the data group and its files; steps, pairs: the run's length.
+        eval_accuracy, eval_pairs: the last evaluation (None: the run had no eval set).
+        adapter: ``final/`` holds a LoRA adapter; merged: ``final/merged/`` holds it folded into the base.
+    """
+    accuracy = (f"{eval_accuracy:.4f} pairwise accuracy on {eval_pairs} held-out pairs (chosen scored above rejected)"
+                if eval_accuracy is not None else "no evaluation (the run had no eval set)")
+    load = ("from transformers import AutoModelForSequenceClassification, AutoTokenizer\n\n"
+            'model = AutoModelForSequenceClassification.from_pretrained("<this directory>").eval()\n'
+            'tokenizer = AutoTokenizer.from_pretrained("<this directory>")')
+    adapter_note = ""
+    if adapter:
+        adapter_note = ("\nThis directory is a LoRA adapter with its reward head; `adapter_config.json` names its base. "
+                        "transformers (>= 5.4) and `python -m rm.score` load it as it is; PEFT's "
+                        "`AutoPeftModelForSequenceClassification` follows the base path as written (after moving the "
+                        "directory, run `python -m rm.export <new place>`)."
+                        + (" `merged/` holds the adapter folded into the base: a plain model." if merged else "") + "\n")
+    return (f"---\nlibrary_name: transformers\ntags:\n- reward-model\n- rm\n---\n\n"
+            f"# Reward model: {name}\n\n"
+            f"A pairwise (Bradley-Terry) reward model trained with `rm`: one scalar reward per text, read at its last "
+            f"token; a higher reward means preferred.\n\n"
+            f"| | |\n| --- | --- |\n| base model | {base} |\n| memory profile | {profile} |\n"
+            f"| precision | {precision} |\n| data | {data} |\n"
+            f"| training | {steps} optimizer steps" + (f", {pairs:,} training pairs" if pairs else "") + " |\n"
+            f"| evaluation | {accuracy} |\n{adapter_note}\n"
+            f"## Load\n\n```python\n{load}\n```\n\n"
+            "Score as training tokenised (the tokenizer's special tokens and the EOS appended to a plain text; "
+            "`trained_tokenizer/` and `reward_tokens.json` say how): `python -m rm.score --model <this directory> "
+            "--input texts.jsonl`. `reward_stats.json` holds the evaluation rewards' mean and std.\n")
 
 
 def _check_reloads(directory: Path, tokenizer) -> None:
@@ -560,6 +607,7 @@ def export_final(
     base_is_random: bool = False,
     final_dir: Optional[Path] = None,
     append_eos: bool = True,
+    card: Optional[str] = None,
 ) -> Path:
     """Save the trained model as a bundle and verify it; every process calls this.
 
@@ -584,6 +632,7 @@ def export_final(
         base_is_random: the adapter's base was a random init: it is saved as ``base/`` and the
             adapter is verified by loading it from there, as a consumer would.
         append_eos: ``data.append_eos`` (:func:`save_bundle`).
+        card: the bundle's ``README.md`` (:func:`model_card`).
 
     Raises:
         ExportMismatch: on the main process, when a reload does not give the in-memory rewards.
@@ -600,7 +649,7 @@ def export_final(
             save_bundle(
                 engine.unwrapped_model(), tokenizer, directory, state_dict=state_dict, reward_stats=reward_stats,
                 probe={"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"], "rewards": expected},
-                precision=precision, append_eos=append_eos,
+                precision=precision, append_eos=append_eos, card=card,
             )
             del state_dict
             adapter = (directory / ADAPTER_CONFIG).is_file()

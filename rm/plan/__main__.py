@@ -22,6 +22,7 @@ def format_plan(result, label: str) -> str:
     from rm.plan.constants import describe
 
     lines = [f"rm.plan: {label}", f"lengths: {result.lengths.source}", *describe(result.rates), ""]
+    device = "a GPU" if result.given.plan.device == "cuda" else result.given.plan.device
     header = f"{'':3} {'s/step':>8} {'tokens/s':>10} {'pairs/s':>8} {'peak GiB':>9} {'headroom':>9}  overrides"
     lines.append(header)
 
@@ -30,6 +31,8 @@ def format_plan(result, label: str) -> str:
         room = f"{c.headroom_bytes / GIB:9.2f}" if c.peak_bytes is not None else f"{'-':>9}"
         what = " ".join(c.overrides) or "(as given)"
         tail = "  [changes what trains]" if c.changes_math else ""
+        if c.unmeasured:
+            tail += f"  (not measured on {device}: {', '.join(c.unmeasured)})"
         return (f"{mark:3} {c.step.seconds:8.3f} {c.step.tokens_per_second:10.0f} {c.step.pairs_per_second:8.1f} "
                 f"{peak} {room}  {what}{tail}")
 
@@ -48,7 +51,9 @@ def format_plan(result, label: str) -> str:
         counts[c.verdict] = counts.get(c.verdict, 0) + 1
     lines += ["", f"{len(result.candidates)} layouts ({result.skipped} more refused by validation): "
               + ", ".join(f"{n} {v}" for v, n in counts.items())
-              + ". Checked fastest first; 'unchecked' ones are slower than those listed.",
+              + ". Checked fastest first; 'unchecked' ones are slower than those listed."
+              + (f" Layouts with a feature never timed on {device} (marked) rank after those that were."
+                 if any(c.unmeasured for c in result.candidates) else ""),
               "Predicted from FLOPs, memory traffic and communication (rm/plan/steptime.py); "
               "peak and headroom are rm.estimate's, sized by the data's micro-batches."]
     return "\n".join(lines)

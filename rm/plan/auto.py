@@ -40,6 +40,7 @@ class LayoutChoice:
         kept: the knobs that are the user's, as ``key=value``.
         seconds, given_seconds: predicted seconds per optimizer step of the layout chosen and of the one configured.
         reason: why, in words.
+        rates: the rates the prediction came from (None: no prediction was made).
     """
 
     changed: Tuple[str, ...]
@@ -47,6 +48,14 @@ class LayoutChoice:
     seconds: Optional[float]
     given_seconds: Optional[float]
     reason: str
+    rates: Optional[object] = None
+
+    def against_run(self, measured_s: float) -> Optional[str]:
+        """Where the run's measured seconds a step disagree with :attr:`seconds` (more than
+        ``rm.plan.constants.DISAGREEMENT`` times): why, with the cached CPU rates dropped (``check_prediction``)."""
+        from rm.plan.constants import check_prediction
+
+        return None if self.rates is None else check_prediction(self.seconds, measured_s, self.rates)
 
     def describe(self) -> str:
         what = " ".join(self.changed) if self.changed else "the layout as configured"
@@ -120,13 +129,14 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
     best = check_fastest(faster, 1, lengths, given)  # in this process: a training process forks nothing
     if not best:
         why = "no layout predicted at least 3% faster fits" if faster else "no layout is predicted at least 3% faster"
-        return cfg, plan, LayoutChoice((), kept, given.step.seconds, given.step.seconds, why)
+        why += f" (predicted {given.step.seconds:.3g} s/step" + (f"; CPU rates {rates.measured})" if rates.measured else ")")
+        return cfg, plan, LayoutChoice((), kept, given.step.seconds, given.step.seconds, why, rates)
     c = best[0]
     changed = tuple(c.overrides)
     reason = (f"predicted {c.step.seconds:.3g} s/step against {given.step.seconds:.3g} as configured, "
               f"{given.step.seconds / c.step.seconds:.2f}x; peak {c.peak_bytes / 2**20:,.0f} of "
-              f"{c.usable_bytes / 2**20:,.0f} MiB usable")
-    return c.cfg, c.plan, LayoutChoice(changed, kept, c.step.seconds, given.step.seconds, reason)
+              f"{c.usable_bytes / 2**20:,.0f} MiB usable" + (f"; CPU rates {rates.measured}" if rates.measured else ""))
+    return c.cfg, c.plan, LayoutChoice(changed, kept, c.step.seconds, given.step.seconds, reason, rates)
 
 
 def layout_overrides(choice: Optional[LayoutChoice]) -> List[str]:

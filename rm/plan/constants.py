@@ -10,7 +10,11 @@ length of one call), memory bandwidth
 (a large copy), an elementwise op's by the size of the tensor it writes, LoRA dropout's random draws, and the fixed costs of a real decoder's ops and of a micro-batch
 through autograd, forward and backward. Each figure is the best of a
 few repeats: other jobs on the machine only slow a repeat down. The result is cached per machine, keyed by the
-CPU model, the core count, torch's version and threads, under ``$RM_CACHE/speed`` (default ``~/.cache/rm``).
+CPU model, the core count, torch's version and threads, under ``$RM_CACHE/speed`` (default ``~/.cache/rm``), with
+when it was measured, the load average then and the host (:func:`measurement_note`, printed with every prediction
+made from it). A busy machine still measures slow rates for good: where a run's measured step time and the
+prediction differ more than :data:`DISAGREEMENT` times, the entry is removed (:func:`check_prediction`) and the next
+plan measures again.
 
 A CUDA profile's figures are its card's datasheet peaks (``conf/hardware/*.yaml`` names the source of each),
 not achieved rates: until ``benchmarks/gpu_constants.py`` measures a card, its predictions are optimistic in
@@ -40,6 +44,10 @@ WIDTHS = (128, 512, 1024)  # matmul widths measured on a CPU: tiny models to 1B-
 TOKENS = (256, 1024, 4096)
 ATTENTION_LENGTHS = (64, 128, 256, 512)  # tokens of one attention call measured on a CPU
 ELEMENTWISE_MIB = (1, 4, 16, 64)  # sizes of the tensor an elementwise op writes, measured on a CPU
+
+
+# A run's measured step time this many times off the prediction (either way) drops the CPU rates it came from.
+DISAGREEMENT = 2.0
 
 
 def cache_dir() -> Path:
@@ -192,7 +200,7 @@ def cpu_rates(refresh: bool = False) -> Dict:
     """This machine's measured rates, from the cache or measured now and cached."""
     from filelock import FileLock, Timeout
 
-    path = cache_dir() / f"{machine_key()}.json"
+    path = rates_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # The ranks of one run measure once and read the same figures: train.layout=auto must choose alike on each.
@@ -206,7 +214,10 @@ def cpu_rates(refresh: bool = False) -> Dict:
                 return json.loads(path.read_text())
             except (OSError, ValueError):
                 pass
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         measured = measure_rates()
+        measured.update(measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), load_average=load,
+                        cores=os.cpu_count(), machine=platform.node())
         try:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(measured, indent=1))
@@ -217,6 +228,50 @@ def cpu_rates(refresh: bool = False) -> Dict:
     finally:
         if lock is not None:
             lock.release()
+
+
+def rates_path() -> Path:
+    """This machine's cache entry of measured CPU rates."""
+    return cache_dir() / f"{machine_key()}.json"
+
+
+def measurement_note(measured: Dict) -> str:
+    """When, at what load and where CPU rates were measured, in words.
+
+        >>> measurement_note({"measured_at": "2026-11-29 06:40 UTC", "load_average": 1.37, "cores": 2, "machine": "h"})
+        'measured 2026-11-29 06:40 UTC at load 1.37 on 2 cores (h)'
+    """
+    if "measured_at" not in measured:
+        return f"cached before rm recorded when and at what load (remove {rates_path()} to measure again)"
+    load = measured.get("load_average")
+    return (f"measured {measured['measured_at']} at load {'unknown' if load is None else f'{load:.2f}'} on "
+            f"{measured.get('cores')} cores ({measured.get('machine')})")
+
+
+def check_prediction(predicted_s: Optional[float], measured_s: float, rates: Rates) -> Optional[str]:
+    """Where a run's measured seconds a step and the prediction from this machine's cached CPU rates differ more than
+    :data:`DISAGREEMENT` times either way (rates measured while other jobs ran, or on an idle machine now busy):
+    the cache entry is removed so that the next plan measures again, and the message says so. None where they
+    agree, or the rates are not a CPU measurement.
+
+        >>> check_prediction(1.0, 1.5, Rates({}, {}, 1, 1, 1, 1, 1, measured="")) is None
+        True
+    """
+    if not rates.measured or not predicted_s or not measured_s:
+        return None
+    ratio = measured_s / predicted_s
+    if 1 / DISAGREEMENT <= ratio <= DISAGREEMENT:
+        return None
+    path = rates_path()
+    try:
+        path.unlink()
+        what = f"{path} is removed: the next rm.plan or train.layout=auto measures them again"
+    except FileNotFoundError:
+        what = "they were removed already: the next rm.plan or train.layout=auto measures them again"
+    except OSError as err:
+        what = f"{path} could not be removed ({err}); remove it to measure them again"
+    return (f"step time measured {measured_s:.3g} s against {predicted_s:.3g} predicted ({ratio:.2f}x): the CPU rates "
+            f"of the prediction ({rates.measured}) do not hold for this run; {what}")
 
 
 def _given(hw: HardwareConfig) -> Dict[str, Optional[float]]:
@@ -234,6 +289,7 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
     given = _given(hw)
     if device == "cpu":
         measured = cpu_rates()
+        note = measurement_note(measured)
         memory = given["memory_gbps"] * GB if given["memory_gbps"] else measured["memory"]
         matmul = dict(measured["matmul"])
         for name, key in (("float32", "peak_fp32_tflops"), ("bfloat16", "peak_bf16_tflops")):
@@ -248,8 +304,8 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
                      kernel_seconds=hw.kernel_us * 1e-6 if hw.kernel_us is not None else measured["kernel_seconds"],
                      micro_batch_seconds=measured["micro_batch_seconds"], dropout=measured["dropout"],
                      elementwise=[] if given["memory_gbps"] else measured["elementwise"],
-                     shared_cores=True,
-                     source=hw.rates_source or "measured on this machine (rm.plan's CPU micro-benchmark)")
+                     shared_cores=True, measured=note,
+                     source=hw.rates_source or f"rm.plan's CPU micro-benchmark, {note}")
     missing = [f"hardware.{key}" for key, value in given.items() if not value]
     if missing:
         raise ConfigError(f"hardware={hw.name} states no {', '.join(missing)}: rm.plan needs the card's rates. Use a "
@@ -266,7 +322,8 @@ def rates_for(hw: HardwareConfig, device: str) -> Rates:
 def describe(rates: Rates) -> List[str]:
     """The rates in words, for the table's header."""
     mm = ", ".join(f"{d} {max(entry[-1] for entry in t) / 1e12:.3g}" for d, t in rates.matmul.items())
-    return [f"rates ({rates.source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
+    source = rates.source if not rates.measured or rates.measured in rates.source else f"{rates.source}, {rates.measured}"
+    return [f"rates ({source}): matmul TFLOP/s {mm}; memory {rates.memory / GB:.3g} GB/s; "
             f"link {rates.link / GB:.3g} GB/s; host link {rates.host_link / GB:.3g} GB/s"
             + (f"; {rates.kernel_seconds * 1e6:.1f} us an op" if rates.kernel_seconds else "")
             + (f", {rates.micro_batch_seconds * 1e3:.2f} ms a micro-batch" if rates.micro_batch_seconds else "")]

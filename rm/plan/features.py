@@ -63,6 +63,11 @@ class Feature:
             :class:`Gap`; together they mention every key.
         values: for an enumerated key, the allowed values this feature is (empty: the keys whatever their value).
         kernel: an attention implementation's kernel class (``rm.foundations.hardware.attention_kernel``).
+        measured_on: for a layout knob whose step time on a device hangs on a rate only a run there gives (a masked
+            or segmented attention kernel, recomputation), the device kinds (``cpu``, ``cuda``) where runs with it
+            on were timed (docs/throughput.md, docs/gpu.md); ``rm.plan`` ranks a layout using one that was never timed
+            on the run's device after those that were, and marks it. None: its cost is modelled from rates the
+            device's profile states, nothing of its own to measure.
     """
 
     name: str
@@ -72,17 +77,21 @@ class Feature:
     validation: Tuple[Any, ...]
     values: Tuple[str, ...] = ()
     kernel: Optional[str] = None
+    measured_on: Optional[Tuple[str, ...]] = None
 
 
 _LAYOUT_STEPS = (lengths.step_micro_batches, steptime.micro_batch)  # the micro-batches a layout forms, and their work
 
 FEATURES: Tuple[Feature, ...] = (
     # Layouts: the same pairs and gradient, cut and laid out differently (rm.data.shapes, rm.plan.auto).
-    Feature("packing", ("train.packing",), terms.worst_case_shapes, _LAYOUT_STEPS, (rules.validate,)),
+    # Packed and prefix-shared rows: timed on CPUs only. Their one GPU run (an H200, docs/gpu.md) took 6x the padded
+    # row's step under cuDNN's per-shape graphs; the kernels changed since, and no GPU has timed them again.
+    Feature("packing", ("train.packing",), terms.worst_case_shapes, _LAYOUT_STEPS, (rules.validate,),
+            measured_on=("cpu",)),
     Feature("token budget per micro-batch", ("train.max_tokens_per_micro_batch",), terms.worst_case_shapes,
-            _LAYOUT_STEPS, (rules.validate, rules._range_errors)),
+            _LAYOUT_STEPS, (rules.validate, rules._range_errors), measured_on=("cpu",)),
     Feature("prefix sharing", ("train.share_prefix",), (terms.shared_prefix_rows, terms.shared_prefix_input_bytes),
-            _LAYOUT_STEPS, (rules.validate,)),
+            _LAYOUT_STEPS, (rules.validate,), measured_on=("cpu",)),
     Feature("grouping by length", ("train.group_by_length",), lengths.memory_shapes, _LAYOUT_STEPS,
             Gap("true and false are valid with every other setting")),
     Feature("micro-batch and global batch", ("train.micro_batch_size", "train.global_batch_size"),
@@ -90,7 +99,8 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("evaluation batch", ("train.eval_batch_size",), terms.worst_case_shapes,
             Gap("evaluation is not part of an optimizer step: rm.plan times training steps"), (rules.validate,)),
     Feature("gradient checkpointing", ("train.gradient_checkpointing",), (terms.traced_model, terms.device_terms),
-            steptime.micro_batch_flops, Gap("true and false are valid with every other setting")),
+            steptime.micro_batch_flops, Gap("true and false are valid with every other setting"),
+            measured_on=("cpu",)),  # docs/gpu.md: no checkpointed run's step was timed on a GPU yet
     # Numerics.
     Feature("precision modes", ("train.precision",), Precision.numerics, steptime.predict_step_seconds,
             (rules._precision, rules._precision_for_layout), values=("32-true", "bf16-mixed", "bf16-true", "16-mixed")),
@@ -171,6 +181,23 @@ SCHEMAS = {"train": TrainConfig, "model": ModelConfig, "memory_profile": MemoryP
 # allowed values also hold "auto" and aliases, which resolve to one of PRECISION_NAMES.
 ENUMERATED = {"model.attn_implementation": None, "memory_profile.optimizer": None, "memory_profile.quantize_base": None,
               "train.precision": PRECISION_NAMES}
+
+
+def unmeasured(train_cfg: TrainConfig, device: str) -> Tuple[str, ...]:
+    """The features ``train_cfg`` turns on whose step time was never measured on ``device`` (``cpu``, ``cuda``).
+
+        >>> unmeasured(TrainConfig(packing=True, share_prefix=False, gradient_checkpointing=False), "cuda")
+        ('packing',)
+        >>> unmeasured(TrainConfig(packing=True), "cpu")
+        ()
+    """
+    out = []
+    for f in FEATURES:
+        if f.measured_on is None or device in f.measured_on:
+            continue
+        if any(key.startswith("train.") and getattr(train_cfg, key[len("train."):]) for key in f.keys):
+            out.append(f.name)
+    return tuple(out)
 
 
 def _shadows(shadow) -> tuple:

@@ -65,6 +65,7 @@ class Candidate:
     family: Tuple = field(default=(), repr=False)
     size: int = 0  # the micro-batch (accumulating), what the family's verdicts are ordered by; 0: not ordered
     signature: int = field(default=0, repr=False)  # the micro-batches it forms (equal: the same batches)
+    unmeasured: Tuple[str, ...] = ()  # features it turns on never timed on the run's device (rm.plan.features)
     activation_bytes: Optional[int] = field(default=None, repr=False)  # the traced activations of its estimate
     shapes: Optional[list] = field(default=None, repr=False)  # per rank, the micro-batches its estimate weighs
 
@@ -80,7 +81,7 @@ class Candidate:
         step = self.step.to_dict() if self.step else None
         return {"overrides": self.overrides, "changes_math": self.changes_math, "verdict": self.verdict,
                 "note": self.note, "peak_bytes": self.peak_bytes, "usable_bytes": self.usable_bytes,
-                "headroom_bytes": self.headroom_bytes, "step": step}
+                "headroom_bytes": self.headroom_bytes, "step": step, "not_measured_on_device": list(self.unmeasured)}
 
 
 @dataclass
@@ -177,10 +178,7 @@ def _engines(cfg: RunConfig, overrides: Sequence[str], fixed: set,
         else:
             dists = [([] if cfg.distributed.name == "ddp" else ["distributed=ddp"], group_option("distributed", "ddp"))]
             for stage in (1, 2, 3):
-                extra = ["distributed=zero2", "distributed.zero_stage=1"] if stage == 1 else [f"distributed=zero{stage}"]
-                dists.append((extra, group_option("distributed", "zero3" if stage == 3 else "zero2")))
-                if stage == 1:
-                    dists[-1] = (extra, replace(dists[-1][1], zero_stage=1))
+                dists.append(([f"distributed=zero{stage}"], group_option("distributed", f"zero{stage}")))
             if profile.offload_optimizer:
                 dists.append((["distributed=zero3_offload"], group_option("distributed", "zero3_offload")))
         for extra, dist in dists:
@@ -591,9 +589,14 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
         given_verdict = checker.submit([given], lengths)
         timer = _Timer(lengths, rates, cfg.plan.steps)
         found, skipped = candidates(cfg, overrides, world)
+        from rm.plan.features import unmeasured
+
         for c in found + [given]:
             c.step = timer(c)
-        found.sort(key=lambda c: (c.step.seconds, c.changes_math, len(c.overrides)))
+            c.unmeasured = unmeasured(c.cfg.train, given_plan.device)
+        # A prediction for a feature no run on this kind of device has timed is a guess at its kernels' rate (packed
+        # rows once ran 6x slower than padded on an H200): those rank after every layout that was timed there.
+        found.sort(key=lambda c: (bool(c.unmeasured), c.step.seconds, c.changes_math, len(c.overrides)))
         # Layouts that form the very same micro-batches (packing one pair, grouping micro-batches of one): the
         # fewest overrides stand for them.
         unique: Dict[Tuple, Candidate] = {}

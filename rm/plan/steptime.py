@@ -329,6 +329,8 @@ class Rates:
             fresh pages are faulted in); empty (a datasheet): ``memory`` at any size.
         shared_cores: the processes of one machine share its cores (a CPU): each computes at 1/n of the rates.
         source: where the figures come from, in words.
+        measured: for rates measured on this machine, when, at what load and on which machine (a CPU's rates
+            measured under load are slower than the same CPU idle); empty for a profile's stated figures.
     """
 
     matmul: Dict[str, List]
@@ -343,6 +345,7 @@ class Rates:
     dropout: float = 0.0
     shared_cores: bool = False
     source: str = ""
+    measured: str = ""
     elementwise: Sequence = ()  # [(tensor bytes, bytes/s), ...] of an elementwise op; empty: ``memory`` for all
 
     @staticmethod

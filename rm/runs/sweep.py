@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from hydra.errors import CompactHydraException
 from hydra.experimental.callback import Callback
 
 log = logging.getLogger("rm.runs.sweep")
@@ -38,13 +39,14 @@ def job_record(overrides: Sequence[str], status: str, *, job: Optional[int] = No
         status: ``ok``, ``refused`` or ``failed``.
         estimate: the pre-flight ``rm.estimate.Estimate``, when one was made.
         result: what ``rm.training.trainer.train`` returned (eval metrics, throughput, measured peak).
-        error: why a job failed, or for a refusal the change that would fit (one line; the
-            full breakdown is in the job's log).
+        error: why a job failed, its whole message (a ConfigError names each key on a line of its own), or for a
+            refusal the change that would fit (one line; the full breakdown is in the job's log).
     """
     result = result or {}
     if isinstance(error, BaseException):
-        lines = str(error).strip().splitlines()
-        error = f"{type(error).__name__}: {lines[0] if lines else ''}"
+        from rm.foundations.errors import message
+
+        error = f"{type(error).__name__}: {message(error).strip()}"
     return {
         "job": job,
         "overrides": " ".join(overrides),
@@ -100,6 +102,37 @@ def write_summary(sweep_dir: Path, records: List[Dict]) -> None:
     os.replace(tmp, sweep_dir / "summary.json")
 
 
+def one_line(text: str, width: int = 160) -> str:
+    """A message on one line of the table (``summary.json`` keeps it whole).
+
+        >>> one_line("ConfigError: invalid configuration:\\n  - train.optim.adam_beta1=1.5 must be in [0, 1)")
+        'ConfigError: invalid configuration: - train.optim.adam_beta1=1.5 must be in [0, 1)'
+    """
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+class JobFailed(CompactHydraException):
+    """A failed job of a multirun under ``sweep.on_failure=raise``, its message already printed (``report``): Hydra's
+    sweeper raises it when it reads the job's result (the basic sweeper after the remaining jobs; Optuna at once)
+    and, a compact Hydra error, prints this one line instead of a traceback. ``rm.foundations.errors.run_hydra_app``
+    then exits with the job's code (:data:`first_failure`) instead of Hydra's 1."""
+
+    def __init__(self, job: Optional[int], code: int, sweep_dir: Path):
+        super().__init__(f"error: the sweep failed: job {job} exited {code} (its message is above; every job's "
+                         f"outcome is in {Path(sweep_dir) / 'summary.csv'})")
+        self.code = code
+
+
+def job_failed(job: Optional[int], code: int, sweep_dir: Path) -> JobFailed:
+    """The exception a failed job raises under ``sweep.on_failure=raise``; the first one's code is the multirun's."""
+    from rm.foundations import errors
+
+    if errors.sweep_exit_code is None:
+        errors.sweep_exit_code = code
+    return JobFailed(job, code, sweep_dir)
+
+
 def format_summary(records: List[Dict]) -> str:
     """The sweep as a table for people: one row per job, showing the overrides that differ between jobs."""
     split = [r["overrides"].split() for r in records]
@@ -122,7 +155,7 @@ def format_summary(records: List[Dict]) -> str:
             f"{cell(r['eval_loss'], '{:.4f}'):>7}  {' '.join(o for o in own if o not in common)}"
         )
         if r["status"] != "ok" and r.get("error"):
-            lines.append(f"{'':>15}{r['error']}")
+            lines.append(f"{'':>15}{one_line(r['error'])}")
     counts = {s: sum(r["status"] == s for r in records) for s in ("ok", "refused", "failed")}
     lines.append(f"{len(records)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + f"; memory in {unit}")
     if common:

@@ -6,7 +6,7 @@ import importlib.machinery
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, NamedTuple, Tuple
+from typing import List, NamedTuple, Sequence, Tuple
 
 from typing import Optional
 
@@ -248,6 +248,24 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
         launcher=launcher,
         warnings=tuple(warnings),
     )
+
+
+def unused_overrides(cfg: RunConfig, overrides: Sequence[str]) -> List[str]:
+    """Keys the command line sets that the run then ignores, one warning each: ``lora.*`` (or ``lora=<option>``)
+    under a memory profile that trains no LoRA adapters. A warning, not an error: a sweep over profiles
+    (``memory_profile=full,lora lora.r=8,16``) sets them for every job.
+
+        >>> from rm.foundations.config import compose
+        >>> unused_overrides(compose(["memory_profile=full", "lora.r=16"]), ["memory_profile=full", "lora.r=16"])
+        ['lora.r=16 has no effect: memory_profile=full trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them']
+    """
+    if cfg.memory_profile.use_lora:
+        return []
+    lora = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".")[0] == "lora"]
+    if not lora:
+        return []
+    return [f"{' '.join(lora)} {'has' if len(lora) == 1 else 'have'} no effect: memory_profile={cfg.memory_profile.name} "
+            "trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them"]
 
 
 def _health_errors(h) -> List[str]:

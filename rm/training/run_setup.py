@@ -93,6 +93,8 @@ class Run:
     state: TrainState
     eval_metrics: Dict[str, float] = field(default_factory=dict)
     eval_scores: Dict = field(default_factory=dict)
+    layout: Optional[LayoutChoice] = None  # train.layout=auto's choice and the step time it predicted
+    step_time_checked: bool = False  # the measured step time was held against that prediction once
 
 
 def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: ExitStack) -> Run:
@@ -182,7 +184,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     return Run(cfg=cfg, plan=plan, estimate=estimate, dir=directory, engine=engine, tokenizer=tokenizer,
                train_set=train_set, eval_set=eval_set, extra_eval_sets=extra_eval_sets, collator=collator,
                train_collator=train_collator, model=model, loss=build_loss(cfg.train, cfg.data), health=health, metrics=metrics, monitor=monitor,
-               batches=batches, total_steps=total_steps, state=state)
+               batches=batches, total_steps=total_steps, state=state, layout=layout)
 
 
 def random_init_cached_everywhere(model_cfg: ModelConfig, profile: MemoryProfileConfig, pad_token_id: int) -> bool:

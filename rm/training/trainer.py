@@ -31,7 +31,7 @@ from rm.runs.checkpoint import failed_ranks, raise_save_failure
 from rm.foundations.config import RunConfig
 from rm.data.batching import rows_at
 from rm.foundations.errors import Interrupted, StorageError
-from rm.modelling.bundle import PROBE_PAIRS, export_final, reward_stats_from_eval
+from rm.modelling.bundle import PROBE_PAIRS, export_final, model_card, reward_stats_from_eval
 from rm.training.health import SKIP, STOP
 from rm.memory.monitor import gather_snapshots
 from rm.evaluation.metrics import LineProgressFile, evaluate_sets, format_eval
@@ -197,6 +197,13 @@ def log_window(run: Run, progress: tqdm) -> None:
     if lost is not None:
         values["lost_update_fraction"] = lost
     run.metrics.write("train", state.step, values)
+    # Once, at the second window (the first holds the first step's warm-up): a prediction from CPU rates measured
+    # under other load is dropped for the next plan to measure again (rm.plan.constants.check_prediction).
+    if run.layout is not None and not run.step_time_checked and state.step > t.logging_steps:
+        run.step_time_checked = True
+        stale = run.layout.against_run(values["step_time_s"]) if engine.is_main_process else None
+        if stale:
+            log.warning("%s", stale)
     progress.set_postfix(loss=f"{values['loss']:.4f}", refresh=False)
     state.reset_window()
 
@@ -313,6 +320,7 @@ def save_final(run: Run, memory: Dict) -> None:
             precision=run.plan.precision, merge=lora and cfg.lora.merge_on_save,
             base_factory=functools.partial(rebuild_base, run) if lora else None,
             base_is_random=cfg.model.pretrained is None, final_dir=final_dir, append_eos=cfg.data.append_eos,
+            card=_model_card(run),
         )
         if engine.is_main_process:
             os.replace(tmp_final, final_dir)
@@ -342,6 +350,18 @@ def close(run: Run, finished: bool) -> None:
     if finished:
         run.model = run.engine.unwrapped_model()  # the DDP wrapper must be gone before its process group (rm.distributed.engine)
         run.engine.end()
+
+
+def _model_card(run: Run) -> str:
+    """The final bundle's README.md from what this run was (rm.modelling.bundle.model_card)."""
+    cfg = run.cfg
+    m, d = cfg.model, cfg.data
+    base = m.pretrained or f"random init of the {m.name} shape ({m.model_type}, {m.num_hidden_layers} layers, hidden {m.hidden_size})"
+    files = " ".join(d.train_files) if d.source == "local" else ""
+    return model_card(name=m.name, base=base, profile=cfg.memory_profile.name, data=f"data={d.name} {files}".strip(),
+                      steps=run.state.step, pairs=len(run.train_set), eval_accuracy=run.eval_metrics.get("eval_accuracy"),
+                      eval_pairs=len(run.eval_set) if run.eval_set is not None else None, precision=run.plan.precision,
+                      adapter=cfg.memory_profile.use_lora, merged=cfg.memory_profile.use_lora and cfg.lora.merge_on_save)
 
 
 def _progress_bar(run: Run) -> tqdm:

@@ -40,7 +40,9 @@ Exit codes of every entry point (`rm.train`, `rm.estimate`, `rm.score`, `rm.expo
 0 done; 1 a bug in rm (its traceback and a line asking to report it); 2 invalid configuration or data
 (Hydra's composition errors included: unknown key or option, wrong type, override syntax); 3 refused (the run will not fit, or another
 run holds the run directory); 4 stopped by a non-finite loss, gradient or weight; 5 storage (a file could
-not be written or read back intact: any `OSError` or safetensors error); 128+N stopped by signal N.
+not be written or read back intact: any `OSError` or safetensors error); 6 distributed: this rank lost its
+connection to another rank, which stopped first or cannot be reached (`train_rm_distributed.sh` then exits with the
+code of the rank that failed first, and names it), or torchrun could not start the ranks (its port in use); 128+N stopped by signal N (137: SIGKILL, the out-of-memory killer).
 Expected errors print one message naming the key, file, row or path and the fix, without a traceback;
 `RM_DEBUG=1` adds the traceback.
 """

@@ -197,3 +197,150 @@ def test_deepspeed_buckets_follow_the_hidden_size_and_cap_at_the_trainable_param
     assert zero["reduce_bucket_size"] == 4096 * 4096
     assert zero["stage3_prefetch_bucket_size"] == int(0.9 * 4096 * 4096)
     assert zero["stage3_param_persistence_threshold"] == 40960
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for(path, text, proc, timeout=240):
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and proc.poll() is None:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+# The run goes on long enough to be killed while it trains: 256 pairs tokenise in a second, 100,000 steps never end.
+_LONG_TINY_RUN = ["experiment=tiny", "data.synthetic_train_size=256", "data.synthetic_test_size=32",
+                  "train.max_steps=100000", "train.logging.eval_steps=0", "train.logging.logging_steps=1"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two ranks of the tiny model over gloo, one SIGKILLed once it trains: about 25 s on 2 busy cores
+@pytest.mark.reliability("Faults", "one rank of a distributed run is SIGKILLed (the out-of-memory killer, `kill -9`) while "
+                         "the others train", "the survivor exits 6 with `rank 0 of 2 lost its connection to another rank "
+                         "of the run (... Connection reset by peer)`, no traceback, not called a bug")
+def test_a_rank_whose_peer_is_killed_says_so_and_exits_6(tmp_path):
+    """Two ranks started as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), without torchrun, so that the
+    survivor's own exit code is seen; the launcher's is test_the_launcher_exits_with_the_killed_ranks_code."""
+    import os
+    import signal
+
+    env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "OMP_NUM_THREADS": "1"}
+    procs, logs = [], []
+    for rank in (0, 1):
+        logs.append(tmp_path / f"rank{rank}.txt")
+        with logs[-1].open("w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "rm.train", *_LONG_TINY_RUN, f"hydra.run.dir={tmp_path}/run"], cwd=ROOT,
+                stdout=out, stderr=subprocess.STDOUT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}))
+    try:
+        assert _wait_for(logs[0], "train:", procs[0]), logs[0].read_text()[-3000:]
+        procs[1].send_signal(signal.SIGKILL)
+        code = procs[0].wait(timeout=120)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    out = logs[0].read_text()
+    assert code == 6, out[-3000:]
+    assert "rank 0 of 2 lost its connection to another rank of the run" in out, out[-3000:]
+    assert "Traceback" not in out and "bug in rm" not in out, out[-3000:]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # the launcher around two ranks of the tiny model, one SIGKILLed: about 25 s on 2 busy cores
+@pytest.mark.reliability("Entry points", "`train_rm_distributed.sh`: one rank is SIGKILLed while the others train (torchrun "
+                         "exits 1; the survivor loses its peer)", "the script exits 137 (128 + SIGKILL, the first failing "
+                         "rank's) within seconds and names the rank: `rank 1 (pid N) was stopped by SIGKILL`; the survivor "
+                         "says it lost its peer; no traceback")
+def test_the_launcher_exits_with_the_killed_ranks_code(tmp_path):
+    import os
+    import signal
+    import time
+
+    log = tmp_path / "launcher.txt"
+    run_dir = tmp_path / "run"
+    with log.open("w") as out:
+        launcher_proc = subprocess.Popen(
+            ["bash", "train_rm_distributed.sh", "synthetic", "2", *_LONG_TINY_RUN], cwd=ROOT, stdout=out,
+            stderr=subprocess.STDOUT, env={**os.environ, "RUN_DIR": str(run_dir), "MASTER_PORT": str(_free_port()),
+                                           "OMP_NUM_THREADS": "1"})
+    try:
+        assert _wait_for(log, "train:", launcher_proc), log.read_text()[-3000:]
+        rank1 = [pid for pid in map(int, filter(str.isdigit, os.listdir("/proc"))) if _is_rank(pid, 1, run_dir)]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGKILL)
+        killed = time.monotonic()
+        code = launcher_proc.wait(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        if launcher_proc.poll() is None:
+            launcher_proc.kill()
+    out = log.read_text()
+    assert code == 128 + signal.SIGKILL, out[-3000:]
+    assert f"rank 1 (pid {rank1[0]}) was stopped by SIGKILL" in out, out[-3000:]
+    assert "rank 0 of 2 lost its connection to another rank of the run" in out, out[-3000:]
+    assert "Traceback" not in out and "bug in rm" not in out, out[-3000:]
+    print(f"launcher exited {took:.1f} s after the kill")
+
+
+def _is_rank(pid, rank, run_dir):
+    try:
+        cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    except OSError:
+        return False
+    return (f"hydra.run.dir={run_dir}".encode() in cmdline and f"RANK={rank}".encode() in environ
+            and b"TORCHELASTIC_RUN_ID" in b"".join(environ) and b"torchrun" not in b"".join(cmdline))
+
+
+def test_the_launcher_names_a_rank_torchrun_saw_killed_from_torchruns_own_report(tmp_path, capsys, monkeypatch):
+    """torchrun's lines when rank 1 was SIGKILLed (copied from a run) and the survivor's own record (exit 6): the
+    launcher exits 137, rank 1's code, and names it; without torchrun's report it exits with the survivor's 6."""
+    from rm.training.launch import FailureLog, summarize
+
+    monkeypatch.delenv("NNODES", raising=False)
+    (tmp_path / "rank0").write_text("6\nerror: rank 0 of 2 lost its connection to another rank of the run (...)\n")
+    assert summarize(tmp_path, 1) == 6
+    failures = FailureLog(str(tmp_path))
+    for line in [
+        "E1129 06:29:07.024000 13193 site-packages/torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+        "(exitcode: -9) local_rank: 1 (pid: 13375) of binary: /usr/bin/python\n",
+        "Root Cause (first observed failure):\n", "[0]:\n", "  time      : 2026-11-29_06:29:06\n",
+        "  rank      : 1 (local_rank: 1)\n", "  exitcode  : -9 (pid: 13375)\n",
+    ]:
+        failures.feed(line)
+    assert (tmp_path / "first").read_text().strip() == "1"
+    capsys.readouterr()
+    assert summarize(tmp_path, 1) == 137
+    assert "rank 1 (pid 13375) was stopped by SIGKILL" in capsys.readouterr().err
+    (tmp_path / "rank1").write_text("2\nerror: invalid configuration\n")  # a rank's own expected error still wins
+    assert summarize(tmp_path, 1) == 2
+
+
+def test_the_launcher_names_torchruns_own_failure_before_any_rank_ran(tmp_path, capsys):
+    """torchrun's rendezvous port in use: its traceback (which the filter drops) ends on a DistNetworkError and no
+    rank ran; the launcher says so with the fix and exits 6, not a silent 1."""
+    from rm.training.launch import FailureLog, summarize
+
+    failures = FailureLog(str(tmp_path))
+    failures.feed("ModuleNotFoundError: a rank's own traceback, which the filter passes\n")
+    assert not (tmp_path / "torchrun").exists()
+    failures.in_torchrun = True  # as the filter sets it at torchrun's first frame
+    for line in ["Traceback (most recent call last):\n", '  File "/usr/bin/torchrun", line 8, in <module>\n',
+                 "torch.distributed.DistNetworkError: The server socket has failed to listen on any local network "
+                 "address. port: 29500, useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use\n"]:
+        failures.feed(line)
+    assert summarize(tmp_path, 1) == 6
+    err = capsys.readouterr().err
+    assert "torchrun stopped before the ranks started: torch.distributed.DistNetworkError" in err and "MASTER_PORT" in err

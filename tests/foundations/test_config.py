@@ -161,3 +161,19 @@ def test_cli_rejects_bad_config_before_loading_anything(tmp_path):
     assert "train.global_batch_size=33 is not divisible" in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "final").exists()
+
+
+def test_hardware_cpu_takes_this_machines_memory_unless_given(tiny_cfg):
+    """hardware=cpu assumed 16 GiB whatever the machine held; now its device memory and host RAM are detected, a
+    number on the command line wins, and a CUDA profile's null memory is refused by name (never guessed)."""
+    import pytest
+
+    from rm.foundations.errors import ConfigError
+    from rm.foundations.hardware import host_ram_gib, resolve_hardware
+
+    detected = resolve_hardware(tiny_cfg("hardware=cpu").hardware)
+    assert detected.device_memory_gib == round(host_ram_gib(), 1) and detected.host_ram_gib == int(round(host_ram_gib(), 1))
+    given = resolve_hardware(tiny_cfg("hardware=cpu", "hardware.device_memory_gib=16").hardware)
+    assert given.device_memory_gib == 16 and given.host_ram_gib == detected.host_ram_gib
+    with pytest.raises(ConfigError, match="hardware.device_memory_gib=null with hardware=h100_80g"):
+        resolve_hardware(tiny_cfg("hardware=h100_80g", "hardware.device_memory_gib=null").hardware)

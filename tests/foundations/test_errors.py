@@ -233,15 +233,17 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.mark.reliability("Entry points", "`rm.score`: missing model directory, a directory with no model, a run directory, "
-                         "`--max-length 0`, an empty input file, input with no usable pair",
-                         "one message naming the argument or file (`--model <path>: no such directory`, "
+                         "a file (`final/config.json`), `--max-length 0`, an empty input file, input with no usable pair",
+                         "one message naming the argument or file (`--model <path>: no such directory`, `is a file: give the directory that holds it`, "
                          "`holds no model`, `give its final/`, `--max-length: 0 must be >= 1`, `is empty`, `no usable pairs`); exit 2")
-@pytest.mark.parametrize("case", ["no_dir", "no_model", "run_dir", "max_length", "empty_input", "no_pairs"])
+@pytest.mark.parametrize("case", ["no_dir", "a_file", "no_model", "run_dir", "max_length", "empty_input", "no_pairs"])
 def test_score_cli_bad_input_exits_2_naming_it(tmp_path, tiny_model_dir, case, capsys):
     good = _write(tmp_path / "pairs.jsonl", [{"chosen": "Human: hi Assistant: yes", "rejected": "Human: hi Assistant: no"}])
     model, inputs, extra, needle = str(tiny_model_dir), [str(good)], [], None
     if case == "no_dir":
         model, needle = str(tmp_path / "nope"), "no such directory"
+    elif case == "a_file":
+        model, needle = str(tiny_model_dir / "config.json"), f"is a file: give the directory that holds it (--model {tiny_model_dir})"
     elif case == "no_model":
         model, needle = str(tmp_path), "holds no model"
     elif case == "run_dir":
@@ -266,6 +268,23 @@ def test_score_cli_bad_input_exits_2_naming_it(tmp_path, tiny_model_dir, case, c
         code, out = exited.value.code, "".join(capsys.readouterr())
     assert code == 2, out[-3000:]
     assert needle in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("output", [None, "-"])
+def test_score_prints_each_rows_reward_on_stdout_without_output_or_with_dash(tmp_path, tiny_model_dir, capsys, output,
+                                                                             monkeypatch):
+    """Without --output (and with ``--output -``, no file named '-') the scored rows are JSON lines on stdout, one per
+    row in order, and the counts go to stderr."""
+    from rm.score import main
+
+    texts = _write(tmp_path / "texts.jsonl", [{"text": "hello there"}, {"text": "a longer text to score"}])
+    monkeypatch.chdir(tmp_path)
+    assert main(["--model", str(tiny_model_dir), "--input", str(texts), *(["--output", output] if output else [])]) == 0
+    out, err = capsys.readouterr()
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["text"] for r in rows] == ["hello there", "a longer text to score"], out
+    assert all(isinstance(r["reward"], float) for r in rows)
+    assert "scored 2 texts" in err and not (tmp_path / "-").exists()
 
 
 @pytest.mark.reliability("Entry points", "a LoRA adapter whose base directory is gone (moved), to `rm.score`; "
@@ -335,3 +354,22 @@ def test_a_moved_key_added_with_a_plus_is_refused_not_dropped():
                                           r"write train\.optim\.learning_rate=0\.0001$"):
         compose(["experiment=tiny", "+train.learning_rate=1e-4"])
     assert compose(["experiment=tiny", "train.optim.learning_rate=1e-4"]).train.optim.learning_rate == 1e-4
+
+
+def test_a_lost_peer_is_exit_6_naming_the_rank_not_a_bug(monkeypatch):
+    """gloo's error (as raised when the other rank was SIGKILLed) and torch's DistBackendError are a lost peer, exit 6,
+    with this rank's number and gloo's reason; an unrelated RuntimeError stays a bug."""
+    import torch.distributed as dist
+
+    from rm.foundations.errors import exit_code, message
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+                        "[127.0.0.1]:14755: Connection reset by peer. This is typically caused by a remote worker "
+                        "hanging or bugs in the application.")
+    assert exit_code(gloo) == 6
+    assert message(gloo).startswith("rank 1 of 4 lost its connection to another rank of the run (Read error "
+                                    "[127.0.0.1]:14755: Connection reset by peer)")
+    assert exit_code(dist.DistBackendError("NCCL communicator was aborted on rank 1")) == 6
+    assert exit_code(RuntimeError("shape mismatch")) == 1

@@ -501,3 +501,25 @@ def test_a_qlora_estimate_reads_a_pretrained_models_config_not_its_weights(tmp_p
     from_shape = estimate_run(*planned(base))
     from_weights = estimate_run(*planned([*base, f"model.pretrained={tmp_path}", "model.tokenizer=null"]))
     assert from_weights.peak_bytes == from_shape.peak_bytes and from_weights.activations == from_shape.activations > 0
+
+
+def test_the_precision_line_calls_qlora_frozen_base_4bit_not_its_compute_dtype():
+    """QLoRA's frozen base is stored in 4-bit NF4, whatever it computes in: the table's precision line says NF4 for the
+    frozen weights (it said the compute dtype, bf16 under bf16 precision); LoRA's unquantised base keeps its dtype."""
+    from rm.memory.report import format_table
+
+    qlora = format_table(estimate_run(*planned([*BUILD_HEAVY, "hardware=h100_80g"])), "qlora")
+    assert "frozen weights 4-bit NF4" in qlora, qlora
+    lora = format_table(estimate_run(*planned([*BUILD_HEAVY, "hardware=h100_80g", "memory_profile=lora"])), "lora")
+    assert "frozen weights fp32" in lora and "NF4" not in lora, lora
+
+
+def test_a_table_in_mib_gives_the_headroom_in_mib_and_the_key_in_gib():
+    """hardware.headroom_gib is in GiB; a table in MiB printed its MiB figure beside the key's name as if it were the
+    key's value."""
+    from rm.memory.report import format_table
+
+    cfg, plan = planned(["experiment=tiny", "hardware=cpu", "hardware.device_memory_gib=0.032", "hardware.headroom_gib=0.004"])
+    table = format_table(estimate_run(cfg, plan), "tiny")
+    assert "component                                  MiB" in table
+    assert "headroom 4.10 MiB (hardware.headroom_gib=0.004)" in table, table

@@ -82,6 +82,12 @@ def test_lora_trains_adapters_and_head_and_reloads_as_adapter_and_merged(tiny_cf
     assert eval_loss_of(adapter, tokenizer, cfg.data) == pytest.approx(result["eval_loss"], rel=1e-5)
     merged = AutoModelForSequenceClassification.from_pretrained(tmp_path / "final" / "merged")
     assert eval_loss_of(merged, tokenizer, cfg.data) == pytest.approx(result["eval_loss"], rel=1e-4)
+    # final/README.md is rm's model card, not PEFT's empty template ("More Information Needed" in every field)
+    card = (tmp_path / "final" / "README.md").read_text()
+    assert "More Information Needed" not in card
+    assert "| base model | random init of the tiny shape" in card and "| memory profile | lora |" in card
+    assert f"{result['eval_accuracy']:.4f} pairwise accuracy on {result['eval_pairs']} held-out pairs" in card
+    assert "LoRA adapter" in card and "merged/" in card and "from_pretrained" in card
 
 
 def run_cli(args, tmp_path, nproc=1, timeout=900):

@@ -79,6 +79,35 @@ def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert list((tmp_path / "speed").glob("*.json"))
 
 
+def test_cpu_rates_say_when_and_at_what_load_and_a_run_that_disagrees_drops_them(tmp_path, monkeypatch):
+    """The cached entry records when it was measured, the load average then and the host, and the prediction's rates
+    carry them; a run whose measured step is over 2x off the prediction (here 0.05 s against 1.37: rates measured
+    under load) removes the entry, so that the next plan measures again; 1.5x off keeps it."""
+    import json
+
+    from rm.foundations.config import HardwareConfig
+    from rm.plan import constants
+    from rm.plan.auto import LayoutChoice
+
+    fake = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]}, "attention": {"float32": [[256, 1e9]],
+            "bfloat16": [[256, 1e9]]}, "memory": 1e10, "kernel_seconds": 1e-6, "micro_batch_seconds": 1e-3,
+            "dropout": 1e9, "elementwise": []}
+    monkeypatch.setenv("RM_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "measure_rates", lambda: dict(fake))
+    monkeypatch.setattr(constants.os, "getloadavg", lambda: (3.25, 1.0, 1.0))
+    constants.cpu_rates()
+    entry = json.loads(constants.rates_path().read_text())
+    assert entry["load_average"] == 3.25 and entry["machine"] and entry["measured_at"].endswith("UTC")
+    rates = constants.rates_for(HardwareConfig(name="cpu", accelerator="cpu"), "cpu")
+    assert f"measured {entry['measured_at']} at load 3.25 on" in rates.measured and rates.measured in rates.source
+    choice = LayoutChoice((), (), 1.37, 1.37, "why", rates)
+    assert choice.against_run(1.37 * 1.5) is None and constants.rates_path().exists()
+    stale = choice.against_run(0.05)
+    assert "step time measured 0.05 s against 1.37 predicted (0.04x)" in stale and "at load 3.25" in stale
+    assert "measures them again" in stale and not constants.rates_path().exists()
+    assert LayoutChoice((), (), 1.0, 1.0, "no rates").against_run(0.01) is None
+
+
 def test_a_cuda_profile_without_rates_names_the_key(tiny_cfg):
     from dataclasses import replace
 
@@ -172,6 +201,40 @@ def test_user_set_knobs_stay_and_candidates_pass_validation(tiny_cfg):
         assert not (c.cfg.train.packing and c.plan.strategy == "deepspeed")
     assert any(c.plan.strategy == "deepspeed" for c in result.candidates) == _deepspeed_installed()
     assert any(c.cfg.train.share_prefix for c in result.candidates)  # not set by the user: varied
+
+
+def test_on_a_gpu_profile_layouts_never_timed_there_rank_after_those_that_were(tiny_cfg):
+    """Packed and prefix-shared rows were timed on CPUs only (their one GPU run, an H200, took 6x the padded step):
+    on hardware=h100_80g every layout that turns one on comes after every layout that does not, and says so; on a
+    CPU none is marked. ZeRO-1 is offered as distributed=zero1, not as zero2 with zero_stage=1."""
+    from rm.plan.auto import GPU_UNMEASURED
+    from rm.plan.features import FEATURES
+    from rm.plan.lengths import PairLengths
+    from rm.plan.search import plan
+
+    lengths = PairLengths.of([20, 30, 12, 40] * 8, [25, 10, 12, 33] * 8, [10, 5, 6, 20] * 8)
+    result = plan(tiny_cfg("hardware=h100_80g", "distributed.num_processes=2"), ["distributed.num_processes=2"],
+                  lengths=lengths, top=2)
+    marks = [bool(c.unmeasured) for c in result.candidates]
+    assert marks == sorted(marks) and any(marks) and not all(marks)
+    for c in result.candidates:
+        assert ("prefix sharing" in c.unmeasured) == c.cfg.train.share_prefix
+        assert ("packing" in c.unmeasured) == c.cfg.train.packing
+        assert "distributed.zero_stage=1" not in c.overrides
+    assert any("distributed=zero1" in c.overrides for c in result.candidates) == _deepspeed_installed()
+    assert result.top and not any(c.unmeasured for c in result.top)
+    from rm.plan.__main__ import format_plan
+
+    text = format_plan(result, "tiny")
+    assert "Layouts with a feature never timed on a GPU (marked) rank after those that were" in text
+    result.top[0].unmeasured = ("packing",)
+    assert "(not measured on a GPU: packing)" in format_plan(result, "tiny")
+    cpu = plan(tiny_cfg("distributed.num_processes=2"), ["distributed.num_processes=2"], lengths=lengths,
+               rates=_rates(), top=1)
+    assert not any(c.unmeasured for c in cpu.candidates)
+    # train.layout=auto keeps on a GPU what no GPU has timed: the registry says so of each of those knobs
+    unmeasured_keys = {k for f in FEATURES if f.measured_on and "cuda" not in f.measured_on for k in f.keys}
+    assert set(GPU_UNMEASURED) <= unmeasured_keys
 
 
 def _deepspeed_installed() -> bool:

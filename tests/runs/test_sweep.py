@@ -94,6 +94,22 @@ def test_a_failed_job_is_recorded_and_the_sweep_goes_on(tmp_path, on_failure, ex
     assert "4 jobs: 2 ok, 0 refused, 2 failed" in proc.stderr + proc.stdout or not exit_ok
 
 
+@pytest.mark.reliability("Configuration", "a multirun (`-m`) with `sweep.on_failure=raise` whose job has an invalid value "
+                         "(`train.optim.adam_beta1=1.5,0.9`)", "the job prints its message, the remaining jobs run (Hydra's basic sweeper), "
+                         "the multirun exits 2, the job's code, without Hydra's traceback; `summary.json` keeps the "
+                         "whole message, naming the key")
+def test_an_invalid_job_under_on_failure_raise_ends_the_sweep_with_its_message_and_code(tmp_path):
+    proc = multirun(["sweep.on_failure=raise", "train.optim.adam_beta1=1.5,0.9"], tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "train.optim.adam_beta1=1.5 must be in [0, 1)" in out and "Traceback" not in out, out[-3000:]
+    records = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["status"] for r in records] == ["failed", "ok"], records
+    assert records[0]["error"].startswith("ConfigError: invalid configuration:")
+    assert "train.optim.adam_beta1=1.5 must be in [0, 1)" in records[0]["error"]
+    assert "the sweep failed: job 0 exited 2" in out
+
+
 @pytest.mark.slow
 def test_optuna_study_of_three_trials_counts_refusals_as_failed_trials(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")
@@ -162,7 +178,8 @@ def test_summary_table_shows_what_differs_and_why_jobs_did_not_train():
     ]
     table = format_summary(records)
     assert "x=1" in table and "a=1 x=1" not in table and "common to every job: a=1" in table
-    assert "would fit with: memory_profile=lora" in table and "ValueError: bad" in table and "second line" not in table
+    assert "would fit with: memory_profile=lora" in table and "ValueError: bad second line" in table
+    assert records[2]["error"] == "ValueError: bad\nsecond line"  # summary.json keeps the whole message
     assert "3 jobs: 1 ok, 1 refused, 1 failed" in table
     assert math.isclose(records[0]["eval_accuracy"], 0.9)
 

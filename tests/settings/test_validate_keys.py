@@ -111,3 +111,15 @@ def test_flex_attention_is_warned_about_before_a_run(tiny_cfg):
     flex = validate(tiny_cfg("model.attn_implementation=flex_attention"), world_size=1)
     assert any("flex_attention" in w and "NoValidChoicesError" in w for w in flex.warnings)
     assert not any("flex" in w for w in validate(tiny_cfg(), world_size=1).warnings)
+
+
+def test_lora_keys_under_a_profile_without_lora_are_named_as_without_effect(tiny_cfg):
+    """lora.r=16 with memory_profile=full was accepted silently: a warning names each lora key set and the profile;
+    under a LoRA profile, or with no lora key set, there is none."""
+    from rm.settings.validate import unused_overrides
+
+    given = ["memory_profile=full", "lora.r=16", "lora=r64", "train.max_steps=2"]
+    warnings = unused_overrides(tiny_cfg(*given), given)
+    assert len(warnings) == 1 and warnings[0].startswith("lora.r=16 lora=r64 have no effect: memory_profile=full")
+    assert unused_overrides(tiny_cfg("memory_profile=lora", "lora.r=16"), ["memory_profile=lora", "lora.r=16"]) == []
+    assert unused_overrides(tiny_cfg("memory_profile=full"), ["memory_profile=full"]) == []
