@@ -21,7 +21,7 @@ from rm.foundations.config import to_run_config
 from rm.distributed.engine import join_submitit_tasks
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.memory.preflight import PreflightRefusal
-from rm.runs.run_dir import RunDir
+from rm.runs.run_dir import RunDir, remove_made
 from rm.runs.run_record import hold_log
 from rm.runs.sweep import job_record, write_job_record
 from rm.training.trainer import Status, train
@@ -56,17 +56,34 @@ def _job(cfg: DictConfig) -> Optional[float]:
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
-    # Until train() has the directory (locked, no earlier run in the way), the log stays in memory and
-    # .hydra/ unwritten: a refused run changes no file of an earlier one (rm.runs.run_record).
+    # Until train() has the directory (locked, no earlier run in the way, every check passed), the log stays in
+    # memory and .hydra/ unwritten: a refused run changes no file of an earlier one (rm.runs.run_record).
     hold_log(run_dir)
-    join_submitit_tasks()
-    _quiet_other_ranks()
-    run_cfg = to_run_config(cfg)
-    directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
+    fresh = not any(run_dir.iterdir())  # a new directory, or an empty one: no earlier job's record in it
+    directory = None
+    try:
+        join_submitit_tasks()
+        _quiet_other_ranks()
+        run_cfg = to_run_config(cfg)
+        directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
+        return _train(run_cfg, directory, overrides, multirun, fresh, hydra_cfg.job.num if multirun else None)
+    except BaseException:
+        if not multirun and not (directory and directory.claimed):
+            remove_made(run_dir)  # a refused or invalid start leaves no empty outputs/<date>/<time>/ behind
+        raise
+
+
+def _train(run_cfg, directory: RunDir, overrides, multirun: bool, fresh: bool, job: Optional[int]) -> Optional[float]:
+    run_dir = directory.path
 
     def record(status, **fields):
-        if multirun and directory.is_main and directory.claimed:  # a refused directory keeps the earlier job's record
-            write_job_record(run_dir, job_record(overrides, status, job=hydra_cfg.job.num, **fields))
+        if not (multirun and directory.is_main):
+            return
+        if not directory.claimed:
+            if not fresh:
+                return  # a refused directory keeps the earlier job's record
+            directory.claim()  # the job's own new directory: its .hydra/ and log name the sweep's refused job
+        write_job_record(run_dir, job_record(overrides, status, job=job, **fields))
 
     try:
         result = train(run_cfg, directory, overrides)

@@ -4,10 +4,12 @@
 
 - the lock (:class:`RunLock`): a second live run in the same directory is refused;
 - the decision about an earlier run there (:func:`check_run_dir`): continue it (``train.resume``), replace
-  it (``train.overwrite``, done only by :meth:`RunDir.replace_earlier`, once the settings and the data are
+  it (``train.overwrite``, done only by :meth:`RunDir.claim`, once the settings and the data are
   known to be usable), or refuse. It is taken before anything is written, so a refused run changes no file;
-- the claim: once the directory is this run's, the held log file opens and Hydra's record is written
-  (:mod:`rm.runs.run_record`), on the main process first and on the others once the engine is up;
+- the claim (:meth:`RunDir.claim`): once everything that can refuse the run has passed (the settings, the data, the
+  memory verdict, a resume's comparison with its checkpoint: :meth:`RunDir.check_resume`), the held log file opens,
+  Hydra's record is written (:mod:`rm.runs.run_record`) and ``train.overwrite`` replaces the earlier run. Before it,
+  nothing under the directory changes but this run's own lock file;
 - the checkpoints: which one a resume loads (:meth:`RunDir.restore`, naming each it passes over), where the
   next is saved (:meth:`RunDir.save_checkpoint`) and which is newest;
 - ``metrics.jsonl`` (:meth:`RunDir.metrics`), cut back to the resumed step (:meth:`RunDir.resume_metrics`), so
@@ -27,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rm.runs.checkpoint import (
@@ -48,9 +51,9 @@ TOKENIZER_DIR = "tokenizer"  # the tokenizer model.tokenizer=bpe trained, read b
 class RunDir:
     """The directory of one training run; a context manager that holds its lock on the main process.
 
-    Entering it (every process) takes the lock and the decision on the main process, which then claims the
-    directory; the other processes claim it with :meth:`join` once the engine is up (by then the main process
-    has accepted it, or torchrun has stopped them).
+    Entering it takes the lock and the decision on the main process; every process claims the directory with
+    :meth:`claim` once the run has passed every check that can refuse it (the other processes reach that point
+    only with the engine up, so the main process has accepted the directory, or torchrun has stopped them).
 
     Args:
         path: the run directory (Hydra's ``hydra.run.dir``).
@@ -64,6 +67,7 @@ class RunDir:
         self.resume, self.overwrite, self.is_main, self.record = resume, overwrite, is_main, record
         self.claimed = False  # the directory is this run's: files in it may change
         self._replaces: List[str] = []
+        self._candidates: Optional[Tuple[List[Path], List[str]]] = None  # resume_candidates(), hashed once
         self._lock = RunLock(self.path) if is_main else None
 
     @classmethod
@@ -78,22 +82,21 @@ class RunDir:
             except BaseException:
                 self._lock.__exit__(None, None, None)
                 raise
-            self._claim()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._lock is not None:
             self._lock.__exit__(*exc)
 
-    def join(self) -> None:
-        """Claim the directory on a process other than the main one, once the engine is up."""
-        if not self.is_main:
-            self._claim()
-
-    def _claim(self) -> None:
+    def claim(self) -> None:
+        """The directory becomes this run's (every process calls it, once every check that can refuse the run has
+        passed): the held log is written, then Hydra's record, and ``train.overwrite=true`` deletes the earlier run."""
         release_log()
         if self.is_main and self.record is not None:
             write_record(self.path, self.record)
+        if self.is_main:
+            replace_earlier_run(self.path, self._replaces)
+        self._replaces = []
         self.claimed = True
 
     @property
@@ -105,12 +108,6 @@ class RunDir:
         """``train.resume`` with any checkpoint directory there, whole or not: a resume that is then refused must
         not have replaced the saved tokenizer first."""
         return self.resume and bool(list_checkpoints(self.path, complete=False))
-
-    def replace_earlier(self) -> None:
-        """``train.overwrite=true``: delete the earlier run, now that the settings and the data are usable."""
-        if self.is_main:
-            replace_earlier_run(self.path, self._replaces)
-        self._replaces = []
 
     def latest_checkpoint(self) -> Optional[Path]:
         return latest_checkpoint(self.path)
@@ -129,6 +126,40 @@ class RunDir:
                 return found
         return None
 
+    def check_resume(self, train_cfg: TrainConfig, current: Dict, total_steps: int) -> None:
+        """``train.resume=true``: the refusals of :meth:`restore`, taken before the directory is claimed, so that a
+        refused resume changes no file of the run it would continue. The newest intact checkpoint (the one
+        :meth:`restore` loads unless it fails to load) must be before ``total_steps`` and, without
+        ``train.resume_allow_changes``, have been written with the same settings and data.
+
+        Raises:
+            ConfigError, CheckpointError: as :meth:`restore`.
+        """
+        if not self.resume:
+            return
+        self._candidates = candidates, passed_over = resume_candidates(self.path)
+        if candidates:
+            self._check_candidate(candidates[0], checkpoint_state(candidates[0]), train_cfg, current, total_steps,
+                                  compare=not train_cfg.resume_allow_changes)  # allowed changes are logged on restore
+        elif passed_over:
+            raise self._none_intact(passed_over)
+
+    def _check_candidate(self, checkpoint: Path, state: Dict, train_cfg: TrainConfig, current: Dict, total_steps: int,
+                         compare: bool = True) -> List[str]:
+        if state["step"] >= total_steps:
+            raise ConfigError(
+                f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
+                f"(train.max_steps={train_cfg.max_steps}, train.num_train_epochs={train_cfg.num_train_epochs}): "
+                "raise train.max_steps with train.resume_allow_changes=true to train further"
+            )
+        return check_resume(state.get("fingerprint"), current, checkpoint, train_cfg.resume_allow_changes) if compare else []
+
+    def _none_intact(self, passed_over: List[str]) -> CheckpointError:
+        return CheckpointError(
+            f"train.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
+            "Nothing was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
+        )
+
     def restore(self, engine, train_cfg: TrainConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
         """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
         loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).
@@ -144,19 +175,14 @@ class RunDir:
                 or the checkpoint is past ``train.max_steps``.
             CheckpointError: checkpoints exist but none is intact; nothing is changed.
         """
-        candidates, passed_over = resume_candidates(self.path)
+        candidates, passed_over = self._candidates or resume_candidates(self.path)
+        passed_over = list(passed_over)
         if not candidates and not passed_over:
             log.warning("train.resume=true but %s holds no checkpoint yet: starting from step 0", self.path)
             return 0, None
         for checkpoint in candidates:
             state = checkpoint_state(checkpoint)
-            if state["step"] >= total_steps:
-                raise ConfigError(
-                    f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
-                    f"(train.max_steps={train_cfg.max_steps}, train.num_train_epochs={train_cfg.num_train_epochs}): "
-                    "raise train.max_steps with train.resume_allow_changes=true to train further"
-                )
-            changes = check_resume(state.get("fingerprint"), current, checkpoint, train_cfg.resume_allow_changes)
+            changes = self._check_candidate(checkpoint, state, train_cfg, current, total_steps)
             try:
                 step = load_checkpoint(engine, checkpoint)
             except Exception as err:  # noqa: BLE001  (passed its checksums but does not load: try the previous)
@@ -167,10 +193,7 @@ class RunDir:
             apply_changes(engine.optimizer, engine.scheduler, train_cfg, changes)
             log.info("resumed from %s at step %d", checkpoint, step)
             return step, state.get("train_state")
-        raise CheckpointError(
-            f"train.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
-            "Nothing was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
-        )
+        raise self._none_intact(passed_over)
 
     def metrics(self, tensorboard: bool) -> MetricsLog:
         """The run's one ``metrics.jsonl`` (and TensorBoard), written by the main process."""
@@ -185,6 +208,52 @@ class RunDir:
         if dropped:
             log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
                      dropped, start_step)
+
+
+class RunDirCallback(Callback):
+    """Hydra callback (``conf/config.yaml``): makes the run directory before Hydra does, noting which of its folders
+    this start creates.
+
+    Hydra makes ``hydra.run.dir`` (``outputs/<date>/<time>/``) before the job starts; where it cannot (a read-only
+    parent), its own traceback and exit 1 would follow. Made here first, a failure is the storage error it is: exit 5
+    naming the path. The folders that did not exist are what a start refused before it claims its directory
+    removes again (:func:`remove_made`), so that a refused or invalid run leaves no empty folder behind; a folder
+    that existed before, empty or not, is never removed.
+    """
+
+    made: List[Path] = []  # this process's single run: the new folders, deepest first
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        path = Path(os.path.abspath(str(config.hydra.run.dir)))  # as Hydra's run_job resolves it (${now:} is cached)
+        RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
+        _make(path)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))))
+
+
+def _make(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        from rm.foundations.errors import report
+
+        # Hydra turns an exception in a callback into a warning and goes on to fail at its own mkdir; an exit
+        # passes through it.
+        raise SystemExit(report(err)) from None
+
+
+def remove_made(path: Path) -> None:
+    """Remove the folders of ``path`` that this start made (:class:`RunDirCallback`), deepest first, while each is
+    empty (``os.rmdir`` removes no file: whatever was written there stays, with its folder)."""
+    made = RunDirCallback.made
+    if not made or made[0] != Path(os.path.abspath(path)):
+        return
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 class RunDirError(ConfigError, FileExistsError):

@@ -564,13 +564,13 @@ def test_a_run_directory_refused_for_an_earlier_run_is_not_claimed_and_unlocked(
     assert not directory.claimed and not (tmp_path / LOCK_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     with RunDir(tmp_path, resume=False, overwrite=True, is_main=True) as directory:
-        assert directory.claimed and (tmp_path / "metrics.jsonl").exists()  # replaced only when asked, later
-        directory.replace_earlier()
-        assert not (tmp_path / "metrics.jsonl").exists()
+        assert not directory.claimed and (tmp_path / "metrics.jsonl").exists()  # replaced only once claimed
+        directory.claim()
+        assert directory.claimed and not (tmp_path / "metrics.jsonl").exists()
     other = RunDir(tmp_path, resume=False, overwrite=False, is_main=False)
-    with other:  # another rank: no lock, no decision; it claims once the engine is up
+    with other:  # another rank: no lock, no decision; it claims at the same point as the main process
         assert not other.claimed and not (tmp_path / LOCK_FILE).exists()
-        other.join()
+        other.claim()
         assert other.claimed
 
 
