@@ -234,9 +234,15 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
             assert secret.encode() not in path.read_bytes(), path
 
 
-@pytest.mark.reliability("Configuration", "unknown group option (`memory_profile=fast`)", "Hydra names the group and lists its options")
+@pytest.mark.reliability("Configuration", "unknown group option (`memory_profile=fast`), of an optional group too "
+                         "(`experiment=tyni`, which Hydra would drop in silence and compose the flagship)",
+                         "named before Hydra composes, with the close matches and the group's options: "
+                         "`experiment has no option 'tyni'; did you mean tiny?`")
 @pytest.mark.reliability("Configuration", "wrong type (`train.micro_batch_size=abc`)", "Hydra names the key and the value")
-@pytest.mark.reliability("Configuration", "unknown key (`train.micro_batch=4`), override syntax error (`train.x=[`)", "Hydra's message, then one line quoting the command line")
+@pytest.mark.reliability("Configuration", "unknown or misspelt key (`train.micro_batch=4`, `lora.alpah=8`), a key added to "
+                         "a typed group (`+train.foo=1`)", "each named, with its close matches: `train has no key "
+                         "'micro_batch'; did you mean train.micro_batch_size or ...?`")
+@pytest.mark.reliability("Configuration", "override syntax error (`train.x=[`)", "Hydra's message, then one line quoting the command line")
 @pytest.mark.reliability("Configuration", "zero or negative size (`train.global_batch_size=-4`), LoRA rank 0", "`train.global_batch_size=-4 must be > 0`")
 @pytest.mark.reliability("Configuration", "LoRA target module not in the model (`lora.target_modules=[qkv]`)", "names the module and lists the accepted ones")
 @pytest.mark.reliability("Configuration", "sequence length above the model's maximum", "names `data.max_length` and `model.max_position_embeddings`")
@@ -244,9 +250,11 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
 @pytest.mark.reliability("Configuration", "bf16 on hardware without bf16", "names `train.precision` and `hardware.bf16`")
 @pytest.mark.reliability("Configuration", "a profile that cannot train (`memory_profile=qlora memory_profile.use_lora=false`)", "names the key and what it needs")
 @pytest.mark.parametrize("override,needles", [
-    ("memory_profile=fast", ["memory_profile", "full", "lora", "offload"]),  # unknown option: Hydra lists the options
+    ("memory_profile=fast", ["memory_profile", "full", "lora", "offload"]),  # unknown option: its options listed
+    ("experiment=tyni", ["experiment has no option 'tyni'; did you mean tiny?"]),  # an optional group's
     ("train.micro_batch_size=abc", ["train.micro_batch_size", "abc"]),  # wrong type
-    ("train.micro_batch=4", ["train.micro_batch", "could not be composed from the command line"]),  # unknown key
+    ("train.micro_batch=4", ["train has no key 'micro_batch'; did you mean train.micro_batch_size or "]),  # unknown key
+    ("lora.alpah=8 +train.foo=1", ["lora has no key 'alpah'; did you mean lora.alpha?", "train has no key 'foo'"]),
     ("train.x=[", ["could not be composed from the command line: ", "train.x=["]),  # override syntax
     ("train.global_batch_size=-4", ["train.global_batch_size=-4", "must be > 0"]),
     ("memory_profile=lora lora.r=0", ["lora.r=0", "must be > 0"]),
