@@ -51,7 +51,7 @@ def without_bitsandbytes() -> None:
 _CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
 
 
-def check_names(argv: Optional[List[str]] = None) -> None:
+def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
     """Every name on the command line exists, before Hydra composes: a group option (``experiment=tyni``: Hydra drops
     an unknown option of an optional group in silence and composes the flagship), a key (``train.learning_rat=``) or a
     key added to a typed group (``+train.foo=1``: Hydra adds it). Each unknown one is named with its close matches.
@@ -59,8 +59,9 @@ def check_names(argv: Optional[List[str]] = None) -> None:
     Overrides of ``hydra`` itself, with a package (``group@pkg=``), and values under a ``Dict`` or ``Any`` key are
     left to Hydra; so are the options of groups when a ``--config-dir`` adds a search path.
 
-    Raises:
-        ConfigError: naming each unknown name and the names it is close to (``difflib``).
+    Returns:
+        One line per unknown name, naming it and the names it is close to (``difflib``); ``[]`` when all exist.
+        :func:`rm.foundations.errors.run_hydra_app` makes them a ``ConfigError`` (exit 2).
     """
     import dataclasses
     import difflib
@@ -74,14 +75,13 @@ def check_names(argv: Optional[List[str]] = None) -> None:
     from hydra.errors import HydraException
 
     from rm.foundations.config import CONF_DIR, RunConfig
-    from rm.foundations.errors import ConfigError
 
     argv = sys.argv if argv is None else argv
     args = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
     try:
         overrides = OverridesParser.create().parse_overrides(args)
     except HydraException:
-        return  # a syntax error: Hydra's own message names it
+        return []  # a syntax error: Hydra's own message names it
     repo = ConfigRepository(config_search_path=create_config_search_path(str(CONF_DIR)))
     check_options = not any(a.split("=", 1)[0] in _CONFIG_DIR_FLAGS for a in argv[1:])
 
@@ -122,5 +122,4 @@ def check_names(argv: Optional[List[str]] = None) -> None:
             node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
             if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
                 break  # a value, a Dict or a List: Hydra checks it
-    if problems:
-        raise ConfigError("unknown name(s) on the command line:\n  - " + "\n  - ".join(problems))
+    return problems

@@ -241,7 +241,7 @@ def task_started() -> None:
 
 def run_hydra_app(main: Callable[[], object]) -> None:
     """Call a ``@hydra.main`` function, with exit 2 for a config Hydra cannot compose or a name that does not exist
-    (:func:`rm.foundations.cli.check_names`, before Hydra composes).
+    (:func:`rm.foundations.cli.unknown_names`, before Hydra composes).
 
     Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
     rm keeps for bugs; the same mistake caught by :mod:`rm.settings.validate` exits 2, and so does this one.
@@ -250,12 +250,12 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     if _launcher_collects() and not launch_env().is_main:
         held = sys.stderr = _HeldStderr(sys.stderr)
     try:
-        from rm.foundations.cli import check_names
+        from rm.foundations.cli import unknown_names
 
-        try:  # what Hydra would compose in silence (an unknown option of an optional group) or name without a guess
-            check_names()
-        except RmError as err:
-            sys.exit(report(err))
+        # What Hydra would compose in silence (an unknown option of an optional group) or name without a guess.
+        unknown = unknown_names()
+        if unknown:
+            sys.exit(report(ConfigError("unknown name(s) on the command line:\n  - " + "\n  - ".join(unknown))))
         main()
     except SystemExit as stop:
         if sys.stderr is held:  # Hydra stopped before the task: its message is rank 0's to print
