@@ -20,6 +20,7 @@ The checkpoint format itself (atomic writes, manifests, checksums) is :mod:`rm.r
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -235,6 +236,9 @@ class RunDirCallback(Callback):
 def _make(path: Path) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):  # an existing folder: Hydra's record or log would fail in it
+            raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
+                                  str(path))
     except OSError as err:
         from rm.foundations.errors import report
 
