@@ -22,7 +22,7 @@ from rm.distributed.engine import join_submitit_tasks
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.memory.preflight import PreflightRefusal
 from rm.runs.run_dir import RunDir, remove_made
-from rm.runs.run_record import hold_log
+from rm.runs.run_record import hold_log, write_record
 from rm.runs.sweep import job_record, write_job_record
 from rm.training.trainer import Status, train
 from rm.settings.validate import launched_as_main
@@ -66,6 +66,8 @@ def _job(cfg: DictConfig) -> Optional[float]:
         _quiet_other_ranks()
         run_cfg = to_run_config(cfg)
         directory = RunDir.of(run_dir, run_cfg.train, launched_as_main(), record=cfg)
+        if multirun and fresh and directory.is_main:  # nothing earlier to keep: a job killed before it claims its
+            write_record(run_dir, cfg)                # folder still shows in the sweep's summary (rm.runs.sweep.collect)
         return _train(run_cfg, directory, overrides, multirun, fresh, hydra_cfg.job.num if multirun else None)
     except BaseException:
         if not multirun and not (directory and directory.claimed):
