@@ -227,16 +227,18 @@ class RunDirCallback(Callback):
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         path = Path(os.path.abspath(str(config.hydra.run.dir)))  # as Hydra's run_job resolves it (${now:} is cached)
         RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
-        _make(path)
+        # Hydra writes its record there itself when hydra.output_subdir is set (rm.estimate with a hydra.run.dir); with
+        # null (rm.train, whose first write is its lock: exit 5 at rm's boundary) the folder may be read-only.
+        _make(path, writes=config.hydra.output_subdir is not None)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))))
+        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))), writes=True)  # Hydra writes multirun.yaml there
 
 
-def _make(path: Path) -> None:
+def _make(path: Path, writes: bool) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
-        if not os.access(path, os.W_OK | os.X_OK):  # an existing folder: Hydra's record or log would fail in it
+        if writes and not os.access(path, os.W_OK | os.X_OK):  # an existing folder Hydra would fail to write in
             raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
                                   str(path))
     except OSError as err:
