@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import datasets
 import hydra
@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from rm.foundations.config import to_run_config
+from rm.foundations.config import RunConfig, to_run_config
 from rm.distributed.engine import join_submitit_tasks
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.memory.preflight import PreflightRefusal
@@ -75,7 +75,9 @@ def _job(cfg: DictConfig) -> Optional[float]:
         raise
 
 
-def _train(run_cfg, directory: RunDir, overrides, multirun: bool, fresh: bool, job: Optional[int]) -> Optional[float]:
+def _train(run_cfg: RunConfig, directory: RunDir, overrides: List[str], multirun: bool, fresh: bool,
+           job: Optional[int]) -> Optional[float]:
+    """The training of one job, its outcome recorded in ``job_result.json`` in a multirun (``rm.runs.sweep``)."""
     run_dir = directory.path
 
     def record(status, **fields):
