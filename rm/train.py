@@ -109,7 +109,7 @@ def _train(run_cfg: RunConfig, directory: RunDir, overrides: List[str], multirun
         raise
     if result["status"] is Status.INTERRUPTED:
         record("failed", result=result, error=f"interrupted by signal {result['signal']} at step {result['step']}; "
-                                              "a checkpoint was written, resume with train.resume=true")
+                                              "a checkpoint was written, resume with train.checkpoint.resume=true")
         sys.exit(128 + result["signal"])
     if result["status"] is Status.STOPPED_NONFINITE:
         error = NonFiniteError(f"stopped before step {result['step'] + 1}: {result['reason']}; no checkpoint was written after it")

@@ -3,12 +3,12 @@
 :class:`RunDir` owns, for one run:
 
 - the lock (:class:`RunLock`): a second live run in the same directory is refused;
-- the decision about an earlier run there (:func:`check_run_dir`): continue it (``train.resume``), replace
-  it (``train.overwrite``, done only by :meth:`RunDir.claim`, once the settings and the data are
+- the decision about an earlier run there (:func:`check_run_dir`): continue it (``train.checkpoint.resume``), replace
+  it (``train.checkpoint.overwrite``, done only by :meth:`RunDir.claim`, once the settings and the data are
   known to be usable), or refuse. It is taken before anything is written, so a refused run changes no file;
 - the claim (:meth:`RunDir.claim`): once everything that can refuse the run has passed (the settings, the data, the
   memory verdict, a resume's comparison with its checkpoint: :meth:`RunDir.check_resume`), the held log file opens,
-  Hydra's record is written (:mod:`rm.runs.run_record`) and ``train.overwrite`` replaces the earlier run. Before it,
+  Hydra's record is written (:mod:`rm.runs.run_record`) and ``train.checkpoint.overwrite`` replaces the earlier run. Before it,
   nothing under the directory changes but this run's own lock file;
 - the checkpoints: which one a resume loads (:meth:`RunDir.restore`, naming each it passes over), where the
   next is saved (:meth:`RunDir.save_checkpoint`) and which is newest;
@@ -58,7 +58,7 @@ class RunDir:
 
     Args:
         path: the run directory (Hydra's ``hydra.run.dir``).
-        resume, overwrite: ``train.resume`` and ``train.overwrite``.
+        resume, overwrite: ``train.checkpoint.resume`` and ``train.checkpoint.overwrite``.
         is_main: this process decides and writes the shared files (rank 0).
         record: the Hydra task config, written to ``.hydra/`` when the directory is claimed; ``None`` outside Hydra.
     """
@@ -73,7 +73,7 @@ class RunDir:
 
     @classmethod
     def of(cls, path: Path, train: TrainConfig, is_main: bool, record: Optional[DictConfig] = None) -> "RunDir":
-        return cls(path, train.resume, train.overwrite, is_main, record)
+        return cls(path, train.checkpoint.resume, train.checkpoint.overwrite, is_main, record)
 
     def __enter__(self) -> "RunDir":
         if self._lock is not None:
@@ -91,7 +91,7 @@ class RunDir:
 
     def claim(self) -> None:
         """The directory becomes this run's (every process calls it, once every check that can refuse the run has
-        passed): the held log is written, then Hydra's record, and ``train.overwrite=true`` deletes the earlier run."""
+        passed): the held log is written, then Hydra's record, and ``train.checkpoint.overwrite=true`` deletes the earlier run."""
         release_log()
         if self.is_main and self.record is not None:
             write_record(self.path, self.record)
@@ -106,7 +106,7 @@ class RunDir:
 
     @property
     def resuming(self) -> bool:
-        """``train.resume`` with any checkpoint directory there, whole or not: a resume that is then refused must
+        """``train.checkpoint.resume`` with any checkpoint directory there, whole or not: a resume that is then refused must
         not have replaced the saved tokenizer first."""
         return self.resume and bool(list_checkpoints(self.path, complete=False))
 
@@ -128,10 +128,10 @@ class RunDir:
         return None
 
     def check_resume(self, train_cfg: TrainConfig, current: Dict, total_steps: int) -> None:
-        """``train.resume=true``: the refusals of :meth:`restore`, taken before the directory is claimed, so that a
+        """``train.checkpoint.resume=true``: the refusals of :meth:`restore`, taken before the directory is claimed, so that a
         refused resume changes no file of the run it would continue. The newest intact checkpoint (the one
         :meth:`restore` loads unless it fails to load) must be before ``total_steps`` and, without
-        ``train.resume_allow_changes``, have been written with the same settings and data.
+        ``train.checkpoint.resume_allow_changes``, have been written with the same settings and data.
 
         Raises:
             ConfigError, CheckpointError: as :meth:`restore`.
@@ -151,14 +151,14 @@ class RunDir:
             raise ConfigError(
                 f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
                 f"(train.max_steps={train_cfg.max_steps}, train.num_train_epochs={train_cfg.num_train_epochs}): "
-                "raise train.max_steps with train.resume_allow_changes=true to train further"
+                "raise train.max_steps with train.checkpoint.resume_allow_changes=true to train further"
             )
         return check_resume(state.get("fingerprint"), current, checkpoint, train_cfg.resume_allow_changes) if compare else []
 
     def _none_intact(self, passed_over: List[str]) -> CheckpointError:
         return CheckpointError(
-            f"train.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
-            "Nothing was changed: restore one from a copy, or start afresh with train.overwrite=true (which deletes them)"
+            f"train.checkpoint.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
+            "Nothing was changed: restore one from a copy, or start afresh with train.checkpoint.overwrite=true (which deletes them)"
         )
 
     def restore(self, engine, train_cfg: TrainConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
@@ -172,14 +172,14 @@ class RunDir:
             current: this run's :func:`rm.runs.resume.fingerprint`, compared with the checkpoint's.
 
         Raises:
-            ConfigError: settings that shape training changed (without ``train.resume_allow_changes``),
+            ConfigError: settings that shape training changed (without ``train.checkpoint.resume_allow_changes``),
                 or the checkpoint is past ``train.max_steps``.
             CheckpointError: checkpoints exist but none is intact; nothing is changed.
         """
         candidates, passed_over = self._candidates or resume_candidates(self.path)
         passed_over = list(passed_over)
         if not candidates and not passed_over:
-            log.warning("train.resume=true but %s holds no checkpoint yet: starting from step 0", self.path)
+            log.warning("train.checkpoint.resume=true but %s holds no checkpoint yet: starting from step 0", self.path)
             return 0, None
         for checkpoint in candidates:
             state = checkpoint_state(checkpoint)
@@ -273,42 +273,42 @@ def check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> List[str]:
     refused run touches nothing of the directory, and an invalid one replaces nothing.
 
     Returns:
-        What ``train.overwrite=true`` replaces (names under ``run_dir``), for :func:`replace_earlier_run`
+        What ``train.checkpoint.overwrite=true`` replaces (names under ``run_dir``), for :func:`replace_earlier_run`
         once the settings are known to be valid; ``[]`` otherwise.
 
     Raises:
         RunDirError: ``run_dir`` holds a final model, checkpoints or metrics of an earlier run and
-            neither ``train.resume`` nor ``train.overwrite`` was given; or ``train.resume`` was given
+            neither ``train.checkpoint.resume`` nor ``train.checkpoint.overwrite`` was given; or ``train.checkpoint.resume`` was given
             for a run that finished (``final/`` exists), which would train again over its model.
     """
     run_dir = Path(run_dir)
     earlier = [name for name in ("final", "checkpoints", "metrics.jsonl") if (run_dir / name).exists()]
     if resume and (run_dir / "final").exists() and not overwrite:
         raise RunDirError(
-            f"train.resume=true but {run_dir} holds a finished run (final/): there is nothing to resume, and "
+            f"train.checkpoint.resume=true but {run_dir} holds a finished run (final/): there is nothing to resume, and "
             "training again would replace its model. Keep it and choose another hydra.run.dir, or replace it "
-            "with train.overwrite=true (without train.resume)"
+            "with train.checkpoint.overwrite=true (without train.checkpoint.resume)"
         )
     if not earlier or (resume and not overwrite):
         return []
     if resume and overwrite:
-        raise RunDirError("train.resume=true and train.overwrite=true contradict each other: continue the run or replace it")
+        raise RunDirError("train.checkpoint.resume=true and train.checkpoint.overwrite=true contradict each other: continue the run or replace it")
     if overwrite:
         return earlier
-    if "final" in earlier:  # nothing to continue: train.resume=true is refused for a finished run (above)
+    if "final" in earlier:  # nothing to continue: train.checkpoint.resume=true is refused for a finished run (above)
         raise RunDirError(f"{run_dir} already holds a finished run (final/). Keep it and choose another hydra.run.dir, "
-                          "or replace it with train.overwrite=true")
+                          "or replace it with train.checkpoint.overwrite=true")
     raise RunDirError(
-        f"{run_dir} already holds an earlier run ({', '.join(earlier)}). Continue it with train.resume=true, replace it "
-        "with train.overwrite=true, or choose another hydra.run.dir"
+        f"{run_dir} already holds an earlier run ({', '.join(earlier)}). Continue it with train.checkpoint.resume=true, replace it "
+        "with train.checkpoint.overwrite=true, or choose another hydra.run.dir"
     )
 
 
 def replace_earlier_run(run_dir: Path, names: List[str]) -> None:
-    """Delete what :func:`check_run_dir` said ``train.overwrite=true`` replaces."""
+    """Delete what :func:`check_run_dir` said ``train.checkpoint.overwrite=true`` replaces."""
     if not names:
         return
-    log.warning("train.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(names))
+    log.warning("train.checkpoint.overwrite=true: replacing the earlier run in %s (%s)", run_dir, ", ".join(names))
     for name in names:
         path = Path(run_dir) / name
         shutil.rmtree(path) if path.is_dir() else path.unlink()

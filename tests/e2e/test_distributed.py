@@ -115,7 +115,7 @@ def test_launcher_exits_with_the_ranks_code_not_torchruns(tmp_path):
 
     (tmp_path / "torchrun").write_text(
         "#!/usr/bin/env bash\n"
-        "printf '2\\nerror: invalid configuration: train.adam_beta1=1.5 must be in [0, 1)\\n' > \"$RM_EXIT_DIR/rank1\"\n"
+        "printf '2\\nerror: invalid configuration: train.optim.adam_beta1=1.5 must be in [0, 1)\\n' > \"$RM_EXIT_DIR/rank1\"\n"
         "echo 'rank output' >&2\n"
         "printf 'Traceback (most recent call last):\\n  File \"/usr/bin/torchrun\", line 8, in <module>\\n' >&2\n"
         "echo 'torch.distributed.elastic.multiprocessing.errors.ChildFailedError:' >&2\n"
@@ -124,7 +124,7 @@ def test_launcher_exits_with_the_ranks_code_not_torchruns(tmp_path):
     env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "RUN_DIR": str(tmp_path / "run")}
     proc = launcher("synthetic", "2", env=env)
     assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.count("train.adam_beta1=1.5 must be in [0, 1)") == 1 and "rank 1" in proc.stderr
+    assert proc.stderr.count("train.optim.adam_beta1=1.5 must be in [0, 1)") == 1 and "rank 1" in proc.stderr
     assert "rank output" in proc.stderr and "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
 
 
@@ -163,7 +163,7 @@ def test_a_rank_other_than_0_records_a_composition_error_without_printing_it(tmp
 @pytest.mark.parametrize("override, code, once", [
     # Hydra's, before rm's code runs (one rank's part without a launch: test_a_rank_other_than_0_records_...)
     pytest.param("model=nope", 2, ["model has no option 'nope'"], marks=pytest.mark.slow),
-    ("train.adam_beta1=1.5", 2, ["train.adam_beta1=1.5 must be in [0, 1)"]),  # rm.settings.validate's
+    ("train.optim.adam_beta1=1.5", 2, ["train.optim.adam_beta1=1.5 must be in [0, 1)"]),  # rm.settings.validate's
     # the pre-flight verdict (the summary's choice of code without a launch: test_launcher_reports_a_signal_stop_...)
     pytest.param("hardware.device_memory_gib=0.02", 3, ["refusing to start", "changes that fit"], marks=pytest.mark.slow),
 ])

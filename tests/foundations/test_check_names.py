@@ -7,7 +7,7 @@ from rm.foundations.cli import unknown_names
 
 @pytest.mark.parametrize("override", [
     "experiment=tiny", "experiment=null", "model=tiny,mistral_7b", "hparams_search=lora_optuna",
-    "train.learning_rate=1e-3", "train.learning_rate=1e-3,2e-3", "+data.extra_eval_files.hard=[hard.jsonl]",
+    "train.optim.learning_rate=1e-3", "train.optim.learning_rate=1e-3,2e-3", "+data.extra_eval_files.hard=[hard.jsonl]",
     "lora.target_modules=[q_proj]", "health.on_nonfinite=skip", "sweep.on_failure=continue",
     "hydra.run.dir=x", "hydra/launcher=submitit_slurm", "~train.seed", "model.pretrained=null",
 ])
@@ -32,4 +32,4 @@ def test_an_unknown_name_is_named_with_its_close_matches(override, said):
 
 def test_every_unknown_name_is_named_at_once():
     unknown = unknown_names(["rm.train", "experiment=tyni", "train.learning_rat=1", "lora.r=8"])
-    assert len(unknown) == 2 and "experiment=tyni" in unknown[0] and "did you mean train.learning_rate" in unknown[1]
+    assert len(unknown) == 2 and "experiment=tyni" in unknown[0] and "did you mean train.optim.learning_rate" in unknown[1]

@@ -27,7 +27,7 @@ def test_an_empty_or_new_directory_starts_fresh(tmp_path):
 def test_an_earlier_run_is_refused_without_resume_or_overwrite_and_nothing_changes(tmp_path):
     _earlier_run(tmp_path, final=False)
     before = sorted(p.name for p in tmp_path.iterdir())
-    with pytest.raises(RunDirError, match="train.resume=true"):
+    with pytest.raises(RunDirError, match="train.checkpoint.resume=true"):
         check_run_dir(tmp_path, resume=False, overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
