@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -18,13 +18,16 @@ from omegaconf import DictConfig
 
 # Only what composes the config is imported here: `--help` and a misspelt key answer without torch, transformers or
 # datasets (their import takes seconds idle, a minute under load); the trainer comes in _job.
-from rm.foundations.config import to_run_config
+from rm.foundations.config import RunConfig, to_run_config
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.foundations.quiet import quiet_progress_bars
 from rm.memory.preflight import PreflightRefusal
-from rm.runs.run_record import hold_log
+from rm.runs.run_record import hold_log, write_record
 from rm.runs.sweep import job_failed, job_record, write_job_record
 from rm.settings.validate import launched_as_main, unused_overrides
+
+if TYPE_CHECKING:
+    from rm.runs.run_dir import RunDir
 
 log = logging.getLogger("rm.train")
 
@@ -66,26 +69,49 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 def _job(cfg: DictConfig) -> Optional[float]:
     from rm.distributed.engine import join_submitit_tasks
-    from rm.runs.run_dir import RunDir
-    from rm.training.trainer import Status, train
+    from rm.runs.run_dir import RunDir, remove_made
 
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
-    # Until train() has the directory (locked, no earlier run in the way), the log stays in memory and
-    # .hydra/ unwritten: a refused run changes no file of an earlier one (rm.runs.run_record).
+    # Until train() has the directory (locked, no earlier run in the way, every check passed), the log stays in
+    # memory and .hydra/ unwritten: a refused run changes no file of an earlier one (rm.runs.run_record).
     hold_log(run_dir)
-    join_submitit_tasks()
-    _quiet_other_ranks()
-    quiet_progress_bars()  # the first screen: the run summary, then progress (rm.foundations.quiet)
-    run_cfg = to_run_config(cfg)
-    for warning in unused_overrides(run_cfg, overrides):
-        log.warning("%s", warning)
-    directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
+    fresh = not any(run_dir.iterdir())  # a new directory, or an empty one: no earlier job's record in it
+    directory = None
+    try:
+        join_submitit_tasks()
+        _quiet_other_ranks()
+        quiet_progress_bars()  # the first screen: the run summary, then progress (rm.foundations.quiet)
+        run_cfg = to_run_config(cfg)
+        for warning in unused_overrides(run_cfg, overrides):
+            log.warning("%s", warning)
+        directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
+        if multirun and fresh and directory.is_main:  # nothing earlier to keep: a job killed before it claims its
+            write_record(run_dir, cfg)                # folder still shows in the sweep's summary (rm.runs.sweep.collect)
+        return _train(run_cfg, directory, overrides, multirun, fresh)
+    except BaseException:
+        if not multirun and not (directory and directory.claimed):
+            remove_made(run_dir)  # a refused or invalid start leaves no empty outputs/<date>/<time>/ behind
+        raise
+
+
+def _train(run_cfg: RunConfig, directory: "RunDir", overrides: List[str], multirun: bool, fresh: bool) -> Optional[float]:
+    """The training of one job, its outcome recorded in ``job_result.json`` in a multirun (``rm.runs.sweep``)."""
+    from rm.training.trainer import Status, train
+
+    hydra_cfg = HydraConfig.get()
+    job = hydra_cfg.job.num if multirun else None
+    run_dir = directory.path
 
     def record(status, **fields):
-        if multirun and directory.is_main and directory.claimed:  # a refused directory keeps the earlier job's record
-            write_job_record(run_dir, job_record(overrides, status, job=hydra_cfg.job.num, **fields))
+        if not (multirun and directory.is_main):
+            return
+        if not directory.claimed:
+            if not fresh:
+                return  # a refused directory keeps the earlier job's record
+            directory.claim()  # the job's own new directory: its .hydra/ and log name the sweep's refused job
+        write_job_record(run_dir, job_record(overrides, status, job=job, **fields))
 
     try:
         result = train(run_cfg, directory, overrides)

@@ -23,7 +23,7 @@ from rm.foundations import cache
 from rm.foundations.config import DataConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
-from rm.data.load import expand_files, load_preference_split, locate_row
+from rm.data.load import check_files_exist, expand_files, load_preference_split, locate_row
 from rm.data.normalise import CHARS_PER_TOKEN_BOUND, max_chars_for, normalise_pairs
 from rm.data.synthetic import generate_pairs
 from rm.data.tokenise import pair_lengths, tokenize_pairs
@@ -268,3 +268,15 @@ def build_extra_eval_sets(data_cfg: DataConfig, tokenizer) -> Dict[str, datasets
         own = replace(data_cfg, name=f"{data_cfg.name}:extra_eval_files.{name}", source="local", eval_files=resolved)
         sets[name], _ = build_split(own, tokenizer, "eval")
     return sets
+
+
+def check_data_files(data_cfg: DataConfig) -> None:
+    """Every local file the run will read exists: checked before the memory estimate prints, one error naming each
+    missing file under its key (``data.train_files``, ``data.eval_files``, ``data.extra_eval_files.<name>``).
+
+    Raises:
+        DataFileNotFound: an entry (path or glob) matches no file.
+    """
+    keys = {"data.train_files": data_cfg.train_files, "data.eval_files": data_cfg.eval_files} if data_cfg.source == "local" else {}
+    keys.update({f"data.extra_eval_files.{name}": files for name, files in data_cfg.extra_eval_files.items()})
+    check_files_exist(keys)

@@ -64,8 +64,8 @@ def map_counting(
     )
 
 
-def expand_files(files: Iterable[str], key: str) -> list[str]:
-    """Expands globs; every entry must match at least one file."""
+def _matches(files: Iterable[str]) -> tuple[list[str], list[str]]:
+    """The files the entries (paths or globs) match, and the entries that match none."""
     resolved: list[str] = []
     missing: list[str] = []
     for entry in files:
@@ -77,11 +77,27 @@ def expand_files(files: Iterable[str], key: str) -> list[str]:
         if not matches:
             missing.append(str(entry))
         resolved.extend(matches)
+    return resolved, missing
+
+
+def missing_files_error(missing: dict[str, list[str]]) -> DataFileNotFound:
+    """One error naming every entry that matches no file, under its config key."""
+    shown = "; ".join(f"{key}: no file matches {', '.join(repr(m) for m in entries)}" for key, entries in missing.items())
+    return DataFileNotFound(f"{shown} (relative paths are resolved against {os.getcwd()!r})")
+
+
+def check_files_exist(files_by_key: dict[str, Iterable[str]]) -> None:
+    """Every entry of every key matches a file, else one error naming each that does not (not only the first)."""
+    missing = {key: gone for key, files in files_by_key.items() if (gone := _matches(files)[1])}
     if missing:
-        shown = ", ".join(repr(m) for m in missing)
-        raise DataFileNotFound(
-            f"{key}: no file matches {shown} (relative paths are resolved against {os.getcwd()!r})"
-        )
+        raise missing_files_error(missing)
+
+
+def expand_files(files: Iterable[str], key: str) -> list[str]:
+    """Expands globs; every entry must match at least one file."""
+    resolved, missing = _matches(files)
+    if missing:
+        raise missing_files_error({key: missing})
     # A glob and an explicit path may name the same file; loading it twice would
     # silently duplicate pairs.
     return list(dict.fromkeys(resolved))

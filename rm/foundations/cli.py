@@ -69,3 +69,81 @@ def without_bitsandbytes() -> None:
     importable here; ``rm.settings.validate`` still finds it installed on the path.
     """
     sys.modules.setdefault("bitsandbytes", None)
+
+
+# Hydra flags whose value is a config directory: option lists then come from elsewhere too.
+_CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
+
+
+def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
+    """Every name on the command line exists, before Hydra composes: a group option (``experiment=tyni``: Hydra drops
+    an unknown option of an optional group in silence and composes the flagship), a key (``train.learning_rat=``) or a
+    key added to a typed group (``+train.foo=1``: Hydra adds it). Each unknown one is named with its close matches.
+
+    Overrides of ``hydra`` itself, with a package (``group@pkg=``), and values under a ``Dict`` or ``Any`` key are
+    left to Hydra; so are the options of groups when a ``--config-dir`` adds a search path.
+
+    Returns:
+        One line per unknown name, naming it and the names it is close to (``difflib``); ``[]`` when all exist.
+        :func:`rm.foundations.errors.run_hydra_app` makes them a ``ConfigError`` (exit 2).
+    """
+    import dataclasses
+    import difflib
+    import typing
+
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.object_type import ObjectType
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    from rm.foundations.config import CONF_DIR, RunConfig
+
+    argv = sys.argv if argv is None else argv
+    args = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except HydraException:
+        return []  # a syntax error: Hydra's own message names it
+    repo = ConfigRepository(config_search_path=create_config_search_path(str(CONF_DIR)))
+    check_options = not any(a.split("=", 1)[0] in _CONFIG_DIR_FLAGS for a in argv[1:])
+
+    def close(name: str, names, prefix: str = "") -> str:
+        # 0.5: a swapped pair of letters in a short name ('tyni' for 'tiny') scores 0.5
+        near = difflib.get_close_matches(name, list(dict.fromkeys(names)), n=3, cutoff=0.5)
+        return f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else ""
+
+    problems = []
+    for override in overrides:
+        key = override.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or override.package is not None or override.is_delete():
+            continue
+        if "." not in key and repo.group_exists(key):
+            if not check_options:
+                continue
+            options = repo.get_group_options(key, results_filter=ObjectType.CONFIG)
+            shown = [o for o in options if not o.startswith("base_")]  # the schemas stored for the YAML files' defaults
+            value = override.value()
+            values = value.list if isinstance(value, ChoiceSweep) else value if isinstance(value, list) else [value]
+            for option in values:
+                if isinstance(option, str) and option not in options:
+                    problems.append(f"{key}={option}: {key} has no option {option!r}{close(option, shown)} "
+                                    f"(options: {', '.join(shown)})")
+            continue
+        node, path = RunConfig, []
+        for part in key.split("."):
+            fields = {f.name: f for f in dataclasses.fields(node)}
+            if part not in fields:
+                where = ".".join(path) or "the config (a group or a key)"
+                names = list(fields)
+                if not path:
+                    names += [g for g in repo.get_group_options("", ObjectType.GROUP) if g != "hydra"]
+                problems.append(f"{key}: {where} has no key {part!r}{close(part, names, ''.join(p + '.' for p in path))}")
+                break
+            path.append(part)
+            node = typing.get_type_hints(node).get(part)
+            node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
+            if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+                break  # a value, a Dict or a List: Hydra checks it
+    return problems

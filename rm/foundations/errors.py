@@ -208,7 +208,7 @@ def peer_lost_message(cause: str) -> str:
     rank = f"rank {env.rank or 0} of {env.world_size}" if env.world_size else "this process"
     return (f"{rank} lost its connection to another rank of the run ({cause}): another rank stopped first (killed, "
             "out of memory, or failed; its own message, or the launcher's, names it) or cannot be reached. Nothing is "
-            "wrong with this rank's settings or data; resume from the last checkpoint with train.resume=true")
+            "wrong with this rank's settings or data; resume from the last checkpoint with train.checkpoint.resume=true")
 
 
 def message(err: BaseException) -> str:
@@ -357,7 +357,8 @@ COMPOSITION_HINTS: List[Callable[[Sequence[str], str], List[str]]] = []
 
 
 def run_hydra_app(main: Callable[[], object]) -> None:
-    """Call a ``@hydra.main`` function, with exit 2 for a config Hydra cannot compose.
+    """Call a ``@hydra.main`` function, with exit 2 for a config Hydra cannot compose or a name that does not exist
+    (:func:`rm.foundations.cli.unknown_names`, before Hydra composes).
 
     Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
     rm keeps for bugs; the same mistake caught by :mod:`rm.settings.validate` exits 2, and so does this one.
@@ -368,6 +369,12 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     else:
         copied = sys.stderr = _CopiedStderr(sys.stderr)
     try:
+        from rm.foundations.cli import unknown_names
+
+        # What Hydra would compose in silence (an unknown option of an optional group) or name without a guess.
+        unknown = unknown_names()
+        if unknown:
+            sys.exit(report(ConfigError("unknown name(s) on the command line:\n  - " + "\n  - ".join(unknown))))
         main()
     except SystemExit as stop:
         if sys.stderr is held:  # Hydra stopped before the task: its message is rank 0's to print

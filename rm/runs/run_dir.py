@@ -4,10 +4,12 @@
 
 - the lock (:class:`RunLock`): a second live run in the same directory is refused;
 - the decision about an earlier run there (:func:`check_run_dir`): continue it (``train.checkpoint.resume``), replace
-  it (``train.checkpoint.overwrite``, done only by :meth:`RunDir.replace_earlier`, once the settings and the data are
+  it (``train.checkpoint.overwrite``, done only by :meth:`RunDir.claim`, once the settings and the data are
   known to be usable), or refuse. It is taken before anything is written, so a refused run changes no file;
-- the claim: once the directory is this run's, the held log file opens and Hydra's record is written
-  (:mod:`rm.runs.run_record`), on the main process first and on the others once the engine is up;
+- the claim (:meth:`RunDir.claim`): once everything that can refuse the run has passed (the settings, the data, the
+  memory verdict, a resume's comparison with its checkpoint: :meth:`RunDir.check_resume`), the held log file opens,
+  Hydra's record is written (:mod:`rm.runs.run_record`) and ``train.checkpoint.overwrite`` replaces the earlier run. Before it,
+  nothing under the directory changes but this run's own lock file;
 - the checkpoints: which one a resume loads (:meth:`RunDir.restore`, naming each it passes over), where the
   next is saved (:meth:`RunDir.save_checkpoint`), which is newest, and which is the last good one (:attr:`RunDir.checked`:
   only one this run wrote or loaded and found finite);
@@ -21,6 +23,7 @@ The checkpoint format itself (atomic writes, manifests, checksums) is :mod:`rm.r
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rm.runs.checkpoint import (
@@ -54,9 +58,9 @@ TMP_PREFIX = ".tmp-"
 class RunDir:
     """The directory of one training run; a context manager that holds its lock on the main process.
 
-    Entering it (every process) takes the lock and the decision on the main process, which then claims the
-    directory; the other processes claim it with :meth:`join` once the engine is up (by then the main process
-    has accepted it, or torchrun has stopped them).
+    Entering it takes the lock and the decision on the main process; every process claims the directory with
+    :meth:`claim` once the run has passed every check that can refuse it (the other processes reach that point
+    only with the engine up, so the main process has accepted the directory, or torchrun has stopped them).
 
     Args:
         path: the run directory (Hydra's ``hydra.run.dir``).
@@ -71,6 +75,7 @@ class RunDir:
         self.claimed = False  # the directory is this run's: files in it may change
         self.checked: Optional[Path] = None  # the newest checkpoint this run wrote, or loaded and found finite
         self._replaces: List[str] = []
+        self._candidates: Optional[Tuple[List[Path], List[str]]] = None  # resume_candidates(), hashed once
         self._lock = RunLock(self.path) if is_main else None
 
     @classmethod
@@ -85,22 +90,21 @@ class RunDir:
             except BaseException:
                 self._lock.__exit__(None, None, None)
                 raise
-            self._claim()
         return self
 
     def __exit__(self, *exc) -> None:
         if self._lock is not None:
             self._lock.__exit__(*exc)
 
-    def join(self) -> None:
-        """Claim the directory on a process other than the main one, once the engine is up."""
-        if not self.is_main:
-            self._claim()
-
-    def _claim(self) -> None:
+    def claim(self) -> None:
+        """The directory becomes this run's (every process calls it, once every check that can refuse the run has
+        passed): the held log is written, then Hydra's record, and ``train.checkpoint.overwrite=true`` deletes the earlier run."""
         release_log()
         if self.is_main and self.record is not None:
             write_record(self.path, self.record)
+        if self.is_main:
+            replace_earlier_run(self.path, self._replaces)
+        self._replaces = []
         self.claimed = True
 
     @property
@@ -112,12 +116,6 @@ class RunDir:
         """``train.checkpoint.resume`` with any checkpoint directory there, whole or not: a resume that is then refused must
         not have replaced the saved tokenizer first."""
         return self.resume and bool(list_checkpoints(self.path, complete=False))
-
-    def replace_earlier(self) -> None:
-        """``train.checkpoint.overwrite=true``: delete the earlier run, now that the settings and the data are usable."""
-        if self.is_main:
-            replace_earlier_run(self.path, self._replaces)
-        self._replaces = []
 
     def latest_checkpoint(self) -> Optional[Path]:
         return latest_checkpoint(self.path)
@@ -149,6 +147,41 @@ class RunDir:
                 return stored_fingerprint(found)
         return None
 
+    def check_resume(self, train_cfg: TrainConfig, current: Dict, total_steps: int) -> None:
+        """``train.checkpoint.resume=true``: the refusals of :meth:`restore`, taken before the directory is claimed, so that a
+        refused resume changes no file of the run it would continue. The newest intact checkpoint (the one
+        :meth:`restore` loads unless it fails to load) must be before ``total_steps`` and, without
+        ``train.checkpoint.resume_allow_changes``, have been written with the same settings and data.
+
+        Raises:
+            ConfigError, CheckpointError: as :meth:`restore`.
+        """
+        if not self.resume:
+            return
+        self._candidates = candidates, passed_over = resume_candidates(self.path)
+        if candidates:
+            self._check_candidate(candidates[0], checkpoint_state(candidates[0]), train_cfg, current, total_steps,
+                                  compare=not train_cfg.checkpoint.resume_allow_changes)  # allowed changes are logged on restore
+        elif passed_over:
+            raise self._none_intact(passed_over)
+
+    def _check_candidate(self, checkpoint: Path, state: Dict, train_cfg: TrainConfig, current: Dict, total_steps: int,
+                         compare: bool = True) -> List[str]:
+        if state["step"] >= total_steps:
+            raise ConfigError(
+                f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
+                f"(train.max_steps={train_cfg.max_steps}, train.num_train_epochs={train_cfg.num_train_epochs}): "
+                "raise train.max_steps with train.checkpoint.resume_allow_changes=true to train further"
+            )
+        return (check_resume(stored_fingerprint(state.get("fingerprint")), current, checkpoint,
+                             train_cfg.checkpoint.resume_allow_changes) if compare else [])
+
+    def _none_intact(self, passed_over: List[str]) -> CheckpointError:
+        return CheckpointError(
+            f"train.checkpoint.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
+            "Nothing was changed: restore one from a copy, or start afresh with train.checkpoint.overwrite=true (which deletes them)"
+        )
+
     def restore(self, engine, train_cfg: TrainConfig, current: Dict, total_steps: int) -> Tuple[int, Optional[Dict]]:
         """Restore the newest intact checkpoint whose settings match; return its step (0: none yet) and the
         loop's state it holds (``None``: none yet, or a checkpoint written before the state was saved).
@@ -164,20 +197,14 @@ class RunDir:
                 or the checkpoint is past ``train.max_steps``.
             CheckpointError: checkpoints exist but none is intact; nothing is changed.
         """
-        candidates, passed_over = resume_candidates(self.path)
+        candidates, passed_over = self._candidates or resume_candidates(self.path)
+        passed_over = list(passed_over)
         if not candidates and not passed_over:
             log.warning("train.checkpoint.resume=true but %s holds no checkpoint yet: starting from step 0", self.path)
             return 0, None
         for checkpoint in candidates:
             state = checkpoint_state(checkpoint)
-            if state["step"] >= total_steps:
-                raise ConfigError(
-                    f"{checkpoint} is at step {state['step']}, but this run ends at step {total_steps} "
-                    f"(train.max_steps={train_cfg.max_steps}, train.num_train_epochs={train_cfg.num_train_epochs}): "
-                    "raise train.max_steps with train.checkpoint.resume_allow_changes=true to train further"
-                )
-            changes = check_resume(stored_fingerprint(state.get("fingerprint")), current, checkpoint,
-                                   train_cfg.checkpoint.resume_allow_changes)
+            changes = self._check_candidate(checkpoint, state, train_cfg, current, total_steps)
             try:
                 step = load_checkpoint(engine, checkpoint)
             except Exception as err:  # noqa: BLE001  (passed its checksums but does not load: try the previous)
@@ -196,10 +223,7 @@ class RunDir:
             log.info("resumed from %s at step %d", checkpoint, step)
             self.checked = checkpoint
             return step, state.get("train_state")
-        raise CheckpointError(
-            f"train.checkpoint.resume=true but no checkpoint in {checkpoint_root(self.path)} is intact: {'; '.join(passed_over)}. "
-            "Nothing was changed: restore one from a copy, or start afresh with train.checkpoint.overwrite=true (which deletes them)"
-        )
+        raise self._none_intact(passed_over)
 
     def metrics(self, tensorboard: bool) -> MetricsLog:
         """The run's one ``metrics.jsonl`` (and TensorBoard), written by the main process."""
@@ -214,6 +238,57 @@ class RunDir:
         if dropped:
             log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
                      dropped, start_step)
+
+
+class RunDirCallback(Callback):
+    """Hydra callback (``conf/config.yaml``): makes the run directory before Hydra does, noting which of its folders
+    this start creates.
+
+    Hydra makes ``hydra.run.dir`` (``outputs/<date>/<time>/``) before the job starts; where it cannot (a read-only
+    parent), its own traceback and exit 1 would follow. Made here first, a failure is the storage error it is: exit 5
+    naming the path. The folders that did not exist are what a start refused before it claims its directory
+    removes again (:func:`remove_made`), so that a refused or invalid run leaves no empty folder behind; a folder
+    that existed before, empty or not, is never removed.
+    """
+
+    made: List[Path] = []  # this process's single run: the new folders, deepest first
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        path = Path(os.path.abspath(str(config.hydra.run.dir)))  # as Hydra's run_job resolves it (${now:} is cached)
+        RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
+        # Hydra writes its record there itself when hydra.output_subdir is set (rm.estimate with a hydra.run.dir); with
+        # null (rm.train, whose first write is its lock: exit 5 at rm's boundary) the folder may be read-only.
+        _make(path, writes=config.hydra.output_subdir is not None)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))), writes=True)  # Hydra writes multirun.yaml there
+
+
+def _make(path: Path, writes: bool) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if writes and not os.access(path, os.W_OK | os.X_OK):  # an existing folder Hydra would fail to write in
+            raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
+                                  str(path))
+    except OSError as err:
+        from rm.foundations.errors import report
+
+        # Hydra turns an exception in a callback into a warning and goes on to fail at its own mkdir; an exit
+        # passes through it.
+        raise SystemExit(report(err)) from None
+
+
+def remove_made(path: Path) -> None:
+    """Remove the folders of ``path`` that this start made (:class:`RunDirCallback`), deepest first, while each is
+    empty (``os.rmdir`` removes no file: whatever was written there stays, with its folder)."""
+    made = RunDirCallback.made
+    if not made or made[0] != Path(os.path.abspath(path)):
+        return
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 class RunDirError(ConfigError, FileExistsError):

@@ -2,8 +2,9 @@
 
 The order keeps a refused run from touching an earlier run's files: settings and memory first
 (:mod:`rm.memory.preflight`), then the tokenizer and the data (each checked before anything is written), the layout
-``train.layout=auto`` picks for that data (:mod:`rm.plan.auto`), the engine, the memory verdict at the data's own micro-batches, then the model, and last the checkpoint
-to resume from.
+``train.layout=auto`` picks for that data (:mod:`rm.plan.auto`), the engine, the memory verdict at the data's own micro-batches
+and a resume's comparison with its checkpoint; only then is the run directory claimed (:meth:`rm.runs.run_dir.RunDir.claim`),
+then the model is built, and last the checkpoint to resume from is loaded.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from rm.foundations.config import HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
-from rm.data.build import build_datasets, build_extra_eval_sets, split_identity, train_pairs
+from rm.data.build import build_datasets, build_extra_eval_sets, check_data_files, split_identity, train_pairs
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.distributed.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.training.health import HealthMonitor
@@ -47,7 +48,7 @@ from rm.runs.resume import data_digest, fingerprint
 from rm.runs.run_dir import RunDir
 from rm.runs.train_state import TrainState
 from rm.data.tokenizer import check_consumers_tokenize_alike, check_tokenizer_fits, run_tokenizer, save_tokenizer, tokenizer_kind
-from rm.settings.validate import ConfigError, Plan
+from rm.settings.validate import Plan
 
 log = logging.getLogger("rm.train")  # these lines belong to the training command's log
 
@@ -102,10 +103,12 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
 
     Args:
         cfg: the typed config; read, never changed (``train.layout=auto``'s choice is a new config, ``Run.cfg``).
-        directory: the run directory, entered (locked and accepted on the main process).
+        directory: the run directory, entered (locked and accepted on the main process); claimed here once every check
+            that can refuse the run has passed.
         overrides: the Hydra overrides ``cfg`` came from (:func:`rm.memory.preflight.preflight`).
         cleanup: undoes the memory monitor's dispatch mode however the run ends.
     """
+    check_data_files(cfg.data)  # every missing file named at once, before the estimate's table
     plan, estimate = plan_run(cfg, overrides)
 
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
@@ -146,8 +149,13 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         shapes = run_shapes(t, batches, total_steps, train_set, shared, evaluated)
         cached = random_init_cached_everywhere(cfg.model, cfg.memory_profile, tokenizer.pad_token_id)
         estimate = data_preflight(cfg, plan, overrides, shapes, random_init_cached=cached)
-    # train.checkpoint.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
-    directory.replace_earlier()
+    # A resume's comparison with its checkpoint, the last check that can refuse the run; only then is the directory
+    # this run's (train.checkpoint.overwrite=true deletes the earlier run there): a refused start changes no file of an earlier run.
+    current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
+    directory.check_resume(t, current, total_steps)
+    directory.claim()
+    if engine.is_main_process and plan.strategy == "deepspeed":  # what DeepSpeed was given, generated, never edited
+        (run_dir / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
     if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
         save_tokenizer(tokenizer, directory.tokenizer_dir)
@@ -173,7 +181,6 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     log.info(summary(cfg, plan, engine, total_steps, len(train_set), layout, estimate, run_dir))
     watch_lost_updates(health, engine, cfg.health, cfg.train, total_steps)
 
-    current = fingerprint(cfg, plan, data_digest(train_set))  # saved with each checkpoint, compared on resume
     start_step, record = directory.restore(engine, t, current, total_steps) if t.checkpoint.resume else (0, None)
     directory.remove_abandoned()  # what a run stopped mid-write left; only now that this run goes ahead
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
@@ -220,11 +227,8 @@ def run_shapes(train_cfg: TrainConfig, batches: StepBatches, total_steps: int, t
 
 
 def _start_engine(cfg: RunConfig, plan: Plan, directory: RunDir) -> Engine:
-    """The engine, the run directory claimed on every process, and the seed set."""
+    """The engine, and the seed set."""
     engine = build_engine(cfg, plan)
-    directory.join()  # the main process has accepted the directory by now
-    if engine.is_main_process and plan.strategy == "deepspeed":  # what DeepSpeed was given, generated, never edited
-        (directory.path / "deepspeed_config.json").write_text(json.dumps(engine.config, indent=2))
     set_seed(cfg.train.seed)
     return engine
 

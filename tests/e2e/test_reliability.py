@@ -115,6 +115,109 @@ def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
         assert after == before, [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
 
 
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """A finished 2-step run of the CLI on local data files (``data/train.jsonl``, ``data/test.jsonl``), with a
+    checkpoint at step 1; returns ``(run_dir, overrides)``."""
+    from rm.data.synthetic import write_synthetic
+
+    root = tmp_path_factory.mktemp("cli_run")
+    files = write_synthetic(root / "data", 256, 64, seed=0)
+    args = [*FAST_TINY, "data=local", f"data.train_files=[{files['train']}]", f"data.eval_files=[{files['test']}]",
+            "data.max_length=64", "train.max_steps=2", "train.checkpoint.save_steps=1", "train.logging.eval_steps=0"]
+    proc = subprocess.run([sys.executable, "-m", "rm.train", *args, f"hydra.run.dir={root / 'run'}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return root / "run", args
+
+
+def _hashes(run_dir):
+    """Every file under ``run_dir``: its sha256 and modification time."""
+    import hashlib
+
+    return {str(p.relative_to(run_dir)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.reliability("Faults", "a refused start over an earlier run: `train.checkpoint.resume=true` with a changed setting, with "
+                         "changed data or with an invalid value; `train.checkpoint.overwrite=true` with an invalid value or missing "
+                         "data files; a held lock",
+                         "refused before the directory is the run's: every file of the earlier run keeps its sha256 and "
+                         "mtime (`.hydra/`, `train.log`, `data_audit.json`, checkpoints, final/); exit 2, 3 for the lock; "
+                         "missing files are all named, before the memory estimate prints")
+@pytest.mark.parametrize("case", ["resume_changed_setting", "resume_changed_data", "resume_invalid_value",
+                                  "overwrite_invalid_value", "overwrite_missing_files", "lock_held"])
+def test_a_refused_start_changes_no_file_of_an_earlier_run(cli_run, tmp_path, case):
+    import os
+    import shutil
+
+    finished, args = cli_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)  # copy2: mtimes kept
+    if case.startswith("resume"):
+        shutil.rmtree(run_dir / "final")  # as if stopped after checkpoint-1
+    extra, code, needles = {
+        "resume_changed_setting": (["train.checkpoint.resume=true", "train.optim.learning_rate=0.01"], 2, ["train.optim.learning_rate: 0.002 -> 0.01"]),
+        "resume_changed_data": (["train.checkpoint.resume=true"], 2, ["data.train_sha256"]),
+        "resume_invalid_value": (["train.checkpoint.resume=true", "train.optim.adam_beta1=1.5"], 2, ["train.optim.adam_beta1=1.5"]),
+        "overwrite_invalid_value": (["train.checkpoint.overwrite=true", "train.optim.adam_beta1=1.5"], 2, ["train.optim.adam_beta1=1.5"]),
+        "overwrite_missing_files": (["train.checkpoint.overwrite=true", f"data.train_files=[{tmp_path}/gone.jsonl]",
+                                     f"data.eval_files=[{tmp_path}/lost*.jsonl]"], 2,
+                                    ["data.train_files: no file matches", "gone.jsonl", "data.eval_files: no file matches",
+                                     "lost*.jsonl"]),
+        "lock_held": (["train.checkpoint.resume=true"], 3, ["is in use by another run"]),
+    }[case]
+    data = finished.parent / "data" / "train.jsonl"
+    original = data.read_bytes()
+    if case == "resume_changed_data":  # one row edited in place, under the same config
+        lines = original.decode().splitlines(keepends=True)
+        row = json.loads(lines[0])
+        row["chosen"], row["rejected"] = row["rejected"], row["chosen"]
+        data.write_text(json.dumps(row) + "\n" + "".join(lines[1:]))
+    if case == "lock_held":  # a live process (this one) holds the directory
+        (run_dir / LOCK_FILE).write_text(json.dumps({"pid": os.getpid(), "host": __import__("socket").gethostname(),
+                                                     "since": "now"}))
+    before = _hashes(run_dir)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "rm.train", *args, *extra, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+    finally:
+        data.write_bytes(original)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == code and "Traceback" not in out, out[-3000:]
+    for needle in needles:
+        assert needle in out, (needle, out[-3000:])
+    if case == "overwrite_missing_files":
+        assert "memory estimate" not in out  # named before the estimate's table, not after it
+    after = _hashes(run_dir)
+    assert after == before, [name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)]
+
+
+@pytest.mark.reliability("Configuration", "an invalid or refused run started without `hydra.run.dir`",
+                         "Hydra's new `outputs/<date>/<time>/` is removed again (folders that existed before stay)")
+def test_a_refused_start_leaves_no_empty_folder(tmp_path):
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    (tmp_path / "outputs").mkdir()  # existed before: stays
+    proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, "train.optim.adam_beta1=1.5"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "train.optim.adam_beta1=1.5" in out, out[-2000:]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["outputs"]  # no outputs/<date>/<time>/ left
+
+
+@pytest.mark.reliability("Faults", "a `hydra.run.dir` that cannot be made (a parent is a file, read-only, or full)",
+                         "`storage error (<path>): Not a directory`; exit 5, not Hydra's traceback and 'could not be composed'")
+def test_a_run_dir_that_cannot_be_made_is_a_storage_error(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, f"hydra.run.dir={tmp_path / 'a_file' / 'run'}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 5 and "Traceback" not in out, out[-2000:]
+    assert f"storage error ({tmp_path / 'a_file' / 'run'})" in out and "could not be composed" not in out, out[-2000:]
+
+
 @pytest.mark.reliability("Security", "tokens in the environment (`HF_TOKEN`, `WANDB_API_KEY`)", "never in the log, `metrics.jsonl`, the saved Hydra config or any other file of the run")
 def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     secret = "hf_SECRETtoken1234567890"
@@ -131,9 +234,15 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
             assert secret.encode() not in path.read_bytes(), path
 
 
-@pytest.mark.reliability("Configuration", "unknown group option (`memory_profile=fast`)", "Hydra names the group and lists its options")
+@pytest.mark.reliability("Configuration", "unknown group option (`memory_profile=fast`), of an optional group too "
+                         "(`experiment=tyni`, which Hydra would drop in silence and compose the flagship)",
+                         "named before Hydra composes, with the close matches and the group's options: "
+                         "`experiment has no option 'tyni'; did you mean tiny?`")
 @pytest.mark.reliability("Configuration", "wrong type (`train.micro_batch_size=abc`)", "Hydra names the key and the value")
-@pytest.mark.reliability("Configuration", "unknown key (`train.micro_batch=4`), override syntax error (`train.x=[`)", "Hydra's message, then one line quoting the command line")
+@pytest.mark.reliability("Configuration", "unknown or misspelt key (`train.micro_batch=4`, `lora.alpah=8`), a key added to "
+                         "a typed group (`+train.foo=1`)", "each named, with its close matches: `train has no key "
+                         "'micro_batch'; did you mean train.micro_batch_size or ...?`")
+@pytest.mark.reliability("Configuration", "override syntax error (`train.x=[`)", "Hydra's message, then one line quoting the command line")
 @pytest.mark.reliability("Configuration", "zero or negative size (`train.global_batch_size=-4`), LoRA rank 0", "`train.global_batch_size=-4 must be > 0`")
 @pytest.mark.reliability("Configuration", "LoRA target module not in the model (`lora.target_modules=[qkv]`)", "names the module and lists the accepted ones")
 @pytest.mark.reliability("Configuration", "sequence length above the model's maximum", "names `data.max_length` and `model.max_position_embeddings`")
@@ -141,9 +250,11 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
 @pytest.mark.reliability("Configuration", "bf16 on hardware without bf16", "names `train.precision` and `hardware.bf16`")
 @pytest.mark.reliability("Configuration", "a profile that cannot train (`memory_profile=qlora memory_profile.use_lora=false`)", "names the key and what it needs")
 @pytest.mark.parametrize("override,needles", [
-    ("memory_profile=fast", ["memory_profile", "full", "lora", "offload"]),  # unknown option: Hydra lists the options
+    ("memory_profile=fast", ["memory_profile", "full", "lora", "offload"]),  # unknown option: its options listed
+    ("experiment=tyni", ["experiment has no option 'tyni'; did you mean tiny?"]),  # an optional group's
     ("train.micro_batch_size=abc", ["train.micro_batch_size", "abc"]),  # wrong type
-    ("train.micro_batch=4", ["train.micro_batch", "could not be composed from the command line"]),  # unknown key
+    ("train.micro_batch=4", ["train has no key 'micro_batch'; did you mean train.micro_batch_size or "]),  # unknown key
+    ("lora.alpah=8 +train.foo=1", ["lora has no key 'alpah'; did you mean lora.alpha?", "train has no key 'foo'"]),
     ("train.x=[", ["could not be composed from the command line: ", "train.x=["]),  # override syntax
     ("train.global_batch_size=-4", ["train.global_batch_size=-4", "must be > 0"]),
     ("memory_profile=lora lora.r=0", ["lora.r=0", "must be > 0"]),
@@ -647,13 +758,13 @@ def test_a_run_directory_refused_for_an_earlier_run_is_not_claimed_and_unlocked(
     assert not directory.claimed and not (tmp_path / LOCK_FILE).exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     with RunDir(tmp_path, resume=False, overwrite=True, is_main=True) as directory:
-        assert directory.claimed and (tmp_path / "metrics.jsonl").exists()  # replaced only when asked, later
-        directory.replace_earlier()
-        assert not (tmp_path / "metrics.jsonl").exists()
+        assert not directory.claimed and (tmp_path / "metrics.jsonl").exists()  # replaced only once claimed
+        directory.claim()
+        assert directory.claimed and not (tmp_path / "metrics.jsonl").exists()
     other = RunDir(tmp_path, resume=False, overwrite=False, is_main=False)
-    with other:  # another rank: no lock, no decision; it claims once the engine is up
+    with other:  # another rank: no lock, no decision; it claims at the same point as the main process
         assert not other.claimed and not (tmp_path / LOCK_FILE).exists()
-        other.join()
+        other.claim()
         assert other.claimed
 
 

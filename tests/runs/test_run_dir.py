@@ -125,3 +125,38 @@ def test_the_resume_command_is_the_run_own_overrides_quoted(tmp_path):
     assert shlex.split(command) == ["python", "-m", "rm.train", "experiment=tiny", "data.train_files=[a b.jsonl]",
                                     "train.checkpoint.resume=true", f"hydra.run.dir={run_dir}"]
     assert shlex.split(resume_command(tmp_path / "no record", ["model=tiny"]))[3] == "model=tiny"
+
+
+def test_the_run_dir_callback_makes_the_folders_and_a_refused_start_removes_only_its_own(tmp_path, monkeypatch):
+    """Hydra makes hydra.run.dir before the job; the callback makes it first, noting which folders are new, so that a
+    refused start removes those (while empty) and never one that existed before."""
+    from omegaconf import OmegaConf
+
+    from rm.runs.run_dir import RunDirCallback, remove_made
+
+    (tmp_path / "outputs").mkdir()
+    run_dir = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
+    RunDirCallback().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(run_dir)}, "output_subdir": None}}))
+    assert run_dir.is_dir() and RunDirCallback.made == [run_dir, run_dir.parent]
+    remove_made(tmp_path / "elsewhere")  # not this start's run directory: nothing removed
+    assert run_dir.is_dir()
+    remove_made(run_dir)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["outputs"]  # the folder that existed stays
+    # A file written since keeps its folder (os.rmdir removes no file).
+    RunDirCallback().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(run_dir)}, "output_subdir": None}}))
+    (run_dir / "train.log").write_text("x")
+    remove_made(run_dir)
+    assert (run_dir / "train.log").exists()
+    # A folder that cannot be made, or written: exit 5 naming it, before Hydra would print its traceback.
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(SystemExit) as stop:
+        RunDirCallback().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path / "a_file" / "run")}, "output_subdir": None}}))
+    assert stop.value.code == 5
+    monkeypatch.setattr(os, "access", lambda *_: False)  # a read-only folder (root ignores permissions)
+    RunDirCallback().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path)}, "output_subdir": None}}))
+    with pytest.raises(SystemExit) as stop:  # only where Hydra writes its record itself (rm.estimate hydra.run.dir=...)
+        RunDirCallback().on_run_start(OmegaConf.create({"hydra": {"run": {"dir": str(tmp_path)}, "output_subdir": ".hydra"}}))
+    assert stop.value.code == 5
+    with pytest.raises(SystemExit) as stop:
+        RunDirCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "outputs")}}}))
+    assert stop.value.code == 5
