@@ -98,7 +98,7 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
     from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import HydraException
 
-    from rm.foundations.config import CONF_DIR, RunConfig
+    from rm.foundations.config import CONF_DIR, MOVED_KEYS, RunConfig
 
     argv = sys.argv if argv is None else argv
     args = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
@@ -131,15 +131,22 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
                     problems.append(f"{key}={option}: {key} has no option {option!r}{close(option, shown)} "
                                     f"(options: {', '.join(shown)})")
             continue
+        if key in MOVED_KEYS:  # an old name: composition says where it went (rm.foundations.config.moved_key_errors)
+            continue
         node, path = RunConfig, []
         for part in key.split("."):
             fields = {f.name: f for f in dataclasses.fields(node)}
             if part not in fields:
                 where = ".".join(path) or "the config (a group or a key)"
-                names = list(fields)
-                if not path:
-                    names += [g for g in repo.get_group_options("", ObjectType.GROUP) if g != "hydra"]
-                problems.append(f"{key}: {where} has no key {part!r}{close(part, names, ''.join(p + '.' for p in path))}")
+                prefix = "".join(p + "." for p in path)
+                if path:  # the group's nested keys too: train.learning_rat -> train.optim.learning_rate
+                    leaves = _leaves(node)
+                    near = difflib.get_close_matches(part, list(dict.fromkeys(leaves)), n=3, cutoff=0.5)
+                    hint = f"; did you mean {' or '.join(prefix + n for n in dict.fromkeys(leaves[m] for m in near))}?" if near else ""
+                else:
+                    names = list(fields) + [g for g in repo.get_group_options("", ObjectType.GROUP) if g != "hydra"]
+                    hint = close(part, names)
+                problems.append(f"{key}: {where} has no key {part!r}{hint}")
                 break
             path.append(part)
             node = typing.get_type_hints(node).get(part)
@@ -147,3 +154,20 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
             if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
                 break  # a value, a Dict or a List: Hydra checks it
     return problems
+
+
+def _leaves(node) -> dict:
+    """Each key of the dataclass ``node`` and of the dataclasses nested in it, by its last name: ``{name: dotted key}``
+    (the shallower key wins a name held by two)."""
+    import dataclasses
+    import typing
+
+    found: dict = {}
+    for f in dataclasses.fields(node):
+        found.setdefault(f.name, f.name)
+    for f in dataclasses.fields(node):
+        child = typing.get_type_hints(node).get(f.name)
+        if isinstance(child, type) and dataclasses.is_dataclass(child):
+            for name, key in _leaves(child).items():
+                found.setdefault(name, f"{f.name}.{key}")
+    return found
