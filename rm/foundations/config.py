@@ -224,6 +224,10 @@ class TrainConfig:
     tensorboard: bool = False
     track_memory: bool = False  # CPU: count live tensor bytes into memory.json (slower); CUDA: always measured
     dataloader_num_workers: int = 0
+    # CPU threads torch computes with. 0: the cores this process may use that other work leaves idle (OMP_NUM_THREADS
+    # where set), at least 1: on a shared CPU torch's default of one per core spins against the other jobs
+    # (rm.foundations.threads, benchmarks/threads_under_load.py)
+    threads: int = 0
 
 
 @dataclass

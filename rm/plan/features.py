@@ -155,6 +155,7 @@ NOT_SHADOWED: Dict[str, str] = {
     "train.tensorboard": "logging",
     "train.track_memory": "CPU only: counts live tensors, holds none",
     "train.dataloader_num_workers": "host processes that collate, no device memory",
+    "train.threads": "CPU threads of one process: no device memory; rm.plan measures a CPU at the threads it runs with",
     "model.name": "a label",
     "model.tokenizer": "the token ids, not their number (data.max_length bounds that)",
     "model.rope_theta": "a number in the rotary embedding",

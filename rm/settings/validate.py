@@ -14,6 +14,7 @@ from rm.foundations.config import ALL_LINEAR, DUPLICATES, MAX_PAIRS_TRAINED, FOR
 from rm.foundations.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from rm.foundations.hardware import resolve_hardware
 from rm.foundations.launch_env import launch_env
+from rm.foundations.threads import Threads, choose_threads
 from rm.foundations.precision import ALIASES as PRECISION_ALIASES
 from rm.foundations.precision import NAMES as PRECISION_NAMES
 from rm.foundations.precision import Precision, bf16_lost_update_fraction
@@ -133,6 +134,7 @@ RANGES = {
     "train.save_steps": Range(0, _STEPS, why="0: save only at the end"),
     "train.save_total_limit": Range(0, 10**6),
     "train.dataloader_num_workers": Range(0, 1024),
+    "train.threads": Range(0, 4096, why="0: auto"),
     "plan.top": Range(1, 10**4),
     "plan.steps": Range(1, 10**5),  # steps whose micro-batches rm.plan times
     "plan.stand_in_pairs": Range(1, 10**7),
@@ -165,6 +167,7 @@ class Plan:
     world_size_source: str = "given"  # where world_size came from, in words (rm.settings.validate.resolve_world_size)
     launcher: bool = False  # a launcher (torchrun) started the processes, even one: DDP then wraps the model
     warnings: Tuple[str, ...] = ()  # settings that run but that a user should hear about, logged at start
+    threads: Threads = Threads(1, "")  # CPU threads torch computes with (train.threads resolved), and why
 
     @property
     def numerics(self):
@@ -326,6 +329,8 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
         world_size_source=world_size_source,
         launcher=launcher,
         warnings=tuple(warnings),
+        # the processes of this launch on this node share its cores
+        threads=choose_threads(t.threads, launch_env().local_world_size),
     )
 
 
