@@ -1,10 +1,10 @@
 """How many CPU threads torch computes with (``train.threads``).
 
 torch's default is one thread per physical core, whether or not other jobs use them. On a shared CPU its threads
-then spin waiting for each other while the other jobs hold the cores: on a 2-core machine at a load average of 8-10,
-a tiny-model step that takes 0.2 s idle took 5.5-15 s with the default 2 threads and about 1.8 s with one
-(benchmarks/threads_under_load.py; its results under benchmarks/results/). ``train.threads=0`` (the default) takes
-the cores this process may run on that other work leaves idle, at least one.
+then spin waiting for each other while the other jobs hold the cores: on a 2-core machine at a load average of
+8.6-10, a tiny-model step took 12.7 s with the default 2 threads and 0.80 s with one (16x; 29.8 s against 2.6 s
+with two more busy processes): benchmarks/threads_under_load.py, benchmarks/results/2026-11-29_threads_under_load.md.
+``train.threads=0`` (the default) takes the cores this process may run on that other work leaves idle, at least one.
 """
 
 from __future__ import annotations
