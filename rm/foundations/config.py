@@ -136,10 +136,10 @@ DUPLICATES = ("keep", "drop")
 ON_MALFORMED = ("skip", "error")
 
 
-# The most pairs a run may train (train.max_steps x train.global_batch_size, or its epochs over the data): a
-# billion. The memory estimate orders every step's pairs before the first step (rm.data.shapes, 8 bytes a pair);
-# HH-RLHF is 160k pairs, so this is over 6,000 epochs of it. rm.settings.validate and rm.data.batching check it.
-MAX_PAIRS_TRAINED = 10**9
+# The most pairs a run may train (train.max_steps x train.global_batch_size, or its epochs over the data): 10^8.
+# The memory estimate orders every step's pairs before the first step (rm.data.shapes, 8 bytes a pair: 800 MB here);
+# HH-RLHF is 160k pairs, so this is over 600 epochs of it. rm.settings.validate and rm.data.batching check it.
+MAX_PAIRS_TRAINED = 10**8
 # Epochs over the training pairs past which a run warns: a reward model overfits its pairs within a few (eval loss
 # 0.81 after 85 epochs of 300 pairs, issue 50).
 EPOCHS_WARNED = 3

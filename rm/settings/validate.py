@@ -69,7 +69,7 @@ class Range(NamedTuple):
         return " or ".join([*map(str, self.also), interval]) + (f" ({self.why})" if self.why else "")
 
 
-_STEPS = 10**9  # a count of optimizer steps: at most one per pair of MAX_PAIRS_TRAINED
+_STEPS = MAX_PAIRS_TRAINED  # a count of optimizer steps: at most one per pair trained
 _GIB = 1 << 20  # GiB of memory: a node of a petabyte
 _RATE = 1e9  # a throughput or bandwidth (TFLOP/s, GB/s): beyond any device
 

@@ -99,7 +99,7 @@ def test_range_with_a_special_value(value, holds):
 
 
 @pytest.mark.parametrize("override,needle", [  # one process (~15 s of imports); the sweep above covers every key
-    ("train.max_steps=1000000000000", "train.max_steps=1000000000000 must be -1 or in [1, 1000000000]"),
+    ("train.max_steps=1000000000000", "train.max_steps=1000000000000 must be -1 or in [1, 100000000]"),
 ])
 def test_a_huge_size_exits_2_naming_its_range(tmp_path, override, needle):
     """The command a user ran: exit 2, the key and its range, no traceback, and no data generated or read first."""
@@ -109,3 +109,17 @@ def test_a_huge_size_exits_2_naming_its_range(tmp_path, override, needle):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and needle in out and "Traceback" not in out, out[-3000:]
     assert "[train]: pairs" not in out, "data was read before the check"
+
+
+def test_pairs_trained_are_capped_given_or_derived(tiny_cfg):
+    """Each key in range, the run's length out of it: the steps given (validate) or derived from epochs over the data
+    (rm.data.batching, once the data is read, before the estimate orders every step's pairs)."""
+    from rm.data.batching import total_training_steps
+    from rm.foundations.config import MAX_PAIRS_TRAINED, TrainConfig
+
+    with pytest.raises(ConfigError, match=r"train.max_steps=100000000 x train.global_batch_size=16 = 1,600,000,000 pairs"):
+        validate(tiny_cfg("train.max_steps=100000000"), 1)
+    many = TrainConfig(max_steps=-1, num_train_epochs=10**4, global_batch_size=16)
+    with pytest.raises(ConfigError, match=r"train.num_train_epochs=10000 of 100,000 pairs .* more than 100,000,000 pairs"):
+        total_training_steps(many, 100_000)
+    assert total_training_steps(many, 160) * 16 <= MAX_PAIRS_TRAINED
