@@ -1,10 +1,12 @@
 """How many CPU threads torch computes with (``train.threads``).
 
 torch's default is one thread per physical core, whether or not other jobs use them. On a shared CPU its threads
-then spin waiting for each other while the other jobs hold the cores: on a 2-core machine at a load average of
-8.6-10, a tiny-model step took 12.7 s with the default 2 threads and 0.80 s with one (16x; 29.8 s against 2.6 s
-with two more busy processes): benchmarks/threads_under_load.py, benchmarks/results/2026-11-29_threads_under_load.md.
-``train.threads=0`` (the default) takes the cores this process may run on that other work leaves idle, at least one.
+then spin waiting for each other while the other jobs hold the cores. On a 2-core machine a tiny-model step took
+0.137 s with the default 2 threads and 0.241 s with one when idle, but 6.3 s against 0.43 s beside one busy process
+and 12.7 s against 0.80 s at a load average of 8.6 (benchmarks/threads_under_load.py,
+benchmarks/results/2026-11-29_threads_under_load.md). ``train.threads=0`` (the default) takes the cores this process
+may run on that other work leaves idle, at least one: all of them on an idle machine, one on a busy one. The choice
+is made once, at start; ``train.threads=1`` is the safe setting on a machine known to be shared.
 """
 
 from __future__ import annotations
