@@ -35,7 +35,7 @@ CHOICES = {
     "data.duplicates": DUPLICATES,
     "data.on_malformed": ON_MALFORMED,
     "train.precision": ("auto", *PRECISION_NAMES, *PRECISION_ALIASES),
-    "train.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
+    "train.optim.lr_scheduler_type": ("linear", "cosine", "constant_with_warmup"),
     "train.layout": ("auto", "given"),
     "preflight.mode": ("error", "warn", "off"),
     "sweep.on_failure": ("raise", "continue"),
@@ -121,18 +121,18 @@ RANGES = {
     "train.global_batch_size": Range(1, 1 << 24),
     "train.eval_batch_size": Range(1, 1 << 20),
     "train.max_tokens_per_micro_batch": Range(0, 1 << 34, why="0: micro_batch_size pairs each"),
-    "train.learning_rate": Range(0, 1, low_open=True),
-    "train.weight_decay": Range(0, 1e3),
-    "train.adam_beta1": Range(0, 1, high_open=True),
-    "train.adam_beta2": Range(0, 1, high_open=True),
-    "train.adam_epsilon": Range(0, 1, low_open=True),
-    "train.warmup_ratio": Range(0, 1, high_open=True),
-    "train.max_grad_norm": Range(0, 1e12, why="0 disables clipping"),
+    "train.optim.learning_rate": Range(0, 1, low_open=True),
+    "train.optim.weight_decay": Range(0, 1e3),
+    "train.optim.adam_beta1": Range(0, 1, high_open=True),
+    "train.optim.adam_beta2": Range(0, 1, high_open=True),
+    "train.optim.adam_epsilon": Range(0, 1, low_open=True),
+    "train.optim.warmup_ratio": Range(0, 1, high_open=True),
+    "train.optim.max_grad_norm": Range(0, 1e12, why="0 disables clipping"),
     "train.center_rewards_coefficient": Range(0, 1e6),
-    "train.logging_steps": Range(0, _STEPS),
-    "train.eval_steps": Range(0, _STEPS, why="0: evaluate only at the end"),
-    "train.save_steps": Range(0, _STEPS, why="0: save only at the end"),
-    "train.save_total_limit": Range(0, 10**6),
+    "train.logging.logging_steps": Range(0, _STEPS),
+    "train.logging.eval_steps": Range(0, _STEPS, why="0: evaluate only at the end"),
+    "train.checkpoint.save_steps": Range(0, _STEPS, why="0: save only at the end"),
+    "train.checkpoint.save_total_limit": Range(0, 10**6),
     "train.dataloader_num_workers": Range(0, 1024),
     "train.threads": Range(0, 4096, why="0: auto"),
     "plan.top": Range(1, 10**4),
@@ -354,31 +354,31 @@ def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors:
     if strategy == "deepspeed" and mode.deepspeed_refusal:
         errors.append(f"train.precision={precision} with distributed={cfg.distributed.name}: {mode.deepspeed_refusal}. "
                       f"Use train.precision=bf16-mixed, or distributed=ddp for pure bf16")
-    if cfg.train.kahan_summation:
+    if cfg.train.optim.kahan_summation:
         if precision != "bf16-true":
-            errors.append(f"train.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
+            errors.append(f"train.optim.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
                           f"{'keeps fp32 weights for the optimizer already' if mode.mixed or not mode.half else 'is not bf16-true'}: "
                           f"drop the key, or use train.precision=bf16-true")
         if strategy == "deepspeed" or cfg.memory_profile.optimizer != "adamw":
-            errors.append(f"train.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
+            errors.append(f"train.optim.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
                           f"with distributed={cfg.distributed.name} uses another optimizer: use distributed=ddp with "
                           f"memory_profile=full or lora")
         if not _installed("optimi"):
-            errors.append("train.kahan_summation=true needs optimi: pip install torch-optimi")
+            errors.append("train.optim.kahan_summation=true needs optimi: pip install torch-optimi")
     warnings = []
     if cfg.train.precision in PRECISION_ALIASES:
         warnings.append(f"train.precision={cfg.train.precision} reads as {precision} (Lightning's names: bf16-mixed keeps "
                         f"fp32 weights and optimizer states, bf16-true trains bf16 weights)")
-    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.kahan_summation:
+    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.optim.kahan_summation:
         # The weights' scale is unknown before they load; transformers initialises (and most checkpoints keep)
         # linear weights near N(0, 0.02).
-        lost = bf16_lost_update_fraction(cfg.train.learning_rate, 0.02)
+        lost = bf16_lost_update_fraction(cfg.train.optim.learning_rate, 0.02)
         if lost > 0.05:
             warnings.append(
-                f"train.precision=bf16-true at train.learning_rate={cfg.train.learning_rate:g}: AdamW updates smaller than "
+                f"train.precision=bf16-true at train.optim.learning_rate={cfg.train.optim.learning_rate:g}: AdamW updates smaller than "
                 f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
                 f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
-                f"{_lr_losing_at_most(0.05):.0e}, or train.kahan_summation=true; the lost_updates alarm measures it while training")
+                f"{_lr_losing_at_most(0.05):.0e}, or train.optim.kahan_summation=true; the lost_updates alarm measures it while training")
     return warnings
 
 

@@ -94,7 +94,7 @@ class Run:
 
 
 def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: ExitStack) -> Run:
-    """Validate, estimate, and build everything the loop needs; restore a checkpoint with ``train.resume``.
+    """Validate, estimate, and build everything the loop needs; restore a checkpoint with ``train.checkpoint.resume``.
 
     Args:
         cfg: the typed config; read, never changed (``train.layout=auto``'s choice is a new config, ``Run.cfg``).
@@ -143,7 +143,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         shapes = run_shapes(t, batches, total_steps, train_set, shared, evaluated)
         cached = random_init_cached_everywhere(cfg.model, cfg.memory_profile, tokenizer.pad_token_id)
         estimate = data_preflight(cfg, plan, overrides, shapes, random_init_cached=cached)
-    # train.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
+    # train.checkpoint.overwrite=true: the earlier run goes only now, once the settings and the data are known to be usable.
     directory.replace_earlier()
     # Saved only now: a run refused for its data or settings leaves an earlier run's files as they were.
     if engine.is_main_process and tokenizer_kind(cfg.model) == "bpe" and not resuming:
@@ -272,7 +272,7 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
 
 def lr_schedule(kind: str, optimizer: torch.optim.Optimizer, warmup: int, total: int) -> LambdaLR:
     """transformers' ``get_scheduler(kind, optimizer, num_warmup_steps=warmup, num_training_steps=total)`` for the
-    three ``train.lr_scheduler_type`` values rm accepts: the same ``LambdaLR`` over a ``functools.partial`` (so a
+    three ``train.optim.lr_scheduler_type`` values rm accepts: the same ``LambdaLR`` over a ``functools.partial`` (so a
     checkpoint of either loads in the other), the same factor at every step (``tests/foundations/test_startup_cache.py`` holds
     them equal). Not imported from ``transformers.optimization``, which imports ``transformers.trainer_utils`` and
     with it PEFT and bitsandbytes (which compiles its CPU ops as it loads) into every run, LoRA or not."""
@@ -297,7 +297,7 @@ def lr_factor(step: int, *, kind: str, warmup: int, total: int) -> float:
     if kind == "cosine":  # transformers' num_cycles=0.5: pi x 0.5 x 2 x progress, which is pi x progress exactly
         progress = float(step - warmup) / float(max(1, total - warmup))
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
-    raise ValueError(f"train.lr_scheduler_type={kind!r}: rm schedules linear, cosine or constant_with_warmup")
+    raise ValueError(f"train.optim.lr_scheduler_type={kind!r}: rm schedules linear, cosine or constant_with_warmup")
 
 
 def warmup_steps(train_cfg: TrainConfig, total_steps: int) -> int:
@@ -309,8 +309,8 @@ def watch_lost_updates(health: HealthMonitor, engine: Engine, cfg: RunConfig, to
     """Attach the lost-update probe (``rm.foundations.lost_updates``) where the optimizer updates the module's own weights."""
     if not cfg.health.lost_updates_threshold:
         return
-    if cfg.train.kahan_summation:
-        log.info("health: lost updates not measured: with train.kahan_summation the optimizer keeps what rounding drops "
+    if cfg.train.optim.kahan_summation:
+        log.info("health: lost updates not measured: with train.optim.kahan_summation the optimizer keeps what rounding drops "
                  "from a bf16 weight in its compensation buffer, so an unchanged weight is no lost update")
         return
     params = engine.stepped_parameters()

@@ -1,7 +1,7 @@
 """``python -m rm.train`` as a user drives it, over random overrides and random small data files: it trains
 (exit 0), rejects the input (2), refuses (3) or refuses a resume from damaged checkpoints (5), never with a
 traceback, and never changes a file in the directory of an earlier run (bytes or mtime, Hydra's ``.hydra/``
-record and the log included, nor adds one) unless it was asked to replace that run (``train.overwrite=true``).
+record and the log included, nor adds one) unless it was asked to replace that run (``train.checkpoint.overwrite=true``).
 A run that trains accounts for every row of its file in ``data_audit.json`` (kept or dropped with a reason),
 and never keeps a conversation without a final assistant answer.
 
@@ -34,13 +34,13 @@ PAIRS = generate_pairs(64, seed=1, split="train")
 
 # Each key with values that work and values that must be rejected.
 OVERRIDES = {
-    "train.adam_beta1": ["0.9", "1.5"],
+    "train.optim.adam_beta1": ["0.9", "1.5"],
     "train.seed": ["1", "-1"],
     "train.micro_batch_size": ["4", "8", "0", "3"],
     "train.global_batch_size": ["16", "20", "-4"],
-    "train.learning_rate": ["1e-3", "0", "nan"],
-    "train.weight_decay": ["0.01", "-0.1"],
-    "train.max_grad_norm": ["0", "-1"],
+    "train.optim.learning_rate": ["1e-3", "0", "nan"],
+    "train.optim.weight_decay": ["0.01", "-0.1"],
+    "train.optim.max_grad_norm": ["0", "-1"],
     "data.max_length": ["64", "1", "100000"],
     "data.truncation": ["truncate", "drop", "error"],
     "data.on_malformed": ["skip", "error"],
@@ -50,8 +50,8 @@ OVERRIDES = {
     "lora.dropout": ["0.1", "1.5"],
     "hardware.device_memory_gib": ["16", "0.001", "-5"],
     "model.num_key_value_heads": ["2", "3"],
-    "train.resume": ["true", "false"],
-    "train.overwrite": ["true", "false"],
+    "train.checkpoint.resume": ["true", "false"],
+    "train.checkpoint.overwrite": ["true", "false"],
     "hardware": ["cpu", "h100_80g"],  # a CUDA profile on this machine: refused (2)
     # sizes far out of range: refused (2) by validation before any allocation or data pass (was a 233 TiB array)
     "train.max_steps": ["2", "1000000000000"],
@@ -131,14 +131,14 @@ def check_one_run(tmp_dir, overrides, rows, earlier):
         path = tmp_dir / "pairs.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         data = ["data=local", f"data.train_files=[{path}]"]
-    args = [*FAST_TINY, "train.max_steps=2", "train.eval_steps=0", "train.save_steps=0", *data,
+    args = [*FAST_TINY, "train.max_steps=2", "train.logging.eval_steps=0", "train.checkpoint.save_steps=0", *data,
             *[f"{k}={v}" for k, v in overrides.items()], f"hydra.run.dir={run_dir}"]
     proc = subprocess.run([sys.executable, "-m", "rm.train", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "RM_DEBUG": ""})
     out = proc.stdout + proc.stderr
     context = f"{' '.join(args)}\n{out[-3000:]}"
     assert proc.returncode in (0, 2, 3, 5), context
-    assert proc.returncode != 5 or (earlier == "incomplete" and overrides.get("train.resume") == "true"), context
+    assert proc.returncode != 5 or (earlier == "incomplete" and overrides.get("train.checkpoint.resume") == "true"), context
     assert "Traceback" not in out, context
     if proc.returncode == 0 and rows:
         train = json.loads((run_dir / "data_audit.json").read_text())["splits"]["train"]
@@ -151,8 +151,8 @@ def check_one_run(tmp_dir, overrides, rows, earlier):
     # Only a run asked to replace an earlier run, that no live run holds, may write in its directory. If it then
     # fails, it has added its log and record only: the earlier run goes once settings and data are known usable.
     record = {"train.log", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}
-    replacing = earlier != "locked" and overrides.get("train.overwrite") == "true" and overrides.get("train.resume") != "true"
-    resuming = earlier == "incomplete" and overrides.get("train.resume") == "true" and overrides.get("train.overwrite") != "true"
+    replacing = earlier != "locked" and overrides.get("train.checkpoint.overwrite") == "true" and overrides.get("train.checkpoint.resume") != "true"
+    resuming = earlier == "incomplete" and overrides.get("train.checkpoint.resume") == "true" and overrides.get("train.checkpoint.overwrite") != "true"
     if resuming:  # accepted for a resume, which finds no intact checkpoint: nothing of the earlier run changes
         assert proc.returncode != 0 and set(changed) <= record | {"data_audit.json"}, f"{changed} changed\n{context}"
     elif not replacing:
@@ -184,7 +184,7 @@ def _fuzz(examples):
                          "exit 0, 2, 3, or 5 for a resume over damaged checkpoints; never a `Traceback`; every row of "
                          "the file kept or dropped with a reason in `data_audit.json`, none without an answer kept; no "
                          "file of an earlier run changed or added (bytes and mtime, `.hydra/` and `train.log` included) "
-                         "unless `train.overwrite=true` replaced it, and a refused resume changes no checkpoint")
+                         "unless `train.checkpoint.overwrite=true` replaced it, and a refused resume changes no checkpoint")
 def test_cli_over_random_overrides_and_data(tmp_path_factory):
     _fuzz(3)(tmp_path_factory)
 

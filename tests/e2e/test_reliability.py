@@ -20,7 +20,7 @@ from rm.foundations.errors import ConfigError, NonFiniteError, Refused, StorageE
 from tests.conftest import CONF_DIR, FAST_TINY
 
 ROOT = CONF_DIR.parent
-STEPS = ["train.max_steps=4", "train.save_steps=2", "train.eval_steps=0", "train.save_total_limit=3"]
+STEPS = ["train.max_steps=4", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0", "train.checkpoint.save_total_limit=3"]
 
 
 @pytest.mark.reliability("Faults", "disk full (or a crash) while a checkpoint is written", "written to a hidden temporary directory, removed on failure: `CheckpointError: could not write checkpoint-4 ...: No space left on device. The previous checkpoint, .../checkpoint-2, is intact`; exit 5")
@@ -54,7 +54,7 @@ def test_a_checkpoint_cut_short_after_writing_is_passed_over(tiny_cfg, tmp_path)
     assert ckpt.latest_checkpoint(tmp_path) is None  # checkpoint-2 was the only one
 
 
-@pytest.mark.reliability("Faults", "a run directory that already holds a run", "refused unless `train.resume=true` (an unfinished run) or `train.overwrite=true`; a finished run is offered only overwrite or another directory (resume would be refused); exit 2")
+@pytest.mark.reliability("Faults", "a run directory that already holds a run", "refused unless `train.checkpoint.resume=true` (an unfinished run) or `train.checkpoint.overwrite=true`; a finished run is offered only overwrite or another directory (resume would be refused); exit 2")
 def test_a_finished_run_is_not_overwritten_silently(tiny_cfg, tmp_path):
     rm_train.train(tiny_cfg(*STEPS), tmp_path)
     before = (tmp_path / "final" / "model.safetensors").read_bytes()
@@ -64,7 +64,7 @@ def test_a_finished_run_is_not_overwritten_silently(tiny_cfg, tmp_path):
         rm_train.train(tiny_cfg(*STEPS, "train.seed=7"), tmp_path)
     assert (tmp_path / "final" / "model.safetensors").read_bytes() == before
     # Asked for explicitly, the earlier run is replaced.
-    rm_train.train(tiny_cfg(*STEPS, "train.seed=7", "train.overwrite=true"), tmp_path)
+    rm_train.train(tiny_cfg(*STEPS, "train.seed=7", "train.checkpoint.overwrite=true"), tmp_path)
     assert (tmp_path / "final" / "model.safetensors").read_bytes() != before
     assert [json.loads(l)["step"] for l in (tmp_path / "metrics.jsonl").read_text().splitlines()
             if '"train"' in l][0] > 0
@@ -85,7 +85,7 @@ def _files(run_dir):
     return {str(p.relative_to(run_dir)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run_dir.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.reliability("Faults", "a run refused for its directory (it holds a finished run; `train.resume=true` on it)",
+@pytest.mark.reliability("Faults", "a run refused for its directory (it holds a finished run; `train.checkpoint.resume=true` on it)",
                          "no file under the directory changes, Hydra's `.hydra/` record and `train.log` included (bytes and "
                          "mtime): rm writes them only once the directory is the run's; exit 2")
 def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
@@ -94,7 +94,7 @@ def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
     from tests.conftest import compose_run
 
     run_dir = tmp_path / "run"
-    args = [*FAST_TINY, "train.max_steps=2", "train.save_steps=1", "train.eval_steps=0"]
+    args = [*FAST_TINY, "train.max_steps=2", "train.checkpoint.save_steps=1", "train.logging.eval_steps=0"]
     proc = subprocess.run([sys.executable, "-m", "rm.train", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -106,7 +106,7 @@ def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
     assert "saved the reward model" in (run_dir / "train.log").read_text()
     before = _files(run_dir)
     assert {"final/model.safetensors", "checkpoints/checkpoint-1/trainer_state.json", "metrics.jsonl"} <= set(before)
-    for extra, needle in [([], "already holds a finished run"), (["train.resume=true"], "there is nothing to resume")]:
+    for extra, needle in [([], "already holds a finished run"), (["train.checkpoint.resume=true"], "there is nothing to resume")]:
         proc = subprocess.run([sys.executable, "-m", "rm.train", *args, "train.seed=7", *extra, f"hydra.run.dir={run_dir}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr
@@ -119,7 +119,7 @@ def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
 def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     secret = "hf_SECRETtoken1234567890"
     proc = subprocess.run(
-        [sys.executable, "-m", "rm.train", *FAST_TINY, "train.max_steps=2", "train.eval_steps=0",
+        [sys.executable, "-m", "rm.train", *FAST_TINY, "train.max_steps=2", "train.logging.eval_steps=0",
          f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**__import__("os").environ, "HF_TOKEN": secret, "WANDB_API_KEY": secret},
@@ -187,7 +187,7 @@ def test_a_cuda_profile_without_cuda_is_refused_for_training_not_for_estimating(
 @pytest.mark.parametrize("signum", ["SIGTERM", "SIGKILL"])
 def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninterrupted_run(tmp_path, signum):
     """SLURM pre-emption: SIGTERM to a running ``python -m rm.train`` at a random step (the seed is in
-    the assertion message), exit 143 with a checkpoint, ``train.resume=true`` finishes the run, and the
+    the assertion message), exit 143 with a checkpoint, ``train.checkpoint.resume=true`` finishes the run, and the
     final weights equal those of a run that was never interrupted, bit for bit on the CPU. SIGKILL (the OOM
     killer, a node lost) leaves no checkpoint of its own: the resume starts from the last periodic one."""
     import os
@@ -198,7 +198,7 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
 
     seed = int.from_bytes(os.urandom(2), "little")
     kill_after = random.Random(seed).randint(2, 9)
-    args = [*FAST_TINY, "train.max_steps=12", "train.save_steps=5", "train.eval_steps=0", "train.logging_steps=1"]
+    args = [*FAST_TINY, "train.max_steps=12", "train.checkpoint.save_steps=5", "train.logging.eval_steps=0", "train.logging.logging_steps=1"]
 
     def run(run_dir, *extra):
         return subprocess.Popen([sys.executable, "-m", "rm.train", *args, *extra, f"hydra.run.dir={run_dir}"],
@@ -223,7 +223,7 @@ def test_sigterm_at_a_random_step_of_a_real_process_then_resume_equals_an_uninte
         assert victim.returncode == -signal.SIGKILL, f"seed {seed}: {out[-2000:]}"
         assert (tmp_path / "killed" / LOCK_FILE).exists()  # left behind: the resume takes the stale lock over
 
-    resumed = run(tmp_path / "killed", "train.resume=true")
+    resumed = run(tmp_path / "killed", "train.checkpoint.resume=true")
     assert resumed.wait(timeout=600) == 0, resumed.stdout.read()[-2000:]
     a = load_file(tmp_path / "straight" / "final" / "model.safetensors")
     b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
@@ -249,7 +249,7 @@ def test_a_dataset_with_no_usable_pair_is_a_clear_error(tmp_path):
 
 # ---- a finished run, copied by each test below, and what may or may not be done with it
 
-SIX = ["train.max_steps=6", "train.save_steps=2", "train.eval_steps=0", "train.save_total_limit=3", "train.logging_steps=1"]
+SIX = ["train.max_steps=6", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0", "train.checkpoint.save_total_limit=3", "train.logging.logging_steps=1"]
 
 
 def _cfg(*overrides):
@@ -285,7 +285,7 @@ def _flip(path):
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.reliability("Faults", "`train.resume=true` on a finished run (final/ exists), with or without checkpoints",
+@pytest.mark.reliability("Faults", "`train.checkpoint.resume=true` on a finished run (final/ exists), with or without checkpoints",
                          "refused: `holds a finished run (final/): there is nothing to resume`; final/ unchanged; exit 2")
 def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
     run_dir = _copy(six_step_run, tmp_path, unfinished=False)
@@ -294,7 +294,7 @@ def test_resume_on_a_finished_run_is_refused(six_step_run, tmp_path):
     shutil.rmtree(run_dir / "checkpoints")  # the case that used to retrain from step 0 over final/
     before = (run_dir / "final" / "model.safetensors").read_bytes()
     with pytest.raises(RunDirError, match=r"holds a finished run \(final/\): there is nothing to resume"):
-        rm_train.train(_cfg("train.resume=true"), run_dir)
+        rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     assert (run_dir / "final" / "model.safetensors").read_bytes() == before
 
 
@@ -310,16 +310,16 @@ def test_metrics_after_a_resume_hold_each_step_once(six_step_run, tmp_path, fall
         (run_dir / "checkpoints" / "checkpoint-4" / ckpt.STATE_FILE).unlink()
     with (run_dir / "metrics.jsonl").open("a") as f:
         f.write('{"event": "train", "step": 6, "lo')  # a record cut short by the kill
-    rm_train.train(_cfg("train.resume=true"), run_dir)
+    rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     counts = Counter((r["event"], r["step"]) for r in records)
     assert counts and all(n == 1 for n in counts.values()), counts
     assert max(r["step"] for r in records if r["event"] == "train") == 6
 
 
-@pytest.mark.reliability("Faults", "every checkpoint's `trainer_state.json` deleted, then `train.resume=true`",
+@pytest.mark.reliability("Faults", "every checkpoint's `trainer_state.json` deleted, then `train.checkpoint.resume=true`",
                          "refused, naming each checkpoint and why, with the choices (restore one, or "
-                         "`train.overwrite=true`); every file left as it was; exit 5")
+                         "`train.checkpoint.overwrite=true`); every file left as it was; exit 5")
 @pytest.mark.reliability("Faults", "the newest checkpoint's `trainer_state.json` deleted",
                          "resumes from the previous one, naming the one it passed over and why")
 def test_incomplete_checkpoints_are_named_and_never_destroyed_by_a_resume(six_step_run, tmp_path, caplog):
@@ -328,7 +328,7 @@ def test_incomplete_checkpoints_are_named_and_never_destroyed_by_a_resume(six_st
     run_dir = _copy(six_step_run, tmp_path)
     (run_dir / "checkpoints" / "checkpoint-4" / ckpt.STATE_FILE).unlink()
     caplog.set_level(logging.INFO)
-    rm_train.train(_cfg("train.resume=true"), run_dir)
+    rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     assert "checkpoint-4 cannot be used (trainer_state.json is missing or unreadable)" in caplog.text
     assert f"resumed from {run_dir / 'checkpoints' / 'checkpoint-2'} at step 2" in caplog.text
 
@@ -338,7 +338,7 @@ def test_incomplete_checkpoints_are_named_and_never_destroyed_by_a_resume(six_st
     before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint in .* is intact: checkpoint-4: trainer_state\.json is "
                                                   r"missing or unreadable; checkpoint-2: .*train\.overwrite=true"):
-        rm_train.train(_cfg("train.resume=true"), run_dir)
+        rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     after = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file() and p.name != ".lock"}
     assert {p: b for p, b in before.items() if p.name != ".lock"} == after  # nothing deleted, retrained or rewritten
 
@@ -354,7 +354,7 @@ def test_a_checkpoint_with_changed_bytes_falls_back_to_the_previous_one(six_step
     _flip(run_dir / "checkpoints" / "checkpoint-4" / "optimizer.bin")
     assert "does not match its sha256" in ckpt.damage(run_dir / "checkpoints" / "checkpoint-4")
     assert ckpt.damage(run_dir / "checkpoints" / "checkpoint-2") is None
-    result = rm_train.train(_cfg("train.resume=true"), run_dir)
+    result = rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     assert result["status"] == "ok" and result["step"] == 6
     assert "checkpoint-4 cannot be used (optimizer.bin does not match its sha256" in caplog.text
     assert "resumed from" in caplog.text and "checkpoint-2 at step 2" in caplog.text
@@ -364,24 +364,24 @@ def test_a_checkpoint_with_changed_bytes_falls_back_to_the_previous_one(six_step
     _flip(run_dir / "checkpoints" / "checkpoint-2" / "model.safetensors")
     with pytest.raises(ckpt.CheckpointError, match=r"no checkpoint .* is intact: checkpoint-4: optimizer.bin does not "
                                                    r"match .*checkpoint-2: model.safetensors does not match") as err:
-        rm_train.train(_cfg("train.resume=true"), run_dir)
+        rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     assert err.value.exit_code == 5 and "weights_only" not in str(err.value)
 
 
 @pytest.mark.reliability("Faults", "resume with changed settings that shape training (model, data, seed, batch sizes, optimizer, schedule)",
-                         "refused, naming each changed key with its old and new value (`train.learning_rate: 0.002 -> 0.01`); exit 2")
+                         "refused, naming each changed key with its old and new value (`train.optim.learning_rate: 0.002 -> 0.01`); exit 2")
 def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path):
     run_dir = _copy(six_step_run, tmp_path)
-    changes = ["train.learning_rate=1e-2", "train.seed=7", "data.synthetic_seed=3", "train.global_batch_size=32",
-               "train.lr_scheduler_type=linear", "model.num_hidden_layers=3"]
+    changes = ["train.optim.learning_rate=1e-2", "train.seed=7", "data.synthetic_seed=3", "train.global_batch_size=32",
+               "train.optim.lr_scheduler_type=linear", "model.num_hidden_layers=3"]
     with pytest.raises(ConfigError) as err:
-        rm_train.train(_cfg("train.resume=true", *changes), run_dir)
-    for key in ("train.learning_rate: 0.002 -> 0.01", "train.seed: 42 -> 7", "data.synthetic_seed: 0 -> 3",
-                "train.global_batch_size: 16 -> 32", "train.lr_scheduler_type: 'cosine' -> 'linear'",
-                "model.num_hidden_layers: 2 -> 3", "train.resume_allow_changes=true"):
+        rm_train.train(_cfg("train.checkpoint.resume=true", *changes), run_dir)
+    for key in ("train.optim.learning_rate: 0.002 -> 0.01", "train.seed: 42 -> 7", "data.synthetic_seed: 0 -> 3",
+                "train.global_batch_size: 16 -> 32", "train.optim.lr_scheduler_type: 'cosine' -> 'linear'",
+                "model.num_hidden_layers: 2 -> 3", "train.checkpoint.resume_allow_changes=true"):
         assert key in str(err.value), (key, str(err.value))
     # What does not shape training may change freely.
-    result = rm_train.train(_cfg("train.resume=true", "train.logging_steps=2", "train.save_total_limit=1"), run_dir)
+    result = rm_train.train(_cfg("train.checkpoint.resume=true", "train.logging.logging_steps=2", "train.checkpoint.save_total_limit=1"), run_dir)
     assert result["status"] == "ok"
 
 
@@ -399,7 +399,7 @@ def test_resume_refuses_train_data_that_changed_under_the_same_config(six_step_r
 
     monkeypatch.setattr(run_setup, "build_datasets", one_pair_edited)
     with pytest.raises(ConfigError) as err:
-        rm_train.train(_cfg("train.resume=true"), run_dir)
+        rm_train.train(_cfg("train.checkpoint.resume=true"), run_dir)
     assert "data.train_sha256" in str(err.value)
 
 
@@ -418,12 +418,12 @@ def test_data_digest_follows_the_token_ids_and_their_order():
     assert base != data_digest(ds([[1], [2, 3]], [[1], [4, 5]]))  # where a sequence ends
 
 
-@pytest.mark.reliability("Faults", "resume with `train.resume_allow_changes=true` and a new learning rate",
+@pytest.mark.reliability("Faults", "resume with `train.checkpoint.resume_allow_changes=true` and a new learning rate",
                          "each change logged, and applied: from the resumed step the schedule runs from the new rate")
 def test_resume_allow_changes_applies_a_new_learning_rate(six_step_run, tmp_path, caplog):
     run_dir = _copy(six_step_run, tmp_path)
-    rm_train.train(_cfg("train.resume=true", "train.resume_allow_changes=true", "train.learning_rate=5e-4"), run_dir)
-    assert "train.learning_rate: 0.002 -> 0.0005" in caplog.text
+    rm_train.train(_cfg("train.checkpoint.resume=true", "train.checkpoint.resume_allow_changes=true", "train.optim.learning_rate=5e-4"), run_dir)
+    assert "train.optim.learning_rate: 0.002 -> 0.0005" in caplog.text
     logged = {r["step"]: r["lr"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
               if r.get("split", "train") == "train" and "lr" in r}
     # Before the resume (from checkpoint-4) the old rate's schedule; after it, the new rate's.
@@ -448,7 +448,7 @@ def _cosine_lr(base, step, warmup=1, total=6):
 def test_a_checkpoint_past_max_steps_is_a_clear_error(six_step_run, tmp_path):
     run_dir = _copy(six_step_run, tmp_path)
     with pytest.raises(ConfigError, match=r"checkpoint-4 is at step 4, but this run ends at step 3"):
-        rm_train.train(_cfg("train.resume=true", "train.resume_allow_changes=true", "train.max_steps=3"), run_dir)
+        rm_train.train(_cfg("train.checkpoint.resume=true", "train.checkpoint.resume_allow_changes=true", "train.max_steps=3"), run_dir)
 
 
 @pytest.mark.reliability("Faults", "SIGTERM (a SLURM pre-emption, `kill`) during the last step",
@@ -477,7 +477,7 @@ def test_a_signal_during_the_last_step_finishes_the_run(tiny_cfg, tmp_path, monk
 
 @pytest.mark.reliability("Faults", "the disk fills (or safetensors fails) while the final model is written",
                          "`could not write the final model to .../final`; no final/ and no temporary directory left, so "
-                         "`train.resume=true` continues; exit 5")
+                         "`train.checkpoint.resume=true` continues; exit 5")
 def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monkeypatch):
     import rm.modelling.bundle
     from safetensors import SafetensorError
@@ -494,7 +494,7 @@ def test_a_failed_final_export_leaves_no_partial_final(tiny_cfg, tmp_path, monke
     assert err.value.exit_code == 5
     assert not (tmp_path / "final").exists() and not (tmp_path / ".tmp-final").exists()
     monkeypatch.setattr(rm.modelling.bundle, "save_bundle", real_save)
-    assert rm_train.train(tiny_cfg(*STEPS, "train.resume=true"), tmp_path)["status"] == "ok"
+    assert rm_train.train(tiny_cfg(*STEPS, "train.checkpoint.resume=true"), tmp_path)["status"] == "ok"
     assert (tmp_path / "final" / "model.safetensors").is_file()
 
 
@@ -587,7 +587,7 @@ def test_a_real_full_disk_exits_5_and_leaves_no_temporary_directory(tmp_path):
     try:
         # A large enough model that one checkpoint (weights + AdamW states) does not fit in 5 MB.
         proc = subprocess.run([sys.executable, "-m", "rm.train", *FAST_TINY, "model.hidden_size=256", "model.head_dim=64",
-                               "train.max_steps=4", "train.save_steps=2", "train.eval_steps=0", f"hydra.run.dir={mount / 'run'}",
+                               "train.max_steps=4", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0", f"hydra.run.dir={mount / 'run'}",
                                "hydra.output_subdir=null", "hydra/job_logging=disabled"],
                               cwd=ROOT, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr
@@ -663,8 +663,8 @@ def test_a_save_failing_on_one_rank_fails_every_rank_without_hanging(tmp_path, f
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    args = [*FAST_TINY, f"distributed={'zero2' if fault == 'deepspeed' else 'ddp'}", f"train.max_steps={4 if fault == 'final' else 6}", "train.save_steps=2",
-            "train.eval_steps=0", f"hydra.run.dir={run_dir}"]
+    args = [*FAST_TINY, f"distributed={'zero2' if fault == 'deepspeed' else 'ddp'}", f"train.max_steps={4 if fault == 'final' else 6}", "train.checkpoint.save_steps=2",
+            "train.logging.eval_steps=0", f"hydra.run.dir={run_dir}"]
     # Started by hand with torchrun's variables rather than by torchrun, whose agent stops the other ranks
     # once one exits and would hide a rank left waiting at a barrier.
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",

@@ -135,13 +135,13 @@ def test_bf16_true_is_refused_under_zero_naming_the_reason(tiny_cfg):
 
 @pytest.mark.parametrize("lr,warned", [(1e-5, True), (1e-3, False)])
 def test_bf16_true_warns_where_updates_will_round_away(tiny_cfg, lr, warned):
-    plan = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", f"train.learning_rate={lr}"), world_size=1)
+    plan = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", f"train.optim.learning_rate={lr}"), world_size=1)
     found = [w for w in plan.warnings if "round to nothing" in w]
     assert bool(found) == warned
     if warned:  # 85% of N(0, 0.02) weights at 1e-5 (rm.foundations.precision.bf16_lost_update_fraction)
         assert "about 85%" in found[0] and "train.precision=bf16-mixed" in found[0]
     lora = validate(tiny_cfg("train.precision=bf16-true", "hardware.bf16=true", "memory_profile=lora",
-                             f"train.learning_rate={lr}"), world_size=1)
+                             f"train.optim.learning_rate={lr}"), world_size=1)
     assert not [w for w in lora.warnings if "round to nothing" in w]  # fp32 adapters lose nothing
 
 

@@ -11,9 +11,9 @@ from rm.settings.validate import validate
 from tests.conftest import FAST_TINY
 
 
-@pytest.mark.reliability("Configuration", "out-of-range numbers: `train.adam_beta1=1.5`, `train.adam_epsilon=-1`, `train.seed=-1`, "
-                         "`lora.dropout=1.5`, `data.max_train_samples=0`, `train.weight_decay=-0.1`, `train.max_grad_norm=-1`, "
-                         "`hardware.device_memory_gib=-5`, `train.learning_rate=nan`",
+@pytest.mark.reliability("Configuration", "out-of-range numbers: `train.optim.adam_beta1=1.5`, `train.optim.adam_epsilon=-1`, `train.seed=-1`, "
+                         "`lora.dropout=1.5`, `data.max_train_samples=0`, `train.optim.weight_decay=-0.1`, `train.optim.max_grad_norm=-1`, "
+                         "`hardware.device_memory_gib=-5`, `train.optim.learning_rate=nan`",
                          "`<key>=<value> must be in [low, high)` naming the key; no longer accepted silently or 'refused as too big'")
 @pytest.mark.reliability("Configuration", "model shape: `model.num_key_value_heads=3` with 4 heads, a hidden size heads do not divide",
                          "`model.num_key_value_heads=3 must divide model.num_attention_heads=4`")
@@ -22,16 +22,16 @@ from tests.conftest import FAST_TINY
 @pytest.mark.reliability("Configuration", "`model.pretrained` an empty or non-model directory, a directory of weights without a tokenizer (a saved random init), or a path that does not exist",
                          "`is a directory without config.json` / `holds config.json but no weights` / `holds no tokenizer ... name one with model.tokenizer=` / `no such directory, and not a Hub id`")
 @pytest.mark.parametrize("overrides,needle", [
-    (["train.adam_beta1=1.5"], "train.adam_beta1=1.5 must be in [0, 1)"),
-    (["train.adam_beta2=-0.1"], "train.adam_beta2=-0.1 must be in [0, 1)"),
-    (["train.adam_epsilon=-1"], "train.adam_epsilon=-1.0 must be in (0, 1]"),
+    (["train.optim.adam_beta1=1.5"], "train.optim.adam_beta1=1.5 must be in [0, 1)"),
+    (["train.optim.adam_beta2=-0.1"], "train.optim.adam_beta2=-0.1 must be in [0, 1)"),
+    (["train.optim.adam_epsilon=-1"], "train.optim.adam_epsilon=-1.0 must be in (0, 1]"),
     (["train.seed=-1"], "train.seed=-1 must be in [0, 4294967295]"),
     (["memory_profile=lora", "lora.dropout=1.5"], "lora.dropout=1.5 must be in [0, 1)"),
     (["data.max_train_samples=0"], "data.max_train_samples=0 must be in [1, 1099511627776] (null: all rows)"),
-    (["train.weight_decay=-0.1"], "train.weight_decay=-0.1 must be in [0, 1000]"),
-    (["train.max_grad_norm=-1"], "train.max_grad_norm=-1.0 must be in [0, 1000000000000]"),
+    (["train.optim.weight_decay=-0.1"], "train.optim.weight_decay=-0.1 must be in [0, 1000]"),
+    (["train.optim.max_grad_norm=-1"], "train.optim.max_grad_norm=-1.0 must be in [0, 1000000000000]"),
     (["hardware.device_memory_gib=-5"], "hardware.device_memory_gib=-5.0 must be in (0, 1048576]"),
-    (["train.learning_rate=nan"], "train.learning_rate=nan must be"),
+    (["train.optim.learning_rate=nan"], "train.optim.learning_rate=nan must be"),
     (["train.max_steps=-5"], "train.max_steps=-5 must be -1"),
     (["model.num_key_value_heads=3"], "model.num_key_value_heads=3 must divide model.num_attention_heads=4"),
     (["model.hidden_size=130", "model.head_dim=null"], "model.hidden_size=130 is not divisible by model.num_attention_heads=4"),
