@@ -31,6 +31,9 @@ Accepted layouts (``format``):
   conversation must end on an ``assistant`` message, the answer being judged.
 * ``auto``: picked from the column names and types (the dataset schema).
 
+Each local file of a split is read, and its layout picked, on its own: files of different
+layouts (an ``hh`` file and a ``prompt`` file) can share a split, their pairs joined in order.
+
 Policies: truncation, identical pairs, duplicates
 -------------------------------------------------
 Each side is tokenised by the reward convention of TRL's ``RewardTrainer``
@@ -50,8 +53,8 @@ A side longer than ``max_length`` tokens is handled per ``truncation``
   The end of the response (where the reward is read) always survives;
   what is lost is the oldest context.
 * ``"drop"``: drop the whole pair.
-* ``"error"``: stop at the first such pair, naming its row (0-based index in
-  the split as read, files concatenated in order), the side and its length.
+* ``"error"``: stop at the first such pair, naming its file and its 0-based row
+  in that file, the side and its length.
 
 Chosen and rejected are truncated independently (the shared prompt may lose
 a different number of tokens on each side); both keep their own ending.
@@ -86,9 +89,12 @@ Other rows dropped and counted, never silently altered:
 * ``messages`` rows whose side has no final ``assistant`` message (``no_answer``:
   a system prompt alone, a user turn waiting for an answer), per ``on_malformed``;
 * valid rows of another layout than their split's (``other_format``), per
-  ``on_malformed``: with ``data.format=auto`` a split whose rows mix layouts is an
+  ``on_malformed``: with ``data.format=auto`` a file whose rows mix layouts is an
   error naming each layout's count and first row under ``"error"``; under
-  ``"skip"`` the layout of most rows is the split's (a tie is still an error);
+  ``"skip"`` the layout of most rows is the file's (a tie is still an error). Each
+  row's own layout decides: in a file of ``hh`` transcripts, a row that carries a
+  ``prompt`` is a prompt row, dropped as ``other_format``, never trained as a
+  transcript without its prompt;
 * a side containing the pad id anywhere (``pad_in_text``): at the end it moves
   the token the reward is read from, and collators that derive the attention
   mask from pad ids would mask it anywhere. With ``on_malformed="error"``

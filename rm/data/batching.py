@@ -55,6 +55,7 @@ def total_training_steps(train_cfg: "TrainConfig", num_pairs: int) -> int:
     Raises:
         ConfigError: the global batch is larger than the training set.
     """
+    from rm.foundations.config import MAX_PAIRS_TRAINED
     from rm.foundations.errors import ConfigError
 
     per_epoch = steps_per_epoch(num_pairs, train_cfg.global_batch_size)
@@ -64,7 +65,13 @@ def total_training_steps(train_cfg: "TrainConfig", num_pairs: int) -> int:
         )
     if train_cfg.max_steps > 0:
         return train_cfg.max_steps
-    return max(1, math.ceil(train_cfg.num_train_epochs * per_epoch))
+    steps = max(1, math.ceil(train_cfg.num_train_epochs * per_epoch))
+    if steps * train_cfg.global_batch_size > MAX_PAIRS_TRAINED:  # train.max_steps is checked in rm.settings.validate
+        raise ConfigError(
+            f"train.num_train_epochs={train_cfg.num_train_epochs:g} of {num_pairs:,} pairs = {steps:,} steps of "
+            f"train.global_batch_size={train_cfg.global_batch_size}: more than {MAX_PAIRS_TRAINED:,} pairs trained; lower it"
+        )
+    return steps
 
 
 @lru_cache(maxsize=2)

@@ -44,39 +44,73 @@ DATA_LIBRARIES = ("datasets", "pyarrow", "tokenizers", "transformers", "jinja2")
 _LOCATION_KEYS = ("name", "train_files", "eval_files", "extra_eval_files")
 
 
-def _raw_split(data_cfg: DataConfig, split: str) -> datasets.Dataset:
+def _raw_parts(data_cfg: DataConfig, split: str) -> List[Tuple[Optional[str], datasets.Dataset]]:
+    """The split's raw rows as ``(file, rows)`` parts: one per local file, each read on its own so that files of
+    different layouts (or columns) can share a split, every file's rows read as their own layout; one part (file
+    None) for hub and synthetic data. ``max_train_samples`` / ``max_eval_samples`` keep the first rows of the parts
+    in order."""
     train = split == "train"
     limit = data_cfg.max_train_samples if train else data_cfg.max_eval_samples
     if data_cfg.source == "synthetic":
         size = data_cfg.synthetic_train_size if train else data_cfg.synthetic_test_size
         ds = datasets.Dataset.from_list(generate_pairs(size, seed=data_cfg.synthetic_seed, split="train" if train else "test",
                                                          multi_turn=data_cfg.synthetic_multi_turn))
-        return ds.select(range(min(limit, len(ds)))) if limit is not None else ds
-    files = data_cfg.train_files if train else data_cfg.eval_files
-    return load_preference_split(
-        data_cfg.source,
-        path=data_cfg.path,
-        subsets=tuple(data_cfg.subsets),
-        split=data_cfg.train_split if train else data_cfg.eval_split,
-        files=tuple(files),
-        max_samples=limit,
-        files_key="data.train_files" if train else "data.eval_files",
-    )
+        return [(None, ds.select(range(min(limit, len(ds)))) if limit is not None else ds)]
+    key = "data.train_files" if train else "data.eval_files"
+    kwargs = dict(path=data_cfg.path, subsets=tuple(data_cfg.subsets), split=data_cfg.train_split if train else data_cfg.eval_split,
+                  files_key=key)
+    if data_cfg.source != "local":
+        return [(None, load_preference_split(data_cfg.source, max_samples=limit, **kwargs))]
+    parts = []
+    for file in expand_files(data_cfg.train_files if train else data_cfg.eval_files, key):
+        if limit is not None and limit <= 0:
+            break
+        ds = load_preference_split("local", files=(file,), max_samples=limit, **kwargs)
+        parts.append((file, ds))
+        limit = None if limit is None else limit - len(ds)
+    return parts
 
 
 def _normalised_split(data_cfg: DataConfig, tokenizer, split: str):
-    """The split's raw rows as ``chosen``/``rejected`` texts (:func:`normalise_pairs`) and their counts; a refused
-    row is reported with the data, split and file it is in."""
-    raw = _raw_split(data_cfg, split)
-    try:
-        return normalise_pairs(
-            raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
-            on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
-            max_chars=max_chars_for(data_cfg.max_length), truncation=data_cfg.truncation,
-        )
-    except DataError as err:
-        # The row index alone does not say which data, split or file it counts in.
-        raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
+    """The split's raw rows as ``chosen``/``rejected`` texts (:func:`normalise_pairs`) and their counts, each file
+    normalised on its own (its layout detected from its own rows under ``data.format=auto``) and the parts joined
+    in order; the ``row`` column and the counts name rows of the split. A refused row is reported with the data,
+    split and file it is in, and its row in that file."""
+    parts, counts, first_row = [], PairCounts(), 0
+    for file, raw in _raw_parts(data_cfg, split):
+        try:
+            pairs, part_counts = normalise_pairs(
+                raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
+                on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
+                max_chars=max_chars_for(data_cfg.max_length), truncation=data_cfg.truncation,
+            )
+        except DataError as err:
+            row = None if err.row is None else err.row + first_row
+            raise DataError(f"data {data_cfg.name} [{split}]{_in_file(data_cfg, split, file, err)}", row=row) from err
+        if first_row:
+            pairs = pairs.map(lambda batch: {"row": [r + first_row for r in batch["row"]]}, batched=True,
+                              load_from_cache_file=False, desc="numbering rows of the split")
+        parts.append(pairs)
+        counts.absorb(part_counts, first_row)
+        first_row += len(raw)
+    return (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)), counts
+
+
+def _in_file(data_cfg: DataConfig, split: str, file: Optional[str], err: DataError) -> str:
+    """`` in <file>: <message>`` where the split is that one file (its rows are the split's), `` in <file> row <n>:
+    <message without its split row>`` for a row of one of several files, ``: <message>`` elsewhere."""
+    if file is None:
+        return f": {err}"
+    several = len(expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")) > 1
+    if err.row is None or not several:
+        return f" in {file}: {err}"
+    return f" in {file} row {err.row}: {_without_row(str(err), err.row)}"
+
+
+def _without_row(message: str, row: int) -> str:
+    """A row-level message (``row 4: 'chosen' is empty``) without its leading row number, which the file's own row replaces."""
+    prefix = f"row {row}: "
+    return message[len(prefix):] if message.startswith(prefix) else message
 
 
 def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.Dataset, PairCounts]:
@@ -110,10 +144,10 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     if counts.capped:
         log.warning("data %s [%s]: %d pair(s) with a side over %s characters (data.max_length=%d x %d), cut to their last "
                     "%s characters before tokenizing, as truncation would cut them; the longest is %s characters (first: "
-                    "row %d%s)", data_cfg.name, split, counts.capped, f"{max_chars_for(data_cfg.max_length):,}",
+                    "%s)", data_cfg.name, split, counts.capped, f"{max_chars_for(data_cfg.max_length):,}",
                     data_cfg.max_length, CHARS_PER_TOKEN_BOUND, f"{max_chars_for(data_cfg.max_length):,}",
-                    f"{counts.capped_longest:,}", counts.capped_first_row, _where(data_cfg, split, counts.capped_first_row))
-    reasons = "".join(f"; {r['count']} x {why} (first: row {r['first_row']}{_where(data_cfg, split, r['first_row'])})"
+                    f"{counts.capped_longest:,}", _row_at(data_cfg, split, counts.capped_first_row))
+    reasons = "".join(f"; {r['count']} x {why} (first: {_row_at(data_cfg, split, r['first_row'])})"
                       for why, r in sorted(counts.drop_reasons.items(), key=lambda kv: -kv[1]["count"])[:3])
     if reasons:
         log.warning("data %s [%s]: rows dropped%s", data_cfg.name, split, reasons)
@@ -131,7 +165,9 @@ def _tokenised_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datas
             append_eos=data_cfg.append_eos,
         )
     except DataError as err:
-        raise DataError(f"data {data_cfg.name} [{split}]{_where(data_cfg, split, err.row)}: {err}", row=err.row) from err
+        where = _where(data_cfg, split, err.row)
+        message = _without_row(str(err), err.row) if " row " in where else str(err)
+        raise DataError(f"data {data_cfg.name} [{split}]{where}: {message}", row=err.row) from err
 
 
 def split_identity(data_cfg: DataConfig, split: str) -> Optional[Dict[str, Any]]:
@@ -209,6 +245,12 @@ def train_pairs(data_cfg: DataConfig) -> Callable[[Any], datasets.Dataset]:
     conversations: what :func:`rm.data.tokenizer.run_tokenizer` trains ``model.tokenizer=bpe`` on. Reading it raises for
     a refused row what :func:`build_split` would raise."""
     return lambda renderer: _normalised_split(data_cfg, renderer, "train")[0]
+
+
+def _row_at(data_cfg: DataConfig, split: str, row: int) -> str:
+    """``<file> row <n>`` (its row in its own file) for a row of several local files, else ``row <n>[ in <file>]``."""
+    where = _where(data_cfg, split, row)
+    return where[len(" in "):] if " row " in where else f"row {row}{where}"
 
 
 def _where(data_cfg: DataConfig, split: str, row) -> str:

@@ -96,6 +96,34 @@ class PairCounts:
     def copy(self) -> PairCounts:
         return copy.deepcopy(self)
 
+    def absorb(self, part: PairCounts, first_row: int) -> None:
+        """Add the normalisation counts of the next part of a split (its next file), whose row 0 is row
+        ``first_row`` of the split, so that the split's counts name rows of the split as one part's would.
+
+        >>> a, b = PairCounts(rows=2), PairCounts(rows=3, drop_reasons={"empty: x": {"count": 1, "first_row": 1}})
+        >>> b.drop(Drop.EMPTY)
+        >>> a.absorb(b, first_row=2)
+        >>> a.rows, a.pairs_out, a.drop_reasons
+        (5, 4, {'empty: x': {'count': 1, 'first_row': 3}})
+        """
+        if part.lengths_before_truncation or self.lengths_before_truncation:
+            raise ValueError("absorb adds the counts of normalised parts, before any is tokenised")
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(part, f.name)
+            if f.name == "drop_reasons":
+                for why, r in theirs.items():
+                    kept = mine.setdefault(why, {"count": 0, "first_row": r["first_row"] + first_row})
+                    kept["count"] += r["count"]
+            elif f.name == "capped_first_row":
+                if mine is None and theirs is not None:
+                    self.capped_first_row = theirs + first_row
+            elif f.name == "capped_longest":
+                self.capped_longest = max(mine, theirs)
+            elif isinstance(mine, Counter):
+                mine.update(theirs)
+            elif f.name != "lengths_before_truncation":
+                setattr(self, f.name, mine + theirs)
+
     def to_json(self) -> dict[str, Any]:
         """The counts as JSON values (what the tokenised-data cache keeps beside the pairs, ``rm.data.build``).
 

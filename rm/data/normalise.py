@@ -222,9 +222,14 @@ def normalise_pairs(
     if fmt == "auto":
         fmt = detect_format(ds, on_malformed)
         logger.info("preference data: detected format %r", fmt)
-    _check_columns(ds.column_names, fmt, tokenizer, margin_column)
+    partial_prompt = _some_rows_lack("prompt", ds)
+    _check_columns(ds.column_names, fmt, tokenizer, margin_column, partial_prompt)
     counts = PairCounts(rows=len(ds))
     read = _columns_read(ds.column_names, fmt, margin_column)
+    if fmt == "hh" and partial_prompt:
+        # Only some rows carry a prompt: those are prompt rows, not transcripts; each row's own layout is checked
+        # (other_format). A prompt on every row is a column hh ignores (_check_columns warns).
+        read.insert(0, "prompt")
     prompts = "prompt" in read
 
     def convert(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
@@ -283,7 +288,8 @@ def max_chars_for(max_length: int) -> int:
     return CHARS_PER_TOKEN_BOUND * max_length
 
 
-def _check_columns(columns: list[str], fmt: str, tokenizer: Any, margin_column: str | None) -> None:
+def _check_columns(columns: list[str], fmt: str, tokenizer: Any, margin_column: str | None,
+                   partial_prompt: bool = False) -> None:
     """Refuse, before any row is read, data that lacks what ``fmt`` and ``margin_column`` need."""
     missing = [c for c in _required_columns(fmt) if c not in columns]
     if missing:
@@ -297,8 +303,16 @@ def _check_columns(columns: list[str], fmt: str, tokenizer: Any, margin_column: 
             "format 'messages' renders conversations with tokenizer.apply_chat_template, "
             "but the tokenizer has no chat_template"
         )
-    if fmt == "hh" and "prompt" in columns:
+    if fmt == "hh" and "prompt" in columns and not partial_prompt:
         logger.warning("format 'hh' ignores the 'prompt' column; use format 'prompt' if chosen/rejected lack it")
+
+
+def _some_rows_lack(column: str, ds: datasets.Dataset) -> bool:
+    """Some rows of ``ds`` hold ``column`` and some do not (null)."""
+    if column not in ds.column_names:
+        return False
+    nulls = ds.data.column(column).null_count
+    return 0 < nulls < len(ds)
 
 
 def _columns_read(columns: list[str], fmt: str, margin_column: str | None) -> list[str]:

@@ -140,6 +140,15 @@ DUPLICATES = ("keep", "drop")
 ON_MALFORMED = ("skip", "error")
 
 
+# The most pairs a run may train (train.max_steps x train.global_batch_size, or its epochs over the data): 10^8.
+# The memory estimate orders every step's pairs before the first step (rm.data.shapes, 8 bytes a pair: 800 MB here);
+# HH-RLHF is 160k pairs, so this is over 600 epochs of it. rm.settings.validate and rm.data.batching check it.
+MAX_PAIRS_TRAINED = 10**8
+# Epochs over the training pairs past which a run warns: a reward model overfits its pairs within a few (eval loss
+# 0.81 after 85 epochs of 300 pairs, issue 50).
+EPOCHS_WARNED = 3
+
+
 @dataclass
 class DataConfig:
     """Where the preference pairs come from and how they are cut to length."""
@@ -244,6 +253,10 @@ class TrainConfig:
     gradient_checkpointing: bool = True  # true: recompute activations in backward, far less memory, ~30% slower
     center_rewards_coefficient: float = 0.0  # >0 adds coef * mean(r^2) so rewards stay centred (TRL's name)
     dataloader_num_workers: int = 0
+    # CPU threads torch computes with. 0: the cores this process may use that other work leaves idle (OMP_NUM_THREADS
+    # where set), at least 1: on a shared CPU torch's default of one per core spins against the other jobs
+    # (rm.foundations.threads, benchmarks/threads_under_load.py)
+    threads: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -17,11 +17,13 @@ class LaunchEnv:
         world_size: ``WORLD_SIZE``, or ``None`` where no launcher started this process.
         rank: ``RANK``, or ``None`` likewise (the process is then rank 0 of one).
         local_rank: ``LOCAL_RANK`` (0 where unset): the GPU index on its node.
+        local_world_size: ``LOCAL_WORLD_SIZE`` (1 where unset): the processes of the launch on this node.
     """
 
     world_size: Optional[int]
     rank: Optional[int]
     local_rank: int
+    local_world_size: int = 1
 
     @property
     def launched(self) -> bool:
@@ -41,4 +43,5 @@ def launch_env() -> LaunchEnv:
         value = os.environ.get(name)
         return int(value) if value is not None else None
 
-    return LaunchEnv(world_size=number("WORLD_SIZE"), rank=number("RANK"), local_rank=number("LOCAL_RANK") or 0)
+    return LaunchEnv(world_size=number("WORLD_SIZE"), rank=number("RANK"), local_rank=number("LOCAL_RANK") or 0,
+                     local_world_size=number("LOCAL_WORLD_SIZE") or 1)

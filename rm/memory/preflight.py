@@ -16,6 +16,7 @@ from rm.foundations.cli import DETAIL
 from rm.memory.terms import Estimate, cannot_fit, estimate_run, worst_case_shapes
 from rm.memory.report import estimate_label, format_table
 from rm.memory.suggest import best_micro_batch, format_suggestions, suggestions
+from rm.foundations.threads import apply_threads
 from rm.settings.validate import ConfigError, Plan, resolve_world_size, validate
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def plan_run(cfg: RunConfig, overrides: Sequence[str]) -> Tuple[Plan, Optional[E
         PreflightRefusal: the run cannot fit whatever its data, with ``preflight=error``.
     """
     plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=True))
+    apply_threads(plan.threads)  # before torch's first op: the estimate traces the model
     check_device_present(plan)
     return preflight(cfg, plan, overrides)
 

@@ -89,7 +89,7 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("packing", ("train.packing",), terms.worst_case_shapes, _LAYOUT_STEPS, (rules.validate,),
             measured_on=("cpu",)),
     Feature("token budget per micro-batch", ("train.max_tokens_per_micro_batch",), terms.worst_case_shapes,
-            _LAYOUT_STEPS, (rules.validate, rules._range_errors), measured_on=("cpu",)),
+            _LAYOUT_STEPS, (rules.validate, rules.RANGES), measured_on=("cpu",)),
     Feature("prefix sharing", ("train.share_prefix",), (terms.shared_prefix_rows, terms.shared_prefix_input_bytes),
             _LAYOUT_STEPS, (rules.validate,), measured_on=("cpu",)),
     Feature("grouping by length", ("train.group_by_length",), lengths.memory_shapes, _LAYOUT_STEPS,
@@ -97,7 +97,7 @@ FEATURES: Tuple[Feature, ...] = (
     Feature("micro-batch and global batch", ("train.micro_batch_size", "train.global_batch_size"),
             terms.worst_case_shapes, _LAYOUT_STEPS, (rules.validate,)),
     Feature("evaluation batch", ("train.eval_batch_size",), terms.worst_case_shapes,
-            Gap("evaluation is not part of an optimizer step: rm.plan times training steps"), (rules.validate,)),
+            Gap("evaluation is not part of an optimizer step: rm.plan times training steps"), (rules.RANGES,)),
     Feature("gradient checkpointing", ("train.gradient_checkpointing",), (terms.traced_model, terms.device_terms),
             steptime.micro_batch_flops, Gap("true and false are valid with every other setting"),
             measured_on=("cpu",)),  # docs/gpu.md: no checkpointed run's step was timed on a GPU yet
@@ -109,7 +109,7 @@ FEATURES: Tuple[Feature, ...] = (
                 "which steptime.adamw_traffic_bytes leaves out"),
             (rules._precision_for_layout,)),
     Feature("reward centring", ("train.center_rewards_coefficient",), terms.traced_model,
-            Gap("a few elementwise ops a pair, below the model's resolution"), (rules._range_errors,)),
+            Gap("a few elementwise ops a pair, below the model's resolution"), (rules.RANGES,)),
     # The model and its kernels.
     Feature("model shape", ("model.model_type", "model.vocab_size", "model.hidden_size", "model.intermediate_size",
                             "model.num_hidden_layers", "model.num_attention_heads", "model.num_key_value_heads",
@@ -128,7 +128,7 @@ FEATURES: Tuple[Feature, ...] = (
             (rules._attention_warnings,), values=("flex_attention",), kernel="skips"),
     # Memory profiles: each profile YAML combines these settings (rm.foundations.config.memory_profiles).
     Feature("LoRA", ("memory_profile.use_lora", "lora.r", "lora.target_modules", "lora.dropout"),
-            (terms.parameter_counts, terms.weight_bytes), steptime.model_work, (rules.validate, rules._range_errors)),
+            (terms.parameter_counts, terms.weight_bytes), steptime.model_work, (rules.validate, rules.RANGES)),
     Feature("AdamW", ("memory_profile.optimizer",), terms.adamw_state_bytes, steptime.adamw_traffic_bytes,
             (rules._precision_for_layout,), values=("adamw",)),
     Feature("8-bit AdamW", ("memory_profile.optimizer",), terms.adamw_state_bytes, steptime.adamw_traffic_bytes,
@@ -165,6 +165,7 @@ NOT_SHADOWED: Dict[str, str] = {
     "train.logging.tensorboard": "logging",
     "train.logging.track_memory": "CPU only: counts live tensors, holds none",
     "train.dataloader_num_workers": "host processes that collate, no device memory",
+    "train.threads": "CPU threads of one process: no device memory; rm.plan measures a CPU at the threads it runs with",
     "model.name": "a label",
     "model.tokenizer": "the token ids, not their number (data.max_length bounds that)",
     "model.rope_theta": "a number in the rotary embedding",

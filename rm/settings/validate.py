@@ -10,10 +10,11 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 from typing import Optional
 
-from rm.foundations.config import ALL_LINEAR, DUPLICATES, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, DistributedConfig, HardwareConfig, ModelConfig, RunConfig
+from rm.foundations.config import ALL_LINEAR, DUPLICATES, MAX_PAIRS_TRAINED, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, DistributedConfig, HardwareConfig, ModelConfig, RunConfig
 from rm.foundations.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from rm.foundations.hardware import resolve_hardware
 from rm.foundations.launch_env import launch_env
+from rm.foundations.threads import Threads, choose_threads
 from rm.foundations.precision import ALIASES as PRECISION_ALIASES
 from rm.foundations.precision import NAMES as PRECISION_NAMES
 from rm.foundations.precision import Precision, bf16_lost_update_fraction
@@ -42,6 +43,111 @@ CHOICES = {
 }
 
 
+class Range(NamedTuple):
+    """The values a numeric key may take: ``[low, high]`` (each end open where said), or one of ``also``; null too where
+    the schema's type is Optional. Every bound is finite: a size with no upper bound reaches an allocation, a search
+    or a data pass that scales with it (``train.max_steps=1e12``: a 233 TiB array) before anything refuses it."""
+
+    low: float
+    high: float
+    low_open: bool = False
+    high_open: bool = False
+    also: Tuple = ()  # special values besides the range, e.g. -1: derive
+    why: str = ""  # what the range or the special values mean, said after it
+
+    def holds(self, value) -> bool:
+        if value in self.also and not isinstance(value, bool):
+            return True
+        # NaN fails both comparisons; a bool is no number here (Hydra would not give one to an int key anyway)
+        return (not isinstance(value, bool) and (value > self.low if self.low_open else value >= self.low)
+                and (value < self.high if self.high_open else value <= self.high))
+
+    def describe(self) -> str:
+        """``in [1, 65536]``, ``-1 or in [1, 100000000]``: what a refusal names."""
+        number = lambda x: str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"  # noqa: E731
+        interval = f"in {'(' if self.low_open else '['}{number(self.low)}, {number(self.high)}{')' if self.high_open else ']'}"
+        return " or ".join([*map(str, self.also), interval]) + (f" ({self.why})" if self.why else "")
+
+
+_STEPS = MAX_PAIRS_TRAINED  # a count of optimizer steps: at most one per pair trained
+_GIB = 1 << 20  # GiB of memory: a node of a petabyte
+_RATE = 1e9  # a throughput or bandwidth (TFLOP/s, GB/s): beyond any device
+
+# Every numeric key of rm.foundations.config's schemas and its range, in one place: validate() checks each before
+# anything that scales with it, and tests/settings/test_ranges.py fails for a numeric key that has none here.
+RANGES = {
+    "model.vocab_size": Range(1, 1 << 21),
+    "model.hidden_size": Range(1, 1 << 17),
+    "model.intermediate_size": Range(1, 1 << 19),
+    "model.num_hidden_layers": Range(1, 1024),
+    "model.num_attention_heads": Range(1, 1024),
+    "model.num_key_value_heads": Range(1, 1024),
+    "model.head_dim": Range(1, 4096, why="null: hidden_size / num_attention_heads"),
+    "model.max_position_embeddings": Range(1, 1 << 24),
+    "model.rope_theta": Range(0, 1e12, low_open=True),
+    "model.rms_norm_eps": Range(0, 1, low_open=True, high_open=True),
+    "lora.r": Range(1, 1 << 16),
+    "lora.alpha": Range(1, 1 << 20),
+    "lora.dropout": Range(0, 1, high_open=True),
+    "memory_profile.order": Range(-(10**6), 10**6),
+    # Hardware "auto" holds placeholders until resolved: checked as detected.
+    "hardware.device_memory_gib": Range(0, _GIB, low_open=True, why="the memory of one device in GiB"),
+    "hardware.headroom_gib": Range(0, _GIB, why="null: 2% of hardware.device_memory_gib"),
+    "hardware.gpus_per_node": Range(1, 1024),
+    "hardware.host_ram_gib": Range(0, _GIB, low_open=True, why="the RAM of one node in GiB"),
+    "hardware.peak_bf16_tflops": Range(0, _RATE, low_open=True, why="null: measured on a CPU"),
+    "hardware.peak_fp32_tflops": Range(0, _RATE, low_open=True, why="null: measured on a CPU"),
+    "hardware.memory_gbps": Range(0, _RATE, low_open=True, why="null: measured on a CPU"),
+    "hardware.link_gbps": Range(0, _RATE, low_open=True),
+    "hardware.inter_node_gbps": Range(0, _RATE, low_open=True, why="null: hardware.link_gbps"),
+    "hardware.host_link_gbps": Range(0, _RATE, low_open=True),
+    "hardware.host_memory_gbps": Range(0, _RATE, low_open=True),
+    "hardware.kernel_us": Range(0, 1e6, low_open=True, why="null: measured on a CPU"),
+    "hardware.nodes": Range(1, 1 << 16),
+    "hardware.time_limit_min": Range(1, 10**6),
+    "distributed.zero_stage": Range(0, 3),
+    "distributed.num_processes": Range(0, 1 << 20, why="0: as launched"),
+    "data.max_length": Range(1, 1 << 24),
+    "data.max_train_samples": Range(1, 1 << 40, why="null: all rows"),
+    "data.max_eval_samples": Range(1, 1 << 40, why="null: all rows"),
+    # Generated in memory before the first step, about 10^4 pairs a second
+    "data.synthetic_train_size": Range(1, 10**7),
+    "data.synthetic_test_size": Range(1, 10**7),
+    "data.synthetic_seed": Range(0, 2**32 - 1),
+    "train.seed": Range(0, 2**32 - 1, why="numpy and torch seeds are unsigned 32-bit"),
+    "train.max_steps": Range(1, _STEPS, also=(-1,), why="-1: derive from train.num_train_epochs"),
+    "train.num_train_epochs": Range(0, 10**4),
+    "train.micro_batch_size": Range(1, 1 << 20),
+    "train.global_batch_size": Range(1, 1 << 24),
+    "train.eval_batch_size": Range(1, 1 << 20),
+    "train.max_tokens_per_micro_batch": Range(0, 1 << 34, why="0: micro_batch_size pairs each"),
+    "train.optim.learning_rate": Range(0, 1, low_open=True),
+    "train.optim.weight_decay": Range(0, 1e3),
+    "train.optim.adam_beta1": Range(0, 1, high_open=True),
+    "train.optim.adam_beta2": Range(0, 1, high_open=True),
+    "train.optim.adam_epsilon": Range(0, 1, low_open=True),
+    "train.optim.warmup_ratio": Range(0, 1, high_open=True),
+    "train.optim.max_grad_norm": Range(0, 1e12, why="0 disables clipping"),
+    "train.center_rewards_coefficient": Range(0, 1e6),
+    "train.logging.logging_steps": Range(0, _STEPS),
+    "train.logging.eval_steps": Range(0, _STEPS, why="0: evaluate only at the end"),
+    "train.checkpoint.save_steps": Range(0, _STEPS, why="0: save only at the end"),
+    "train.checkpoint.save_total_limit": Range(0, 10**6),
+    "train.dataloader_num_workers": Range(0, 1024),
+    "train.threads": Range(0, 4096, why="0: auto"),
+    "plan.top": Range(1, 10**4),
+    "plan.steps": Range(1, 10**5),  # steps whose micro-batches rm.plan times
+    "plan.stand_in_pairs": Range(1, 10**7),
+    "health.ln2_steps": Range(0, _STEPS, why="0: off"),
+    "health.ln2_tolerance": Range(0, 1),
+    "health.chance_after_steps": Range(0, _STEPS),
+    "health.chance_tolerance": Range(0, 0.5),
+    "health.max_abs_reward": Range(0, 1e30, why="0: off"),
+    "health.lost_updates_threshold": Range(0, 1, why="a fraction; 0: off"),
+    "health.max_consecutive_skips": Range(1, _STEPS),
+}
+
+
 @dataclass(frozen=True)
 class Plan:
     """Values derived from the config, computed once and logged at start.
@@ -61,6 +167,7 @@ class Plan:
     world_size_source: str = "given"  # where world_size came from, in words (rm.settings.validate.resolve_world_size)
     launcher: bool = False  # a launcher (torchrun) started the processes, even one: DDP then wraps the model
     warnings: Tuple[str, ...] = ()  # settings that run but that a user should hear about, logged at start
+    threads: Threads = Threads(1, "")  # CPU threads torch computes with (train.threads resolved), and why
 
     @property
     def numerics(self):
@@ -152,33 +259,12 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
 
     t, d, hw = cfg.train, cfg.data, resolve_hardware(cfg.hardware)
     micro = t.micro_batch_size if micro_batch_size is None else micro_batch_size
-    positive = {
-        "train.micro_batch_size": micro,
-        "train.global_batch_size": t.global_batch_size,
-        "train.eval_batch_size": t.eval_batch_size,
-        "train.optim.learning_rate": t.optim.learning_rate,
-        "data.max_length": d.max_length,
-        "hardware.nodes": hw.nodes,
-        "hardware.time_limit_min": hw.time_limit_min,
-    }
-    if cfg.memory_profile.use_lora:
-        positive["lora.r"] = cfg.lora.r
-        positive["lora.alpha"] = cfg.lora.alpha
-    for key, value in positive.items():
-        if not value > 0:
-            errors.append(f"{key}={value} must be > 0")
-    for key, value in {"train.logging.logging_steps": t.logging.logging_steps, "train.logging.eval_steps": t.logging.eval_steps,
-                       "train.checkpoint.save_steps": t.checkpoint.save_steps,
-                       "train.checkpoint.save_total_limit": t.checkpoint.save_total_limit,
-                       "train.dataloader_num_workers": t.dataloader_num_workers}.items():
-        if value < 0:
-            errors.append(f"{key}={value} must be >= 0")
     errors += _range_errors(cfg, hw)
     if t.max_steps <= 0 and not t.num_train_epochs > 0:
         errors.append(f"train.max_steps={t.max_steps} and train.num_train_epochs={t.num_train_epochs}: set one > 0")
-    errors += _health_errors(cfg.health)
-    if not 0 <= t.optim.warmup_ratio < 1:
-        errors.append(f"train.optim.warmup_ratio={t.optim.warmup_ratio} must be in [0, 1)")
+    if t.max_steps * t.global_batch_size > MAX_PAIRS_TRAINED:
+        errors.append(f"train.max_steps={t.max_steps} x train.global_batch_size={t.global_batch_size} = "
+                      f"{t.max_steps * t.global_batch_size:,} pairs trained, more than {MAX_PAIRS_TRAINED:,}: lower either")
     if t.max_tokens_per_micro_batch and not t.packing:
         errors.append(f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch} needs train.packing=true")
     # A budget below one pair of max_length would let a pair exceed it: then the estimate, which follows the budget, is no bound.
@@ -226,12 +312,8 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
-    if cfg.distributed.num_processes < 0:
-        errors.append(f"distributed.num_processes={cfg.distributed.num_processes} must be >= 0 (0: as launched)")
-    if hw.device_memory_gib <= 0:
-        errors.append(f"hardware.device_memory_gib={hw.device_memory_gib} must be > 0 (GiB the device reports)")
-    if hw.headroom_gib is not None and not 0 <= hw.headroom_gib < hw.device_memory_gib:
-        errors.append(f"hardware.headroom_gib={hw.headroom_gib} must be >= 0 and below hardware.device_memory_gib")
+    if hw.headroom_gib is not None and not hw.headroom_gib < hw.device_memory_gib:
+        errors.append(f"hardware.headroom_gib={hw.headroom_gib} must be below hardware.device_memory_gib={hw.device_memory_gib}")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
     return Plan(
@@ -247,6 +329,8 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
         world_size_source=world_size_source,
         launcher=launcher,
         warnings=tuple(warnings),
+        # the processes of this launch on this node share its cores
+        threads=choose_threads(t.threads, launch_env().local_world_size),
     )
 
 
@@ -267,16 +351,6 @@ def unused_overrides(cfg: RunConfig, overrides: Sequence[str]) -> List[str]:
     return [f"{' '.join(lora)} {'has' if len(lora) == 1 else 'have'} no effect: memory_profile={cfg.memory_profile.name} "
             "trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them"]
 
-
-def _health_errors(h) -> List[str]:
-    """The health group's counts and tolerances."""
-    errors = [f"health.{key}={getattr(h, key)} must be >= 0"
-              for key in ("ln2_steps", "ln2_tolerance", "chance_after_steps", "chance_tolerance", "max_abs_reward")
-              if getattr(h, key) < 0]
-    _in_range(errors, "health.lost_updates_threshold", h.lost_updates_threshold, 0, 1)  # a fraction
-    if h.max_consecutive_skips < 1:
-        errors.append(f"health.max_consecutive_skips={h.max_consecutive_skips} must be >= 1")
-    return errors
 
 
 def _precision(precision: str, hw: HardwareConfig, device: str, errors: List[str]) -> str:
@@ -346,70 +420,23 @@ def _lr_losing_at_most(share: float, weight_std: float = 0.02) -> float:
     return lr
 
 
-def _in_range(errors: List[str], key: str, value, low=None, high=None, low_open=False, high_open=False, hint="") -> None:
-    """Append ``key=value must be in [low, high)``-style errors; NaN fails every range."""
-    ok = value == value  # NaN
-    if low is not None:
-        ok = ok and (value > low if low_open else value >= low)
-    if high is not None:
-        ok = ok and (value < high if high_open else value <= high)
-    if not ok:
-        lo = "" if low is None else ("(" if low_open else "[") + str(low)
-        hi = "" if high is None else str(high) + (")" if high_open else "]")
-        where = f"in {lo or '(-inf'}, {hi or 'inf)'}"
-        errors.append(f"{key}={value} must be {where}{hint}")
-
-
 def _range_errors(cfg: RunConfig, hw: HardwareConfig) -> List[str]:
-    """Every numeric key that has a range, checked against it (the enumerated ones are in CHOICES); ``hw`` resolved."""
+    """Every numeric key against its range in :data:`RANGES` (``hw``: the hardware group resolved), and the model
+    shape's divisibility; the enumerated keys are in :data:`CHOICES`."""
     errors: List[str] = []
-    t, d, m = cfg.train, cfg.data, cfg.model
-    _in_range(errors, "train.seed", t.seed, 0, 2**32 - 1, hint=" (numpy and torch seeds are unsigned 32-bit)")
-    _in_range(errors, "train.optim.adam_beta1", t.optim.adam_beta1, 0, 1, high_open=True)
-    _in_range(errors, "train.optim.adam_beta2", t.optim.adam_beta2, 0, 1, high_open=True)
-    _in_range(errors, "train.optim.adam_epsilon", t.optim.adam_epsilon, 0, low_open=True)
-    _in_range(errors, "train.optim.weight_decay", t.optim.weight_decay, 0)
-    _in_range(errors, "train.optim.max_grad_norm", t.optim.max_grad_norm, 0, hint=" (0 disables clipping)")
-    _in_range(errors, "train.optim.learning_rate", t.optim.learning_rate, 0, 1, low_open=True)
-    _in_range(errors, "train.center_rewards_coefficient", t.center_rewards_coefficient, 0)
-    _in_range(errors, "train.num_train_epochs", t.num_train_epochs, 0)
-    _in_range(errors, "train.max_tokens_per_micro_batch", t.max_tokens_per_micro_batch, 0)
-    if t.max_steps < -1:
-        errors.append(f"train.max_steps={t.max_steps} must be -1 (derive from train.num_train_epochs) or > 0")
-    if cfg.memory_profile.use_lora:
-        _in_range(errors, "lora.dropout", cfg.lora.dropout, 0, 1, high_open=True)
-    for key in ("max_train_samples", "max_eval_samples"):
-        value = getattr(d, key)
-        if value is not None and value < 1:
-            errors.append(f"data.{key}={value} must be >= 1, or null for all rows")
-    for key in ("synthetic_train_size", "synthetic_test_size"):
-        if d.source == "synthetic" and getattr(d, key) < 1:
-            errors.append(f"data.{key}={getattr(d, key)} must be >= 1 with data.source=synthetic")
-    if d.source == "synthetic":
-        _in_range(errors, "data.synthetic_seed", d.synthetic_seed, 0, 2**32 - 1)
-    # Hardware "auto" holds placeholders until resolved: checked as detected.
-    _in_range(errors, "hardware.device_memory_gib", hw.device_memory_gib, 0, low_open=True, hint=": the memory of one device in GiB")
-    _in_range(errors, "hardware.host_ram_gib", hw.host_ram_gib, 0, low_open=True, hint=": the RAM of one node in GiB")
-    _in_range(errors, "hardware.gpus_per_node", hw.gpus_per_node, 1)
-    _in_range(errors, "distributed.zero_stage", cfg.distributed.zero_stage, 0, 3)
-    h = cfg.health
-    _in_range(errors, "health.ln2_tolerance", h.ln2_tolerance, 0, 1)
-    _in_range(errors, "health.chance_tolerance", h.chance_tolerance, 0, 0.5)
-    errors += _model_shape_errors(m)
-    return errors
+    for key, allowed in RANGES.items():
+        group, _, name = key.partition(".")
+        value = hw if group == "hardware" else getattr(cfg, group)
+        for part in name.split("."):  # train.optim.learning_rate: a key of a nested group
+            value = getattr(value, part)
+        if value is not None and not allowed.holds(value):
+            errors.append(f"{key}={value} must be {allowed.describe()}")
+    return errors + _model_shape_errors(cfg.model)
 
 
 def _model_shape_errors(m) -> List[str]:
     """A model shape that transformers would reject late, with a message naming no key."""
     errors: List[str] = []
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "max_position_embeddings"):
-        if getattr(m, key) < 1:
-            errors.append(f"model.{key}={getattr(m, key)} must be >= 1")
-    if m.head_dim is not None and m.head_dim < 1:
-        errors.append(f"model.head_dim={m.head_dim} must be >= 1, or null for hidden_size / num_attention_heads")
-    _in_range(errors, "model.rope_theta", m.rope_theta, 0, low_open=True)
-    _in_range(errors, "model.rms_norm_eps", m.rms_norm_eps, 0, low_open=True)
     if m.num_attention_heads >= 1 and m.num_key_value_heads >= 1 and m.num_attention_heads % m.num_key_value_heads:
         errors.append(f"model.num_key_value_heads={m.num_key_value_heads} must divide model.num_attention_heads="
                       f"{m.num_attention_heads} (each key/value head serves a whole group of query heads)")

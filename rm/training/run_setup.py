@@ -23,7 +23,7 @@ import torch.distributed as dist
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
-from rm.foundations.config import HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
+from rm.foundations.config import EPOCHS_WARNED, HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
 from rm.data.build import build_datasets, build_extra_eval_sets, check_data_files, split_identity, train_pairs
@@ -135,6 +135,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     engine = _start_engine(cfg, plan, directory)
     run_dir = directory.path
     total_steps = total_training_steps(t, len(train_set))
+    warn_many_epochs(t, total_steps, len(train_set))
     # rows are prefix + both suffixes: the budget, the grouping and the estimate count those tokens
     shared = log_prefix_sharing(train_set) if t.share_prefix else None
     batches = StepBatches.of(
@@ -344,6 +345,31 @@ def rebuild_base(run: Run) -> torch.nn.Module:
     set_seed(run.cfg.train.seed)
     return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.numerics.frozen, False,
                        run.cfg.memory_profile.quantize_base, init_device(run.cfg.model, run.plan, run.engine))
+
+
+def warn_many_epochs(t: TrainConfig, total_steps: int, num_pairs: int) -> Optional[str]:
+    """Warn (and return the warning) where the run passes over its training pairs more than
+    :data:`~rm.foundations.config.EPOCHS_WARNED` times: ``experiment=tiny``'s 800 steps on a file of 300 pairs
+    are 85 epochs, and a reward model overfits long before.
+
+    >>> from rm.foundations.config import TrainConfig
+    >>> warn_many_epochs(TrainConfig(max_steps=800, global_batch_size=32), 800, 300)[:71]
+    'train.max_steps=800 x train.global_batch_size=32 = 25,600 pairs trained'
+    >>> warn_many_epochs(TrainConfig(max_steps=9), 9, 300) is None
+    True
+    """
+    epochs = total_steps * t.global_batch_size / num_pairs
+    if epochs <= EPOCHS_WARNED:
+        return None
+    per_epoch = steps_per_epoch(num_pairs, t.global_batch_size)
+    asked = (f"train.max_steps={t.max_steps} x train.global_batch_size={t.global_batch_size}" if t.max_steps > 0
+             else f"train.num_train_epochs={t.num_train_epochs:g}")
+    message = (f"{asked} = {total_steps * t.global_batch_size:,} pairs trained: {epochs:.1f} epochs of the {num_pairs:,} "
+               f"training pairs, where a reward model overfits after a few (eval loss rises). For 1 epoch: "
+               f"train.max_steps={per_epoch} ({per_epoch} steps an epoch), or train.max_steps=-1 train.num_train_epochs=1; "
+               f"or give more pairs")
+    log.warning("%s", message)
+    return message
 
 
 def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pairs: int,

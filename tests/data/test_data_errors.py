@@ -59,12 +59,63 @@ def test_one_non_string_cell_names_its_row_and_file(tmp_path):
 
 
 @pytest.mark.reliability("Data", "a bad row in the second of several files (`data.on_malformed=error`)",
-                         "`in <second file> row <its row>: row <row in the split>: 'chosen' is empty`")
+                         "`in <second file> row <its row in that file>: 'chosen' is empty`; a row too long for "
+                         "`data.truncation=error` alike")
 def test_a_bad_row_is_located_in_its_own_file(tmp_path):
     first = _jsonl(tmp_path / "a.jsonl", PAIRS[:2])
     second = _jsonl(tmp_path / "b.jsonl", PAIRS[2:4] + [dict(PAIRS[4], chosen=""), PAIRS[5]])
-    with pytest.raises(DataError, match=rf"in {second} row 2: row 4: 'chosen' is empty"):
+    with pytest.raises(DataError, match=rf"in {second} row 2: 'chosen' is empty") as err:
         _split(f"{first},{second}", "data.on_malformed=error")
+    assert "row 4" not in str(err.value)  # the row in the split, which no file has
+    long = _jsonl(tmp_path / "c.jsonl", PAIRS[2:3] + [dict(PAIRS[4], chosen=" ".join(str(i) for i in range(600)))])
+    with pytest.raises(DataError, match=rf"in {long} row 1: 'chosen' is \d+ tokens") as err:  # found by the tokeniser
+        _split(f"{first},{long}", "data.truncation=error")
+    assert "row 3" not in str(err.value)
+
+
+@pytest.mark.reliability("Data", "files of different layouts in one split (an hh file and a prompt file)",
+                         "each file's rows are read as that file's own layout and the pairs joined in order; a bad row "
+                         "is named by its file and its row there (`in <file> row <n>: ...`), drops in the log as "
+                         "`first: <file> row <n>`")
+def test_files_of_different_layouts_share_a_split(tmp_path, caplog):
+    hh = _jsonl(tmp_path / "hh.jsonl", PAIRS[:3])
+    prompts = [{"prompt": f"\n\nHuman: q{i}", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(4)]
+    prompt = _jsonl(tmp_path / "prompt.jsonl", prompts[:2] + [dict(prompts[2], rejected=5), prompts[3]])
+    ds, counts = _split(f"{hh},{prompt}")
+    assert counts.rows == 7 and len(ds) == 6 and counts.dropped[Drop.MALFORMED] == 1
+    # the prompt file's rows keep their prompt: prompt + chosen
+    texts = build_texts(f"{hh},{prompt}")
+    assert "\n\nHuman: q3 yes 3" in texts and texts[0] == PAIRS[0]["chosen"]
+    assert counts.drop_reasons == {"malformed: 'rejected' is int, expected a string": {"count": 1, "first_row": 5}}
+    assert f"first: {prompt} row 2" in caplog.text
+    with pytest.raises(DataError, match=rf"in {prompt} row 2: 'rejected' is int") as err:
+        _split(f"{hh},{prompt}", "data.on_malformed=error")
+    assert "CastError" not in str(err.value)
+
+
+def build_texts(files):
+    cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{files}]"])
+    return train_pairs(cfg.data)(None)["chosen"]
+
+
+@pytest.mark.reliability("Data", "a file of mostly hh rows with some prompt/chosen/rejected rows",
+                         "each row's own layout decides: the prompt rows are `other_format` under the hh majority "
+                         "(`100 -> 70`, never trained as transcripts without their prompt); `data.format=hh` alike")
+def test_prompt_rows_among_hh_rows_are_other_format(tmp_path):
+    from rm.data.audit import audit_split
+    from rm.data.tokenise import pair_lengths
+
+    hh = [{"chosen": f"\n\nHuman: q{i}\n\nAssistant: good {i}", "rejected": f"\n\nHuman: q{i}\n\nAssistant: bad {i}"}
+          for i in range(7)]
+    prompts = [{"prompt": f"Question {i}? ", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(3)]
+    path = _jsonl(tmp_path / "mostly_hh.jsonl", hh + prompts)
+    for extra in ((), ("data.format=hh",)):
+        ds, counts = _split(path, *extra)
+        audit = audit_split(counts, *pair_lengths(ds))
+        assert audit["pairs_in"] == 10 and audit["pairs_out"] == 7 and audit["dropped"]["other_format"] == 3
+        assert sum(audit["dropped"].values()) + audit["pairs_out"] == audit["pairs_in"]
+    with pytest.raises(DataError, match="the rows mix preference formats"):
+        _split(path, "data.on_malformed=error")
 
 
 @pytest.mark.reliability("Data", "a file mixing formats (hh, prompt, messages rows)",

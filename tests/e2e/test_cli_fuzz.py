@@ -53,6 +53,10 @@ OVERRIDES = {
     "train.checkpoint.resume": ["true", "false"],
     "train.checkpoint.overwrite": ["true", "false"],
     "hardware": ["cpu", "h100_80g"],  # a CUDA profile on this machine: refused (2)
+    # sizes far out of range: refused (2) by validation before any allocation or data pass (was a 233 TiB array)
+    "train.max_steps": ["2", "1000000000000"],
+    "data.synthetic_train_size": ["512", "1000000000000"],
+    "train.threads": ["0", "1", "-1"],
 }
 
 
@@ -172,8 +176,8 @@ def _fuzz(examples):
     return run
 
 
-@pytest.mark.reliability("Entry points", "random overrides (valid and invalid values of 19 keys, a CUDA profile on a CPU machine "
-                         "among them) and random small data files (huge rows, conversations without a final answer, "
+@pytest.mark.reliability("Entry points", "random overrides (valid and invalid values of 22 keys, a CUDA profile on a CPU machine "
+                         "and sizes of 10^12 among them) and random small data files (huge rows, conversations without a final answer, "
                          "messages rows with and without `prompt`, mixed layouts), in a fresh run directory, over a "
                          "finished run, a locked one or one whose checkpoints lost their state file (property-based, "
                          "real processes)",

@@ -243,7 +243,7 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
                          "a typed group (`+train.foo=1`)", "each named, with its close matches: `train has no key "
                          "'micro_batch'; did you mean train.micro_batch_size or ...?`")
 @pytest.mark.reliability("Configuration", "override syntax error (`train.x=[`)", "Hydra's message, then one line quoting the command line")
-@pytest.mark.reliability("Configuration", "zero or negative size (`train.global_batch_size=-4`), LoRA rank 0", "`train.global_batch_size=-4 must be > 0`")
+@pytest.mark.reliability("Configuration", "zero or negative size (`train.global_batch_size=-4`), LoRA rank 0", "`train.global_batch_size=-4 must be in [1, 16777216]`")
 @pytest.mark.reliability("Configuration", "LoRA target module not in the model (`lora.target_modules=[qkv]`)", "names the module and lists the accepted ones")
 @pytest.mark.reliability("Configuration", "sequence length above the model's maximum", "names `data.max_length` and `model.max_position_embeddings`")
 @pytest.mark.reliability("Configuration", "batch sizes that do not divide", "`train.global_batch_size=20 is not divisible by train.micro_batch_size=8 x world size 1`")
@@ -256,8 +256,8 @@ def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     ("train.micro_batch=4", ["train has no key 'micro_batch'; did you mean train.micro_batch_size or "]),  # unknown key
     ("lora.alpah=8 +train.foo=1", ["lora has no key 'alpah'; did you mean lora.alpha?", "train has no key 'foo'"]),
     ("train.x=[", ["could not be composed from the command line: ", "train.x=["]),  # override syntax
-    ("train.global_batch_size=-4", ["train.global_batch_size=-4", "must be > 0"]),
-    ("memory_profile=lora lora.r=0", ["lora.r=0", "must be > 0"]),
+    ("train.global_batch_size=-4", ["train.global_batch_size=-4", "must be in [1, 16777216]"]),
+    ("memory_profile=lora lora.r=0", ["lora.r=0", "must be in [1, 65536]"]),
     ("memory_profile=lora lora.target_modules=[qkv]", ["lora.target_modules", "qkv", "accepted: q_proj"]),
     ("data.max_length=100000", ["data.max_length=100000", "model.max_position_embeddings"]),
     ("train.global_batch_size=20", ["train.global_batch_size=20 is not divisible", "train.micro_batch_size=8"]),

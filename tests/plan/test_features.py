@@ -57,7 +57,7 @@ def test_a_new_key_of_a_nested_group_without_a_feature_or_a_reason_fails(monkeyp
 def test_a_rule_that_does_not_mention_its_key_fails(monkeypatch):
     packing = features.FEATURES[0]
     assert packing.keys == ("train.packing",)
-    wrong = dataclasses.replace(packing, validation=(features.rules._health_errors,))
+    wrong = dataclasses.replace(packing, validation=(features.rules._attention_warnings,))
     monkeypatch.setattr(features, "FEATURES", (wrong, *features.FEATURES[1:]))
     assert features.missing() == ["packing: no validation rule of it mentions train.packing"]
 
