@@ -190,3 +190,109 @@ def test_a_signal_at_a_random_phase_of_a_random_run():
             _signalled(Path(tmp), phase, signum, neighbour)
 
     run()
+
+
+# --- key x bad value (in process) -----------------------------------------------------------------------------------
+
+BAD_VALUES = ["0", "-1", "1000000000000000", "nan", "inf"]
+
+
+def _numeric_keys():
+    from rm.settings.validate import RANGES
+
+    return sorted(RANGES)
+
+
+@pytest.mark.reliability("Configuration", "one to three numeric keys of any group at once, each 0, -1, 10^15, NaN or "
+                         "inf (property-based, 300 draws, in process)",
+                         "refused before anything loads: composition names a value of the wrong type, validation names "
+                         "every key whose value is outside its range (`rm.settings.validate.RANGES`) and no other")
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(drawn=st.dictionaries(st.sampled_from(_numeric_keys()), st.sampled_from(BAD_VALUES), min_size=1, max_size=3))
+def test_random_bad_values_are_named_by_their_keys(drawn):
+    import math
+
+    from rm.foundations.config import compose
+    from rm.foundations.errors import ConfigError
+    from rm.settings.validate import RANGES, validate
+
+    overrides = [f"{key}={value}" for key, value in drawn.items()]
+    try:
+        cfg = compose(["experiment=tiny", "hardware=cpu", *overrides])
+    except Exception as err:  # noqa: BLE001  (a NaN for an int key: Hydra names the key)
+        assert any(key in str(err) for key in drawn), (overrides, err)
+        return
+    out_of_range = set()
+    for key in drawn:
+        group, _, name = key.partition(".")
+        value = getattr(cfg, group)
+        for part in name.split("."):
+            value = getattr(value, part)
+        if value is not None and not RANGES[key].holds(value):
+            out_of_range.add(key)
+    try:
+        validate(cfg, world_size=1)
+    except ConfigError as err:
+        named = {key for key in drawn if f"{key}=" in str(err)}
+        assert out_of_range <= named, (overrides, str(err)[:2000])
+        return
+    assert not out_of_range, f"{overrides}: accepted, though {sorted(out_of_range)} are out of range"
+    assert all(not (isinstance(v, float) and math.isnan(v)) for v in [getattr(cfg, "train").optim.learning_rate])
+
+
+# --- layout mix x proportion (in process) --------------------------------------------------------------------------
+
+def _row(kind, i):
+    if kind == "hh":
+        return {"chosen": f"\n\nHuman: q{i}\n\nAssistant: good {i}", "rejected": f"\n\nHuman: q{i}\n\nAssistant: bad {i}"}
+    if kind == "prompt":
+        return {"prompt": f"Question {i}? ", "chosen": f"yes {i}", "rejected": f"no {i}"}
+    if kind == "messages":
+        return {"chosen": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"yes {i}"}],
+                "rejected": [{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": f"no {i}"}]}
+    return {"chosen": i, "rejected": None}  # malformed
+
+
+@pytest.mark.reliability("Data", "files mixing hh, prompt/chosen/rejected, conversation and malformed rows in random "
+                         "proportions and order, one to three files (property-based, 40 draws, in process)",
+                         "each file's majority layout is its layout; every other row is dropped as `other_format` or "
+                         "`malformed` and counted: kept + dropped = rows read; a tie, or a file of malformed rows only, "
+                         "is an error naming it")
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(files=st.lists(st.lists(st.sampled_from(["hh", "prompt", "messages", "malformed"]), min_size=1, max_size=12),
+                      min_size=1, max_size=3))
+def test_every_row_of_a_mixed_file_is_accounted_for(files, tmp_path_factory):
+    from collections import Counter
+
+    from rm.data.audit import audit_split
+    from rm.data.tokenise import pair_lengths
+    from rm.foundations.errors import DataError
+    from tests.data.test_data_errors import _jsonl, _split
+
+    tmp = tmp_path_factory.mktemp("mix")
+    paths, expected_kept, other, malformed, tie, no_layout, index = [], 0, 0, 0, False, False, 0
+    for n, kinds in enumerate(files):
+        rows = []
+        for kind in kinds:
+            rows.append(_row(kind, index))
+            index += 1
+        paths.append(_jsonl(tmp / f"part{n}.jsonl", rows))
+        counts = Counter(k for k in kinds if k != "malformed")
+        top = counts.most_common()
+        tie = tie or (len(top) > 1 and top[0][1] == top[1][1])
+        no_layout = no_layout or not top  # a file of malformed rows only: no layout to read it as, an error naming it
+        expected_kept += top[0][1] if top else 0
+        other += sum(counts.values()) - (top[0][1] if top else 0)
+        malformed += kinds.count("malformed")
+    total = sum(map(len, files))
+    try:
+        ds, counts = _split(",".join(map(str, paths)))
+    except DataError as err:
+        assert tie or no_layout, f"{files}: {err}"
+        assert "no format has most rows" in str(err) or any(str(p) in str(err) for p in paths), str(err)
+        return
+    assert not tie and not no_layout, f"{files}: a tie or a file without a layout was not refused"
+    audit = audit_split(counts, *pair_lengths(ds))
+    assert audit["pairs_in"] == total and audit["pairs_out"] + sum(audit["dropped"].values()) == total, (files, audit)
+    assert audit["pairs_out"] == expected_kept and audit["dropped"]["other_format"] == other, (files, audit)
+    assert audit["dropped"]["malformed"] == malformed, (files, audit)
