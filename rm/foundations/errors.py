@@ -362,6 +362,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
 
     Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
     rm keeps for bugs; the same mistake caught by :mod:`rm.settings.validate` exits 2, and so does this one.
+    Its last line is rm's: what :data:`COMPOSITION_HINTS` make of Hydra's message (a key that moved, and where
+    to), else the command line quoted.
     """
     held = copied = None
     if _launcher_collects() and not launch_env().is_main:
