@@ -10,6 +10,7 @@ code reads the typed objects returned by :func:`to_run_config` and never calls
 from __future__ import annotations
 
 import contextlib
+import sys
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Dict, Iterator, List, Optional, Sequence
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from rm.foundations.errors import COMPOSITION_HINTS, ConfigError
+from rm.foundations.errors import COMPOSITION_HINTS, NAME_CHECKS, ConfigError
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -505,3 +506,108 @@ def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
                                                                    for i, name in enumerate(names))])
     profiles = [OmegaConf.to_object(raw.profiles[f"p{i}"]) for i in range(len(names))]
     return sorted(profiles, key=lambda p: (p.order, p.name))
+
+
+# Hydra flags whose value is a config directory: option lists then come from elsewhere too.
+_CONFIG_DIR_FLAGS = ("--config-dir", "-cd", "--config-path", "-cp")
+
+
+def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
+    """Every name on the command line exists, before Hydra composes: a group option (``experiment=tyni``: Hydra drops
+    an unknown option of an optional group in silence and composes the flagship), a key (``train.learning_rat=``) or a
+    key added to a typed group (``+train.foo=1``: Hydra adds it). Each unknown one is named with its close matches.
+
+    Overrides of ``hydra`` itself, with a package (``group@pkg=``), and values under a ``Dict`` or ``Any`` key are
+    left to Hydra; so are the options of groups when a ``--config-dir`` adds a search path.
+
+    Returns:
+        One line per unknown name, naming it and the names it is close to (``difflib``); ``[]`` when all exist.
+        :func:`rm.foundations.errors.run_hydra_app` makes them a ``ConfigError`` (exit 2).
+    """
+    import dataclasses
+    import difflib
+    import typing
+
+    from hydra._internal.config_repository import ConfigRepository
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.object_type import ObjectType
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+
+    argv = sys.argv if argv is None else argv
+    args = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
+    try:
+        overrides = OverridesParser.create().parse_overrides(args)
+    except HydraException:
+        return []  # a syntax error: Hydra's own message names it
+    repo = ConfigRepository(config_search_path=create_config_search_path(str(CONF_DIR)))
+    # A --config-dir or a hydra.searchpath adds options this search path does not hold: those are Hydra's to check.
+    check_options = not any(a.split("=", 1)[0].lstrip("+") in _CONFIG_DIR_FLAGS + ("hydra.searchpath",) for a in argv[1:])
+
+    def close(name: str, names, prefix: str = "") -> str:
+        # 0.5: a swapped pair of letters in a short name ('tyni' for 'tiny') scores 0.5
+        near = difflib.get_close_matches(name, list(dict.fromkeys(names)), n=3, cutoff=0.5)
+        return f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else ""
+
+    problems = []
+    for override in overrides:
+        key = override.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or override.package is not None or override.is_delete():
+            continue
+        if "." not in key and repo.group_exists(key):
+            if not check_options:
+                continue
+            options = repo.get_group_options(key, results_filter=ObjectType.CONFIG)
+            shown = [o for o in options if not o.startswith("base_")]  # the schemas stored for the YAML files' defaults
+            value = override.value()
+            values = value.list if isinstance(value, ChoiceSweep) else value if isinstance(value, list) else [value]
+            for option in values:
+                if isinstance(option, str) and option not in options:
+                    problems.append(f"{key}={option}: {key} has no option {option!r}{close(option, shown)} "
+                                    f"(options: {', '.join(shown)})")
+            continue
+        if key in MOVED_KEYS:  # an old name: composition says where it went (rm.foundations.config.moved_key_errors)
+            continue
+        node, path = RunConfig, []
+        for part in key.split("."):
+            fields = {f.name: f for f in dataclasses.fields(node)}
+            if part not in fields:
+                where = ".".join(path) or "the config (a group or a key)"
+                prefix = "".join(p + "." for p in path)
+                if path:  # the group's nested keys too: train.learning_rat -> train.optim.learning_rate
+                    leaves = _leaves(node)
+                    near = difflib.get_close_matches(part, list(dict.fromkeys(leaves)), n=3, cutoff=0.5)
+                    hint = f"; did you mean {' or '.join(prefix + n for n in dict.fromkeys(leaves[m] for m in near))}?" if near else ""
+                else:
+                    names = list(fields) + [g for g in repo.get_group_options("", ObjectType.GROUP) if g != "hydra"]
+                    hint = close(part, names)
+                problems.append(f"{key}: {where} has no key {part!r}{hint}")
+                break
+            path.append(part)
+            node = typing.get_type_hints(node).get(part)
+            node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
+            if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+                break  # a value, a Dict or a List: Hydra checks it
+    return problems
+
+
+def _leaves(node) -> dict:
+    """Each key of the dataclass ``node`` and of the dataclasses nested in it, by its last name: ``{name: dotted key}``
+    (the shallower key wins a name held by two)."""
+    import dataclasses
+    import typing
+
+    found: dict = {}
+    for f in dataclasses.fields(node):
+        found.setdefault(f.name, f.name)
+    for f in dataclasses.fields(node):
+        child = typing.get_type_hints(node).get(f.name)
+        if isinstance(child, type) and dataclasses.is_dataclass(child):
+            for name, key in _leaves(child).items():
+                found.setdefault(name, f"{f.name}.{key}")
+    return found
+
+
+NAME_CHECKS.append(unknown_names)  # run_hydra_app runs it before Hydra composes

@@ -354,11 +354,14 @@ def task_started() -> None:
 # returns lines to print instead of the generic one (none: not its case). rm.foundations.config adds the one for keys
 # that moved (MOVED_KEYS), so that this module, below it, imports nothing of it.
 COMPOSITION_HINTS: List[Callable[[Sequence[str], str], List[str]]] = []
+# Checks of the command line's names before Hydra composes (rm.foundations.config.unknown_names registers itself: the
+# schemas live above this module): each returns one line per unknown name.
+NAME_CHECKS: List[Callable[[], List[str]]] = []
 
 
 def run_hydra_app(main: Callable[[], object]) -> None:
     """Call a ``@hydra.main`` function, with exit 2 for a config Hydra cannot compose or a name that does not exist
-    (:func:`rm.foundations.cli.unknown_names`, before Hydra composes).
+    (:func:`rm.foundations.config.unknown_names`, via :data:`NAME_CHECKS`, before Hydra composes).
 
     Hydra prints why (the key, the option list) and exits 1 before the task function runs, the code
     rm keeps for bugs; the same mistake caught by :mod:`rm.settings.validate` exits 2, and so does this one.
@@ -371,10 +374,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
     else:
         copied = sys.stderr = _CopiedStderr(sys.stderr)
     try:
-        from rm.foundations.cli import unknown_names
-
         # What Hydra would compose in silence (an unknown option of an optional group) or name without a guess.
-        unknown = unknown_names()
+        unknown = [line for check in NAME_CHECKS for line in check()]
         if unknown:
             sys.exit(report(ConfigError("unknown name(s) on the command line:\n  - " + "\n  - ".join(unknown))))
         main()

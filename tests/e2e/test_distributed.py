@@ -156,7 +156,7 @@ def test_a_rank_other_than_0_records_a_composition_error_without_printing_it(tmp
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "model/nope" not in proc.stdout + proc.stderr
     code, _, text = (exits / "rank1").read_text().partition("\n")
-    assert code == "2" and "model has no option 'nope'" in text  # rm.foundations.cli.unknown_names, before Hydra
+    assert code == "2" and "model has no option 'nope'" in text  # rm.foundations.config.unknown_names, before Hydra
 
 
 @pytest.mark.distributed

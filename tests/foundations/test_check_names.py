@@ -1,8 +1,8 @@
-"""Every name on the command line exists (rm.foundations.cli.unknown_names), checked before Hydra composes."""
+"""Every name on the command line exists (rm.foundations.config.unknown_names), checked before Hydra composes."""
 
 import pytest
 
-from rm.foundations.cli import unknown_names
+from rm.foundations.config import unknown_names
 
 
 @pytest.mark.parametrize("override", [

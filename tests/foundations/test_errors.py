@@ -163,7 +163,7 @@ def test_printing_clis_exit_2_on_what_hydra_cannot_compose(tmp_path, module, ove
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
-    said = ("unknown name(s) on the command line" if override == "train.micro_batch=4"  # rm.foundations.cli.unknown_names
+    said = ("unknown name(s) on the command line" if override == "train.micro_batch=4"  # rm.foundations.config.unknown_names
             else f"could not be composed from the command line: experiment=tiny {override}")
     assert said in out and needle in out
     assert "Traceback" not in out and not any(tmp_path.iterdir())
