@@ -401,6 +401,9 @@ def run_hydra_app(main: Callable[[], object]) -> None:
             record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
             raise SystemExit(2) from None
         raise
+    except BrokenPipeError:  # `--help | head`: the reader has what it wanted; no traceback for a closed pipe
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's flush at exit would raise again
+        raise SystemExit(0) from None
     finally:
         _release_copy()
 

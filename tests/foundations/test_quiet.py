@@ -3,6 +3,7 @@ directories, the first screen of a training run, the training-loss plot."""
 
 import json
 import logging
+from pathlib import Path
 import os
 import subprocess
 import sys
@@ -90,6 +91,21 @@ def test_a_misspelt_key_exits_2_naming_it_before_torch_loads(tmp_path):
     assert code == 2 and "train.learnin_rate" in err and "Traceback" not in err, out[-2000:] + err[-2000:]
     assert heavy == set(), f"a composition error imported {heavy}"
     assert list(tmp_path.iterdir()) == []  # no run directory either
+
+
+def test_help_into_a_pipe_closed_early_ends_quietly(tmp_path):
+    """`python -m rm.train --help | head -1`: the reader closes the pipe after one line; the command must end with
+    exit 0 and no BrokenPipeError traceback (it printed one before)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "rm.train", "--help"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**__import__("os").environ,
+                                                         "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does, before the rest is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err[-2000:]
 
 
 def _record(name, level=logging.INFO, **extra):
