@@ -256,7 +256,8 @@ class TrainConfig:
     dataloader_num_workers: int = 0
     # CPU threads torch computes with. 0: the cores this process may use that other work leaves idle (OMP_NUM_THREADS
     # where set), at least 1: on a shared CPU torch's default of one per core spins against the other jobs
-    # (rm.foundations.threads, benchmarks/threads_under_load.py)
+    # (rm.foundations.threads, benchmarks/threads_under_load.py). CPU matmuls round differently with 1 and 2 threads,
+    # so auto can change the last bits of a run with the load (a resume keeps its run's count); set it to repeat a run
     threads: int = 0
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

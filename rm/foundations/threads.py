@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 log = logging.getLogger(__name__)
 
@@ -75,3 +75,20 @@ def apply_threads(threads: Threads) -> None:
     except RuntimeError:  # parallel work already started in this process (a test, a second run in one process)
         pass
     log.info("torch threads: %d (%s)", threads.count, threads.reason)
+
+
+def resumed_threads(chosen: Threads, saved: Optional[int]) -> Optional[Threads]:
+    """The threads a resumed run computes with when auto chose them: the count its checkpoint's run used (CPU matmuls
+    round differently with 1 and 2 threads, and a resume must end where the uninterrupted run would). ``None``: keep
+    ``chosen`` (given by ``train.threads`` or ``OMP_NUM_THREADS``, the same already, or an older checkpoint).
+
+    >>> resumed_threads(Threads(1, "train.threads=0 (auto): 2 core(s) ..."), 2).count
+    2
+    >>> resumed_threads(Threads(1, "train.threads=1"), 2) is None
+    True
+    """
+    if saved is None or int(saved) == chosen.count or not chosen.reason.startswith("train.threads=0 (auto): ") \
+            or "OMP_NUM_THREADS" in chosen.reason:
+        return None
+    return Threads(int(saved), f"train.threads=0 (auto) on resume: the {int(saved)} its checkpoint's run computed "
+                               "with, so that the resumed run rounds as the uninterrupted one would")

@@ -118,5 +118,6 @@ class TrainState:
             "window_tokens": int(window_tokens),
             "window_steps": self.window_steps,
             "window_s": time.perf_counter() - self.window_start,
+            "torch_threads": torch.get_num_threads(),  # a resume under train.threads=0 keeps it (rm.foundations.threads)
             "health": dict(health),
         }

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
+from rm.foundations.threads import apply_threads, resumed_threads
 from rm.foundations.config import EPOCHS_WARNED, HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
@@ -184,6 +185,9 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
 
     start_step, record = directory.restore(engine, t, current, total_steps) if t.checkpoint.resume else (0, None)
     directory.remove_abandoned()  # what a run stopped mid-write left; only now that this run goes ahead
+    kept = resumed_threads(plan.threads, (record or {}).get("torch_threads"))
+    if kept is not None:
+        apply_threads(kept)
     state = TrainState.start(engine.device, record, start_step, engine.is_main_process, fingerprint=current)
     health.load_state_dict(state.health)
     directory.resume_metrics(metrics, start_step)
