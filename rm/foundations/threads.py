@@ -16,6 +16,8 @@ import math
 import os
 from typing import NamedTuple, Optional
 
+from rm.foundations.cli import DETAIL
+
 log = logging.getLogger(__name__)
 
 
@@ -74,7 +76,8 @@ def apply_threads(threads: Threads) -> None:
         torch.set_num_interop_threads(threads.count)
     except RuntimeError:  # parallel work already started in this process (a test, a second run in one process)
         pass
-    log.info("torch threads: %d (%s)", threads.count, threads.reason)
+    log.info("torch threads: %d (%s)", threads.count, threads.reason, extra=DETAIL)  # train.log; the console's first
+    # screen is the run summary (rm.foundations.quiet)
 
 
 def resumed_threads(chosen: Threads, saved: Optional[int]) -> Optional[Threads]:

@@ -58,8 +58,11 @@ def test_a_new_numeric_key_without_a_range_is_found():
 
 def _set(cfg, key, value):
     cfg = copy.deepcopy(cfg)
-    group, _, name = key.partition(".")
-    setattr(getattr(cfg, group), name, value)
+    *path, name = key.split(".")
+    node = cfg
+    for part in path:  # train.optim.learning_rate: a key of a nested group
+        node = getattr(node, part)
+    setattr(node, name, value)
     return cfg
 
 
