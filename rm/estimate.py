@@ -42,7 +42,7 @@ def main() -> None:
             if cfg.estimate.json:
                 text = json.dumps(est.to_dict(), indent=2)
             else:
-                text = format_table(est, estimate_label(cfg, plan))
+                text = format_table(est, estimate_label(cfg.model, cfg.memory_profile, plan))
                 if not est.fits:
                     text += "\n" + format_suggestions(suggestions(overrides, cfg, plan))
         print(text, file=answer)
