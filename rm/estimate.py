@@ -38,7 +38,7 @@ def main() -> None:
             plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
-            est.warnings += unused_overrides(cfg, overrides)
+            est.warnings += unused_overrides(cfg.memory_profile, overrides)
             if cfg.estimate.json:
                 text = json.dumps(est.to_dict(), indent=2)
             else:

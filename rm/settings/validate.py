@@ -335,21 +335,21 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
     )
 
 
-def unused_overrides(cfg: RunConfig, overrides: Sequence[str]) -> List[str]:
+def unused_overrides(profile: MemoryProfileConfig, overrides: Sequence[str]) -> List[str]:
     """Keys the command line sets that the run then ignores, one warning each: ``lora.*`` (or ``lora=<option>``)
     under a memory profile that trains no LoRA adapters. A warning, not an error: a sweep over profiles
     (``memory_profile=full,lora lora.r=8,16``) sets them for every job.
 
         >>> from rm.foundations.config import compose
-        >>> unused_overrides(compose(["memory_profile=full", "lora.r=16"]), ["memory_profile=full", "lora.r=16"])
+        >>> unused_overrides(compose(["memory_profile=full"]).memory_profile, ["memory_profile=full", "lora.r=16"])
         ['lora.r=16 has no effect: memory_profile=full trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them']
     """
-    if cfg.memory_profile.use_lora:
+    if profile.use_lora:
         return []
     lora = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".")[0] == "lora"]
     if not lora:
         return []
-    return [f"{' '.join(lora)} {'has' if len(lora) == 1 else 'have'} no effect: memory_profile={cfg.memory_profile.name} "
+    return [f"{' '.join(lora)} {'has' if len(lora) == 1 else 'have'} no effect: memory_profile={profile.name} "
             "trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them"]
 
 
