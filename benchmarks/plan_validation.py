@@ -129,7 +129,7 @@ def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dic
     plan = validate(cfg, processes)
     key = (repr(cfg.model), repr(cfg.data))
     if key not in lengths_cache:
-        lengths_cache[key] = data_lengths(cfg)
+        lengths_cache[key] = data_lengths(cfg.data, cfg.model, cfg.plan.stand_in_pairs)
     t = cfg.train
     shapes = step_micro_batches(lengths_cache[key], layout_of(t.packing, t.share_prefix), plan.micro_batch_size,
                                 plan.world_size, t.global_batch_size, t.seed, t.group_by_length,
@@ -149,7 +149,7 @@ def auto_pick(overrides: List[str], processes: int, lengths_cache: Dict) -> List
     plan = validate(cfg, processes)
     key = (repr(cfg.model), repr(cfg.data))
     if key not in lengths_cache:
-        lengths_cache[key] = data_lengths(cfg)
+        lengths_cache[key] = data_lengths(cfg.data, cfg.model, cfg.plan.stand_in_pairs)
     _, _, choice = choose_layout(cfg, plan, [], lengths_cache[key])
     return list(choice.changed)
 

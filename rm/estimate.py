@@ -38,11 +38,11 @@ def main() -> None:
             plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=False))
             est = estimate_run(cfg, plan)
             overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith("estimate.")]
-            est.warnings += unused_overrides(cfg, overrides)
+            est.warnings += unused_overrides(cfg.memory_profile, overrides)
             if cfg.estimate.json:
                 text = json.dumps(est.to_dict(), indent=2)
             else:
-                text = format_table(est, estimate_label(cfg, plan))
+                text = format_table(est, estimate_label(cfg.model, cfg.memory_profile, plan))
                 if not est.fits:
                     text += "\n" + format_suggestions(suggestions(overrides, cfg, plan))
         print(text, file=answer)

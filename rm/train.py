@@ -84,7 +84,7 @@ def _job(cfg: DictConfig) -> Optional[float]:
         _quiet_other_ranks()
         quiet_progress_bars()  # the first screen: the run summary, then progress (rm.foundations.quiet)
         run_cfg = to_run_config(cfg)
-        for warning in unused_overrides(run_cfg, overrides):
+        for warning in unused_overrides(run_cfg.memory_profile, overrides):
             log.warning("%s", warning)
         directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
         if multirun and fresh and directory.is_main:  # nothing earlier to keep: a job killed before it claims its

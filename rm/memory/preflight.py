@@ -84,7 +84,7 @@ def preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str]) -> Tuple[Pla
             overrides = [*overrides, f"train.micro_batch_size={micro}"]
             plan = validate(cfg, plan.world_size, plan.world_size_source, plan.launcher, micro_batch_size=micro)
     est = estimate_run(cfg, plan)
-    table = format_table(est, estimate_label(cfg, plan))
+    table = format_table(est, estimate_label(cfg.model, cfg.memory_profile, plan))
     if est.fits:
         log.info("%s", table, extra=DETAIL)  # for the log file: the run summary gives the data-sized peak
         return plan, est
@@ -130,7 +130,7 @@ def data_preflight(cfg: RunConfig, plan: Plan, overrides: Sequence[str], shapes:
              extra=DETAIL)
     if est.fits:
         return est
-    table = format_table(est, estimate_label(cfg, plan) + ", sized by the data's longest micro-batch")
+    table = format_table(est, estimate_label(cfg.model, cfg.memory_profile, plan) + ", sized by the data's longest micro-batch")
     return refuse_or_warn(cfg, plan, overrides, est, table)
 
 

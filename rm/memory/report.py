@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rm.foundations.config import RunConfig
+from rm.foundations.config import MemoryProfileConfig, ModelConfig
 from rm.memory.terms import GIB, Estimate
 from rm.foundations.precision import SHORT
 
@@ -12,9 +12,9 @@ if TYPE_CHECKING:
     from rm.settings.validate import Plan
 
 
-def estimate_label(cfg: RunConfig, plan: Plan) -> str:
+def estimate_label(model_cfg: ModelConfig, profile: MemoryProfileConfig, plan: Plan) -> str:
     """What the estimate is of, for its table's first line."""
-    return (f"{cfg.model.name}, memory_profile={cfg.memory_profile.name}, train.precision={plan.precision}, "
+    return (f"{model_cfg.name}, memory_profile={profile.name}, train.precision={plan.precision}, "
             f"{plan.world_size} process(es), hardware={plan.hardware.name}")
 
 

@@ -10,20 +10,22 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple
 
-from rm.foundations.config import MemoryProfileConfig, RunConfig, memory_profiles
+from rm.foundations.config import MemoryProfileConfig, RunConfig, TrainConfig, memory_profiles
 from rm.memory.terms import GIB, Estimate, cannot_fit, estimate_run
 
 if TYPE_CHECKING:
     from rm.settings.validate import Plan
 
 
-def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str, base_overrides: Sequence[str] = ()) -> List[List[str]]:
+def candidate_overrides(train_cfg: TrainConfig, profile: MemoryProfileConfig, plan: Plan, peak_phase: str,
+                        base_overrides: Sequence[str] = ()) -> List[List[str]]:
     """Changes that may fit, cheapest first (least slowdown, model unchanged, before other trade-offs).
 
     Args:
-        base_overrides: the command line ``cfg`` came from; its ``hydra.searchpath`` finds the memory profiles.
+        train_cfg, profile: the run's ``train`` and ``memory_profile`` groups.
+        base_overrides: the command line the config came from; its ``hydra.searchpath`` finds the memory profiles.
     """
-    t, world = cfg.train, plan.world_size
+    t, world = train_cfg, plan.world_size
     out: List[List[str]] = []
     # A smaller evaluation batch changes the evaluation phase alone: it helps only a run that peaks there.
     evals = t.eval_batch_size // 2 if peak_phase == "evaluation" else 0
@@ -39,14 +41,14 @@ def candidate_overrides(cfg: RunConfig, plan: Plan, peak_phase: str, base_overri
             cap = [f"train.eval_batch_size={micro}"] if t.eval_batch_size > micro else []
             out.append([f"train.micro_batch_size={micro}", *cap])
         micro //= 2
-    if world > 1 and plan.strategy != "deepspeed" and cfg.memory_profile.optimizer != "adamw_8bit":
+    if world > 1 and plan.strategy != "deepspeed" and profile.optimizer != "adamw_8bit":
         out += [["distributed=zero2"], ["distributed=zero3"]]
     elif plan.strategy == "deepspeed" and plan.zero_stage < 3:
         out.append(["distributed=zero3"])
-    for profile in memory_profiles(base_overrides):  # in their order, the cheapest trade first
-        if profile.name != cfg.memory_profile.name and trades_memory(profile):
-            out.append([f"memory_profile={profile.name}"])
-    if not t.gradient_checkpointing and cfg.memory_profile.name != "lora":  # with the cheapest memory-saving profile
+    for other in memory_profiles(base_overrides):  # in their order, the cheapest trade first
+        if other.name != profile.name and trades_memory(other):
+            out.append([f"memory_profile={other.name}"])
+    if not t.gradient_checkpointing and profile.name != "lora":  # with the cheapest memory-saving profile
         out.append(["memory_profile=lora", "train.gradient_checkpointing=true"])
     return out
 
@@ -76,7 +78,7 @@ def suggestions(base_overrides: List[str], cfg: RunConfig, plan: Plan, limit: in
 
     peak_phase = estimate_run(cfg, plan).peak_phase  # its traces are cached: arithmetic only
     jobs = []
-    for extra in candidate_overrides(cfg, plan, peak_phase, base_overrides):
+    for extra in candidate_overrides(cfg.train, cfg.memory_profile, plan, peak_phase, base_overrides):
         try:
             candidate = with_overrides(cfg, base_overrides, extra)
             candidate_plan = validate(candidate, plan.world_size, plan.world_size_source, plan.launcher)

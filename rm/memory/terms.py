@@ -16,8 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
-from rm.foundations.config import (CheckpointConfig, DataConfig, HealthConfig, LoraConfig, ModelConfig, OptimConfig, RunConfig,
-                                   TrainConfig)
+from rm.foundations.config import (CheckpointConfig, DataConfig, HealthConfig, LoraConfig, MemoryProfileConfig, ModelConfig,
+                                   OptimConfig, RunConfig, TrainConfig)
 from rm.foundations.hardware import attention_kernel
 
 if TYPE_CHECKING:  # imported where used: `--help` and config errors need no torch
@@ -474,14 +474,15 @@ def partition_numel(counts: ParameterCounts, world_size: int, rank: Optional[int
     return max(parts) if rank is None else parts[rank]
 
 
-def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights: int, trained_bytes: int,
+def deepspeed_terms(model_cfg: ModelConfig, adapters: Optional[LoraConfig], profile: MemoryProfileConfig,
+                    gradient_checkpointing: bool, plan: Plan, counts: ParameterCounts, weights: int, trained_bytes: int,
                     wbytes: int, uncalibrated: List[str], rank: Optional[int] = None) -> TraceFreeTerms:
     """What DeepSpeed's ZeRO optimizer (stage_1_and_2.py, stage3.py) allocates beside the weights, on ``rank``
-    (``None``: the worst rank)."""
+    (``None``: the worst rank); ``adapters``: the LoRA group where the profile trains adapters, else ``None``."""
     from rm.distributed.engine import DEEPSPEED_MAX_LIVE, deepspeed_buckets
 
-    n, stage, profile = plan.world_size, plan.zero_stage, cfg.memory_profile
-    buckets = deepspeed_buckets(stage, cfg.model.hidden_size, counts.trainable)  # as rm.distributed.engine configures them
+    n, stage = plan.world_size, plan.zero_stage
+    buckets = deepspeed_buckets(stage, model_cfg.hidden_size, counts.trainable)  # as rm.distributed.engine configures them
     bucket = buckets["reduce"]
     if stage == 3:
         uncalibrated.append("DeepSpeed ZeRO-3 buffers")
@@ -514,8 +515,8 @@ def deepspeed_terms(cfg: RunConfig, plan: Plan, counts: ParameterCounts, weights
         # long as the optimizer. An evaluation forward has no backward to free what it gathers: at the same
         # reuse distance every parameter stays gathered through it (measured).
         persistent = sum(x for x in counts.tensors if x < buckets["persistence"])
-        input_grads = cfg.train.gradient_checkpointing and profile.quantize_base == "none"  # rm.modelling.model, PEFT
-        released = [x for x in released_after_forward(cfg.model, cfg.lora if profile.use_lora else None, input_grads)
+        input_grads = gradient_checkpointing and profile.quantize_base == "none"  # rm.modelling.model, PEFT
+        released = [x for x in released_after_forward(model_cfg, adapters, input_grads)
                     if x >= buckets["persistence"]]
         t.gathered = min(counts.total - persistent - sum(released), DEEPSPEED_MAX_LIVE) * wbytes
         t.released = max(released, default=0) * wbytes
@@ -658,7 +659,8 @@ def trace_free_terms(cfg: RunConfig, plan: Plan, rank: Optional[int] = None) -> 
         persistence = deepspeed_buckets(3, m.hidden_size, counts.trainable)["persistence"]
         weights = zero3_weight_bytes(weights, counts, wbytes, persistence, plan.world_size)
     if plan.strategy == "deepspeed":
-        t = deepspeed_terms(cfg, plan, counts, weights, trained_bytes, wbytes, uncalibrated, rank)
+        t = deepspeed_terms(m, cfg.lora if profile.use_lora else None, profile, cfg.train.gradient_checkpointing, plan,
+                            counts, weights, trained_bytes, wbytes, uncalibrated, rank)
     else:
         states = adamw_state_bytes(counts.trainable_tensors, trained_bytes, profile.optimizer == "adamw_8bit")
         t = TraceFreeTerms(counts, weights, counts.trainable * trained_bytes, states, uncalibrated=uncalibrated)
@@ -778,11 +780,12 @@ def worst_case_shapes(train_cfg: TrainConfig, data_cfg: DataConfig, plan: Plan) 
                        accumulating=accumulating, sized_by="config", segment=segment)
 
 
-def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets: bool = False,
-                     first_in_step: bool = False) -> Tuple[Dict, int, int, bool]:
+def activation_terms(traced: "TracedModel", model_cfg: ModelConfig, train_cfg: TrainConfig, plan: Plan,
+                     shapes: "BatchShapes", buckets: bool = False, first_in_step: bool = False) -> Tuple[Dict, int, int, bool]:
     """The traced activations of one training micro-batch, its input tensors, the evaluation forward's peak,
     and whether gradients are already allocated when the micro-batch runs (accumulating), at ``shapes``
-    (:func:`worst_case_shapes`, or the data's, :func:`rm.data.shapes.data_shapes`).
+    (:func:`worst_case_shapes`, or the data's, :func:`rm.data.shapes.data_shapes`). ``traced``: the run's model as
+    the trace builds it (:func:`traced_model`).
 
     ``buckets``: every gradient has a home before the backward (DDP's bucket views), into which each new one is
     copied and then freed: traced as accumulation is, where each new gradient is added into ``.grad`` and freed.
@@ -790,16 +793,15 @@ def activation_terms(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", buckets:
     step freed the last (``zero_grad(set_to_none=True)``); DeepSpeed keeps its partitions, so there it changes nothing."""
     from rm.memory.trace import estimate_activations, inference_peak_bytes
 
-    t = cfg.train
-    traced = traced_model(cfg, plan)
+    t = train_cfg
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = (plan.gradient_accumulation_steps > 1 or shapes.accumulating) and not (
         first_in_step and plan.strategy != "deepspeed")
     # A packed row under SDPA: a sequence (or pair) at a time, traced with every one as long as the longest.
     segment = shapes.segment or 0
-    if not (t.packing and attention_kernel(cfg.model.attn_implementation) == "segments") or segment >= seq_len:
+    if not (t.packing and attention_kernel(model_cfg.attn_implementation) == "segments") or segment >= seq_len:
         segment = 0
-    act = estimate_activations(traced, cfg.model.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
+    act = estimate_activations(traced, model_cfg.num_hidden_layers, batch, seq_len, accumulating=accumulating or buckets,
                                packed=t.packing, shared_prefix=t.share_prefix, padded=shapes.train.padded,
                                segment=segment)
     # The token ids and mask of the micro-batch (int64) stay alive through forward and backward.
@@ -1006,8 +1008,8 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     # DDP over several processes (or under a launcher) keeps gradients as views of its buckets,
     # which exist from the wrap on: they are always alive.
     ddp_buckets = plan.strategy == "ddp" and (plan.world_size > 1 or plan.launcher)
-    act, inputs, evaluation, accumulating = activation_terms(cfg, plan, shapes, buckets=ddp_buckets,
-                                                             first_in_step=first_in_step)
+    act, inputs, evaluation, accumulating = activation_terms(traced_model(cfg, plan), cfg.model, cfg.train, plan, shapes,
+                                                             buckets=ddp_buckets, first_in_step=first_in_step)
     activations, temporaries = act["peak_bytes"], t.temporaries + inputs
     # ZeRO-3 allocates its gradient partition with the optimizer: alive from the start too.
     zero3_partition = plan.strategy == "deepspeed" and plan.zero_stage == 3 and plan.world_size > 1

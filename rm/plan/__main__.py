@@ -95,7 +95,7 @@ def main() -> None:
             if cfg.plan.json:
                 text = json.dumps(result.to_dict(), indent=2)
             else:
-                text = format_plan(result, estimate_label(cfg, result.given.plan))
+                text = format_plan(result, estimate_label(cfg.model, cfg.memory_profile, result.given.plan))
         print(text, file=answer)
         sys.exit(0 if result.top else 3)
 

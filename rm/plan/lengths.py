@@ -15,7 +15,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from rm.foundations.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from rm.foundations.config import DataConfig, ModelConfig, TrainConfig
 from rm.plan.steptime import MicroBatch, micro_batch
 
 # The word-level tokenizer's pieces (tokenizers' Whitespace pre-tokenizer, each piece one id): counting them
@@ -66,19 +66,20 @@ def readable_here(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[str]
     return None
 
 
-def data_lengths(cfg: RunConfig) -> PairLengths:
-    """The training pairs' lengths of ``cfg``'s data, or the synthetic stand-in's where it cannot be read here."""
-    why = readable_here(cfg.data, cfg.model)
+def data_lengths(data_cfg: DataConfig, model_cfg: ModelConfig, stand_in_pairs: int) -> PairLengths:
+    """The training pairs' lengths of ``data_cfg``'s data as ``model_cfg``'s tokenizer tokenises it, or where it
+    cannot be read here those of a synthetic stand-in of ``stand_in_pairs`` pairs (``plan.stand_in_pairs``)."""
+    why = readable_here(data_cfg, model_cfg)
     if why is not None:
-        return stand_in_lengths(cfg.data.max_length, cfg.plan.stand_in_pairs, why)
+        return stand_in_lengths(data_cfg.max_length, stand_in_pairs, why)
     from rm.data.build import build_datasets, build_extra_eval_sets, train_pairs
     from rm.data.tokenizer import run_tokenizer
 
-    tokenizer = run_tokenizer(cfg.model, train_pairs(cfg.data))
-    train, evaluation, _ = build_datasets(cfg.data, tokenizer)
-    extra = build_extra_eval_sets(cfg.data, tokenizer)
+    tokenizer = run_tokenizer(model_cfg, train_pairs(data_cfg))
+    train, evaluation, _ = build_datasets(data_cfg, tokenizer)
+    extra = build_extra_eval_sets(data_cfg, tokenizer)
     return lengths_of(train, [evaluation, *extra.values()],
-                      f"data={cfg.data.name}: {len(train):,} training pairs, tokenised as the run tokenises them")
+                      f"data={data_cfg.name}: {len(train):,} training pairs, tokenised as the run tokenises them")
 
 
 def lengths_of(train, eval_sets: Sequence, source: str) -> PairLengths:

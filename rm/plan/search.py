@@ -130,9 +130,10 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
-    """The training-layout knobs' combinations (values of :data:`KNOBS`), the user's kept."""
-    t = cfg.train
+def _layouts(train_cfg: TrainConfig, max_length: int, fixed: set, per_rank: int) -> List[Dict]:
+    """The training-layout knobs' combinations (values of :data:`KNOBS`), the user's kept; ``max_length``:
+    ``data.max_length``, which the token budgets tried are multiples of."""
+    t = train_cfg
 
     def values(key, options):
         return [getattr(t, key.split(".")[1])] if key in fixed else options
@@ -144,7 +145,7 @@ def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
                 budgets = [0]
                 if packing:
                     budgets = values("train.max_tokens_per_micro_batch",
-                                     [0] + [k * 2 * cfg.data.max_length for k in BUDGET_PAIRS if k < per_rank])
+                                     [0] + [k * 2 * max_length for k in BUDGET_PAIRS if k < per_rank])
                 for budget in budgets:
                     micros = values("train.micro_batch_size", _divisors(per_rank)) if not budget else [t.micro_batch_size]
                     for micro in micros:
@@ -157,26 +158,26 @@ def _layouts(cfg: RunConfig, fixed: set, per_rank: int) -> List[Dict]:
     return out
 
 
-def _engines(cfg: RunConfig, overrides: Sequence[str], fixed: set,
+def _engines(given_profile: MemoryProfileConfig, given_dist: DistributedConfig, overrides: Sequence[str], fixed: set,
              world: int) -> List[Tuple[List[str], MemoryProfileConfig, DistributedConfig, bool]]:
     """(overrides, profile, distributed, changes_math) of each memory profile (:func:`rm.foundations.config.memory_profiles`, found
-    through ``overrides``' config search path) and distribution tried."""
+    through ``overrides``' config search path) and distribution tried; ``given_profile``, ``given_dist``: the run's."""
     profile_fixed = any(k == "memory_profile" or k.startswith("memory_profile.") for k in fixed)
     # distributed.num_processes says how many processes, not how they share the work
     dist_fixed = bool(fixed & {"distributed", "distributed.strategy", "distributed.zero_stage", "distributed.offload_params"})
-    profiles = [(cfg.memory_profile.name, cfg.memory_profile)] if profile_fixed else \
-        [(p.name, cfg.memory_profile if p.name == cfg.memory_profile.name else p) for p in memory_profiles(overrides)]
+    profiles = [(given_profile.name, given_profile)] if profile_fixed else \
+        [(p.name, given_profile if p.name == given_profile.name else p) for p in memory_profiles(overrides)]
     out = []
     for name, profile in profiles:
-        pick = [] if name == cfg.memory_profile.name else [f"memory_profile={name}"]
-        changes = _math(profile) != _math(cfg.memory_profile)
+        pick = [] if name == given_profile.name else [f"memory_profile={name}"]
+        changes = _math(profile) != _math(given_profile)
         if dist_fixed:
-            dists = [([], cfg.distributed)]
+            dists = [([], given_dist)]
         elif world == 1:  # one process: ZeRO shards nothing; DeepSpeed only where offload needs it (auto picks it)
-            dists = [([], cfg.distributed)] if cfg.distributed.name == "auto" else \
+            dists = [([], given_dist)] if given_dist.name == "auto" else \
                 [(["distributed=auto"], group_option("distributed", "auto"))]
         else:
-            dists = [([] if cfg.distributed.name == "ddp" else ["distributed=ddp"], group_option("distributed", "ddp"))]
+            dists = [([] if given_dist.name == "ddp" else ["distributed=ddp"], group_option("distributed", "ddp"))]
             for stage in (1, 2, 3):
                 dists.append(([f"distributed=zero{stage}"], group_option("distributed", f"zero{stage}")))
             if profile.offload_optimizer:
@@ -204,8 +205,8 @@ def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
     fixed = set_keys(overrides) if fixed is None else fixed
     per_rank = cfg.train.global_batch_size // world[0]
     out, skipped = [], 0
-    for extra, profile, dist, changes in _engines(cfg, overrides, fixed, world[0]):
-        for knobs in _layouts(cfg, fixed, per_rank):
+    for extra, profile, dist, changes in _engines(cfg.memory_profile, cfg.distributed, overrides, fixed, world[0]):
+        for knobs in _layouts(cfg.train, cfg.data.max_length, fixed, per_rank):
             c_cfg = replace(cfg, memory_profile=profile, distributed=dist, train=replace(cfg.train, **knobs))
             try:
                 c_plan = validate(c_cfg, *world)
@@ -584,7 +585,7 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
     given_plan = validate(cfg, *world)
     with Checker() as checker:  # its workers' imports start now, alongside this process's work
         rates = rates or rates_for(given_plan.hardware, given_plan.device)
-        lengths = lengths or data_lengths(cfg)
+        lengths = lengths or data_lengths(cfg.data, cfg.model, cfg.plan.stand_in_pairs)
         given = Candidate([], cfg=cfg, plan=given_plan)
         given_verdict = checker.submit([given], lengths)
         timer = _Timer(lengths, rates, cfg.plan.steps)

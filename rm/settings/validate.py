@@ -10,7 +10,7 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 from typing import Optional
 
-from rm.foundations.config import ALL_LINEAR, DUPLICATES, MAX_PAIRS_TRAINED, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, DistributedConfig, HardwareConfig, ModelConfig, RunConfig
+from rm.foundations.config import ALL_LINEAR, DUPLICATES, MAX_PAIRS_TRAINED, FORMATS, IDENTICAL_PAIRS, ON_MALFORMED, TRUNCATION, DistributedConfig, HardwareConfig, MemoryProfileConfig, ModelConfig, RunConfig, TrainConfig
 from rm.foundations.errors import ConfigError  # noqa: F401  (raised here; imported from here by callers)
 from rm.foundations.hardware import resolve_hardware
 from rm.foundations.launch_env import launch_env
@@ -307,8 +307,9 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
 
     device = "cpu" if hw.accelerator == "cpu" else "cuda"
     precision = _precision(t.precision, hw, device, errors)
-    strategy, zero_stage = _check_profile_and_distribution(cfg, hw, device, errors)
-    warnings = _precision_for_layout(cfg, precision, strategy, errors) + _attention_warnings(cfg.model)
+    strategy, zero_stage = _check_profile_and_distribution(cfg.memory_profile, cfg.distributed, errors)
+    warnings = (_precision_for_layout(cfg.train, cfg.memory_profile, cfg.distributed, precision, strategy, errors)
+                + _attention_warnings(cfg.model))
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
@@ -334,21 +335,21 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
     )
 
 
-def unused_overrides(cfg: RunConfig, overrides: Sequence[str]) -> List[str]:
+def unused_overrides(profile: MemoryProfileConfig, overrides: Sequence[str]) -> List[str]:
     """Keys the command line sets that the run then ignores, one warning each: ``lora.*`` (or ``lora=<option>``)
     under a memory profile that trains no LoRA adapters. A warning, not an error: a sweep over profiles
     (``memory_profile=full,lora lora.r=8,16``) sets them for every job.
 
         >>> from rm.foundations.config import compose
-        >>> unused_overrides(compose(["memory_profile=full", "lora.r=16"]), ["memory_profile=full", "lora.r=16"])
+        >>> unused_overrides(compose(["memory_profile=full"]).memory_profile, ["memory_profile=full", "lora.r=16"])
         ['lora.r=16 has no effect: memory_profile=full trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them']
     """
-    if cfg.memory_profile.use_lora:
+    if profile.use_lora:
         return []
     lora = [o.lstrip("+~") for o in overrides if o.lstrip("+~").split("=", 1)[0].split(".")[0] == "lora"]
     if not lora:
         return []
-    return [f"{' '.join(lora)} {'has' if len(lora) == 1 else 'have'} no effect: memory_profile={cfg.memory_profile.name} "
+    return [f"{' '.join(lora)} {'has' if len(lora) == 1 else 'have'} no effect: memory_profile={profile.name} "
             "trains no LoRA adapters (memory_profile.use_lora=false); use memory_profile=lora or qlora to train them"]
 
 
@@ -367,34 +368,35 @@ def _precision(precision: str, hw: HardwareConfig, device: str, errors: List[str
     return precision
 
 
-def _precision_for_layout(cfg: RunConfig, precision: str, strategy: str, errors: List[str]) -> List[str]:
+def _precision_for_layout(train_cfg: TrainConfig, profile: MemoryProfileConfig, dist: DistributedConfig, precision: str,
+                          strategy: str, errors: List[str]) -> List[str]:
     """Refuse a precision the engine cannot train as named; warn where ``bf16-true`` will lose updates."""
     mode = Precision.of(precision)
     if strategy == "deepspeed" and mode.deepspeed_refusal:
-        errors.append(f"train.precision={precision} with distributed={cfg.distributed.name}: {mode.deepspeed_refusal}. "
+        errors.append(f"train.precision={precision} with distributed={dist.name}: {mode.deepspeed_refusal}. "
                       f"Use train.precision=bf16-mixed, or distributed=ddp for pure bf16")
-    if cfg.train.optim.kahan_summation:
+    if train_cfg.optim.kahan_summation:
         if precision != "bf16-true":
             errors.append(f"train.optim.kahan_summation=true compensates bf16 weight updates; train.precision={precision} "
                           f"{'keeps fp32 weights for the optimizer already' if mode.mixed or not mode.half else 'is not bf16-true'}: "
                           f"drop the key, or use train.precision=bf16-true")
-        if strategy == "deepspeed" or cfg.memory_profile.optimizer != "adamw":
-            errors.append(f"train.optim.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={cfg.memory_profile.name} "
-                          f"with distributed={cfg.distributed.name} uses another optimizer: use distributed=ddp with "
+        if strategy == "deepspeed" or profile.optimizer != "adamw":
+            errors.append(f"train.optim.kahan_summation=true replaces torch AdamW by optimi's; memory_profile={profile.name} "
+                          f"with distributed={dist.name} uses another optimizer: use distributed=ddp with "
                           f"memory_profile=full or lora")
         if not _installed("optimi"):
             errors.append("train.optim.kahan_summation=true needs optimi: pip install torch-optimi")
     warnings = []
-    if cfg.train.precision in PRECISION_ALIASES:
-        warnings.append(f"train.precision={cfg.train.precision} reads as {precision} (Lightning's names: bf16-mixed keeps "
+    if train_cfg.precision in PRECISION_ALIASES:
+        warnings.append(f"train.precision={train_cfg.precision} reads as {precision} (Lightning's names: bf16-mixed keeps "
                         f"fp32 weights and optimizer states, bf16-true trains bf16 weights)")
-    if mode.half and not mode.mixed and not cfg.memory_profile.use_lora and not cfg.train.optim.kahan_summation:
+    if mode.half and not mode.mixed and not profile.use_lora and not train_cfg.optim.kahan_summation:
         # The weights' scale is unknown before they load; transformers initialises (and most checkpoints keep)
         # linear weights near N(0, 0.02).
-        lost = bf16_lost_update_fraction(cfg.train.optim.learning_rate, 0.02)
+        lost = bf16_lost_update_fraction(train_cfg.optim.learning_rate, 0.02)
         if lost > 0.05:
             warnings.append(
-                f"train.precision=bf16-true at train.optim.learning_rate={cfg.train.optim.learning_rate:g}: AdamW updates smaller than "
+                f"train.precision=bf16-true at train.optim.learning_rate={train_cfg.optim.learning_rate:g}: AdamW updates smaller than "
                 f"half a bf16 step of the weight round to nothing, about {lost:.0%} of weights of scale 0.02 would never "
                 f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
                 f"{_lr_losing_at_most(0.05):.0e}, or train.optim.kahan_summation=true; the lost_updates alarm measures it while training")
@@ -544,9 +546,8 @@ def _installed(module: str) -> bool:
     return importlib.machinery.PathFinder.find_spec(module) is not None
 
 
-def _check_profile_and_distribution(cfg: RunConfig, hw: HardwareConfig, device: str, errors: List[str]):
+def _check_profile_and_distribution(profile: MemoryProfileConfig, dist: DistributedConfig, errors: List[str]):
     """Resolve ``distributed.strategy=auto`` and reject profile/strategy pairs that cannot work."""
-    profile, dist = cfg.memory_profile, cfg.distributed
     strategy = dist.strategy
     if strategy == "auto":
         strategy = "deepspeed" if profile.offload_optimizer else "ddp"

@@ -388,7 +388,7 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
         f"parameters       {total:,} total, {trainable:,} trainable ({100 * trainable / total:.3f}%)",
         f"memory profile   {cfg.memory_profile.name}: {engine.optimizer_name()}, optimizer states on {states}"
         + (f", LoRA r={cfg.lora.r} alpha={cfg.lora.alpha} on {','.join(cfg.lora.target_modules)}" if cfg.memory_profile.use_lora else ""),
-        f"precision        {dtypes(cfg, plan)}",
+        f"precision        {dtypes(cfg.memory_profile, cfg.health, plan)}",
         f"hardware         {plan.hardware.name}: {plan.device}, {plan.hardware.device_memory_gib} GiB/device",
         f"distributed      {sharding}, {plan.world_size} process(es)",
         f"batch            {plan.micro_batch_size} pairs/micro-batch x {plan.gradient_accumulation_steps} accumulation"
@@ -414,12 +414,12 @@ def _size(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def dtypes(cfg: RunConfig, plan: Plan) -> str:
+def dtypes(profile: MemoryProfileConfig, health_cfg: HealthConfig, plan: Plan) -> str:
     """Where precision lives, in words, as the profile and engine set it up (``rm.foundations.precision``)."""
-    profile, n, short = cfg.memory_profile, plan.numerics, SHORT
+    n, short = plan.numerics, SHORT
     # PEFT upcasts adapters to fp32; its trainable copy of the reward head keeps the head's dtype. DeepSpeed casts
     # every module weight to its compute dtype (the head still computes in fp32).
-    head = "fp32" if fp32_head_enabled(cfg.health.fp32_head, plan.precision) and plan.strategy != "deepspeed" else short[n.weights]
+    head = "fp32" if fp32_head_enabled(health_cfg.fp32_head, plan.precision) and plan.strategy != "deepspeed" else short[n.weights]
     trained = f"adapters fp32 + head {head}" if profile.use_lora else short[n.weights]
     if not profile.use_lora and head != short[n.weights]:
         trained += " (reward head fp32)"

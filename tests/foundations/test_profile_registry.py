@@ -61,7 +61,8 @@ def test_a_refused_run_is_suggested_a_profile_on_the_search_path(search_path):
     overrides = [search_path, "experiment=tiny", "hardware=cpu", "memory_profile=full"]
     cfg = compose(overrides)
     world = resolve_world_size(cfg.distributed, launched=False)
-    suggested = [extra for extra in candidate_overrides(cfg, validate(cfg, *world), "forward/backward", overrides)
+    plan = validate(cfg, *world)
+    suggested = [extra for extra in candidate_overrides(cfg.train, cfg.memory_profile, plan, "forward/backward", overrides)
                  if extra[0].startswith("memory_profile=")]
     assert suggested[:4] == [["memory_profile=8bit"], ["memory_profile=lora"], ["memory_profile=adapters"],
                              ["memory_profile=offload"]]

@@ -119,7 +119,7 @@ def test_lora_keys_under_a_profile_without_lora_are_named_as_without_effect(tiny
     from rm.settings.validate import unused_overrides
 
     given = ["memory_profile=full", "lora.r=16", "lora=r64", "train.max_steps=2"]
-    warnings = unused_overrides(tiny_cfg(*given), given)
+    warnings = unused_overrides(tiny_cfg(*given).memory_profile, given)
     assert len(warnings) == 1 and warnings[0].startswith("lora.r=16 lora=r64 have no effect: memory_profile=full")
-    assert unused_overrides(tiny_cfg("memory_profile=lora", "lora.r=16"), ["memory_profile=lora", "lora.r=16"]) == []
-    assert unused_overrides(tiny_cfg("memory_profile=full"), ["memory_profile=full"]) == []
+    assert unused_overrides(tiny_cfg("memory_profile=lora", "lora.r=16").memory_profile, ["memory_profile=lora", "lora.r=16"]) == []
+    assert unused_overrides(tiny_cfg("memory_profile=full").memory_profile, ["memory_profile=full"]) == []
