@@ -402,6 +402,7 @@ class StopRequest:
         self.signum = 0
         self.phase = SETUP
         self._previous = {}
+        self._pid = os.getpid()
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -409,6 +410,10 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame):
+        if os.getpid() != self._pid:  # a process forked during set-up (the estimate's pool): its pool's SIGTERM ends it
+            signal.signal(signum, signal.SIG_DFL)  # as the default would, without this run's traceback
+            os.kill(os.getpid(), signum)
+            return
         name = signal.Signals(signum).name
         if self.phase == SETUP or (self.signum and signum == signal.SIGINT):
             raise Interrupted(signum)
