@@ -18,14 +18,37 @@ from __future__ import annotations
 
 import logging
 import shlex
+import sys
 from pathlib import Path
 from typing import List, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from rm.foundations.errors import StorageError
+
 RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir
 # What a resume command sets itself, in place of the run's own values.
 RESUME_SETS = ("train.checkpoint.resume", "train.checkpoint.overwrite", "hydra.run.dir")
+
+
+class RunLog(logging.FileHandler):
+    """The run's ``train.log`` (conf/hydra/job_logging/rm.yaml). A write that fails (a full disk, a quota) is a
+    :class:`~rm.foundations.errors.StorageError` naming the file, raised once from the logging call (exit 5 at the
+    boundary); later records are dropped, so that the boundary's message still reaches the console, where logging's
+    default would print "--- Logging error ---" with a traceback and go on."""
+
+    failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self.failed:
+            super().emit(record)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        err = sys.exc_info()[1]
+        if not isinstance(err, OSError):
+            return super().handleError(record)
+        self.failed = True
+        raise StorageError(f"could not write the run's log {self.baseFilename}: {err.strerror or err}") from err
 
 
 class HeldLog(logging.Handler):

@@ -160,3 +160,35 @@ def test_the_run_dir_callback_makes_the_folders_and_a_refused_start_removes_only
     with pytest.raises(SystemExit) as stop:
         RunDirCallback().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "outputs")}}}))
     assert stop.value.code == 5
+
+
+@pytest.mark.reliability("Faults", "the disk fills while `train.log` is written",
+                         "`could not write the run's log <path>: No space left on device`, exit 5, no \"--- Logging error "
+                         "---\" traceback; later lines are dropped from the file, not printed as errors")
+def test_a_log_file_that_cannot_be_written_is_a_storage_error_once(tmp_path, capsys):
+    import errno
+    import logging
+
+    from rm.foundations.errors import StorageError, exit_code
+    from rm.runs.run_record import RunLog
+
+    handler = RunLog(tmp_path / "train.log", delay=True)
+    logger = logging.getLogger("test.full_disk")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        logger.warning("written")
+
+        def full(_):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        handler.stream.write = full
+        with pytest.raises(StorageError, match=rf"could not write the run's log {tmp_path}/train.log: No space left") as err:
+            logger.warning("this line meets a full disk")
+        assert exit_code(err.value) == 5
+        logger.error("the boundary's message")  # dropped from the file, no second error
+        assert "Logging error" not in capsys.readouterr().err
+        assert (tmp_path / "train.log").read_text().endswith("written\n")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
