@@ -199,7 +199,7 @@ def log_window(run: Run, progress: tqdm) -> None:
     run.metrics.write("train", state.step, values)
     # Once, at the second window (the first holds the first step's warm-up): a prediction from CPU rates measured
     # under other load is dropped for the next plan to measure again (rm.plan.constants.check_prediction).
-    if run.layout is not None and not run.step_time_checked and state.step > t.logging_steps:
+    if run.layout is not None and not run.step_time_checked and state.step > t.logging.logging_steps:
         run.step_time_checked = True
         stale = run.layout.against_run(values["step_time_s"]) if engine.is_main_process else None
         if stale:
