@@ -204,11 +204,11 @@ def _numeric_keys():
 
 
 @pytest.mark.reliability("Configuration", "one to three numeric keys of any group at once, each 0, -1, 10^15, NaN or "
-                         "inf (property-based, 100 draws in process; 2000 with -m slow)",
+                         "inf (property-based, 50 draws in process; 2000 with -m slow)",
                          "refused before anything loads: composition names a value of the wrong type, validation names "
                          "every key whose value is outside its range (`rm.settings.validate.RANGES`) and no other")
 def test_random_bad_values_are_named_by_their_keys():
-    _bad_values(100)()
+    _bad_values(50)()
 
 
 @pytest.mark.slow
@@ -267,14 +267,31 @@ def _row(kind, i):
 
 
 @pytest.mark.reliability("Data", "files mixing hh, prompt/chosen/rejected, conversation and malformed rows in random "
-                         "proportions and order, one to three files (property-based, 40 draws, in process)",
+                         "proportions and order, one to three files (property-based, 20 draws in process; 300 with -m slow)",
                          "each file's majority layout is its layout; every other row is dropped as `other_format` or "
                          "`malformed` and counted: kept + dropped = rows read; a tie, or a file of malformed rows only, "
                          "is an error naming it")
-@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(files=st.lists(st.lists(st.sampled_from(["hh", "prompt", "messages", "malformed"]), min_size=1, max_size=12),
-                      min_size=1, max_size=3))
-def test_every_row_of_a_mixed_file_is_accounted_for(files, tmp_path_factory):
+def test_every_row_of_a_mixed_file_is_accounted_for(tmp_path_factory):
+    _mixes(20)(tmp_path_factory)
+
+
+@pytest.mark.slow
+def test_every_row_of_a_mixed_file_is_accounted_for_many(tmp_path_factory):
+    _mixes(300)(tmp_path_factory)
+
+
+def _mixes(examples):
+    @settings(max_examples=examples, deadline=None, derandomize=examples < 100,
+              suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(files=st.lists(st.lists(st.sampled_from(["hh", "prompt", "messages", "malformed"]), min_size=1, max_size=12),
+                          min_size=1, max_size=3))
+    def run(tmp_path_factory, files):
+        _check_mix(files, tmp_path_factory)
+
+    return run
+
+
+def _check_mix(files, tmp_path_factory):
     from collections import Counter
 
     from rm.data.audit import audit_split

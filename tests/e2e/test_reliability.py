@@ -145,8 +145,10 @@ def _hashes(run_dir):
                          "refused before the directory is the run's: every file of the earlier run keeps its sha256 and "
                          "mtime (`.hydra/`, `train.log`, `data_audit.json`, checkpoints, final/); exit 2, 3 for the lock; "
                          "missing files are all named, before the memory estimate prints")
-@pytest.mark.parametrize("case", ["resume_changed_setting", "resume_changed_data", "resume_invalid_value",
-                                  "overwrite_invalid_value", "overwrite_missing_files", "lock_held"])
+@pytest.mark.parametrize("case", [  # two in the default suite; the fuzz of tests/e2e/test_fuzz_neighbours.py draws others
+    "resume_changed_setting", pytest.param("resume_changed_data", marks=pytest.mark.slow),
+    pytest.param("resume_invalid_value", marks=pytest.mark.slow), pytest.param("overwrite_invalid_value", marks=pytest.mark.slow),
+    "overwrite_missing_files", pytest.param("lock_held", marks=pytest.mark.slow)])
 def test_a_refused_start_changes_no_file_of_an_earlier_run(cli_run, tmp_path, case):
     import os
     import shutil

@@ -84,7 +84,8 @@ SIGNALS = (signal.SIGTERM, signal.SIGINT)
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the final model is written (`.tmp-final/` exists; a real "
                          "process)", "the final model is finished: a whole `final/` that reloads to its rewards, no "
                          "`.tmp-final/`, exit 0 (quicker than a checkpoint, which adds the optimizer states)")
-@pytest.mark.parametrize("signum", SIGNALS, ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+                         ids=lambda s: signal.Signals(s).name)  # SIGINT's fast twin: test_a_second_ctrl_c_in_process
 def test_a_signal_while_the_final_model_is_written_finishes_it(signum, tmp_path, request):
     """One real run each, about 25 s on 2 busy cores."""
     _signal_at("export", signum, tmp_path, request)
