@@ -19,12 +19,13 @@ from omegaconf import DictConfig
 # Only what composes the config is imported here: `--help` and a misspelt key answer without torch, transformers or
 # datasets (their import takes seconds idle, a minute under load); the trainer comes in _job.
 from rm.foundations.config import RunConfig, to_run_config
+from rm.foundations.launch_env import join_submitit_tasks
 from rm.foundations.errors import NonFiniteError, boundary, report, run_hydra_app, task_started
 from rm.foundations.quiet import quiet_progress_bars
 from rm.memory.preflight import PreflightRefusal
-from rm.runs.run_record import hold_log, write_record
+from rm.runs.run_record import hold_log, remove_made, write_record
 from rm.runs.sweep import job_failed, job_record, write_job_record
-from rm.settings.validate import launched_as_main, unused_overrides
+from rm.settings.validate import launched_as_main, resolve_world_size, unused_overrides, validate
 
 if TYPE_CHECKING:
     from rm.runs.run_dir import RunDir
@@ -68,9 +69,6 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 def _job(cfg: DictConfig) -> Optional[float]:
-    from rm.distributed.engine import join_submitit_tasks
-    from rm.runs.run_dir import RunDir, remove_made
-
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     run_dir, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
@@ -86,6 +84,12 @@ def _job(cfg: DictConfig) -> Optional[float]:
         run_cfg = to_run_config(cfg)
         for warning in unused_overrides(run_cfg.memory_profile, overrides):
             log.warning("%s", warning)
+        if not multirun:  # a sweep's job records its own failure (rm.runs.sweep), after the imports its process shares
+            # The settings' own refusals (exit 2) before the run directory's and the trainer's imports (torch,
+            # transformers: seconds idle, a minute under load); setup validates again, with nothing between to change it.
+            validate(run_cfg, *resolve_world_size(run_cfg.distributed, launched=True))
+        from rm.runs.run_dir import RunDir
+
         directory = RunDir.of(run_dir, run_cfg.train.checkpoint, launched_as_main(), record=cfg)
         if multirun and fresh and directory.is_main:  # nothing earlier to keep: a job killed before it claims its
             write_record(run_dir, cfg)                # folder still shows in the sweep's summary (rm.runs.sweep.collect)

@@ -156,20 +156,6 @@ def tensors_in(obj, depth: int = 3):
             yield from tensors_in(child, depth - 1)
 
 
-def join_submitit_tasks() -> None:
-    """Under ``hydra/launcher=submitit_slurm`` a job spanning several GPUs runs one SLURM task per GPU,
-    each calling the Hydra job; give them the variables torchrun would (RANK, WORLD_SIZE, MASTER_*,
-    LOCAL_RANK) so that the rest of the pipeline takes the same distributed path."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or launch_env().rank is not None:
-        return
-    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
-        return
-    from submitit.helpers import TorchDistributedEnvironment
-
-    # Every task sees all of its node's GPUs; rm.distributed.engine picks cuda:LOCAL_RANK itself.
-    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

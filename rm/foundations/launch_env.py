@@ -45,3 +45,17 @@ def launch_env() -> LaunchEnv:
 
     return LaunchEnv(world_size=number("WORLD_SIZE"), rank=number("RANK"), local_rank=number("LOCAL_RANK") or 0,
                      local_world_size=number("LOCAL_WORLD_SIZE") or 1)
+
+
+def join_submitit_tasks() -> None:
+    """Under ``hydra/launcher=submitit_slurm`` a job spanning several GPUs runs one SLURM task per GPU,
+    each calling the Hydra job; give them the variables torchrun would (RANK, WORLD_SIZE, MASTER_*,
+    LOCAL_RANK) so that the rest of the pipeline takes the same distributed path."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or launch_env().rank is not None:
+        return
+    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    # Every task sees all of its node's GPUs; rm.distributed.engine picks cuda:LOCAL_RANK itself.
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)

@@ -23,7 +23,6 @@ The checkpoint format itself (atomic writes, manifests, checksums) is :mod:`rm.r
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -33,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
-from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from rm.runs.checkpoint import (
@@ -238,57 +236,6 @@ class RunDir:
         if dropped:
             log.info("metrics.jsonl: %d record(s) of steps after %d dropped: the resumed run writes those steps again",
                      dropped, start_step)
-
-
-class RunDirCallback(Callback):
-    """Hydra callback (``conf/config.yaml``): makes the run directory before Hydra does, noting which of its folders
-    this start creates.
-
-    Hydra makes ``hydra.run.dir`` (``outputs/<date>/<time>/``) before the job starts; where it cannot (a read-only
-    parent), its own traceback and exit 1 would follow. Made here first, a failure is the storage error it is: exit 5
-    naming the path. The folders that did not exist are what a start refused before it claims its directory
-    removes again (:func:`remove_made`), so that a refused or invalid run leaves no empty folder behind; a folder
-    that existed before, empty or not, is never removed.
-    """
-
-    made: List[Path] = []  # this process's single run: the new folders, deepest first
-
-    def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        path = Path(os.path.abspath(str(config.hydra.run.dir)))  # as Hydra's run_job resolves it (${now:} is cached)
-        RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
-        # Hydra writes its record there itself when hydra.output_subdir is set (rm.estimate with a hydra.run.dir); with
-        # null (rm.train, whose first write is its lock: exit 5 at rm's boundary) the folder may be read-only.
-        _make(path, writes=config.hydra.output_subdir is not None)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))), writes=True)  # Hydra writes multirun.yaml there
-
-
-def _make(path: Path, writes: bool) -> None:
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        if writes and not os.access(path, os.W_OK | os.X_OK):  # an existing folder Hydra would fail to write in
-            raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
-                                  str(path))
-    except OSError as err:
-        from rm.foundations.errors import report
-
-        # Hydra turns an exception in a callback into a warning and goes on to fail at its own mkdir; an exit
-        # passes through it.
-        raise SystemExit(report(err)) from None
-
-
-def remove_made(path: Path) -> None:
-    """Remove the folders of ``path`` that this start made (:class:`RunDirCallback`), deepest first, while each is
-    empty (``os.rmdir`` removes no file: whatever was written there stays, with its folder)."""
-    made = RunDirCallback.made
-    if not made or made[0] != Path(os.path.abspath(path)):
-        return
-    for directory in made:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            return
 
 
 class RunDirError(ConfigError, FileExistsError):

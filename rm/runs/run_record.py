@@ -16,12 +16,15 @@ record, a name has Hydra write it there before the job starts.
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
 from typing import List, Sequence
 
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rm.foundations.errors import StorageError
@@ -117,3 +120,56 @@ def resume_command(run_dir: Path, overrides: Sequence[str] = ()) -> str:
         overrides = [str(o) for o in OmegaConf.load(saved)]
     kept = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] not in RESUME_SETS]
     return shlex.join(["python", "-m", "rm.train", *kept, "train.checkpoint.resume=true", f"hydra.run.dir={run_dir}"])
+
+
+# Made by Hydra before the job: kept in this light module so that a run refused for its settings (exit 2) answers
+# before torch is imported (rm.train validates first).
+class RunDirCallback(Callback):
+    """Hydra callback (``conf/config.yaml``): makes the run directory before Hydra does, noting which of its folders
+    this start creates.
+
+    Hydra makes ``hydra.run.dir`` (``outputs/<date>/<time>/``) before the job starts; where it cannot (a read-only
+    parent), its own traceback and exit 1 would follow. Made here first, a failure is the storage error it is: exit 5
+    naming the path. The folders that did not exist are what a start refused before it claims its directory
+    removes again (:func:`remove_made`), so that a refused or invalid run leaves no empty folder behind; a folder
+    that existed before, empty or not, is never removed.
+    """
+
+    made: List[Path] = []  # this process's single run: the new folders, deepest first
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        path = Path(os.path.abspath(str(config.hydra.run.dir)))  # as Hydra's run_job resolves it (${now:} is cached)
+        RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
+        # Hydra writes its record there itself when hydra.output_subdir is set (rm.estimate with a hydra.run.dir); with
+        # null (rm.train, whose first write is its lock: exit 5 at rm's boundary) the folder may be read-only.
+        _make(path, writes=config.hydra.output_subdir is not None)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))), writes=True)  # Hydra writes multirun.yaml there
+
+
+def _make(path: Path, writes: bool) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if writes and not os.access(path, os.W_OK | os.X_OK):  # an existing folder Hydra would fail to write in
+            raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
+                                  str(path))
+    except OSError as err:
+        from rm.foundations.errors import report
+
+        # Hydra turns an exception in a callback into a warning and goes on to fail at its own mkdir; an exit
+        # passes through it.
+        raise SystemExit(report(err)) from None
+
+
+def remove_made(path: Path) -> None:
+    """Remove the folders of ``path`` that this start made (:class:`RunDirCallback`), deepest first, while each is
+    empty (``os.rmdir`` removes no file: whatever was written there stays, with its folder)."""
+    made = RunDirCallback.made
+    if not made or made[0] != Path(os.path.abspath(path)):
+        return
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return

@@ -132,7 +132,7 @@ def test_the_run_dir_callback_makes_the_folders_and_a_refused_start_removes_only
     refused start removes those (while empty) and never one that existed before."""
     from omegaconf import OmegaConf
 
-    from rm.runs.run_dir import RunDirCallback, remove_made
+    from rm.runs.run_record import RunDirCallback, remove_made
 
     (tmp_path / "outputs").mkdir()
     run_dir = tmp_path / "outputs" / "2026-01-01" / "00-00-00"
