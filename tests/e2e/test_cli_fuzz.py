@@ -157,11 +157,15 @@ def check_one_run(tmp_dir, overrides, rows, earlier):
         assert proc.returncode != 0 and set(changed) <= record | {"data_audit.json"}, f"{changed} changed\n{context}"
     elif not replacing:
         assert not changed, f"{changed} changed\n{context}"
+    elif proc.returncode in (2, 3):  # refused before the directory is the run's: nothing of the earlier run changes
+        assert not changed, f"{changed} changed\n{context}"
     elif proc.returncode != 0:
         assert set(changed) <= record, f"{changed} changed\n{context}"
-        assert (run_dir / "train.log").read_text().startswith("the earlier run's log\n") or earlier == "incomplete", context
-    if earlier == "locked":
-        assert proc.returncode == 3 and f"pid {os.getpid()}" in out, context
+        log = run_dir / "train.log"
+        assert earlier == "incomplete" or log.read_text().startswith("the earlier run's log\n"), context
+    if earlier == "locked":  # refused for the lock, or before it for its own settings (validated first: exit 2)
+        assert (proc.returncode == 3 and f"pid {os.getpid()}" in out) or \
+            (proc.returncode == 2 and "invalid configuration" in out), context
 
 
 def _fuzz(examples):
