@@ -1,4 +1,4 @@
-"""SDPA one packed sequence at a time.
+"""SDPA one packed sequence at a time; on CUDA in half precision, one varlen flash call a packed row and layer.
 
 A packed row (``train.packing``, with or without ``train.share_prefix``) holds several independent sequences
 (or prefix-shared pairs). Given a mask, SDPA computes the whole ``T x T`` score matrix of the row, the blocks
@@ -13,9 +13,9 @@ a query's masked-out keys contribute nothing (``tests/modelling/test_attention.p
 It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
 configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the
 function is transformers' own SDPA unless the caller passes ``segment_bounds`` (only
-:func:`rm.modelling.model.sequence_rewards` does, for packed rows). On a GPU a plain packed sequence's call is SDPA's
-causal one, which takes its flash kernel; finding the segments reads the row's ids on the host (one small copy
-a micro-batch).
+:func:`rm.modelling.model.sequence_rewards` does, for packed rows). In the loop a plain packed sequence's call is
+SDPA's causal one, which on a GPU takes its flash kernel in half precision; finding the segments reads the row's ids
+on the host (one small copy a micro-batch).
 
 On a GPU every call, a segment's or a whole padded or prefix-shared row's, keeps off cuDNN's SDPA kernel
 (:func:`sdpa_kernels`); :func:`rm.modelling.model.sequence_rewards` registers this module whatever the layout, so that
@@ -31,11 +31,13 @@ index built once a micro-batch on the host (:func:`varlen_layout`). Flash's caus
 a sequence has fewer queries than keys: query ``i`` of ``n_q`` sees keys up to ``i + n_k - n_q`` (``mask.h`` of
 torch's flash-attention: ``col_idx_limit_right = row + 1 + seqlen_k - seqlen_q + window_right``), so rejected token
 ``j`` sees the whole prompt and rejected tokens ``0 .. j``: what it sees in its own unshared sequence, window
-included. Which path runs where (:func:`takes_varlen`, the one switch):
+included. (The loop gives a pair its mask without the window, as every prefix-shared mask form does,
+:mod:`rm.modelling.prefix_sharing`: where a window shorter than a pair binds, the two paths differ, and the varlen one
+is the unshared computation.) Which path runs where (:func:`takes_varlen`, the one switch):
 
 * CPU: segmented SDPA, as above (the estimate's trace too: its fake tensors are CPU ones);
-* CUDA, fp16 or bf16 queries (bf16-true, or the projections' output under autocast), on Ampere or Hopper, no
-  attention dropout: varlen, one call a layer;
+* CUDA in fp16 or bf16 (bf16-true's queries, or any under bf16/fp16 autocast, which SDPA would have cast down),
+  on Ampere or Hopper, no attention dropout: varlen, one call a layer;
 * CUDA fp32 (flash takes half precision only), or attention dropout (the varlen call has none): segmented SDPA.
 
 ``tests/modelling/test_varlen.py`` checks the layout, and the varlen path on a CPU reference kernel against the
@@ -208,8 +210,16 @@ def takes_varlen(query: torch.Tensor, dropout: float) -> bool:
     """The one switch between the varlen call and the segmented loop (module docstring): a query flash takes (fp16 or
     bf16, a head size it has a kernel for) on a device it runs on, and no dropout (the varlen call has none)."""
     head = query.shape[-1]
-    return (not dropout and query.dtype in (torch.float16, torch.bfloat16) and head % 8 == 0 and head <= 256
-            and varlen_available(query.device))
+    return (not dropout and head % 8 == 0 and head <= 256 and varlen_available(query.device)
+            and attention_dtype(query) in (torch.float16, torch.bfloat16))
+
+
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA would compute in: under autocast (bf16-mixed, 16-mixed) autocast's, whatever the query's. There
+    the query is fp32 (RoPE multiplies the bf16 projection by fp32 cos and sin) and SDPA, on autocast's list, casts
+    q, k and v down; the varlen kernel is not on that list, so :func:`varlen_sdpa` casts them itself."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
 
 
 def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout,
@@ -230,8 +240,10 @@ def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lay
     saves what the forward saved: the varlen call keeps ``q`` and the (gathered) ``k``, ``v`` for its backward,
     and its output and log-sum-exp.
     """
-    q = query[0].transpose(0, 1).contiguous()  # (T, heads, head_dim); a no-op after RoPE, which keeps (T, heads) order
-    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    dtype = attention_dtype(query)
+    # (T, heads, head_dim); contiguous is a no-op after RoPE, which keeps the projection's (T, heads) order
+    q = query[0].transpose(0, 1).to(dtype).contiguous()
+    k, v = key[0].transpose(0, 1).to(dtype), value[0].transpose(0, 1).to(dtype)
     if layout.key_index is None:
         k, v = k.contiguous(), v.contiguous()
     else:  # a prefix-shared pair's rejected answer reads its prompt's keys again

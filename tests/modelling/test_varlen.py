@@ -141,6 +141,28 @@ def test_the_switch():
         assert not takes_varlen(q, 0.1)
         assert not takes_varlen(torch.zeros(1, 4, 6, 12, dtype=torch.bfloat16), 0.0)
         assert not takes_varlen(torch.zeros(1, 4, 6, 264, dtype=torch.bfloat16), 0.0)
+        # Under autocast (bf16-mixed) RoPE leaves the query in fp32, and SDPA would cast it down: so does varlen.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert takes_varlen(q.float(), 0.0)
+
+
+def test_under_autocast_the_varlen_call_gets_autocasts_dtype(model):  # noqa: F811
+    """bf16-mixed, the GPU default: fp32 weights under autocast. The call is taken, in bf16 (the kernel takes no fp32),
+    and the rewards are those of the segmented loop under the same autocast, to bf16's precision."""
+    batch = PrefixSharedCollator(packed=True)(FEATURES)
+    dtypes = []
+
+    def kernel(q, k, v, *args, **kwargs):
+        dtypes.append((q.dtype, k.dtype, v.dtype))
+        return varlen_reference(q, k, v, *args, **kwargs)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = rewards_and_grads(model, batch, split=True)
+        with mock.patch("rm.modelling.attention.varlen_available", return_value=True), \
+                mock.patch("rm.modelling.attention.varlen_attn", kernel):
+            got, _ = rewards_and_grads(model, batch, split=True)
+    assert dtypes == [(torch.bfloat16,) * 3] * model.config.num_hidden_layers
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2)
 
 
 def test_a_cpu_row_carries_no_layout():
