@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # bash scripts/gpu_session.sh OUT_DIR [STAGE ...]      on an offline CUDA machine, after `bash scripts/gpu_wheels.sh` here
 # Every GPU check in one pass, each stage under its own time limit, in the order that matters most: a run cut
-# short keeps what it measured. Stages: setup constants tests calibration speed-1b profile-1b speed-7b (default:
-# all, in the order given).
+# short keeps what it measured. Stages: setup varlen constants tests calibration speed-1b profile-1b speed-7b
+# (default: all, in the order given).
 # GPU_SESSION_SECONDS (default 540) is the whole pass's budget; a stage that cannot get 20 s is skipped.
 # TESTS_K and CALIBRATION_ONLY narrow the tests and the calibration grid (a rerun of what failed); SPEED_STEPS
 # shortens the speed runs (optimizer steps of each row, the first 10 (1B) or 4 (7B) untimed).
-# Writes into OUT_DIR (8 files at most): gpu_constants.json, gpu_tests.log, memory_calibration_gpu.{md,json},
-# throughput_gpu_1b.json, profiles_gpu_1b.txt, throughput_gpu_7b_lora.json.
+# Writes into OUT_DIR (8 files at most): gpu_constants.json, gpu_tests.log (the varlen and tests stages),
+# memory_calibration_gpu.{md,json}, throughput_gpu_1b.json, profiles_gpu_1b.txt, throughput_gpu_7b_lora.json.
 set -u
 out="${1:?usage: scripts/gpu_session.sh OUT_DIR [STAGE ...]}"
 shift
-stages="${*:-setup constants tests calibration speed-1b profile-1b speed-7b}"
+stages="${*:-setup varlen constants tests calibration speed-1b profile-1b speed-7b}"
 budget="${GPU_SESSION_SECONDS:-540}"
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -48,6 +48,12 @@ steps=${SPEED_STEPS:+--steps $SPEED_STEPS}
 for name in $stages; do
   case $name in
     setup) ;;
+    # A packed row's attention in one varlen flash call a layer (issue 48): never run on a GPU before, and every
+    # packed row of the speed stages takes it, so it runs first.
+    varlen) export RM_TEST_FAILURES="$out/gpu_tests.log"
+            stage varlen 60 python3 -m pytest -m gpu tests/e2e/test_gpu_varlen.py -v -rA -p no:cacheprovider \
+              --timeout 50 -o log_cli=false >>"$out/gpu_tests.log" 2>&1
+            tail -25 "$out/gpu_tests.log" ;;
     constants) stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json" ;;
     # Each failure's reason goes into the log as it happens (RM_TEST_FAILURES, tests/conftest.py); flex_attention's
     # tests, whose compiles took minutes on the H200, run after the others.

@@ -20,8 +20,10 @@ MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 
 def attention_kernel(attn_implementation: str) -> str:
     """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (a packed row's
-    SDPA one sequence or pair at a time, on a CPU and a GPU alike: ``rm.modelling.attention``) or ``square`` (the whole row:
-    eager attention). The step-time model and the memory estimate both follow it.
+    SDPA one sequence or pair at a time; on CUDA in half precision the same sequences in one varlen flash call a layer:
+    ``rm.modelling.attention``) or ``square`` (the whole row: eager attention). The step-time model and the memory
+    estimate both follow it (for the varlen call too, whose launches are one a layer rather than one a segment, and
+    which also keeps each pair's gathered prompt keys and values: neither is priced apart yet).
 
     >>> attention_kernel("sdpa"), attention_kernel("flex_attention"), attention_kernel("eager")
     ('segments', 'skips', 'square')

@@ -1,4 +1,4 @@
-"""SDPA one packed sequence at a time.
+"""SDPA one packed sequence at a time; on CUDA in half precision, one varlen flash call a packed row and layer.
 
 A packed row (``train.packing``, with or without ``train.share_prefix``) holds several independent sequences
 (or prefix-shared pairs). Given a mask, SDPA computes the whole ``T x T`` score matrix of the row, the blocks
@@ -13,30 +13,63 @@ a query's masked-out keys contribute nothing (``tests/modelling/test_attention.p
 It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
 configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the
 function is transformers' own SDPA unless the caller passes ``segment_bounds`` (only
-:func:`rm.modelling.model.sequence_rewards` does, for packed rows). On a GPU a plain packed sequence's call is SDPA's
-causal one, which takes its flash kernel; finding the segments reads the row's ids on the host (one small copy
-a micro-batch).
+:func:`rm.modelling.model.sequence_rewards` does, for packed rows). In the loop a plain packed sequence's call is
+SDPA's causal one, which on a GPU takes its flash kernel in half precision; finding the segments reads the row's ids
+on the host (one small copy a micro-batch).
 
 On a GPU every call, a segment's or a whole padded or prefix-shared row's, keeps off cuDNN's SDPA kernel
 (:func:`sdpa_kernels`); :func:`rm.modelling.model.sequence_rewards` registers this module whatever the layout, so that
 padded rows get that too.
+
+On CUDA the segments' loop is one SDPA call per segment and layer: hundreds of launches a layer for a long row. Where
+flash-attention runs, a packed row's layer is instead ONE call of torch's varlen flash kernel
+(``torch.nn.attention.varlen.varlen_attn``), which takes many sequences of one tensor at once (cumulative offsets)
+and skips the blocks between them. A plain packed sequence is one varlen sequence (causal, with Mistral's window as
+``(window - 1, 0)``, transformers' own flash rule); a prefix-shared pair is two: its prompt and chosen answer
+(causal), then its rejected answer against the keys ``[prompt ; rejected answer]``, gathered once a layer by an
+index built once a micro-batch on the host (:func:`varlen_layout`). Flash's causal mask is bottom-right aligned when
+a sequence has fewer queries than keys: query ``i`` of ``n_q`` sees keys up to ``i + n_k - n_q`` (``mask.h`` of
+torch's flash-attention: ``col_idx_limit_right = row + 1 + seqlen_k - seqlen_q + window_right``), so rejected token
+``j`` sees the whole prompt and rejected tokens ``0 .. j``: what it sees in its own unshared sequence, window
+included. (The loop gives a pair its mask without the window, as every prefix-shared mask form does,
+:mod:`rm.modelling.prefix_sharing`: where a window shorter than a pair binds, the two paths differ, and the varlen one
+is the unshared computation.) Which path runs where (:func:`takes_varlen`, the one switch):
+
+* CPU: segmented SDPA, as above (the estimate's trace too: its fake tensors are CPU ones);
+* CUDA in fp16 or bf16 (bf16-true's queries, or any under bf16/fp16 autocast, which SDPA would have cast down),
+  on Ampere or Hopper, no attention dropout: varlen, one call a layer;
+* CUDA fp32 (flash takes half precision only), or attention dropout (the varlen call has none): segmented SDPA.
+
+``tests/modelling/test_varlen.py`` checks the layout, and the varlen path on a CPU reference kernel against the
+segmented one; ``tests/e2e/test_gpu_varlen.py`` checks the real kernel against the padded path on a GPU.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from contextlib import nullcontext
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # torch before the varlen kernel (rm takes torch>=2.4): the segmented loop everywhere
+    varlen_attn = None
+else:  # the first releases of it took no window and no grouped-query heads
+    if not {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
+        varlen_attn = None
+
 
 def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
                    is_causal: Optional[bool] = None, segment_bounds: Optional[Sequence[int]] = None,
-                   segments_causal: bool = False, segment_masks: Optional[Sequence[torch.Tensor]] = None, **kwargs):
+                   segments_causal: bool = False, segment_masks: Optional[Sequence[torch.Tensor]] = None,
+                   varlen: Optional["VarlenLayout"] = None, **kwargs):
     """transformers' SDPA attention, one segment of the (single) row at a time when ``segment_bounds`` is given.
 
     Args:
@@ -50,6 +83,8 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             ``is_causal`` (the triangle) instead of a mask (the square); a segment longer than the
             model's ``sliding_window`` (Mistral's, passed by its attention) gets the windowed triangle instead, as
             transformers' own mask would give it.
+        varlen: the same segments as varlen sequences (:func:`varlen_layout`, on the query's device): where
+            :func:`takes_varlen`, the whole row is one varlen flash call instead of a call per segment.
 
     Returns:
         ``(attention output (1, T, heads, head_dim), None)``, as transformers' attention functions do.
@@ -58,9 +93,11 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
         with sdpa_kernels(query.device):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
+    window = kwargs.get("sliding_window")
+    if varlen is not None and takes_varlen(query, dropout):
+        return varlen_sdpa(query, key, value, varlen, scaling, window), None
     groups = query.shape[1] // key.shape[1]
     key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-    window = kwargs.get("sliding_window")
     # One split of each tensor, not a slice per segment: a slice's backward writes its gradient into a zero tensor
     # of the whole row, so n slices cost n row-sized fills and adds per tensor and layer (on a GPU, kernel launches
     # a segment and layer); a split's backward is one concatenation.
@@ -77,6 +114,143 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             outputs.append(torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None and n > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+class VarlenLayout(NamedTuple):
+    """A packed row's segments as the sequences of one varlen flash call (:func:`varlen_layout`)."""
+
+    cu_seq_q: torch.Tensor  # (N + 1,) int32: sequence i's queries are the row's tokens cu_seq_q[i] .. cu_seq_q[i+1] - 1
+    cu_seq_k: torch.Tensor  # (N + 1,) int32: the same offsets into the keys
+    key_index: Optional[torch.Tensor]  # (T_k,) int64: the row's token of each key; None: the keys are the row itself
+    max_q: int  # longest sequence's queries
+    max_k: int  # and keys
+
+    def to(self, device) -> "VarlenLayout":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        cu_seq_q = move(self.cu_seq_q)
+        cu_seq_k = cu_seq_q if self.cu_seq_k is self.cu_seq_q else move(self.cu_seq_k)
+        return self._replace(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, key_index=move(self.key_index))
+
+
+def varlen_layout(bounds: Sequence[int], roles: Optional[Sequence[int]] = None) -> Optional[VarlenLayout]:
+    """The varlen sequences of a packed row, on the host: a pure function of its segments and roles.
+
+    Plain packing (``roles`` None): each segment is one causal sequence, its own queries and keys. A prefix-shared
+    pair (prompt ``p``, chosen answer ``c``, rejected answer ``r`` tokens, in that order) is two: ``A``, queries and
+    keys its first ``p + c`` tokens; ``B``, queries its ``r`` rejected tokens and keys ``[prompt ; rejected]``,
+    under flash's bottom-right aligned causal mask (rejected token ``j`` sees the prompt and rejected ``0 .. j``).
+    The queries stay in row order (``A0, B0, A1, B1, ...`` is the row); a sequence without queries (``r == 0``; ``A``
+    of a pair without prompt and chosen answer) is left out. Where no pair needs its keys gathered (each has
+    ``p == 0`` or ``r == 0``), the keys are the row itself, as in plain packing.
+
+    Args:
+        bounds: the segments, ``[0, ..., T]`` (:func:`segment_bounds`).
+        roles: prefix-shared only: the row's roles (``rm.data.collator`` constants), as a list.
+
+    Returns:
+        The layout (CPU tensors), or None where a segment's roles are not those of one pair (then the segmented
+        loop, which takes any mask, runs).
+
+    Example (the rows of :class:`~rm.data.collator.PrefixSharedCollator`'s example: a pair with ``p, c, r = 2, 1, 2``,
+    then one with ``0, 1, 2``):
+        >>> plain = varlen_layout([0, 3, 5, 6])
+        >>> plain.cu_seq_q, plain.key_index, plain.max_q
+        (tensor([0, 3, 5, 6], dtype=torch.int32), None, 3)
+        >>> shared = varlen_layout([0, 5, 8], [0, 0, 1, 2, 2, 1, 2, 2])
+        >>> shared.cu_seq_q, shared.cu_seq_k
+        (tensor([0, 3, 5, 6, 8], dtype=torch.int32), tensor([ 0,  3,  7,  8, 10], dtype=torch.int32))
+        >>> shared.key_index  # B0 gathers the prompt (0, 1) and its rejected tokens (3, 4)
+        tensor([0, 1, 2, 0, 1, 3, 4, 5, 6, 7])
+        >>> shared.max_q, shared.max_k
+        (3, 4)
+    """
+    from rm.modelling.prefix_sharing import pair_parts
+
+    if roles is None:
+        sizes = [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+        cu = torch.tensor(list(bounds), dtype=torch.int32)
+        return VarlenLayout(cu, cu, None, max(sizes), max(sizes))
+    q_lengths: List[int] = []
+    k_lengths: List[int] = []
+    index: List[int] = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        parts = pair_parts(roles[start:end])
+        if parts is None:
+            return None
+        p, c, r = parts
+        if p + c:
+            q_lengths.append(p + c)
+            k_lengths.append(p + c)
+            index.extend(range(start, start + p + c))
+        if r:
+            q_lengths.append(r)
+            k_lengths.append(p + r)
+            index.extend(range(start, start + p))
+            index.extend(range(start + p + c, end))
+    cu_q = torch.tensor([0] + q_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    if len(index) == bounds[-1]:  # nothing gathered twice: the keys are the row (index == range(T))
+        return VarlenLayout(cu_q, cu_q, None, max(q_lengths), max(q_lengths))
+    cu_k = torch.tensor([0] + k_lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return VarlenLayout(cu_q, cu_k, torch.tensor(index, dtype=torch.int64), max(q_lengths), max(k_lengths))
+
+
+def varlen_available(device: torch.device) -> bool:
+    """Whether torch's varlen flash kernel can run on ``device``: a CUDA device of compute capability 8.x or 9.x, the
+    GPUs torch's flash-attention 2 admits (``flash_api.cpp`` refuses others), and a torch that has the kernel."""
+    return varlen_attn is not None and device.type == "cuda" and _flash_capable(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_capable(index: Optional[int]) -> bool:
+    major, _ = torch.cuda.get_device_capability(index)
+    return major in (8, 9)
+
+
+def takes_varlen(query: torch.Tensor, dropout: float) -> bool:
+    """The one switch between the varlen call and the segmented loop (module docstring): a query flash takes (fp16 or
+    bf16, a head size it has a kernel for) on a device it runs on, and no dropout (the varlen call has none)."""
+    head = query.shape[-1]
+    return (not dropout and head % 8 == 0 and head <= 256 and varlen_available(query.device)
+            and attention_dtype(query) in (torch.float16, torch.bfloat16))
+
+
+def attention_dtype(query: torch.Tensor) -> torch.dtype:
+    """The dtype SDPA would compute in: under autocast (bf16-mixed, 16-mixed) autocast's, whatever the query's. There
+    the query is fp32 (RoPE multiplies the bf16 projection by fp32 cos and sin) and SDPA, on autocast's list, casts
+    q, k and v down; the varlen kernel is not on that list, so :func:`varlen_sdpa` casts them itself."""
+    device = query.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+
+
+def varlen_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: VarlenLayout,
+                scaling: Optional[float], window: Optional[int]) -> torch.Tensor:
+    """A packed row's attention in one varlen flash call.
+
+    Args:
+        query, key, value: ``(1, heads, T, head_dim)``, key and value with the model's key-value heads (flash takes
+            grouped-query heads as they are: no ``repeat_kv``).
+        layout: :func:`varlen_layout`'s, on the query's device.
+        scaling: the softmax scale (None: ``head_dim ** -0.5``).
+        window: Mistral's ``sliding_window`` (key ``k`` seen from query ``q`` when ``q - window < k <= q``), or None.
+
+    Returns:
+        ``(1, T, heads, head_dim)``.
+
+    Nothing here reads the device's values or depends on them beyond the layout, so checkpointing's recomputation
+    saves what the forward saved: the varlen call keeps ``q`` and the (gathered) ``k``, ``v`` for its backward,
+    and its output and log-sum-exp.
+    """
+    dtype = attention_dtype(query)
+    # (T, heads, head_dim); contiguous is a no-op after RoPE, which keeps the projection's (T, heads) order
+    q = query[0].transpose(0, 1).to(dtype).contiguous()
+    k, v = key[0].transpose(0, 1).to(dtype), value[0].transpose(0, 1).to(dtype)
+    if layout.key_index is None:
+        k, v = k.contiguous(), v.contiguous()
+    else:  # a prefix-shared pair's rejected answer reads its prompt's keys again
+        k, v = k.index_select(0, layout.key_index), v.index_select(0, layout.key_index)
+    out = varlen_attn(q, k, v, layout.cu_seq_q, layout.cu_seq_k, layout.max_q, layout.max_k, scale=scaling,
+                      window_size=(window - 1, 0) if window else (-1, 0), enable_gqa=q.shape[1] != k.shape[1])
+    return out.unsqueeze(0)
 
 
 def sdpa_kernels(device: torch.device):
@@ -115,7 +289,9 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
     """The model inputs beyond ids and positions that make :func:`segmented_sdpa` take a packed row a segment at a
     time: its ``segment_bounds``, whether each segment is one causal sequence (plain packing) or a prefix-shared pair
     (``pair_ids`` and ``roles`` given) with its own mask (``segment_masks``, from the per-token rule
-    :func:`rm.modelling.prefix_sharing.allowed`), and a stand-in for the row's mask.
+    :func:`rm.modelling.prefix_sharing.allowed`), a stand-in for the row's mask, and on a GPU that runs the varlen
+    kernel the same segments as its sequences (``varlen``, :func:`varlen_layout`, copied to the device once a
+    micro-batch).
 
     The row's ``T x T`` mask is never built: segmented SDPA reads only each segment's block (the rest would be a
     ``T^2`` fill, 9 MB and several milliseconds for a 3,000-token row, for nothing). transformers still needs a 4D
@@ -144,6 +320,7 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
     length = bounds[-1]
     stand_in = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device).expand(1, 1, length, length)
     out = {"attention_mask": stand_in, "segment_bounds": list(bounds), "segments_causal": not shared}
+    row = None
     if shared:
         row = None if is_fake(roles) else roles[0].tolist()  # fake ids (the estimate's trace): the per-token rule
         masks = []
@@ -151,6 +328,12 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
             mask = pair_mask(row[s:e], input_ids.device) if row is not None else None
             masks.append(mask if mask is not None else allowed(pair_ids[:, s:e], roles[:, s:e]))
         out["segment_masks"] = masks
+    # Built where the kernel can run, whatever the model's dtype (known only inside attention, which decides per call:
+    # takes_varlen); the segmented masks above stay for the calls that do not take it (fp32, dropout).
+    if varlen_available(input_ids.device) and (row is not None or not shared):
+        layout = varlen_layout(bounds, row)
+        if layout is not None:
+            out["varlen"] = layout.to(input_ids.device)
     return out
 
 

@@ -392,8 +392,8 @@ def sequence_rewards(
     A packed batch (:class:`~rm.data.collator.PackedPairCollator`: one row, position ids
     restarting per sequence, no mask) is read at ``ends``; with no mask transformers keeps
     attention within each sequence (a block-diagonal mask, or flash-attention's varlen). SDPA takes
-    such a row one sequence (or prefix-shared pair) at a time, and on a GPU keeps every row layout off
-    cuDNN's kernel (:mod:`rm.modelling.attention`).
+    such a row one sequence (or prefix-shared pair) at a time, on CUDA in half precision in one varlen flash call a
+    layer, and on a GPU keeps every row layout off cuDNN's kernel (:mod:`rm.modelling.attention`).
 
     A prefix-shared batch (:class:`~rm.data.collator.PrefixSharedCollator`) also gives ``pair_ids``
     and ``roles``, from which the 4D mask is built here, on the device and in the form the model's

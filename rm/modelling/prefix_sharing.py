@@ -16,8 +16,9 @@ rewards are those of the unshared computation up to floating-point summation ord
 One rule, three forms, chosen by the model's ``attn_implementation``:
 
 * ``sdpa``: a boolean ``(rows, 1, T, T)`` mask, True where attention is allowed; transformers passes
-  a 4D mask to the kernel as it is (on a CPU, a packed row's pairs then go to SDPA one at a time, each with
-  its slice of the mask: ``rm.modelling.attention``);
+  a 4D mask to the kernel as it is. A packed row never builds it: its pairs go to SDPA one at a time, each with its
+  own block of the mask, or on CUDA in half precision to one varlen flash call a layer, two causal sequences a pair
+  (``rm.modelling.attention``);
 * ``eager``: the same as an additive float mask (0 allowed, the dtype's minimum elsewhere), since
   eager attention adds the mask to the scores;
 * ``flex_attention``: a ``BlockMask`` built from the rule itself (``create_block_mask``), which
@@ -30,7 +31,7 @@ flash-attention 2 takes no arbitrary mask; ``rm.settings.validate`` refuses it w
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -74,13 +75,28 @@ def pair_mask(roles: Sequence[int], device) -> Optional[torch.Tensor]:
             [1, 0, 1, 0],
             [1, 0, 1, 1]], dtype=torch.int32)
     """
+    parts = pair_parts(roles)
+    if parts is None:
+        return None
+    prompt, chosen, _ = parts
+    mid = prompt + chosen
+    mask = torch.ones((1, 1, len(roles), len(roles)), dtype=torch.bool, device=device).tril_()
+    mask[:, :, mid:, prompt:mid] = False
+    return mask
+
+
+def pair_parts(roles: Sequence[int]) -> Optional[Tuple[int, int, int]]:
+    """The lengths of one prefix-shared pair's prompt, chosen answer and rejected answer, read off its roles; None
+    where the roles are not those of one pair in that order (or there are none).
+
+    >>> pair_parts([0, 0, 1, 2, 2]), pair_parts([1, 2]), pair_parts([0, 0]), pair_parts([0, 2, 1])
+    ((2, 1, 2), (0, 1, 1), (2, 0, 0), None)
+    """
     prompt = next((i for i, r in enumerate(roles) if r != PREFIX), len(roles))
     mid = next((i for i in range(prompt, len(roles)) if roles[i] != CHOSEN), len(roles))
     if not roles or any(r != REJECTED for r in roles[mid:]):
         return None
-    mask = torch.ones((1, 1, len(roles), len(roles)), dtype=torch.bool, device=device).tril_()
-    mask[:, :, mid:, prompt:mid] = False
-    return mask
+    return prompt, mid - prompt, len(roles) - mid
 
 
 def shared_prefix_mask(

@@ -6,7 +6,8 @@ Each test is a short real run of the tiny model through ``rm.train.train`` with 
 device, the precision default and the optimizer are the ones a GPU user gets. What the CPU suite cannot
 reach: bf16 autocast and fp16 loss scaling on CUDA, bitsandbytes' paged 8-bit AdamW and 4-bit matmuls,
 DeepSpeed's CPU Adam beside a GPU, sdpa's and flex-attention's CUDA kernels under a prefix-shared mask,
-and the allocator's own counts in ``memory.json``.
+and the allocator's own counts in ``memory.json``. The varlen flash path of packed rows has its own file,
+``tests/e2e/test_gpu_varlen.py`` (the ``varlen`` stage of scripts/gpu_session.sh).
 """
 
 import json
