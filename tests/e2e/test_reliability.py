@@ -88,22 +88,22 @@ def _files(run_dir):
 @pytest.mark.reliability("Faults", "a run refused for its directory (it holds a finished run; `train.checkpoint.resume=true` on it)",
                          "no file under the directory changes, Hydra's `.hydra/` record and `train.log` included (bytes and "
                          "mtime): rm writes them only once the directory is the run's; exit 2")
-def test_a_refused_run_changes_no_file_of_the_earlier_run(tmp_path):
+def test_a_refused_run_changes_no_file_of_the_earlier_run(cli_run, tmp_path):
+    import shutil
+
     from omegaconf import OmegaConf
 
     from tests.conftest import compose_run
 
-    run_dir = tmp_path / "run"
-    args = [*FAST_TINY, "train.max_steps=2", "train.checkpoint.save_steps=1", "train.logging.eval_steps=0"]
-    proc = subprocess.run([sys.executable, "-m", "rm.train", *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    finished, args = cli_run
     # The record rm wrote once the directory was the run's: what Hydra itself writes.
-    record = run_dir / ".hydra"
+    record = finished / ".hydra"
     assert (record / "config.yaml").read_text() == OmegaConf.to_yaml(compose_run(args))
     assert OmegaConf.load(record / "overrides.yaml") == args
-    assert OmegaConf.load(record / "hydra.yaml").hydra.runtime.output_dir == str(run_dir)
-    assert "saved the reward model" in (run_dir / "train.log").read_text()
+    assert OmegaConf.load(record / "hydra.yaml").hydra.runtime.output_dir == str(finished)
+    assert "saved the reward model" in (finished / "train.log").read_text()
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished, run_dir)  # copy2: mtimes kept
     before = _files(run_dir)
     assert {"final/model.safetensors", "checkpoints/checkpoint-1/trainer_state.json", "metrics.jsonl"} <= set(before)
     for extra, needle in [([], "already holds a finished run"), (["train.checkpoint.resume=true"], "there is nothing to resume")]:

@@ -139,7 +139,7 @@ def test_a_run_prints_what_runs_first_then_progress_and_keeps_the_rest_in_its_lo
     tokenizer's line are in train.log only. The run is stopped once its summary is out (about 10 s idle)."""
     run_dir, stderr = tmp_path / "run", (tmp_path / "stderr.txt").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "rm.train", "experiment=tiny", "memory_profile=lora", "train.max_steps=2",
-                             f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                             "data.synthetic_train_size=512", "data.synthetic_test_size=128", f"hydra.run.dir={run_dir}"], stdout=subprocess.PIPE, stderr=stderr, text=True,
                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(CONF_DIR.parent)})
     lines, block = [], []
     try:

@@ -340,7 +340,8 @@ def test_estimate_cli_never_imports_bitsandbytes_and_still_accepts_its_profiles(
 @pytest.mark.reliability("Configuration", "a run that will not fit in memory", "refused with the breakdown and the overrides that fit; exit 3")
 def test_refusal_happens_before_anything_loads(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "rm.train", "experiment=tiny", "hardware.device_memory_gib=0.02", f"hydra.run.dir={tmp_path}"],
+        [sys.executable, "-m", "rm.train", "experiment=tiny", "hardware.device_memory_gib=0.02", "data.synthetic_train_size=512",
+         "data.synthetic_test_size=128", f"hydra.run.dir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )
     out = proc.stdout + proc.stderr

@@ -29,7 +29,8 @@ def read_metrics(run_dir):
 
 @pytest.fixture(scope="module")
 def learned_run(tmp_path_factory):
-    """One tiny full fine-tune, shared by the tests that inspect its outputs."""
+    """One tiny full fine-tune, shared by the tests that inspect its outputs. 160 steps: at this seed
+    400 reach no higher (eval accuracy 0.80 both), and take 30-50 s more."""
     from tests.conftest import FAST_TINY, compose_run
     from rm.foundations.config import to_run_config
 
@@ -37,7 +38,7 @@ def learned_run(tmp_path_factory):
         compose_run(
             FAST_TINY
             + ["data.max_length=128", "data.synthetic_train_size=8192", "data.synthetic_test_size=256",
-               "train.global_batch_size=32", "train.max_steps=400", "train.logging.eval_steps=200"]
+               "train.global_batch_size=32", "train.max_steps=160", "train.logging.eval_steps=80"]
         )
     )
     run_dir = tmp_path_factory.mktemp("learned")
@@ -49,9 +50,10 @@ def test_eval_accuracy_rises_well_above_chance(learned_run):
     _, run_dir, result = learned_run
     assert result["status"] == "ok"
     evals = [m for m in read_metrics(run_dir) if m["event"] == "eval"]
-    assert [m["step"] for m in evals] == [200, 400]
+    assert [m["step"] for m in evals] == [80, 160]
     # Refusal pairs alone (a fifth of the data) give about 0.6; more needs the answer read against the
-    # prompt. Measured: 0.80 at step 400 (the full demo goes on to 0.93).
+    # prompt. Measured: 0.80 at step 160, as at step 400 (the full demo goes on to 0.93). Other seeds learn slower
+    # (seed 1: 0.70 at step 200), which is why this checks the default seed only.
     assert result["eval_accuracy"] >= 0.75, result
     train_events = [m for m in read_metrics(run_dir) if m["event"] == "train"]
     assert all({"step", "loss", "lr", "tokens_per_s"} <= m.keys() for m in train_events)
