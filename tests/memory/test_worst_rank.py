@@ -55,7 +55,7 @@ def random_case(rng: random.Random):
     return cfg, plan, memory_shapes(cfg.train, plan, random_lengths(rng, 16 * world, cfg.data.max_length)), overrides
 
 
-@pytest.mark.parametrize("seed", [0, 1] + [pytest.param(s, marks=pytest.mark.slow) for s in range(2, 24)])
+@pytest.mark.parametrize("seed", [0] + [pytest.param(s, marks=pytest.mark.slow) for s in range(1, 24)])
 def test_the_worst_rank_is_the_largest_of_every_ranks_estimate_on_random_cases(seed):
     rng = random.Random(seed)
     for _ in range(3):

@@ -118,7 +118,8 @@ def _signal_at(monkeypatch, step_to_stop, signum):
 
 
 @pytest.mark.reliability("Faults", "SIGTERM / SIGINT during training", "finishes the step, writes a checkpoint, exits 128+N; `train.checkpoint.resume=true` continues; final weights equal an uninterrupted run's bit for bit")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+# SIGINT under -m slow (tests/e2e/test_signals.py drives both through a real process there too)
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
 def test_interrupted_and_resumed_run_equals_uninterrupted(tiny_cfg, tmp_path, monkeypatch, signum):
     overrides = ("train.max_steps=10", "train.checkpoint.save_steps=4", "train.logging.eval_steps=0", "train.checkpoint.save_total_limit=2")
     straight = rm_train.train(tiny_cfg(*overrides), tmp_path / "straight")
