@@ -204,11 +204,11 @@ def _numeric_keys():
 
 
 @pytest.mark.reliability("Configuration", "one to three numeric keys of any group at once, each 0, -1, 10^15, NaN or "
-                         "inf (property-based, 50 draws in process; 2000 with -m slow)",
+                         "inf (property-based, 25 draws in process; 2000 with -m slow)",
                          "refused before anything loads: composition names a value of the wrong type, validation names "
                          "every key whose value is outside its range (`rm.settings.validate.RANGES`) and no other")
 def test_random_bad_values_are_named_by_their_keys():
-    _bad_values(50)()
+    _bad_values(25)()
 
 
 @pytest.mark.slow

@@ -288,7 +288,7 @@ def test_a_cuda_profile_without_cuda_is_refused_for_training_not_for_estimating(
     assert proc.returncode == 2, out[-2000:]
     assert "hardware=h100_80g is a CUDA profile" in out and "hardware=auto" in out and "Traceback" not in out
     assert not (tmp_path / "final").exists() and not (tmp_path / "metrics.jsonl").exists()
-    estimate = subprocess.run([sys.executable, "-m", "rm.estimate", "experiment=tiny", "hardware=h100_80g"], cwd=ROOT,
+    estimate = subprocess.run([sys.executable, "-m", "rm.estimate", *FAST_TINY, "hardware=h100_80g"], cwd=ROOT,
                               capture_output=True, text=True, timeout=300)
     assert estimate.returncode == 0 and "hardware=h100_80g" in estimate.stdout, estimate.stderr[-2000:]
 
