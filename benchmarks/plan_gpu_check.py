@@ -54,7 +54,7 @@ def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -
     import bench_vs_trl as bench
     from rm.foundations.config import compose
     from rm.data.shapes import layout_of
-    from rm.foundations.hardware import attention_kernel
+    from rm.foundations.hardware import run_attention_kernel
     from rm.plan.constants import rates_for
     from rm.plan.lengths import step_micro_batches
     from rm.plan.steptime import predict_step_seconds
@@ -75,7 +75,7 @@ def predict_rows(results: dict, data_name: str, hardware: str, kernel_us=None) -
         steps = step_micro_batches(lengths, layout_of(t.packing, t.share_prefix), plan.micro_batch_size,
                                    plan.world_size, t.global_batch_size, t.seed, t.group_by_length,
                                    t.max_tokens_per_micro_batch, steps=setup.steps,
-                                   kernel=attention_kernel(cfg.model.attn_implementation))
+                                   kernel=run_attention_kernel(cfg, plan))
         rates = rates_for(plan.hardware, plan.device)
         if kernel_us is not None:
             rates = dataclasses.replace(rates, kernel_seconds=kernel_us * 1e-6)

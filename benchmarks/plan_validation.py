@@ -120,7 +120,7 @@ def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dic
     from rm.foundations.config import compose
     from rm.plan.constants import rates_for
     from rm.plan.lengths import data_lengths, step_micro_batches
-    from rm.foundations.hardware import attention_kernel
+    from rm.foundations.hardware import run_attention_kernel
     from rm.plan.steptime import predict_step_seconds
     from rm.data.shapes import layout_of
     from rm.settings.validate import validate
@@ -134,7 +134,7 @@ def predict(overrides: List[str], processes: int, steps: int, lengths_cache: Dic
     shapes = step_micro_batches(lengths_cache[key], layout_of(t.packing, t.share_prefix), plan.micro_batch_size,
                                 plan.world_size, t.global_batch_size, t.seed, t.group_by_length,
                                 t.max_tokens_per_micro_batch, steps=steps,
-                                kernel=attention_kernel(cfg.model.attn_implementation))
+                                kernel=run_attention_kernel(cfg, plan))
     return predict_step_seconds(cfg, plan, shapes, rates_for(plan.hardware, plan.device)).seconds
 
 

@@ -18,19 +18,59 @@ CARD_RATE_KEYS = (*PROFILE_KEYS, "inter_node_gbps", "kernel_us")
 MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 
 
-def attention_kernel(attn_implementation: str) -> str:
+def attention_kernel(attn_implementation: str, device: str = "cpu", numerics=None, quantized: bool = False) -> str:
     """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (a packed row's
-    SDPA one sequence or pair at a time; on CUDA in half precision the same sequences in one varlen flash call a layer:
-    ``rm.modelling.attention``) or ``square`` (the whole row: eager attention). The step-time model and the memory
-    estimate both follow it (for the varlen call too, whose launches are one a layer rather than one a segment, and
-    which also keeps each pair's gathered prompt keys and values: neither is priced apart yet).
+    SDPA one sequence or pair at a time: ``rm.modelling.attention``), ``varlen`` (the same sequences in ONE varlen
+    flash call a layer, which skips the blocks between them) or ``square`` (the whole row: eager attention).
+
+    The one place that says where a packed row takes the varlen call, for the step-time model (``rm.plan.steptime``:
+    one call a layer, the skipped-block sum) and the memory estimate (``rm.memory.trace``: the trace runs the varlen
+    call and keeps its saved tensors): given the run's ``device`` and ``numerics`` (:class:`rm.foundations.precision.Numerics`),
+    SDPA on ``cuda`` whose attention runs in half precision, which is :func:`rm.modelling.attention.takes_varlen`'s
+    rule as the plan can know it: under autocast (``bf16-mixed``, ``16-mixed``) always; without it (``bf16-true``)
+    where the compute dtype is half and the base is not 4-bit (``quantized``: bitsandbytes' 4-bit linears compute in
+    their input's dtype, fp32 after the fp32 norms QLoRA's preparation leaves, so the query is fp32 and the loop runs).
+    A CUDA profile is taken to be a GPU flash-attention runs on (compute capability 8.x or 9.x, as every named CUDA
+    profile here is; ``gpu_64g`` names no card); attention dropout (none in the models rm trains) is not read. Without
+    ``numerics`` (the kernel class of an implementation, :mod:`rm.plan.features`), never ``varlen``.
+    The varlen path is unmeasured on a GPU (docs/gpu.md): its step time and memory are modelled, not calibrated.
 
     >>> attention_kernel("sdpa"), attention_kernel("flex_attention"), attention_kernel("eager")
     ('segments', 'skips', 'square')
+    >>> from rm.foundations.precision import Precision
+    >>> bf16 = Precision.of("bf16-mixed").numerics(deepspeed=False)
+    >>> attention_kernel("sdpa", "cuda", bf16), attention_kernel("sdpa", "cpu", bf16), attention_kernel("eager", "cuda", bf16)
+    ('varlen', 'segments', 'square')
+    >>> attention_kernel("sdpa", "cuda", Precision.of("32-true").numerics(deepspeed=False))
+    'segments'
+    >>> true = Precision.of("bf16-true").numerics(deepspeed=False)
+    >>> attention_kernel("sdpa", "cuda", true), attention_kernel("sdpa", "cuda", true, quantized=True)
+    ('varlen', 'segments')
     """
     if attn_implementation in MASK_SKIPPING:
         return "skips"
-    return "segments" if attn_implementation == "sdpa" else "square"
+    if attn_implementation != "sdpa":
+        return "square"
+    if device == "cuda" and numerics is not None and half_attention(numerics, quantized):
+        return "varlen"
+    return "segments"
+
+
+def run_attention_kernel(cfg, plan) -> str:
+    """:func:`attention_kernel` of a validated run (``rm.foundations.config.RunConfig`` and its
+    ``rm.settings.validate.Plan``): its model's implementation on the plan's device, in the plan's numerics."""
+    return attention_kernel(cfg.model.attn_implementation, plan.device, plan.numerics,
+                            cfg.memory_profile.quantize_base != "none")
+
+
+def half_attention(numerics, quantized: bool = False) -> bool:
+    """Whether attention computes in fp16 or bf16 under ``numerics`` (:func:`attention_kernel`)."""
+    if numerics.autocast is not None:
+        return numerics.autocast in HALF
+    return numerics.compute in HALF and not quantized
+
+
+HALF = ("bfloat16", "float16")
 
 
 def host_ram_gib() -> float:

@@ -797,7 +797,9 @@ def activation_terms(traced: "TracedModel", model_cfg: ModelConfig, train_cfg: T
     batch, seq_len = shapes.train.rows, shapes.train.length
     accumulating = (plan.gradient_accumulation_steps > 1 or shapes.accumulating) and not (
         first_in_step and plan.strategy != "deepspeed")
-    # A packed row under SDPA: a sequence (or pair) at a time, traced with every one as long as the longest.
+    # A packed row under SDPA: a sequence (or pair) at a time, traced with every one as long as the longest; on a GPU
+    # in half precision the same sequences in one varlen call a layer, which the trace then runs
+    # (rm.memory.trace._varlen_device; rm.foundations.hardware.attention_kernel says where).
     segment = shapes.segment or 0
     if not (t.packing and attention_kernel(model_cfg.attn_implementation) == "segments") or segment >= seq_len:
         segment = 0

@@ -48,7 +48,10 @@ LoRA input) keeps a bool mask on CUDA and an input-dtype noise tensor on the CPU
 measured on an H100. SDPA's kernels differ by a few bytes per token: the CPU flash
 kernel and CUDA's flash / memory-efficient kernels all keep the output and an fp32
 log-sum-exp of ``B*H*T`` (CUDA's efficient kernel pads ``T`` to 32).
-``flash_attention_2`` cannot be traced.
+``flash_attention_2`` cannot be traced. A packed row on CUDA in half precision takes torch's varlen flash call
+(``rm.modelling.attention``); the trace of such a run takes it too (:func:`_varlen_device`), through the op's own fake
+implementation, so its saved tensors are the varlen call's (k and v with the key-value heads only, no ``repeat_kv``;
+a prefix-shared pair's prompt keys gathered again). That path is modelled, not measured on a GPU.
 
 Each trace is kept in memory for the process and on disk under ``$RM_CACHE/trace`` (:mod:`rm.foundations.cache`), keyed by its
 arguments (the model's shape, profile, LoRA settings, numerics, checkpointing, attention, device, micro-batch shape),
@@ -84,7 +87,7 @@ _SUPPORTED_ATTN = ("sdpa", "eager")
 # the list to the import graph). Their source is part of a cached trace's key, so an edit to any of them is a miss.
 TRACE_SOURCES = ("rm.memory.trace", "rm.memory.storage", "rm.modelling.model", "rm.modelling.loss", "rm.foundations.precision", "rm.modelling.prefix_sharing",
                  "rm.modelling.attention", "rm.data.collator", "rm.foundations.config", "rm.foundations.cache", "rm.foundations.launch_env",
-                 "rm.foundations.errors", "rm.foundations.cli")
+                 "rm.foundations.errors", "rm.foundations.cli", "rm.foundations.hardware")
 # The libraries whose code a trace runs: the model's (transformers), the adapters' (peft), the kernels' saved tensors
 # (torch), ZeRO-3's linear (deepspeed). Another version of any of them is a miss.
 TRACE_LIBRARIES = ("torch", "transformers", "peft", "deepspeed")
@@ -135,6 +138,14 @@ class TracedModel:
         if self.numerics.autocast is None:
             return contextlib.nullcontext()
         return torch.autocast("cpu", dtype=self.numerics.dtype("autocast"))
+
+    def attention_kernel(self) -> str:
+        """How the run's attention computes a packed row on its device (:func:`rm.foundations.hardware.attention_kernel`):
+        ``varlen`` where the trace takes torch's varlen call (:func:`_varlen_device`)."""
+        from rm.foundations.hardware import attention_kernel
+
+        quantized = _group(MemoryProfileConfig, self.profile).quantize_base != "none"
+        return attention_kernel(self.model_cfg.attn_implementation, self.device, self.numerics, quantized)
 
     @property
     def model_cfg(self) -> ModelConfig:
@@ -409,6 +420,44 @@ def _target_kernels(device: str, zero3_linear: bool = False):
         yield
 
 
+def _varlen_device(traced: TracedModel, packed: bool, shared_prefix: bool, seq_len: int, segment: int):
+    """Where the run's device takes the varlen flash call for a packed row (:meth:`TracedModel.attention_kernel` is
+    ``varlen``: CUDA, attention in half precision), the trace takes it too
+    (:func:`rm.modelling.attention.estimated_varlen_device`): the row's segments become varlen sequences and the trace
+    keeps what ``varlen_attn`` keeps for its backward (torch's fake implementation of the op gives its output and
+    log-sum-exp): q, k and v with the key-value heads only (no ``repeat_kv``), the output, an fp32 log-sum-exp of
+    ``heads x T``, and the layout's offsets and key index. Elsewhere (a CPU, fp32, a row of one segment) nothing changes.
+
+    A prefix-shared row's keys are ``T`` plus each pair's prompt again (its rejected answer's keys are
+    ``[prompt ; rejected]``, gathered). Fake roles hold no prompt lengths and the shapes carry none, so the trace
+    takes the most a row can gather (:func:`_varlen_roles`): a bound, reached only by pairs that are all prompt
+    but a one-token rejected answer (real pairs gather less, by their answers' length)."""
+    if not (packed and 0 < segment < seq_len and traced.attention_kernel() == "varlen"):
+        return contextlib.nullcontext()
+    from rm.modelling.attention import estimated_varlen_device
+
+    return estimated_varlen_device(_varlen_roles(seq_len, segment) if shared_prefix else None)
+
+
+def _varlen_roles(seq_len: int, segment: int) -> list:
+    """The roles the trace gives a prefix-shared packed row of ``segment``-token pairs under varlen: each pair all
+    prompt but one rejected token (no chosen answer), which gathers ``n - 1`` prompt keys for a pair of ``n`` tokens,
+    the most one can (its rejected answer needs a token): ``T - ceil(T / segment)`` keys more than the row's ``T``.
+    Pairs with answers of ``d`` tokens gather ``d - 1`` fewer each; a row of pairs shorter than ``segment`` gathers
+    at most as many (every pair's ``n - 1``, and fewer pairs the longer they are).
+
+    >>> _varlen_roles(7, 3)  # pairs of 3, 3 and 1 tokens: 2 + 2 + 0 prompt keys gathered again
+    [0, 0, 2, 0, 0, 2, 2]
+    """
+    from rm.data.collator import PREFIX, REJECTED
+
+    roles = []
+    for start in range(0, seq_len, segment):
+        n = min(segment, seq_len - start)
+        roles += [PREFIX] * (n - 1) + [REJECTED]
+    return roles
+
+
 def _mark_phases(model, tracker: StorageTracker) -> list:
     """Hooks that mark each layer's forward and backward and the final norm; returns their handles."""
     handles = []
@@ -515,7 +564,8 @@ def _run_trace(traced: TracedModel, num_layers: int, batch: int, seq_len: int, a
     # Built on the meta device, then given fake CPU tensors: peft moves its fresh adapters with
     # ``.to()``, which cannot swap fake parameters, but works on meta ones.
     model = traced.build(num_layers)
-    with _fake_mode(packed, padded), _target_kernels(traced.device, traced.zero3_linear):
+    with _fake_mode(packed, padded), _target_kernels(traced.device, traced.zero3_linear), \
+            _varlen_device(traced, packed, shared_prefix, seq_len, segment):
         _materialize_fake(model)
         inputs = _batch(batch, seq_len, packed, shared_prefix, segment)
         pairs = inputs["ends"].numel() // 2 if "ends" in inputs else batch // 2  # two rewards read per pair

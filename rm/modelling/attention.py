@@ -35,10 +35,17 @@ included. (The loop gives a pair its mask without the window, as every prefix-sh
 :mod:`rm.modelling.prefix_sharing`: where a window shorter than a pair binds, the two paths differ, and the varlen one
 is the unshared computation.) Which path runs where (:func:`takes_varlen`, the one switch):
 
-* CPU: segmented SDPA, as above (the estimate's trace too: its fake tensors are CPU ones);
+* CPU: segmented SDPA, as above (the estimate's trace too, unless it traces a GPU run: below);
 * CUDA in fp16 or bf16 (bf16-true's queries, or any under bf16/fp16 autocast, which SDPA would have cast down),
   on Ampere or Hopper, no attention dropout: varlen, one call a layer;
 * CUDA fp32 (flash takes half precision only), or attention dropout (the varlen call has none): segmented SDPA.
+
+The memory estimate's trace runs on fake CPU tensors, where :func:`varlen_available` says no; tracing a run whose
+device takes the varlen call (:func:`rm.foundations.hardware.attention_kernel` gives ``varlen``), it enters
+:func:`estimated_varlen_device`, inside which the kernel counts as available and :func:`takes_varlen` decides on the
+traced query as it would on the GPU: the trace then runs ``varlen_attn`` itself, whose fake implementation
+(``register_fake`` in ``torch.nn.attention.varlen``) gives its output and log-sum-exp, and whose autograd keeps what
+the GPU's keeps (q, the gathered k and v, cumulative offsets, output, log-sum-exp, a 16-byte rng state).
 
 ``tests/modelling/test_varlen.py`` checks the layout, and the varlen path on a CPU reference kernel against the
 segmented one; ``tests/e2e/test_gpu_varlen.py`` checks the real kernel against the padded path on a GPU.
@@ -46,6 +53,7 @@ segmented one; ``tests/e2e/test_gpu_varlen.py`` checks the real kernel against t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from contextlib import nullcontext
@@ -196,8 +204,35 @@ def varlen_layout(bounds: Sequence[int], roles: Optional[Sequence[int]] = None) 
 
 def varlen_available(device: torch.device) -> bool:
     """Whether torch's varlen flash kernel can run on ``device``: a CUDA device of compute capability 8.x or 9.x, the
-    GPUs torch's flash-attention 2 admits (``flash_api.cpp`` refuses others), and a torch that has the kernel."""
-    return varlen_attn is not None and device.type == "cuda" and _flash_capable(device.index)
+    GPUs torch's flash-attention 2 admits (``flash_api.cpp`` refuses others), and a torch that has the kernel; any
+    device inside :func:`estimated_varlen_device` (the estimate's fake tensors stand for such a GPU)."""
+    if varlen_attn is None:
+        return False
+    return bool(_ESTIMATED) or (device.type == "cuda" and _flash_capable(device.index))
+
+
+# The estimate's assumption, innermost last (estimated_varlen_device): the roles of a fake prefix-shared row (empty:
+# plain packing).
+_ESTIMATED: List[List[int]] = []
+
+
+@contextlib.contextmanager
+def estimated_varlen_device(roles: Optional[Sequence[int]] = None):
+    """Inside, the device counts as one that runs the varlen kernel (:func:`varlen_available`, whatever the tensors'
+    device): the memory estimate's trace (``rm.memory.trace``) of a run on a GPU that takes it, whose fake tensors
+    are CPU ones. The rest of the switch is unchanged: :func:`takes_varlen` still reads the traced query's dtype,
+    head size and dropout, as the GPU run would. Outside it (training, tests), the real device decides.
+
+    Args:
+        roles: a prefix-shared packed row's roles (``rm.data.collator`` constants, a list over the row), which fake
+            ``roles`` cannot hold: the pairs :func:`segmented_inputs` lays the row out as (the trace's choice of
+            pairs, :func:`rm.memory.trace._varlen_roles`). None: plain packing, whose layout needs only the bounds.
+    """
+    _ESTIMATED.append([] if roles is None else list(roles))
+    try:
+        yield
+    finally:
+        _ESTIMATED.pop()
 
 
 @functools.lru_cache(maxsize=None)
@@ -323,6 +358,8 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
     row = None
     if shared:
         row = None if is_fake(roles) else roles[0].tolist()  # fake ids (the estimate's trace): the per-token rule
+        if row is None and _ESTIMATED and _ESTIMATED[-1]:  # the estimate's trace of a varlen GPU: its pairs' roles
+            row = _ESTIMATED[-1]
         masks = []
         for s, e in zip(bounds[:-1], bounds[1:]):
             mask = pair_mask(row[s:e], input_ids.device) if row is not None else None

@@ -35,7 +35,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Dict, List, Optional, Tuple, get_type_hints
 
 from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig, TrainConfig
-from rm.foundations.hardware import attention_kernel
+from rm.foundations.hardware import attention_kernel, run_attention_kernel
 from rm.foundations.precision import NAMES as PRECISION_NAMES
 from rm.foundations.precision import Precision
 from rm.memory import terms
@@ -118,8 +118,13 @@ FEATURES: Tuple[Feature, ...] = (
             (rules._model_shape_errors, rules.SHAPE_KEYS, rules.validate)),
     Feature("pretrained weights", ("model.pretrained",), (terms.host_bytes, terms.random_init_build_bytes),
             Gap("loading is not part of an optimizer step"), (rules._model_shape_errors,)),
-    Feature("SDPA attention", ("model.attn_implementation",), terms.traced_model, _LAYOUT_STEPS,
-            (rules.validate,), values=("sdpa",), kernel="segments"),
+    # SDPA: a packed row a segment at a time, or on CUDA in half precision one varlen flash call a layer: which one
+    # runs is rm.foundations.hardware.attention_kernel's (run_attention_kernel, given the device and numerics), and
+    # both shadows follow it: the trace runs the varlen call where the run would (activation_terms, through
+    # TracedModel.attention_kernel), and the step time prices it one call a layer (steptime.micro_batch). The
+    # varlen path's memory and time are modelled, never measured on a GPU.
+    Feature("SDPA attention", ("model.attn_implementation",), (terms.traced_model, terms.activation_terms),
+            (*_LAYOUT_STEPS, run_attention_kernel), (rules.validate,), values=("sdpa",), kernel="segments"),
     Feature("eager attention", ("model.attn_implementation",), terms.traced_model, _LAYOUT_STEPS,
             (rules.validate,), values=("eager",), kernel="square"),
     Feature("flash-attention 2", ("model.attn_implementation",), terms.traced_model, _LAYOUT_STEPS,

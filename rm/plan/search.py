@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rm.foundations.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, TrainConfig, memory_profiles
-from rm.foundations.hardware import attention_kernel
+from rm.foundations.hardware import attention_kernel, run_attention_kernel
 from rm.plan import forkserver
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
 from rm.plan.steptime import Rates, StepTime, predict_step_seconds
@@ -550,7 +550,7 @@ class _Timer:
 
         t, p = c.cfg.train, c.plan
         key = (layout_of(t.packing, t.share_prefix), p.micro_batch_size, p.world_size, t.global_batch_size, t.seed,
-               t.group_by_length, t.max_tokens_per_micro_batch, attention_kernel(c.cfg.model.attn_implementation))
+               t.group_by_length, t.max_tokens_per_micro_batch, run_attention_kernel(c.cfg, p))
         if key not in self.shapes:
             shapes = step_micro_batches(self.lengths, *key[:7], steps=self.steps, kernel=key[7])
             self.shapes[key] = shapes, hash(tuple(mb for step in shapes for rank in step for mb in rank)), {}

@@ -23,7 +23,10 @@ compute the whole ``T x T`` square of a row whenever they are given a mask (padd
 the causal triangle only without one (``is_causal``); flash-attention 2 and flex-attention skip masked blocks, so
 they compute each sequence's triangle (packed: block-diagonal, ``sum l_i (l_i + 1) / 2``; a shared prefix once,
 each answer against prefix + itself). SDPA takes a packed row one segment at a time (``rm.modelling.attention``):
-each sequence's triangle, or each prefix-shared pair's square, for some ops more per segment.
+each sequence's triangle, or each prefix-shared pair's square, for some ops more per segment. On CUDA in half
+precision the same row is ONE varlen flash call a layer (kernel ``varlen``): no launches per segment, and the
+skipped-block sum as flash-attention's (a prefix-shared pair's rejected answer against its prompt and itself); it is
+modelled from the profile's rates, never timed on a GPU (``rm.plan.features``: packing is measured on CPUs only).
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
             ``packed+shared`` (one row of those).
         chosen, rejected: per pair, its sides' token lengths.
         prefix: per pair, the tokens both sides share at their start (the prompt).
-        kernel: how masked attention is computed (:func:`rm.foundations.hardware.attention_kernel`).
+        kernel: how masked attention is computed (:func:`rm.foundations.hardware.attention_kernel`, given the run's
+            device and numerics: ``varlen`` on CUDA in half precision).
 
     Example: pairs (chosen 5, rejected 3, prompt 2) and (4, 4, 3).
         >>> c, r, p = [5, 4], [3, 4], [2, 3]
@@ -102,6 +106,14 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
         MicroBatch(rows=1, length=11, tokens=16, attention=61, masked=True, segments=2)
         >>> micro_batch("padded", [4], [4], [1], "square").attention  # no padding, no mask: is_causal, 2 x 10
         20
+
+    Under ``varlen`` (SDPA on CUDA in half precision) a packed row of several sequences or pairs is one call a layer
+    that skips the blocks between them: the triangles, as ``skips``; no mask is read. (A prefix-shared row still
+    builds each pair's mask once a micro-batch for the loop the attention falls back to, and gathers its prompts'
+    keys once a layer: neither is priced.) A row of one sequence, and the layouts that are not packed, are one SDPA
+    call as under ``segments``.
+        >>> micro_batch("packed", c, r, p, "varlen"), micro_batch("packed+shared", c, r, p, "varlen").attention
+        (MicroBatch(rows=1, length=16, tokens=16, attention=41, masked=False, segments=1), 32)
     """
     pairs = list(zip(chosen, rejected, prefix))
     if layout in ("shared", "packed+shared"):
@@ -118,10 +130,12 @@ def micro_batch(layout: str, chosen: Sequence[int], rejected: Sequence[int], pre
     else:
         rows, length = len(rows_of), max(rows_of)
         masked = layout == "shared" or min(rows_of) < length
-    segments = len(rows_of) if kernel == "segments" and layout.startswith("packed") and len(rows_of) > 1 else 1
-    if segments > 1 and layout == "packed":  # a causal call per sequence: no mask is built or read
+    several = layout.startswith("packed") and len(rows_of) > 1  # a packed row of several sequences or pairs
+    segments = len(rows_of) if kernel == "segments" and several else 1
+    varlen = kernel == "varlen" and several  # one varlen call a layer over the row's sequences
+    if (segments > 1 and layout == "packed") or varlen:  # a causal call per sequence, or the varlen call: no mask read
         masked = False
-    if kernel == "skips":
+    if kernel == "skips" or varlen:
         attention = needed
     elif segments > 1:  # a causal call per sequence; a pair's call takes its slice of the mask (its square)
         attention = needed if layout == "packed" else sum(n * n for n in rows_of)

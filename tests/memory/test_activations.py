@@ -299,3 +299,50 @@ def test_zero3_linear_keeps_the_inputs_of_frozen_linears(dtype, nbytes):
     assert extra == BATCH * SEQ * (2 * MODEL.hidden_size + MODEL.intermediate_size) * nbytes
     full = traced(dtype, False)
     assert measure_layer(replace(full, zero3_linear=True), BATCH, SEQ).saved_bytes == measure_layer(full, BATCH, SEQ).saved_bytes
+
+
+@pytest.mark.parametrize("kv_heads,shared", [(2, False), (2, True), (4, False), (4, True)])
+def test_a_packed_trace_for_a_gpu_in_half_precision_keeps_the_varlen_calls_tensors(kv_heads, shared, monkeypatch):
+    """On CUDA in half precision a packed row's attention is one varlen flash call a layer (rm.modelling.attention),
+    and the estimate's trace of such a run runs it (torch's fake implementation of the op): one call a layer, where
+    the CPU's trace runs the segmented loop. Per steady layer of a row of T tokens in segments of S, H query heads
+    and K key-value heads of D dimensions in b bytes, the varlen call keeps, against the loop:
+
+    - k and v with K heads over the T_k keys it reads, where the loop keeps them repeated to H heads over T:
+      2 (T_k K - T H) D b. Plain packing: T_k = T. Prefix-shared pairs: T plus each pair's prompt again, the trace
+      taking the most a pair can gather (rm.memory.trace._varlen_roles: n - 1 of its n tokens): T_k = 2T - T/S;
+    - its output once (o_proj's input is a view of it), where the loop keeps each segment's SDPA output and the
+      contiguous concatenation o_proj takes: - T H D b;
+    - no mask, where the loop's SDPA keeps each pair's mask in the compute dtype: - (T/S) S^2 b (prefix-shared);
+    - the same fp32 log-sum-exp (H x T), and a 16-byte rng state.
+
+    So less with GQA (K < H: no repeat_kv) and more without it for prefix-shared pairs (their prompts' keys gathered
+    again). A CPU trace and an fp32 one on CUDA keep the loop."""
+    from dataclasses import replace
+
+    import rm.modelling.attention as attention
+    from rm.memory.trace import _run_trace
+
+    calls = []
+    real = attention.varlen_attn
+    monkeypatch.setattr(attention, "varlen_attn", lambda *a, **k: calls.append(1) or real(*a, **k))
+    T, S, H, D, b = 256, 32, 4, 32, 2
+    model = replace(MODEL, num_key_value_heads=kv_heads)
+
+    def saved(run: TracedModel):
+        """The steady layer's saved bytes, and the varlen calls its trace made."""
+        before = len(calls)
+        at = _run_trace(run, 2, 1, T, packed=True, shared_prefix=shared, segment=S).at
+        return at["norm"] - at["layer1"], len(calls) - before
+
+    cpu = traced("bf16-mixed", False, model=model)
+    (loop, on_cpu), (varlen, on_cuda) = saved(cpu), saved(replace(cpu, device="cuda"))
+    assert on_cpu == 0 and on_cuda == 2  # one varlen call a layer (two traced), none on the CPU
+    keys = 2 * T - T // S if shared else T
+    masks = (T // S) * S * S * b if shared else 0
+    assert varlen - loop == 2 * (keys * kv_heads - T * H) * D * b - T * H * D * b - masks + 16
+    assert (varlen < loop) if kv_heads < H or not shared else (varlen > loop)
+    # bf16-true likewise takes it; fp32 on CUDA keeps the loop (flash takes half precision only)
+    assert saved(replace(traced(torch.bfloat16, False, model=model), device="cuda"))[1] == 2
+    fp32 = traced(torch.float32, False, model=model)
+    assert saved(replace(fp32, device="cuda")) == saved(fp32) and saved(fp32)[1] == 0

@@ -496,6 +496,48 @@ def test_each_more_segment_of_a_packed_row_costs_its_ops_in_every_pass():
         assert extra == pytest.approx(2 * 2 * 3 * passes * 1e-6)
 
 
+def test_a_packed_row_on_a_gpu_in_half_precision_is_one_varlen_call_a_layer():
+    """On CUDA in half precision SDPA takes a packed row in ONE varlen flash call a layer (rm.modelling.attention), so
+    a row of 64 eight-token sequences is priced one call a layer, not 64 (2 layers x SEGMENT_KERNELS x 63 fewer ops a
+    pass), and its attention is the skipped-block sum (the triangles; a prefix-shared pair's rejected answer against
+    its prompt and itself). A CPU profile, and fp32 on a GPU, keep the segmented loop's pricing. Modelled: no GPU
+    has timed the varlen path."""
+    from rm.foundations.config import compose
+    from rm.foundations.hardware import run_attention_kernel
+    from rm.plan.steptime import SEGMENT_KERNELS, causal, micro_batch_seconds
+    from rm.settings.validate import validate
+
+    def kernel(*overrides):
+        cfg = compose(["experiment=tiny", "train.packing=true", *overrides])
+        return run_attention_kernel(cfg, validate(cfg, 1))
+
+    gpu = kernel("hardware=h100_80g", "train.precision=bf16-mixed")
+    assert gpu == "varlen" and kernel("hardware=h100_80g", "train.precision=bf16-true") == "varlen"
+    assert kernel("hardware=h100_80g", "train.precision=32-true") == "segments"
+    assert kernel("hardware=cpu") == "segments"
+
+    c, r, p = [8] * 32, [8] * 32, [0] * 32
+    on_gpu, on_cpu = micro_batch("packed", c, r, p, gpu), micro_batch("packed", c, r, p, "segments")
+    assert (on_gpu.segments, on_cpu.segments) == (1, 64)
+    assert on_gpu.attention == on_cpu.attention == micro_batch("packed", c, r, p, "skips").attention == 64 * causal(8)
+    assert not on_gpu.masked
+    table = {"bfloat16": [[128, 1e12]]}
+    rates = Rates(table, table, memory=1e12, link=1e9, inter_node=1e9, host_link=1e9, host_memory=1e9,
+                  kernel_seconds=1e-6)
+    for checkpointing, passes in ((False, 3), (True, 4)):
+        fewer = micro_batch_seconds(on_cpu, TINY, checkpointing, rates, "bfloat16", 2)["kernels"] - \
+            micro_batch_seconds(on_gpu, TINY, checkpointing, rates, "bfloat16", 2)["kernels"]
+        assert fewer == pytest.approx(TINY.layers * SEGMENT_KERNELS * 63 * passes * 1e-6)
+        assert micro_batch_seconds(on_gpu, TINY, checkpointing, rates, "bfloat16", 2)["kernels"] == \
+            pytest.approx(TINY.kernels * passes * 1e-6)  # no more ops than one attention call a layer
+    # prefix-shared pairs: the triangles of each side, the prompt's once (C, R, P: 32, as flash-attention's), one call
+    shared = micro_batch("packed+shared", C, R, P, gpu)
+    assert (shared.attention, shared.segments, shared.masked) == (32, 1, False)
+    assert micro_batch("packed+shared", C, R, P, "segments").segments == 2
+    # one pair in the row: no varlen call (nothing to split), the single SDPA call under its mask as under "segments"
+    assert micro_batch("packed+shared", [5], [3], [2], gpu) == micro_batch("packed+shared", [5], [3], [2], "segments")
+
+
 def test_attention_runs_at_the_rate_of_its_call_length():
     """A CPU's attention rate is measured per call length: a packed row of four 64-token sequences (16,384 score
     entries) runs at the 64-token rate, one 128-token padded row (the same entries) at the 128-token rate: 4 x 256
