@@ -15,8 +15,13 @@ from rm.foundations.config import to_run_config
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 
-# The tests run on 2-core machines; more threads than cores only adds contention.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# The tests run on 2-core machines; more threads than cores only adds contention. Under pytest-xdist (``-n 2``, the
+# README's command) each worker is one of the cores: one thread for it and for the processes its tests start.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
 def compose_run(overrides=()):
