@@ -18,7 +18,8 @@ CARD_RATE_KEYS = (*PROFILE_KEYS, "inter_node_gbps", "kernel_us")
 MASK_SKIPPING = ("flash_attention_2", "flex_attention")
 
 
-def attention_kernel(attn_implementation: str, device: str = "cpu", numerics=None, quantized: bool = False) -> str:
+def attention_kernel(attn_implementation: str, device: str = "cpu", numerics=None, quantized: bool = False,
+                     head_dim: int = 128) -> str:
     """How the attention of a masked row is computed: ``skips`` (masked blocks skipped), ``segments`` (a packed row's
     SDPA one sequence or pair at a time: ``rm.modelling.attention``), ``varlen`` (the same sequences in ONE varlen
     flash call a layer, which skips the blocks between them) or ``square`` (the whole row: eager attention).
@@ -32,7 +33,8 @@ def attention_kernel(attn_implementation: str, device: str = "cpu", numerics=Non
     their input's dtype, fp32 after the fp32 norms QLoRA's preparation leaves, so the query is fp32 and the loop runs).
     A CUDA profile is taken to be a GPU flash-attention runs on (compute capability 8.x or 9.x, as every named CUDA
     profile here is; ``gpu_64g`` names no card); attention dropout (none in the models rm trains) is not read. Without
-    ``numerics`` (the kernel class of an implementation, :mod:`rm.plan.features`), never ``varlen``.
+    ``numerics`` (the kernel class of an implementation, :mod:`rm.plan.features`), never ``varlen``; nor for a
+    ``head_dim`` flash has no kernel for (:func:`flash_head_dim`, the runtime's rule too).
     The varlen path is unmeasured on a GPU (docs/gpu.md): its step time and memory are modelled, not calibrated.
 
     >>> attention_kernel("sdpa"), attention_kernel("flex_attention"), attention_kernel("eager")
@@ -46,12 +48,14 @@ def attention_kernel(attn_implementation: str, device: str = "cpu", numerics=Non
     >>> true = Precision.of("bf16-true").numerics(deepspeed=False)
     >>> attention_kernel("sdpa", "cuda", true), attention_kernel("sdpa", "cuda", true, quantized=True)
     ('varlen', 'segments')
+    >>> attention_kernel("sdpa", "cuda", bf16, head_dim=100)
+    'segments'
     """
     if attn_implementation in MASK_SKIPPING:
         return "skips"
     if attn_implementation != "sdpa":
         return "square"
-    if device == "cuda" and numerics is not None and half_attention(numerics, quantized):
+    if device == "cuda" and numerics is not None and half_attention(numerics, quantized) and flash_head_dim(head_dim):
         return "varlen"
     return "segments"
 
@@ -59,8 +63,14 @@ def attention_kernel(attn_implementation: str, device: str = "cpu", numerics=Non
 def run_attention_kernel(cfg, plan) -> str:
     """:func:`attention_kernel` of a validated run (``rm.foundations.config.RunConfig`` and its
     ``rm.settings.validate.Plan``): its model's implementation on the plan's device, in the plan's numerics."""
-    return attention_kernel(cfg.model.attn_implementation, plan.device, plan.numerics,
-                            cfg.memory_profile.quantize_base != "none")
+    m = cfg.model
+    return attention_kernel(m.attn_implementation, plan.device, plan.numerics, cfg.memory_profile.quantize_base != "none",
+                            m.head_dim or m.hidden_size // m.num_attention_heads)
+
+
+def flash_head_dim(head_dim: int) -> bool:
+    """Whether torch's flash kernels (the varlen call's) take this head size: a multiple of 8, at most 256."""
+    return head_dim % 8 == 0 and head_dim <= 256
 
 
 def half_attention(numerics, quantized: bool = False) -> bool:

@@ -144,8 +144,10 @@ class TracedModel:
         ``varlen`` where the trace takes torch's varlen call (:func:`_varlen_device`)."""
         from rm.foundations.hardware import attention_kernel
 
+        m = self.model_cfg
         quantized = _group(MemoryProfileConfig, self.profile).quantize_base != "none"
-        return attention_kernel(self.model_cfg.attn_implementation, self.device, self.numerics, quantized)
+        return attention_kernel(m.attn_implementation, self.device, self.numerics, quantized,
+                                m.head_dim or m.hidden_size // m.num_attention_heads)
 
     @property
     def model_cfg(self) -> ModelConfig:

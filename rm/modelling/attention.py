@@ -64,6 +64,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 
+from rm.foundations.hardware import flash_head_dim
+
 try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # torch before the varlen kernel (rm takes torch>=2.4): the segmented loop everywhere
@@ -244,8 +246,7 @@ def _flash_capable(index: Optional[int]) -> bool:
 def takes_varlen(query: torch.Tensor, dropout: float) -> bool:
     """The one switch between the varlen call and the segmented loop (module docstring): a query flash takes (fp16 or
     bf16, a head size it has a kernel for) on a device it runs on, and no dropout (the varlen call has none)."""
-    head = query.shape[-1]
-    return (not dropout and head % 8 == 0 and head <= 256 and varlen_available(query.device)
+    return (not dropout and flash_head_dim(query.shape[-1]) and varlen_available(query.device)
             and attention_dtype(query) in (torch.float16, torch.bfloat16))
 
 
