@@ -113,9 +113,13 @@ def variants(setup: Setup) -> dict:
             f"train.micro_batch_size={small}", "train.share_prefix=true", "train.group_by_length=true"],
         **flex,
     }
-    # What a new user runs: no layout flag at all, checkpointing included.
-    return {"rm, no layout flags (train.layout=auto)": [],
+    # What a new user runs: no layout flag at all, checkpointing included. Then the same two compiled
+    # (train.compile=true: each decoder layer, its compile in the warm-up steps, which --skip-steps must cover).
+    rows = {"rm, no layout flags (train.layout=auto)": [],
             **{name: ["train.layout=given", ckpt, *layout] for name, layout in pinned.items()}}
+    rows["rm padded, compiled (train.compile=true)"] = [*rows["rm padded"], "train.compile=true"]
+    rows["rm, no layout flags, compiled (train.compile=true)"] = ["train.compile=true"]
+    return rows
 
 
 VARIANTS = variants(SETUP)
@@ -564,7 +568,8 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
             print(f"  running {trainer} (1-minute load average {load:.2f}) ...", flush=True)
             done = subprocess.run([sys.executable, __file__, "--child", "trl" if trainer.startswith("TRL") else trainer,
                                    "--data-file", str(path), "--out", str(out), "--threads", str(args.threads),
-                                   "--steps", str(SETUP.steps), "--setup", args.setup], cwd=ROOT, capture_output=True,
+                                   "--steps", str(SETUP.steps), "--skip-steps", str(SETUP.skip_steps), "--setup", args.setup],
+                                  cwd=ROOT, capture_output=True,
                                   text=True, env=env)
             if done.returncode:
                 if trainer.startswith("TRL") or SETUP.hardware == "cpu":
@@ -604,6 +609,8 @@ def main() -> None:
                         help="cpu: the tiny model on 2 threads; gpu-1b: a 1.1B full fine-tune; gpu-7b-lora: Mistral-7B LoRA r16")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (a smoke test: --steps 10)")
+    parser.add_argument("--skip-steps", type=int, default=None, help="steps left out of the timing (the setup's "
+                        "warm-up; a compiled row's compile needs about 10 on a CPU)")
     parser.add_argument("--data", nargs="*", default=list(DATASETS), choices=list(DATASETS), help="data sets to run")
     parser.add_argument("--write-doc", action="store_true", help="write the tables into benchmarks/results/throughput.md")
     parser.add_argument("--out-json", help="every result as JSON, rewritten after each trainer")
@@ -616,7 +623,8 @@ def main() -> None:
     parser.add_argument("--data-file", dest="data_file", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    SETUP = replace(SETUPS[args.setup], **({"steps": args.steps} if args.steps else {}))
+    SETUP = replace(SETUPS[args.setup], **({"steps": args.steps} if args.steps else {}),
+                    **({"skip_steps": args.skip_steps} if args.skip_steps is not None else {}))
     VARIANTS = variants(SETUP)
     if args.child:
         return child(args)

@@ -259,6 +259,11 @@ class TrainConfig:
     # (rm.foundations.threads, benchmarks/threads_under_load.py). CPU matmuls round differently with 1 and 2 threads,
     # so auto can change the last bits of a run with the load (a resume keeps its run's count); set it to repeat a run
     threads: int = 0
+    # torch.compile each decoder layer (regional, as torchtitan and transformers do): fused elementwise kernels and
+    # fewer launches, at a compile of tens of seconds at start and a recompile when the sequence length first changes.
+    # rm's attention stays eager between the compiled parts. Opt-in: speed and memory as measured in docs/throughput.md
+    # (the memory estimate traces the eager model, an upper bound: tests/modelling/test_compile.py)
+    compile: bool = False
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -12,7 +12,7 @@ a query's masked-out keys contribute nothing (``tests/modelling/test_attention.p
 
 It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`` itself, so that the
 configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the
-function is transformers' own SDPA unless the caller passes ``segment_bounds`` (only
+function is transformers' own SDPA unless the caller passes ``packed_row`` (only
 :func:`rm.modelling.model.sequence_rewards` does, for packed rows). In the loop a plain packed sequence's call is
 SDPA's causal one, which on a GPU takes its flash kernel in half precision; finding the segments reads the row's ids
 on the host (one small copy a micro-batch).
@@ -75,34 +75,51 @@ else:  # the first releases of it took no window and no grouped-query heads
         varlen_attn = None
 
 
+class PackedRow:
+    """A packed row's segments, as every layer's attention takes them (:func:`segmented_inputs` builds it).
+
+    Attributes:
+        bounds: ``0 = b_0 < b_1 < ... < b_n = T``: segment ``i`` is tokens ``b_i .. b_{i+1} - 1``; no query attends
+            outside its segment.
+        causal: every segment is one causal sequence (plain packing), so each call takes SDPA's ``is_causal`` (the
+            triangle) instead of a mask (the square); a segment longer than the model's ``sliding_window``
+            (Mistral's, passed by its attention) gets the windowed triangle instead, as transformers' own mask would
+            give it.
+        masks: per segment, its own ``(1, 1, n, n)`` mask (a prefix-shared pair's), where the segments are not causal
+            sequences.
+        varlen: the same segments as varlen sequences (:func:`varlen_layout`, on the query's device): where
+            :func:`takes_varlen`, the whole row is one varlen flash call instead of a call per segment.
+
+    One plain object rather than a list and tensors among the layers' keyword arguments, so that ``torch.compile``
+    (``train.compile``) passes it through to the eager attention unread: it guards on what it reads of a compiled
+    layer's arguments, a list's length included, and would recompile every layer for each new packing.
+    """
+
+    __slots__ = ("bounds", "causal", "masks", "varlen")
+
+    def __init__(self, bounds: Sequence[int], causal: bool = True, masks: Optional[Sequence[torch.Tensor]] = None,
+                 varlen: Optional["VarlenLayout"] = None):
+        self.bounds, self.causal, self.masks, self.varlen = list(bounds), causal, masks, varlen
+
+
 def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
-                   is_causal: Optional[bool] = None, segment_bounds: Optional[Sequence[int]] = None,
-                   segments_causal: bool = False, segment_masks: Optional[Sequence[torch.Tensor]] = None,
-                   varlen: Optional["VarlenLayout"] = None, **kwargs):
-    """transformers' SDPA attention, one segment of the (single) row at a time when ``segment_bounds`` is given.
+                   is_causal: Optional[bool] = None, packed_row: Optional[PackedRow] = None, **kwargs):
+    """transformers' SDPA attention, one segment of the (single) row at a time when ``packed_row`` is given.
 
     Args:
         query, key, value: ``(1, heads, T, head_dim)`` (key and value with the model's key-value heads).
-        attention_mask: the row's ``(1, 1, T, T)`` mask, or None; with ``segment_bounds``, not read.
-        segment_bounds: ``0 = b_0 < b_1 < ... < b_n = T``: segment ``i`` is tokens ``b_i .. b_{i+1} - 1``; no
-            query attends outside its segment.
-        segment_masks: per segment, its own ``(1, 1, n, n)`` mask (a prefix-shared pair's), where the segments are
-            not causal sequences.
-        segments_causal: every segment is one causal sequence (plain packing), so each call takes SDPA's
-            ``is_causal`` (the triangle) instead of a mask (the square); a segment longer than the
-            model's ``sliding_window`` (Mistral's, passed by its attention) gets the windowed triangle instead, as
-            transformers' own mask would give it.
-        varlen: the same segments as varlen sequences (:func:`varlen_layout`, on the query's device): where
-            :func:`takes_varlen`, the whole row is one varlen flash call instead of a call per segment.
+        attention_mask: the row's ``(1, 1, T, T)`` mask, or None; with ``packed_row``, not read.
+        packed_row: the row's segments (:class:`PackedRow`).
 
     Returns:
         ``(attention output (1, T, heads, head_dim), None)``, as transformers' attention functions do.
     """
-    if segment_bounds is None or query.shape[0] != 1:
+    if packed_row is None or query.shape[0] != 1:
         with sdpa_kernels(query.device):
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, is_causal=is_causal, **kwargs)
+    segment_bounds, varlen = packed_row.bounds, packed_row.varlen
     window = kwargs.get("sliding_window")
     if varlen is not None and takes_varlen(query, dropout):
         return varlen_sdpa(query, key, value, varlen, scaling, window), None
@@ -117,10 +134,10 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
     with sdpa_kernels(query.device):
         for i, (q, k, v) in enumerate(parts):
             n = sizes[i]
-            if segments_causal:
+            if packed_row.causal:
                 mask = windowed_causal(n, window, query.device) if window and n > window else None
             else:
-                mask = segment_masks[i]
+                mask = packed_row.masks[i]
             outputs.append(torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None and n > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
@@ -323,10 +340,10 @@ def windowed_causal(length: int, window: int, device) -> torch.Tensor:
 def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_ids: Optional[torch.Tensor] = None,
                      roles: Optional[torch.Tensor] = None, bounds: Optional[Sequence[int]] = None) -> Optional[Dict]:
     """The model inputs beyond ids and positions that make :func:`segmented_sdpa` take a packed row a segment at a
-    time: its ``segment_bounds``, whether each segment is one causal sequence (plain packing) or a prefix-shared pair
-    (``pair_ids`` and ``roles`` given) with its own mask (``segment_masks``, from the per-token rule
-    :func:`rm.modelling.prefix_sharing.allowed`), a stand-in for the row's mask, and on a GPU that runs the varlen
-    kernel the same segments as its sequences (``varlen``, :func:`varlen_layout`, copied to the device once a
+    time: a stand-in for the row's mask and the row's :class:`PackedRow` (``packed_row``): its bounds, whether each
+    segment is one causal sequence (plain packing) or a prefix-shared pair (``pair_ids`` and ``roles`` given) with
+    its own mask (from the per-token rule :func:`rm.modelling.prefix_sharing.allowed`), and on a GPU that runs the
+    varlen kernel the same segments as its sequences (:func:`varlen_layout`, copied to the device once a
     micro-batch).
 
     The row's ``T x T`` mask is never built: segmented SDPA reads only each segment's block (the rest would be a
@@ -355,7 +372,7 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
         return None
     length = bounds[-1]
     stand_in = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device).expand(1, 1, length, length)
-    out = {"attention_mask": stand_in, "segment_bounds": list(bounds), "segments_causal": not shared}
+    row_layout = PackedRow(bounds, causal=not shared)
     row = None
     if shared:
         row = None if is_fake(roles) else roles[0].tolist()  # fake ids (the estimate's trace): the per-token rule
@@ -365,14 +382,14 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
         for s, e in zip(bounds[:-1], bounds[1:]):
             mask = pair_mask(row[s:e], input_ids.device) if row is not None else None
             masks.append(mask if mask is not None else allowed(pair_ids[:, s:e], roles[:, s:e]))
-        out["segment_masks"] = masks
+        row_layout.masks = masks
     # Built where the kernel can run, whatever the model's dtype (known only inside attention, which decides per call:
     # takes_varlen); the segmented masks above stay for the calls that do not take it (fp32, dropout).
     if varlen_available(input_ids.device) and (row is not None or not shared):
         layout = varlen_layout(bounds, row)
         if layout is not None:
-            out["varlen"] = layout.to(input_ids.device)
-    return out
+            row_layout.varlen = layout.to(input_ids.device)
+    return {"attention_mask": stand_in, "packed_row": row_layout}
 
 
 def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:
@@ -399,3 +416,15 @@ def segment_bounds(ids: torch.Tensor, starts_at_zero: bool) -> Optional[list]:
 
 
 AttentionInterface.register("sdpa", segmented_sdpa)
+
+
+def keep_attention_eager() -> None:
+    """Register this module's attention as a boundary of ``torch.compile`` (``train.compile``): the compiled layers
+    run up to it and resume after it, and it runs as it does uncompiled.
+
+    Why: a packed row's segment bounds, and the varlen layout's lengths, are Python numbers that change every
+    micro-batch; traced into a compiled layer, each new packing recompiles it (on a CPU, 5 to 23 s a micro-batch
+    on the benchmark's 4-layer model before dynamo gave up). Eager, it costs one graph break a layer. Registering
+    the disabled function under the same name changes nothing for an uncompiled model, so it stays registered.
+    """
+    AttentionInterface.register("sdpa", torch.compiler.disable(segmented_sdpa))

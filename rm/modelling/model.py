@@ -221,6 +221,37 @@ def enable_activation_checkpointing(model: PreTrainedModel) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """``torch.compile`` each decoder layer in place (``train.compile``): regional compilation, as torchtitan and
+    transformers do it, rather than the whole model. Returns how many layers it compiled.
+
+    Why regional: every layer has the same code and shapes, so one compile serves them all (dynamo inlines the
+    modules and guards on their parameters as inputs), where a whole-model compile takes as many times longer as
+    there are layers. ``Module.compile`` keeps the module and its parameter names (``torch.compile(module)`` would
+    wrap it and prefix every key of its state dict), so checkpoints, PEFT, export and the engine see the same model.
+    The attention call inside each layer stays eager (:func:`rm.modelling.attention.keep_attention_eager`), and so
+    does the reward head. The layers are the modules of the classes the model names in ``_no_split_modules``
+    (transformers' own list of its decoder-layer classes; under PEFT, the base model's).
+    """
+    from rm.modelling.attention import keep_attention_eager
+
+    layer_classes = set()
+    for module in model.modules():
+        layer_classes.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise TypeError(f"train.compile: {type(model).__name__} names no decoder-layer class (_no_split_modules) to compile")
+    keep_attention_eager()
+    # Sequence lengths change every micro-batch: compiled for any length from the first call (dynamic), rather than
+    # for the first length, then again for any. What is left to recompile for is finite (training and evaluation,
+    # each layout's keyword arguments, the two calls around the attention's graph break, checkpointing's recompute):
+    # the demo's busiest frame takes 6 graphs, near dynamo's default limit of 8, past which a frame runs uncompiled.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    for layer in layers:
+        layer.compile(dynamic=True)
+    return len(layers)
+
+
 def apply_memory_profile(model: PreTrainedModel, profile: MemoryProfileConfig, lora_cfg: LoraConfig) -> PreTrainedModel:
     """Make the weights the profile trains trainable; wrap with PEFT LoRA when it asks for it."""
     if not profile.use_lora:

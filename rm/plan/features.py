@@ -108,6 +108,10 @@ FEATURES: Tuple[Feature, ...] = (
             Gap("not modelled: optimi's compensation buffer adds 2 bytes a trained weight to the optimizer's traffic, "
                 "which steptime.adamw_traffic_bytes leaves out"),
             (rules._precision_for_layout,)),
+    Feature("regional torch.compile", ("train.compile",), terms.traced_model,
+            Gap("not modelled: rm.plan prices the eager layers (the CPU A/B of docs/throughput.md; no GPU has timed a "
+                "compiled run), and train.layout=auto never turns it on"),
+            (rules._compile_errors,)),
     Feature("reward centring", ("train.center_rewards_coefficient",), terms.traced_model,
             Gap("a few elementwise ops a pair, below the model's resolution"), (rules.RANGES,)),
     # The model and its kernels.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, NamedTuple, Sequence, Tuple
@@ -310,6 +311,7 @@ def validate(cfg: RunConfig, world_size: int, world_size_source: str = "given", 
     strategy, zero_stage = _check_profile_and_distribution(cfg.memory_profile, cfg.distributed, errors)
     warnings = (_precision_for_layout(cfg.train, cfg.memory_profile, cfg.distributed, precision, strategy, errors)
                 + _attention_warnings(cfg.model))
+    errors += _compile_errors(cfg.train, cfg.model, cfg.memory_profile, strategy, device)
     if t.packing and strategy == "deepspeed":  # DeepSpeed fixes the micro-batches per step; packed steps vary
         errors.append("train.packing=true does not work with distributed.strategy=deepspeed: use ddp, or train.packing=false")
 
@@ -401,6 +403,31 @@ def _precision_for_layout(train_cfg: TrainConfig, profile: MemoryProfileConfig, 
                 f"move. Use train.precision=bf16-mixed (fp32 master weights and states), or a learning rate of at least "
                 f"{_lr_losing_at_most(0.05):.0e}, or train.optim.kahan_summation=true; the lost_updates alarm measures it while training")
     return warnings
+
+
+def _compile_errors(train_cfg: TrainConfig, model_cfg: ModelConfig, profile: MemoryProfileConfig, strategy: str,
+                    device: str) -> List[str]:
+    """``train.compile=true`` where its speed and memory were measured: rm's own attention (which stays eager
+    between the compiled parts), unquantised layers, the accelerate engine. Each refusal says why."""
+    if not train_cfg.compile:
+        return []
+    errors = []
+    if model_cfg.attn_implementation != "sdpa":
+        errors.append(f"train.compile=true compiles each decoder layer around rm's attention, model.attn_implementation=sdpa; "
+                      f"model.attn_implementation={model_cfg.attn_implementation} was never measured compiled: use sdpa, "
+                      f"or train.compile=false")
+    if profile.quantize_base != "none":
+        errors.append(f"train.compile=true with memory_profile={profile.name}: bitsandbytes' {profile.quantize_base} layers "
+                      f"break every compiled graph in pieces; use train.compile=false")
+    if strategy == "deepspeed":
+        errors.append(f"train.compile=true with distributed.strategy=deepspeed (memory_profile={profile.name}): DeepSpeed's "
+                      f"hooks around each layer were never measured compiled; use distributed=ddp, or train.compile=false")
+    if device == "cpu" and train_cfg.logging.track_memory:
+        errors.append("train.compile=true with train.logging.track_memory=true: the CPU's tensor count sees each operator "
+                      "through a dispatch mode, and a compiled kernel's buffers are not operators; drop one of the two")
+    if device == "cpu" and not any(shutil.which(cc) for cc in ("g++", "clang++", "c++")):
+        errors.append("train.compile=true on a CPU needs a C++ compiler for inductor's kernels (g++ or clang++ on PATH)")
+    return errors
 
 
 def _attention_warnings(model_cfg: ModelConfig) -> List[str]:

@@ -38,8 +38,8 @@ from rm.memory.monitor import MemoryMonitor
 from rm.evaluation.metrics import MetricsLog
 from rm.plan.auto import LayoutChoice, choose_layout
 from rm.plan.lengths import lengths_of
-from rm.modelling.model import (build_model, build_optimizer, build_reward_model, count_parameters, fp32_head_enabled,
-                      quantization_state_tensors, random_init_saved)
+from rm.modelling.model import (build_model, build_optimizer, build_reward_model, compile_decoder_layers,
+                                count_parameters, fp32_head_enabled, quantization_state_tensors, random_init_saved)
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.foundations.precision import SHORT
@@ -275,6 +275,8 @@ def _build_model(cfg: RunConfig, plan: Plan, engine: Engine, pad_token_id: int, 
     )
     monitor.register(model.parameters())
     monitor.register(quantization_state_tensors(model))
+    if t.compile:  # after PEFT and checkpointing wrap the layers, before the engine wraps the model (torchtitan's order)
+        log.info("train.compile: compiling each of %d decoder layers at its first call", compile_decoder_layers(model))
     return engine.prepare(
         model,
         lambda m: build_optimizer(m, cfg.memory_profile, t.optim),

@@ -11,7 +11,7 @@ import pytest
 import torch
 from accelerate.utils import set_seed
 
-from rm.modelling.attention import segment_bounds, segmented_sdpa
+from rm.modelling.attention import PackedRow, segment_bounds, segmented_sdpa
 from rm.data.collator import PackedPairCollator, PrefixSharedCollator
 from rm.modelling.model import build_model, pair_rewards
 
@@ -108,8 +108,8 @@ def test_one_more_segment_adds_its_sdpa_call_and_no_slice_of_the_row(causal):
         torch.manual_seed(0)
         q, k, v = (torch.randn(1, heads, 8 * segments, 4, requires_grad=True) for heads in (4, 2, 2))
         masks = None if causal else [torch.ones(1, 1, 8, 8, dtype=torch.bool).tril()] * segments
-        out, _ = segmented_sdpa(module, q, k, v, None, segment_bounds=list(range(0, 8 * segments + 1, 8)),
-                                segments_causal=causal, segment_masks=masks)
+        row = PackedRow(list(range(0, 8 * segments + 1, 8)), causal=causal, masks=masks)
+        out, _ = segmented_sdpa(module, q, k, v, None, packed_row=row)
         return _autograd_nodes(out)
 
     four, eight = nodes(4), nodes(8)
@@ -147,10 +147,10 @@ def test_each_pair_gets_its_block_of_the_per_token_rule_and_no_row_mask_is_built
     batch = PrefixSharedCollator(packed=True)(FEATURES)
     pair_ids, roles = batch["pair_ids"], batch["roles"]
     inputs = segmented_inputs(batch["input_ids"], batch["position_ids"], pair_ids, roles)
-    bounds = inputs["segment_bounds"]
+    bounds = inputs["packed_row"].bounds
     assert len(bounds) == len(FEATURES) + 1
     rule = allowed(pair_ids, roles)
-    for (start, end), block in zip(zip(bounds[:-1], bounds[1:]), inputs["segment_masks"]):
+    for (start, end), block in zip(zip(bounds[:-1], bounds[1:]), inputs["packed_row"].masks):
         assert torch.equal(block, rule[:, :, start:end, start:end])
     length = bounds[-1]
     assert inputs["attention_mask"].shape == (1, 1, length, length)

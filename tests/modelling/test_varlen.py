@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rm.data.collator import CHOSEN, PREFIX, REJECTED, PackedPairCollator, PrefixSharedCollator
-from rm.modelling.attention import segmented_sdpa, takes_varlen, varlen_layout
+from rm.modelling.attention import PackedRow, segmented_sdpa, takes_varlen, varlen_layout
 from rm.modelling.prefix_sharing import pair_mask
 from tests.modelling.test_attention import FEATURES, model, rewards_and_grads  # noqa: F401  (model: a fixture)
 
@@ -172,11 +172,11 @@ def test_a_cpu_row_carries_no_layout():
     for collator in (PackedPairCollator(), PrefixSharedCollator(packed=True)):
         batch = collator(FEATURES)
         inputs = segmented_inputs(batch["input_ids"], batch["position_ids"], batch.get("pair_ids"), batch.get("roles"))
-        assert "varlen" not in inputs
+        assert inputs["packed_row"].varlen is None
         with mock.patch("rm.modelling.attention.varlen_available", return_value=True):
             inputs = segmented_inputs(batch["input_ids"], batch["position_ids"], batch.get("pair_ids"),
                                       batch.get("roles"))
-        assert inputs["varlen"].cu_seq_q[-1] == batch["input_ids"].shape[1]
+        assert inputs["packed_row"].varlen.cu_seq_q[-1] == batch["input_ids"].shape[1]
 
 
 # ---------------------------------------------------------------- the oracle: reference kernel against segmented SDPA
@@ -214,16 +214,17 @@ def test_plain_packing_equals_the_segmented_loop(window):
     bounds = [0, 5, 6, 13, 22]
     q, k, v = _qkv(bounds[-1])
     extra = {"sliding_window": window} if window else {}
-    kwargs = dict(segment_bounds=bounds, segments_causal=True, scaling=0.3, **extra)
-    expected = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, **kwargs), q, k, v)
+    kwargs = dict(scaling=0.3, **extra)
+    expected = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=PackedRow(bounds), **kwargs),
+                                 q, k, v)
+    row = PackedRow(bounds, varlen=varlen_layout(bounds))
     with varlen_on_cpu(calls := []):
-        got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, varlen=varlen_layout(bounds), **kwargs),
-                                q, k, v)
+        got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=row, **kwargs), q, k, v)
     assert calls == [4]  # one call, four sequences
     _assert_same(got, expected)
     if window:  # the window bound: without it, other outputs
-        unwindowed = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, segment_bounds=bounds,
-                                                                 segments_causal=True, scaling=0.3), q, k, v)
+        unwindowed = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=PackedRow(bounds),
+                                                                 scaling=0.3), q, k, v)
         assert not torch.allclose(unwindowed[0], got[0], atol=1e-3)
 
 
@@ -235,12 +236,13 @@ def test_prefix_shared_pairs_equal_the_segmented_loop():
     roles, bounds = roles_of(SHARED)
     masks = [pair_mask(roles[s:e], "cpu") for s, e in zip(bounds[:-1], bounds[1:])]
     q, k, v = _qkv(bounds[-1], seed=1)
-    kwargs = dict(segment_bounds=bounds, segment_masks=masks)
-    expected = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, **kwargs), q, k, v)
+    expected = _output_and_grads(
+        lambda *t: segmented_sdpa(_module(), *t, None, packed_row=PackedRow(bounds, causal=False, masks=masks)), q, k, v)
     layout = varlen_layout(bounds, roles)
     assert layout.key_index is not None
+    row = PackedRow(bounds, causal=False, masks=masks, varlen=layout)
     with varlen_on_cpu(calls := []):
-        got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, varlen=layout, **kwargs), q, k, v)
+        got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=row), q, k, v)
     assert calls == [12]  # 7 pairs, 2 sequences each, less the 2 without a rejected answer
     _assert_same(got, expected)
 
@@ -262,15 +264,15 @@ def test_prefix_shared_pairs_keep_the_window_of_their_unshared_sequences():
 
     def unshared(q, k, v):
         gathered = [t[:, :, index] for t in (q, k, v)]
-        out, _ = segmented_sdpa(_module(), *gathered, None, segment_bounds=sequence_bounds, segments_causal=True,
+        out, _ = segmented_sdpa(_module(), *gathered, None, packed_row=PackedRow(sequence_bounds),
                                 sliding_window=window)
         return out[:, row_of], None
 
     q, k, v = _qkv(bounds[-1], seed=2)
     expected = _output_and_grads(unshared, q, k, v)
     with varlen_on_cpu():
-        got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, segment_bounds=bounds,
-                                                          varlen=varlen_layout(bounds, roles), sliding_window=window),
+        row = PackedRow(bounds, causal=False, varlen=varlen_layout(bounds, roles))
+        got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=row, sliding_window=window),
                                 q, k, v)
     _assert_same(got, expected)
 
