@@ -113,6 +113,11 @@ def variants(setup: Setup) -> dict:
             f"train.micro_batch_size={small}", "train.share_prefix=true", "train.group_by_length=true"],
         **flex,
     }
+    if setup.hardware != "cpu":  # the padded step at other micro-batch sizes: rm.plan's GPU op cost and overlap,
+        # fitted from more than one configuration (benchmarks/plan_gpu_check.py prices each row)
+        for n in (m // 4, m // 2, 2 * m):
+            if n >= 1 and setup.pairs_per_step % n == 0:
+                pinned[f"rm padded (micro-batch {n})"] = [f"train.micro_batch_size={n}", "train.group_by_length=false"]
     # What a new user runs: no layout flag at all, checkpointing included. Then the same two compiled
     # (train.compile=true: each decoder layer, its compile in the warm-up steps, which --skip-steps must cover).
     rows = {"rm, no layout flags (train.layout=auto)": [],
@@ -549,7 +554,9 @@ def run_dataset(name: str, args, tmp: Path, saved: dict) -> str:
                  for shared in (False, True)}
     results = saved.setdefault(name, {"about": about, "gpu": gpu_name, "setup": SETUP.__dict__, "results": {}})["results"]
     turns: Dict[str, List[dict]] = {}
-    rows = [t for t in VARIANTS if not args.only or t in args.only]
+    # --only's order: a GPU session cut short keeps the rows it named first. By default on a CPU the compiled rows
+    # are left out: their compile, tens of seconds, needs --skip-steps to stay out of the timing.
+    rows = args.only or [t for t in VARIANTS if SETUP.hardware != "cpu" or "train.compile=true" not in VARIANTS[t]]
     # TRL once; rm's rows --repeat turns each, in an order that rotates every turn, so that each row runs in each
     # place of a turn equally often (a machine's drift, or what one run leaves the next, then falls on every row
     # alike; an order merely reversed keeps the middle row in the middle), each row reported by its turn of median
@@ -614,7 +621,8 @@ def main() -> None:
     parser.add_argument("--data", nargs="*", default=list(DATASETS), choices=list(DATASETS), help="data sets to run")
     parser.add_argument("--write-doc", action="store_true", help="write the tables into benchmarks/results/throughput.md")
     parser.add_argument("--out-json", help="every result as JSON, rewritten after each trainer")
-    parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table); TRL always runs")
+    parser.add_argument("--only", nargs="*", help="run only these rm trainers (names as in the table), in this order; "
+                        "TRL always runs, first")
     parser.add_argument("--repeat", type=int, default=1, help="turns of each rm row (TRL runs once), reported by the "
                         "median step time: rows closer than one run's noise (about 10%% here) need several")
     parser.add_argument("--profile-dir", help="run rm's rows under torch.profiler (no TRL row) and write each one's "

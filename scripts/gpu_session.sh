@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # bash scripts/gpu_session.sh OUT_DIR [STAGE ...]      on an offline CUDA machine, after `bash scripts/gpu_wheels.sh` here
 # Every GPU check in one pass, each stage under its own time limit, in the order that matters most: a run cut
-# short keeps what it measured. Stages: setup varlen constants tests calibration speed-1b profile-1b speed-7b
-# (default: all, in the order given).
+# short keeps what it measured. Stages: setup varlen speed-1b speed-7b tests calibration constants profile-1b
+# (default: all, in the order given): the new attention path's tests, then speed (issue 51: speed first).
 # GPU_SESSION_SECONDS (default 540) is the whole pass's budget; a stage that cannot get 20 s is skipped.
 # TESTS_K and CALIBRATION_ONLY narrow the tests and the calibration grid (a rerun of what failed); SPEED_STEPS
 # shortens the speed runs (optimizer steps of each row, the first 10 (1B) or 4 (7B) untimed).
@@ -11,7 +11,7 @@
 set -u
 out="${1:?usage: scripts/gpu_session.sh OUT_DIR [STAGE ...]}"
 shift
-stages="${*:-setup varlen constants tests calibration speed-1b profile-1b speed-7b}"
+stages="${*:-setup varlen speed-1b speed-7b tests calibration constants profile-1b}"
 budget="${GPU_SESSION_SECONDS:-540}"
 start=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -66,9 +66,14 @@ for name in $stages; do
     # CALIBRATION_ONLY: grid indices (benchmarks/memory_calibration.py gpu_grid) to measure instead of all of them.
     calibration) stage calibration 210 python3 benchmarks/memory_calibration.py --device cuda --point-timeout 100 \
                    --out "$out/memory_calibration_gpu.md" ${CALIBRATION_ONLY:+--only $CALIBRATION_ONLY} ;;
-    speed-1b) stage speed-1b 180 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
-                --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" \
-                "rm prefix-shared, row per pair + group_by_length (micro-batch 8)" \
+    # TRL, then rm's rows in the order of what they decide (the JSON is rewritten after each row, so a stage cut
+    # short keeps the rows it finished): the padded baseline, the varlen path (prefix-shared packed), what a user
+    # gets with no flags, the same compiled (train.compile), then the padded step at three more micro-batch sizes
+    # (rm.plan's op cost and overlap fitted from several points: python benchmarks/plan_gpu_check.py --results ...).
+    speed-1b) stage speed-1b 300 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 $steps \
+                --only "rm padded" "rm prefix-shared + packed (budget 8192 tokens)" "rm, no layout flags (train.layout=auto)" \
+                "rm padded, compiled (train.compile=true)" "rm padded (micro-batch 4)" "rm padded (micro-batch 16)" \
+                "rm padded (micro-batch 2)" "rm packed (budget 8192 tokens)" \
                 --out-json "$out/throughput_gpu_1b.json" ;;
     # Where a step's time goes (kernels, and the device's busy time against the wall clock), 12 steps a row.
     profile-1b) stage profile-1b 80 python3 benchmarks/bench_vs_trl.py --setup gpu-1b --data multi-turn --threads 8 --steps 12 \
@@ -80,6 +85,7 @@ for name in $stages; do
     # (python benchmarks/plan_gpu_check.py --pick gpu-7b-lora --hardware h200_141g,h100_80g)
     speed-7b) stage speed-7b 240 python3 benchmarks/bench_vs_trl.py --setup gpu-7b-lora --data multi-turn \
                 --threads 8 $steps --only "rm, no layout flags (train.layout=auto)" \
+                "rm prefix-shared + packed (budget 4096 tokens)" "rm padded" \
                 "rm prefix-shared, row per pair + group_by_length (micro-batch 4)" \
                 --out-json "$out/throughput_gpu_7b_lora.json" ;;
     *) echo "unknown stage $name" ;;

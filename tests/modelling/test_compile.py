@@ -94,6 +94,23 @@ def test_a_compiled_model_keeps_no_more_for_backward_than_the_eager_one_the_esti
     assert 0 < compiled_bytes <= eager_bytes
 
 
+@pytest.mark.parametrize("layout", ["packed", "packed+shared"])
+def test_compiled_layers_hand_a_packed_row_to_one_varlen_call_a_layer(full, layout):
+    """On a GPU a packed row's attention is one varlen call a layer (rm.modelling.attention); here the CPU reference
+    kernel of tests/modelling/test_varlen.py stands in for it, inside the compiled layers."""
+    from tests.modelling.test_varlen import varlen_on_cpu
+
+    eager, compiled = full
+    batch = COLLATORS[layout](FEATURES)
+    expected, expected_grads, _ = rewards_grads_saved(eager, batch)
+    with varlen_on_cpu(calls := []):
+        got, grads, _ = rewards_grads_saved(compiled, batch)
+    assert len(calls) == compiled.config.num_hidden_layers
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_a_new_packing_reuses_the_compiled_graphs(full):
     """The row's segments reach the (eager) attention in one object that dynamo passes through unread
     (rm.modelling.attention.PackedRow): with them as lists, each new number of segments recompiled every layer."""
