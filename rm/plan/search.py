@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rm.foundations.config import CONF_DIR, DistributedConfig, MemoryProfileConfig, RunConfig, TrainConfig, memory_profiles
-from rm.foundations.hardware import attention_kernel, run_attention_kernel
+from rm.foundations.hardware import attention_kernel, resolve_hardware, run_attention_kernel
 from rm.plan import forkserver
 from rm.plan.lengths import PairLengths, data_lengths, memory_shapes, step_micro_batches
 from rm.plan.steptime import Rates, StepTime, predict_step_seconds
@@ -37,7 +37,10 @@ from rm.plan.steptime import Rates, StepTime, predict_step_seconds
 KNOBS = ("train.micro_batch_size", "train.gradient_checkpointing", "train.group_by_length", "train.packing",
          "train.max_tokens_per_micro_batch", "train.share_prefix")
 # Token budgets tried with packing, in pairs of data.max_length sequences (the least rm.settings.validate allows is 1).
+# A GPU also tries 16 and 32 (16,384 and 32,768 tokens at 512): a micro-batch of a few thousand tokens leaves a large
+# GPU waiting on the host's launches (docs/gpu.md: 46 us an op on the H200's host), where a CPU is busy at 1,024.
 BUDGET_PAIRS = (1, 2, 4, 8)
+GPU_BUDGET_PAIRS = BUDGET_PAIRS + (16, 32)
 
 
 @dataclass
@@ -130,9 +133,10 @@ def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layouts(train_cfg: TrainConfig, max_length: int, fixed: set, per_rank: int) -> List[Dict]:
+def _layouts(train_cfg: TrainConfig, max_length: int, fixed: set, per_rank: int,
+             budget_pairs: Sequence[int] = BUDGET_PAIRS) -> List[Dict]:
     """The training-layout knobs' combinations (values of :data:`KNOBS`), the user's kept; ``max_length``:
-    ``data.max_length``, which the token budgets tried are multiples of."""
+    ``data.max_length``, which the token budgets tried are multiples of (``budget_pairs`` pairs of it)."""
     t = train_cfg
 
     def values(key, options):
@@ -145,7 +149,7 @@ def _layouts(train_cfg: TrainConfig, max_length: int, fixed: set, per_rank: int)
                 budgets = [0]
                 if packing:
                     budgets = values("train.max_tokens_per_micro_batch",
-                                     [0] + [k * 2 * max_length for k in BUDGET_PAIRS if k < per_rank])
+                                     [0] + [k * 2 * max_length for k in budget_pairs if k < per_rank])
                 for budget in budgets:
                     micros = values("train.micro_batch_size", _divisors(per_rank)) if not budget else [t.micro_batch_size]
                     for micro in micros:
@@ -205,8 +209,9 @@ def candidates(cfg: RunConfig, overrides: Sequence[str], world: Tuple,
     fixed = set_keys(overrides) if fixed is None else fixed
     per_rank = cfg.train.global_batch_size // world[0]
     out, skipped = [], 0
+    budget_pairs = GPU_BUDGET_PAIRS if resolve_hardware(cfg.hardware).accelerator != "cpu" else BUDGET_PAIRS
     for extra, profile, dist, changes in _engines(cfg.memory_profile, cfg.distributed, overrides, fixed, world[0]):
-        for knobs in _layouts(cfg.train, cfg.data.max_length, fixed, per_rank):
+        for knobs in _layouts(cfg.train, cfg.data.max_length, fixed, per_rank, budget_pairs):
             c_cfg = replace(cfg, memory_profile=profile, distributed=dist, train=replace(cfg.train, **knobs))
             try:
                 c_plan = validate(c_cfg, *world)

@@ -595,3 +595,18 @@ def test_stop_server_ends_the_forkserver_and_the_next_search_starts_another():
     forkserver.ensure_running()
     assert forkserver._forkserver._forkserver_pid != pid
     server.stop()
+
+
+def test_a_gpu_plan_tries_token_budgets_of_tens_of_thousands(tiny_cfg):
+    """Issue 48 item 3: a micro-batch of a few thousand tokens leaves a large GPU waiting on the host, so a GPU
+    profile's search tries 16 and 32 pairs of data.max_length a micro-batch, a CPU's at most 8."""
+    from rm.plan.search import candidates
+    from rm.settings.validate import resolve_world_size
+
+    def budgets(*hardware):
+        cfg = tiny_cfg("train.global_batch_size=64", "data.max_length=512", *hardware)
+        found, _ = candidates(cfg, list(hardware), resolve_world_size(cfg.distributed, launched=False))
+        return {c.cfg.train.max_tokens_per_micro_batch for c in found} - {0}
+
+    assert budgets() == {1024, 2048, 4096, 8192}
+    assert budgets("hardware=h100_80g") == {1024, 2048, 4096, 8192, 16384, 32768}
