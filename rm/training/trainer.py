@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from rm.runs.checkpoint import failed_ranks, raise_save_failure
 from rm.foundations.config import RunConfig
 from rm.data.batching import rows_at
-from rm.foundations.errors import Interrupted, StorageError
+from rm.foundations.errors import Interrupted, StorageError, ended_if_forked
 from rm.modelling.bundle import PROBE_PAIRS, export_final, model_card, reward_stats_from_eval
 from rm.training.health import SKIP, STOP
 from rm.memory.monitor import gather_snapshots
@@ -424,9 +424,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame):
-        if os.getpid() != self._pid:  # a process forked during set-up (the estimate's pool): its pool's SIGTERM ends it
-            signal.signal(signum, signal.SIG_DFL)  # as the default would, without this run's traceback
-            os.kill(os.getpid(), signum)
+        if ended_if_forked(self._pid, signum):  # a process forked during set-up (the estimate's pool, a DataLoader worker)
             return
         name = signal.Signals(signum).name
         if self.phase == SETUP or (self.signum and signum == signal.SIGINT):
