@@ -498,24 +498,29 @@ def key_meaning(key: str) -> str:
             return ""
     lines = inspect.getsource(node).splitlines()
     field_line = re.compile(r"^\s+(\w+):\s*[^=]+=")  # a field, not a comment or the docstring
-    comment = lambda line: line.strip().startswith("#")  # noqa: E731
-    inline = lambda line: bool(field_line.match(line)) and "  # " in line  # noqa: E731
+    comment = lambda i: 0 <= i < len(lines) and lines[i].strip().startswith("#")  # noqa: E731
+    inline = lambda i: 0 <= i < len(lines) and bool(field_line.match(lines[i])) and "  # " in lines[i]  # noqa: E731
+    text_of = lambda i: lines[i].strip()[1:].strip()  # noqa: E731
+
+    def continues(i: int) -> bool:
+        # A comment block right below a field's own comment goes on with it where it reads as the rest of a sentence
+        # ("(0: micro_batch_size pairs each)", "computed once ..."); one that starts a sentence is the next field's.
+        return inline(i - 1) and not text_of(i)[:1].isupper()
+
     for i, line in enumerate(lines):
         match = field_line.match(line)
         if not match or match.group(1) != parts[-1]:
             continue
-        above = []
-        j = i - 1
-        while j >= 0 and comment(lines[j]):
-            above.insert(0, lines[j].strip()[1:].strip())
-            j -= 1
-        if j >= 0 and inline(lines[j]):
-            above = []  # the block continues the comment beside the field above it
-        beside = [line.split("  # ", 1)[1].strip()] if inline(line) else []
-        j = i + 1
-        while beside and j < len(lines) and comment(lines[j]):
-            beside.append(lines[j].strip()[1:].strip())
-            j += 1
+        start = i
+        while comment(start - 1):
+            start -= 1
+        above = [] if start == i or continues(start) else [text_of(j) for j in range(start, i)]
+        beside = [line.split("  # ", 1)[1].strip()] if inline(i) else []
+        if beside and comment(i + 1) and continues(i + 1):
+            j = i + 1
+            while comment(j):
+                beside.append(text_of(j))
+                j += 1
         text = " ".join(above + beside)
         if text:
             return text
