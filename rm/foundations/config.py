@@ -637,6 +637,7 @@ def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
     """
     from hydra import compose as hydra_compose
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
     from omegaconf.errors import MissingMandatoryValue
 
     search = [o for o in _with_search_path(overrides) if o.lstrip("+~").startswith("hydra.searchpath=")]
@@ -645,9 +646,13 @@ def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
                  if name != "base_memory_profile"]  # the schema, stored beside the options (register_configs)
         # One composition for all of them, each at its own package (a package cannot be a name like 8bit): one
         # Hydra composition costs about as much as one profile's, and rm.plan's search waits for it.
-        raw = hydra_compose(config_name=None, overrides=[*search, *(f"+memory_profile@profiles.p{i}={name}"
-                                                                   for i, name in enumerate(names))],
-                            return_hydra_config=True)
+        try:
+            raw = hydra_compose(config_name=None, overrides=[*search, *(f"+memory_profile@profiles.p{i}={name}"
+                                                                       for i, name in enumerate(names))],
+                                return_hydra_config=True)
+        except ConfigCompositionException as err:  # a profile file of the user's with a value of the wrong type
+            sources = hydra_compose(config_name=None, overrides=search, return_hydra_config=True)
+            raise ConfigError(_broken_profile_message(str(err), _runtime_facts(sources.hydra.runtime))) from None
     runtime = _runtime_facts(raw.hydra.runtime)
     profiles = []
     for i, name in enumerate(names):
@@ -657,6 +662,27 @@ def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
             key = "memory_profile." + err.full_key.split(".", 2)[2]  # profiles.p3.order -> memory_profile.order
             raise ConfigError(missing_value_message(key, {**runtime, "choices": {"memory_profile": name}})) from None
     return sorted(profiles, key=lambda p: (p.order, p.name))
+
+
+def _broken_profile_message(hydra_message: str, runtime: dict) -> str:
+    """Hydra's error for the composition of every profile (:func:`memory_profiles`), about the one profile it names, by
+    its file and the key as a run names it (``memory_profile.order``, not the listing's ``profiles.p3.order``).
+
+    >>> _broken_profile_message("In 'memory_profile/bad': ValidationError raised while composing config:\\nValue 'abc' "
+    ...                         "of type 'str' could not be converted to Integer\\n    full_key: profiles.p1.order", {})
+    "memory_profile=bad cannot be read: memory_profile.order: Value 'abc' of type 'str' could not be converted to Integer. Fix it, or take the file off the config search path (hydra.searchpath)"
+    """
+    option = re.search(r"In 'memory_profile/([^']+)'", hydra_message)
+    key = re.search(r"full_key: profiles\.p\d+\.([\w.]+)", hydra_message)
+    # omegaconf's reason is the line after Hydra's "In '<option>': ..."; its own full_key/object_type lines follow
+    details = ("full_key:", "object_type=", "reference_type=")
+    lines = [line.strip() for line in hydra_message.splitlines()[1:] if line.strip() and not line.strip().startswith(details)]
+    reason = lines[0] if lines else hydra_message.splitlines()[0]
+    name = option.group(1) if option else None
+    file = option_file("memory_profile", name, runtime)
+    where = f"memory_profile={name}" + (f" ({file})" if file else "") if name else "a memory profile"
+    return (f"{where} cannot be read: {f'memory_profile.{key.group(1)}: ' if key else ''}{reason}. Fix it, or take the "
+            "file off the config search path (hydra.searchpath)")
 
 
 # Hydra flags whose value is a config directory: option lists then come from elsewhere too.

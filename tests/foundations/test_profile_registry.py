@@ -95,7 +95,9 @@ use_lora: true
                          "`memory_profile.order has no value (??? in the schema, mandatory): memory_profile=mine "
                          "(<dir>/memory_profile/mine.yaml) does not set order.`, then what the key means and the values "
                          "the shipped profiles give it; exit 2 (was: omegaconf's traceback, exit 1). `rm.plan`'s and "
-                         "`rm.gpu_report`'s list of every profile names the broken file alike")
+                         "`rm.gpu_report`'s list of every profile names the broken file alike, and a profile file of a "
+                         "wrong type (`order: abc`) there: `memory_profile=bad (<file>) cannot be read: "
+                         "memory_profile.order: Value 'abc' ...`")
 def test_a_missing_mandatory_key_names_the_key_and_its_file(tmp_path):
     from rm.foundations.errors import ConfigError
 
@@ -112,6 +114,15 @@ def test_a_missing_mandatory_key_names_the_key_and_its_file(tmp_path):
                                           r"memory_profile\.order=\?\?\?\..*conf/memory_profile/'s options set it so: "
                                           r".*lora 20"):
         compose(["experiment=tiny", "memory_profile.order=???"])
+
+    # A value of the wrong type fails the listing's composition (Hydra's error, about profiles.p<i>.order)
+    other = tmp_path / "other"
+    (other / "memory_profile").mkdir(parents=True)
+    bad = other / "memory_profile" / "bad.yaml"
+    bad.write_text(WITHOUT_ORDER.replace("name: mine", "name: bad\norder: abc"))
+    with pytest.raises(ConfigError, match=rf"^memory_profile=bad \({bad}\) cannot be read: memory_profile\.order: "
+                                          r"Value 'abc' of type 'str' could not be converted to Integer"):
+        memory_profiles([f"hydra.searchpath=[file://{other}]"])
 
     proc = subprocess.run([sys.executable, "-m", "rm.estimate", "experiment=tiny", "memory_profile=mine", search],
                           cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=300)
