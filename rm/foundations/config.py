@@ -482,52 +482,6 @@ def option_file(group: str, option: Optional[str], runtime: dict) -> Optional[st
     return None
 
 
-def key_meaning(key: str) -> str:
-    """What the schema's comments say of ``key`` (``memory_profile.order``): the comment lines above its field and
-    the one beside it with its continuation lines; the class's first docstring line where the field has none.
-    The schemas' comments are the keys' one description, so a message that names a key quotes them."""
-    import dataclasses
-    import inspect
-    import typing
-
-    node, parts = RunConfig, key.split(".")
-    for part in parts[:-1]:
-        node = typing.get_type_hints(node).get(part)
-        node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
-        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
-            return ""
-    lines = inspect.getsource(node).splitlines()
-    field_line = re.compile(r"^\s+(\w+):\s*[^=]+=")  # a field, not a comment or the docstring
-    comment = lambda i: 0 <= i < len(lines) and lines[i].strip().startswith("#")  # noqa: E731
-    inline = lambda i: 0 <= i < len(lines) and bool(field_line.match(lines[i])) and "  # " in lines[i]  # noqa: E731
-    text_of = lambda i: lines[i].strip()[1:].strip()  # noqa: E731
-
-    def continues(i: int) -> bool:
-        # A comment block right below a field's own comment goes on with it where it reads as the rest of a sentence
-        # ("(0: micro_batch_size pairs each)", "computed once ..."); one that starts a sentence is the next field's.
-        return inline(i - 1) and not text_of(i)[:1].isupper()
-
-    for i, line in enumerate(lines):
-        match = field_line.match(line)
-        if not match or match.group(1) != parts[-1]:
-            continue
-        start = i
-        while comment(start - 1):
-            start -= 1
-        above = [] if start == i or continues(start) else [text_of(j) for j in range(start, i)]
-        beside = [line.split("  # ", 1)[1].strip()] if inline(i) else []
-        if beside and comment(i + 1) and continues(i + 1):
-            j = i + 1
-            while comment(j):
-                beside.append(text_of(j))
-                j += 1
-        text = " ".join(above + beside)
-        if text:
-            return text
-    doc = (inspect.getdoc(node) or "").strip()
-    return f"a key of {'.'.join(parts[:-1])}: {doc.splitlines()[0]}" if doc else ""
-
-
 def shipped_values(key: str) -> Dict[str, object]:
     """The value each option of ``conf/<group>/`` gives ``key`` (``{"full": 0, "lora": 20, ...}``), where it gives one."""
     group, _, sub = key.partition(".")
@@ -543,8 +497,9 @@ def shipped_values(key: str) -> Dict[str, object]:
 
 
 def missing_value_message(key: str, runtime: dict, overrides: Sequence[str] = ()) -> str:
-    """Why the mandatory ``key`` has no value (``???``), where it should come from and what it means, with the
-    values the shipped options give it; ``runtime`` as :func:`to_run_config` has it.
+    """Why the mandatory ``key`` has no value (``???``) and where it should come from, with the values the shipped
+    options give it (the schema's comment in ``rm/foundations/config.py`` says what it means); ``runtime`` as
+    :func:`to_run_config` has it.
 
     >>> missing_value_message("memory_profile.order", {"choices": {"memory_profile": "mine"}}).splitlines()[0]
     'memory_profile.order has no value (??? in the schema, mandatory): memory_profile=mine does not set order.'
@@ -564,9 +519,6 @@ def missing_value_message(key: str, runtime: dict, overrides: Sequence[str] = ()
     else:
         where = f"nothing sets {sub}"
     lines = [f"{key} has no value (??? in the schema, mandatory): {where}."]
-    meaning = key_meaning(key)
-    if meaning:
-        lines.append(f"{key}: {meaning}")
     shipped = shipped_values(key)
     example = next(iter(shipped.values()), "<value>")
     fix = f"on the command line ({key}={example})"

@@ -178,14 +178,3 @@ def test_hardware_cpu_takes_this_machines_memory_unless_given(tiny_cfg):
     with pytest.raises(ConfigError, match="hardware.device_memory_gib=null with hardware=h100_80g"):
         resolve_hardware(tiny_cfg("hardware=h100_80g", "hardware.device_memory_gib=null").hardware)
 
-
-def test_a_keys_meaning_is_its_schema_comment():
-    """What a message about a key quotes (rm.foundations.config.key_meaning): the comment above the field, the one beside
-    it and the lines that go on with it; not the comment of a neighbouring field."""
-    from rm.foundations.config import key_meaning
-
-    assert key_meaning("memory_profile.order").startswith("Where the profile stands among the others")
-    assert key_meaning("hardware.device_memory_gib").startswith("Capacity of one device")  # below accelerator's comment
-    assert key_meaning("train.max_tokens_per_micro_batch").endswith("must be 0 or >= 2 x data.max_length")  # continued
-    assert key_meaning("hardware.host_ram_gib") == "RAM of one node; null: this machine's (detected)"  # not the next's
-    assert key_meaning("model.name") == "a key of model: The reward model's backbone."  # no comment of its own

@@ -93,8 +93,8 @@ use_lora: true
 @pytest.mark.reliability("Configuration", "a mandatory key left without a value (`???`): a memory-profile file of one's own "
                          "without `order:`, `memory_profile.order=???` on the command line",
                          "`memory_profile.order has no value (??? in the schema, mandatory): memory_profile=mine "
-                         "(<dir>/memory_profile/mine.yaml) does not set order.`, then what the key means and the values "
-                         "the shipped profiles give it; exit 2 (was: omegaconf's traceback, exit 1). `rm.plan`'s and "
+                         "(<dir>/memory_profile/mine.yaml) does not set order.`, then the values the shipped profiles give "
+                         "it; exit 2 (was: omegaconf's traceback, exit 1). `rm.plan`'s and "
                          "`rm.gpu_report`'s list of every profile names the broken file alike, and a profile file of a "
                          "wrong type (`order: abc`) there: `memory_profile=bad (<file>) cannot be read: "
                          "memory_profile.order: Value 'abc' ...`")
@@ -106,7 +106,7 @@ def test_a_missing_mandatory_key_names_the_key_and_its_file(tmp_path):
     mine.write_text(WITHOUT_ORDER)
     search = f"hydra.searchpath=[file://{tmp_path}]"
     named = rf"memory_profile\.order has no value \(\?\?\? in the schema, mandatory\): memory_profile=mine \({mine}\) does not set order\."
-    with pytest.raises(ConfigError, match=rf"^{named}\nmemory_profile\.order: Where the profile stands among the others"):
+    with pytest.raises(ConfigError, match=rf"^{named}\nGive it a value in {mine} \(order: "):
         compose([search, "experiment=tiny", "memory_profile=mine"])
     with pytest.raises(ConfigError, match=rf"^{named}"):  # the list rm.plan, refusals and rm.gpu_report read
         memory_profiles([search])
