@@ -63,7 +63,9 @@ def evaluate(
         # A long evaluation would hold a signal's checkpoint (and a pre-empted job's last seconds) until its end. Every
         # process runs the same batches, so all of them meet this reduce before each one and stop at the same batch
         # (under ZeRO-3 a forward gathers the weights collectively: one that went on alone would hang).
-        if stopping is not None and engine.reduce(torch.tensor(float(stopping()), device=engine.device)).item():
+        # One process asks its flag on the host: a device round trip a batch would wait for the batch before.
+        if stopping is not None and (stopping() if engine.num_processes == 1 else
+                                     engine.reduce(torch.tensor(float(stopping()), device=engine.device)).item()):
             model.train(was_training)
             return None
         chunk = indices[start : start + batch_size]
