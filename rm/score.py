@@ -86,8 +86,11 @@ def reward_function(model_dir: str, *, device: Optional[str] = None, batch_size:
     return rm_reward
 
 
-def conversation_texts(conversations: Sequence, tokenizer) -> List[str]:
+def conversation_texts(conversations: Sequence, tokenizer, where: str = "--input") -> List[str]:
     """Each conversation rendered by the chat template, checked as a pair's side is (rm.data.normalise).
+
+    Args:
+        where: what the rows are named by in an error (``--input <file>`` where there are several files).
 
     Raises:
         DataError: a conversation that is not a list of role/content messages ending on an assistant answer,
@@ -96,14 +99,29 @@ def conversation_texts(conversations: Sequence, tokenizer) -> List[str]:
     from rm.data.normalise import conversation_text
 
     if getattr(tokenizer, "chat_template", None) is None:
-        raise DataError("--input has a 'messages' column, and the model's tokenizer has no chat template to render it")
+        raise DataError(f"{where} has a 'messages' column, and the model's tokenizer has no chat template to render it")
     texts = []
     for i, messages in enumerate(conversations):
         try:
             texts.append(conversation_text(messages, tokenizer))
         except ValueError as err:
-            raise DataError(f"--input row {i}: {err}", row=i) from None
+            raise DataError(f"{where} row {i}: {err}", row=i) from None
     return texts
+
+
+def input_kind(columns: Sequence[str], fmt: str) -> str:
+    """What a file of ``--input`` with these columns holds to score under ``--format fmt``: ``pairs`` (any layout
+    rm.train reads), ``texts`` (a ``text`` column) or ``conversations`` (single chats: ``messages``, no ``chosen``).
+
+    >>> input_kind(["prompt", "chosen", "rejected"], "auto"), input_kind(["text"], "auto"), input_kind(["messages"], "auto")
+    ('pairs', 'texts', 'conversations')
+    """
+    unpaired = "chosen" not in columns
+    if fmt == "text" or (fmt == "auto" and "text" in columns and unpaired):
+        return "texts"
+    if fmt in ("auto", "messages") and "messages" in columns and unpaired:
+        return "conversations"
+    return "pairs"
 
 
 def _positive_int(text: str) -> int:
@@ -177,8 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _score(args) -> List[dict]:
     """The rows of ``--input`` with their rewards; prints the counts and the accuracy."""
     # Imported here so that --help answers without loading torch's model stack.
-    from rm.data.load import load_preference_split
-    from rm.data.normalise import max_chars_for, normalise_pairs
+    from rm.data.build import _without_row
+    from rm.data.load import expand_files, load_preference_split, locate_row
+    from rm.data.normalise import max_chars_for
     from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
     from rm.modelling.bundle import bundle_tokenizer, load_checked_bundle, read_reward_stats
 
@@ -186,35 +205,56 @@ def _score(args) -> List[dict]:
     stats = read_reward_stats(model_dir) if args.normalize else None
     if args.normalize and stats is None:
         raise ConfigError(f"--normalize needs {model_dir}/reward_stats.json (written when the run had an eval set)")
-    raw = load_preference_split("local", files=tuple(args.input), files_key="--input")  # missing or empty files: DataError
-    if len(raw) == 0:
+    # Each file is read on its own, as rm.train reads the files of a split (rm.data.build): files of different
+    # layouts or columns (an hh file and a prompt file, texts with and without an id column) are each read as their
+    # own, where one read of all of them stops at the first file whose columns differ (datasets' CastError).
+    files = expand_files(args.input, "--input")  # a pattern matching no file: DataError naming it
+    parts = [(file, load_preference_split("local", files=(file,), files_key="--input")) for file in files]
+    kinds = {file: input_kind(raw.column_names, args.format) for file, raw in parts}
+    if len(set(kinds.values())) > 1:  # one output, one kind of record: pairs and single texts are scored apart
+        described = "; ".join(f"{file}: {kinds[file]} (columns {', '.join(raw.column_names)})" for file, raw in parts)
+        raise DataError(f"--input mixes pairs and single texts or conversations, which are scored differently (pairs get "
+                        f"reward_chosen/reward_rejected and an accuracy, the others a reward): {described}. "
+                        "Score each kind in a run of its own")
+    kind = next(iter(kinds.values()))
+    if sum(len(raw) for _, raw in parts) == 0:
         raise DataError(f"--input {' '.join(args.input)}: no rows to score")
+    several = len(parts) > 1
     tokenizer, append_eos = bundle_tokenizer(model_dir)
     model = load_checked_bundle(model_dir)  # its weights as written and verified, and finite
     norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
-    unpaired = "chosen" not in raw.column_names
-    is_text = args.format == "text" or (args.format == "auto" and "text" in raw.column_names and unpaired)
-    is_conversation = args.format in ("auto", "messages") and "messages" in raw.column_names and unpaired and not is_text
     records: List[dict] = []
-    if is_text or is_conversation:
-        column = "text" if is_text else "messages"
-        texts = list(raw["text"]) if is_text else conversation_texts(raw["messages"], tokenizer)
-        bad = [i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()]
-        if bad:
-            raise DataError(f"--input row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)")
+    if kind in ("texts", "conversations"):
+        column = "text" if kind == "texts" else "messages"
+        values, texts = [], []
+        for file, raw in parts:
+            where = f"--input {file}" if several else "--input"
+            if column not in raw.column_names:  # --format text on a file without one
+                raise DataError(f"{where} has no {column!r} column to score (columns {', '.join(raw.column_names)})")
+            values += list(raw[column])
+            part = list(raw["text"]) if kind == "texts" else conversation_texts(raw["messages"], tokenizer, where)
+            bad = [i for i, t in enumerate(part) if not isinstance(t, str) or not t.strip()]
+            if bad:
+                raise DataError(f"{where} row {bad[0]}: 'text' is empty or not a string ({len(bad)} such rows)")
+            texts += part
         lead = leading_special_ids(tokenizer)
         cap = max_chars_for(args.max_length)  # a text far over --max-length is cut to its end before it tokenizes
         capped = [t[-cap:] for t in texts]
         rows = [truncate_left(ids, lead, args.max_length)
-                for ids in encode_texts(tokenizer, capped, [is_conversation] * len(texts), append_eos)]
+                for ids in encode_texts(tokenizer, capped, [kind == "conversations"] * len(texts), append_eos)]
         rewards = [norm(r) for r in score_token_rows(model, tokenizer, rows, args.batch_size)]
-        records = [{column: v, "reward": r} for v, r in zip(raw[column], rewards)]
-        print(f"scored {len(records)} {'texts' if is_text else 'conversations'}: mean reward {sum(rewards) / len(rewards):.4f}")
+        records = [{column: v, "reward": r} for v, r in zip(values, rewards)]
+        print(f"scored {len(records)} {kind}: mean reward {sum(rewards) / len(rewards):.4f}")
     else:
-        pairs, norm_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed,
-                                             max_chars=max_chars_for(args.max_length))
-        tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed,
-                                           counts=norm_counts, append_eos=append_eos)
+        pairs, norm_counts = _normalised_pairs(parts, args, tokenizer)
+        try:
+            tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed,
+                                               counts=norm_counts, append_eos=append_eos)
+        except DataError as err:
+            if not several or err.row is None:
+                raise
+            file, row = locate_row(files, err.row)
+            raise DataError(f"--input {file} row {row}: {_without_row(str(err), err.row)}", row=err.row) from None
         print(counts.format())
         if len(tokenised) == 0:
             raise DataError(f"--input: no usable pairs ({counts.format()})")
@@ -227,6 +267,35 @@ def _score(args) -> List[dict]:
         ]
         print(f"pairwise accuracy {correct / max(len(records), 1):.4f} over {len(records)} pairs")
     return records
+
+
+def _normalised_pairs(parts, args, tokenizer):
+    """The pairs of every ``(file, rows)`` part, each file normalised as its own layout (under ``--format auto``, the
+    layout of its own rows) and the parts joined in order, as rm.train joins a split's files; the ``row`` column and
+    the counts number the rows of all files in order. A refused row is named by its file and its row there."""
+    import datasets
+
+    from rm.data.build import _without_row
+    from rm.data.counts import PairCounts
+    from rm.data.normalise import max_chars_for, normalise_pairs
+
+    joined, counts, first_row = [], PairCounts(), 0
+    for file, raw in parts:
+        try:
+            pairs, part_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed,
+                                                 row_index=True, max_chars=max_chars_for(args.max_length))
+        except DataError as err:
+            if len(parts) == 1:
+                raise
+            where = f" row {err.row}: {_without_row(str(err), err.row)}" if err.row is not None else f": {err}"
+            raise DataError(f"--input {file}{where}", row=None if err.row is None else err.row + first_row) from None
+        if first_row:
+            pairs = pairs.map(lambda batch: {"row": [r + first_row for r in batch["row"]]}, batched=True,
+                              load_from_cache_file=False, desc="numbering rows of the inputs")
+        joined.append(pairs)
+        counts.absorb(part_counts, first_row)
+        first_row += len(raw)
+    return (joined[0] if len(joined) == 1 else datasets.concatenate_datasets(joined)), counts
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
@@ -20,8 +20,9 @@ from rm.modelling.model import pair_rewards
 
 @torch.no_grad()
 def evaluate(
-    model, eval_set, collator: PairCollator, batch_size: int, engine, loss: PairLoss, prefix: str = "eval_"
-) -> Tuple[Dict[str, float], PairScores]:
+    model, eval_set, collator: PairCollator, batch_size: int, engine, loss: PairLoss, prefix: str = "eval_",
+    stopping: Optional[Callable[[], bool]] = None,
+) -> Optional[Tuple[Dict[str, float], PairScores]]:
     """Pairwise accuracy, mean reward margin, loss and the diagnostics of :mod:`rm.evaluation.diagnostics` over ``eval_set``.
 
     Each process scores a strided share of the pairs, shortest first; sums are reduced across
@@ -35,11 +36,14 @@ def evaluate(
             training loss on these pairs.
         prefix: put before every key: ``eval_`` for the main eval set, ``eval_<name>_`` for the
             extra sets of ``data.extra_eval_files``.
+        stopping: whether this process was asked to stop (a signal: :class:`rm.training.trainer.StopRequest`),
+            asked before each batch; the processes agree on it, as the training loop does before each step.
 
     Returns:
         ``(metrics, scores)``: ``{prefix}accuracy``, ``{prefix}margin``, ``{prefix}loss``,
         ``{prefix}pairs`` and the diagnostics' keys, prefixed; and every pair's rewards and
-        lengths (the same on every process), which the end-of-run plot draws.
+        lengths (the same on every process), which the end-of-run plot draws. None when ``stopping`` said so
+        (on any process) before the last batch: nothing of a part-done evaluation is returned.
     """
     was_training = model.training
     model.eval()
@@ -56,6 +60,14 @@ def evaluate(
     # (gloo, NCCL, DeepSpeed) already supports through ``engine.reduce``.
     per_pair = torch.zeros(len(eval_set), 4, dtype=torch.float64, device=engine.device)
     for start in range(0, per_rank, batch_size):
+        # A long evaluation would hold a signal's checkpoint (and a pre-empted job's last seconds) until its end. Every
+        # process runs the same batches, so all of them meet this reduce before each one and stop at the same batch
+        # (under ZeRO-3 a forward gathers the weights collectively: one that went on alone would hang).
+        # One process asks its flag on the host: a device round trip a batch would wait for the batch before.
+        if stopping is not None and (stopping() if engine.num_processes == 1 else
+                                     engine.reduce(torch.tensor(float(stopping()), device=engine.device)).item()):
+            model.train(was_training)
+            return None
         chunk = indices[start : start + batch_size]
         if not chunk:
             with engine.autocast():
@@ -95,20 +107,24 @@ def evaluate(
 
 def evaluate_sets(
     model, eval_set, extra_eval_sets: Mapping[str, object], collator: PairCollator, batch_size: int, engine,
-    loss: PairLoss,
-) -> Tuple[Dict[str, float], Dict[str, PairScores]]:
+    loss: PairLoss, stopping: Optional[Callable[[], bool]] = None,
+) -> Optional[Tuple[Dict[str, float], Dict[str, PairScores]]]:
     """:func:`evaluate` on the main eval set (``eval_`` keys; skipped when ``None``) and on each
     named extra set (``eval_<name>_`` keys), merged into one dict.
 
     Returns:
         ``(metrics, scores)``, ``scores`` keyed by prefix without its trailing ``_``
-        (``"eval"``, ``"eval_<name>"``), the names the metric keys carry.
+        (``"eval"``, ``"eval_<name>"``), the names the metric keys carry; None when :func:`evaluate` was stopped
+        (``stopping``) in any of the sets.
     """
     named = ({"eval": eval_set} if eval_set is not None else {}) | {f"eval_{n}": s for n, s in extra_eval_sets.items()}
     metrics: Dict[str, float] = {}
     scores: Dict[str, PairScores] = {}
     for name, dataset in named.items():
-        values, scores[name] = evaluate(model, dataset, collator, batch_size, engine, loss, prefix=f"{name}_")
+        done = evaluate(model, dataset, collator, batch_size, engine, loss, prefix=f"{name}_", stopping=stopping)
+        if done is None:
+            return None
+        values, scores[name] = done
         metrics.update(values)
     return metrics, scores
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 
 from rm.foundations.errors import COMPOSITION_HINTS, NAME_CHECKS, ConfigError
 
@@ -433,18 +433,106 @@ def moved_key_errors(argv: Sequence[str], hydra_message: str) -> List[str]:
 COMPOSITION_HINTS.append(moved_key_errors)  # run_hydra_app prints these lines for a composition that failed
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
+def to_run_config(cfg: DictConfig, runtime: Optional[dict] = None, overrides: Optional[Sequence[str]] = None) -> RunConfig:
     """Turn the composed Hydra config into typed objects, once, at the entry point.
+
+    Args:
+        runtime: the composition's ``hydra.runtime`` (its ``choices`` and ``config_sources``), to name the file a
+            mandatory key is missing from; None: the running app's.
+        overrides: the command line it was composed with; None: the running app's.
 
     Raises:
         ConfigError: a key of :data:`MOVED_KEYS` was added under its old name (``+train.learning_rate=1e-4``, as
-            Hydra's own message suggests for a key the schema lacks), which would otherwise be dropped unread.
+            Hydra's own message suggests for a key the schema lacks), which would otherwise be dropped unread; or a
+            mandatory key (``???``: ``memory_profile.order``) has no value (:func:`missing_value_message`).
     """
+    from omegaconf.errors import MissingMandatoryValue
+
     moved = [f"{moved_key_message(key, str(OmegaConf.select(cfg, key)))}" for key in MOVED_KEYS
              if OmegaConf.select(cfg, key, default=None) is not None]
     if moved:
         raise ConfigError("\n".join(moved))
-    return OmegaConf.to_object(cfg)
+    try:
+        return OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as err:
+        # Composition leaves a ``???`` in place (a profile file of the user's without order:, a key=??? override);
+        # only the typed objects need it, and omegaconf's error would read as a bug in rm.
+        if runtime is None or overrides is None:
+            from hydra.core.hydra_config import HydraConfig
+
+            if HydraConfig.initialized():
+                hydra_cfg = HydraConfig.get()
+                runtime = _runtime_facts(hydra_cfg.runtime) if runtime is None else runtime
+                overrides = list(hydra_cfg.overrides.task) if overrides is None else overrides
+        raise ConfigError(missing_value_message(err.full_key, runtime or {}, overrides or ())) from None
+
+
+def _runtime_facts(runtime) -> dict:
+    """What :func:`missing_value_message` reads of a composition's ``hydra.runtime``: the option chosen for each group
+    and the directories searched, as plain values (the node itself goes with the ``hydra`` key it is deleted with)."""
+    return {"choices": dict(runtime.choices),
+            "config_sources": OmegaConf.to_container(runtime.config_sources, resolve=False)}
+
+
+def option_file(group: str, option: Optional[str], runtime: dict) -> Optional[str]:
+    """The YAML file Hydra read for ``group=option``: the first directory of the search path that holds one (Hydra's
+    own order), or None (an option stored in code, or a composition whose search path is not known)."""
+    if not option:
+        return None
+    for source in runtime.get("config_sources") or ():
+        if source.get("schema") == "file":
+            path = Path(source["path"]) / group / f"{option}.yaml"
+            if path.is_file():
+                return str(path)
+    return None
+
+
+def shipped_values(key: str) -> Dict[str, object]:
+    """The value each option of ``conf/<group>/`` gives ``key`` (``{"full": 0, "lora": 20, ...}``), where it gives one."""
+    group, _, sub = key.partition(".")
+    values = {}
+    for path in sorted((CONF_DIR / group).glob("*.yaml")):
+        try:
+            value = OmegaConf.select(OmegaConf.load(path), sub, default=None, throw_on_missing=False)
+        except Exception:  # noqa: BLE001  (an example only: a file it cannot read gives none)
+            continue
+        if value is not None and not OmegaConf.is_config(value) and value != "???":
+            values[path.stem] = value
+    return values
+
+
+def missing_value_message(key: str, runtime: dict, overrides: Sequence[str] = ()) -> str:
+    """Why the mandatory ``key`` has no value (``???``) and where it should come from, with the values the shipped
+    options give it (the schema's comment in ``rm/foundations/config.py`` says what it means); ``runtime`` as
+    :func:`to_run_config` has it.
+
+    >>> missing_value_message("memory_profile.order", {"choices": {"memory_profile": "mine"}}).splitlines()[0]
+    'memory_profile.order has no value (??? in the schema, mandatory): memory_profile=mine does not set order.'
+    """
+    group, _, sub = key.partition(".")
+    choices = runtime.get("choices") or {}
+    if not sub:  # a whole group, removed (~model) or never chosen
+        options = ", ".join(sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml")))
+        return f"{group}: no option of the group is chosen; choose one with {group}=<option> (options: {options})"
+    given = [o for o in overrides if o.lstrip("+~").partition("=")[0] == key]
+    option = choices.get(group)
+    file = None if given else option_file(group, option, runtime)
+    if given:
+        where = f"the command line gives {given[-1]}"
+    elif option:
+        where = f"{group}={option}{f' ({file})' if file else ''} does not set {sub}"
+    else:
+        where = f"nothing sets {sub}"
+    lines = [f"{key} has no value (??? in the schema, mandatory): {where}."]
+    shipped = shipped_values(key)
+    example = next(iter(shipped.values()), "<value>")
+    fix = f"on the command line ({key}={example})"
+    if not given:
+        fix = f"in {file or 'the YAML file'} ({sub}: {example}) or {fix}"
+    lines.append(f"Give it a value {fix}" + (f"; conf/{group}/'s options set it so: "
+                                             + ", ".join(f"{name} {value}" for name, value in shipped.items())
+                                             if shipped else ""))
+    return "\n".join(lines)
 
 
 register_configs()
@@ -485,8 +573,13 @@ def compose(overrides: List[str]) -> RunConfig:
     ``hydra.searchpath`` it keeps)."""
     from hydra import compose as hydra_compose
 
+    overrides = _with_search_path(overrides)
     with _compose_api():
-        return to_run_config(hydra_compose(config_name="config", overrides=_with_search_path(overrides)))
+        raw = hydra_compose(config_name="config", overrides=overrides, return_hydra_config=True)
+    runtime = _runtime_facts(raw.hydra.runtime)  # this composition's options and files, not the running app's
+    with open_dict(raw):
+        del raw["hydra"]
+    return to_run_config(raw, runtime, overrides)
 
 
 def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
@@ -501,6 +594,8 @@ def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
     """
     from hydra import compose as hydra_compose
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import MissingMandatoryValue
 
     search = [o for o in _with_search_path(overrides) if o.lstrip("+~").startswith("hydra.searchpath=")]
     with _compose_api():
@@ -508,10 +603,43 @@ def memory_profiles(overrides: Sequence[str] = ()) -> List[MemoryProfileConfig]:
                  if name != "base_memory_profile"]  # the schema, stored beside the options (register_configs)
         # One composition for all of them, each at its own package (a package cannot be a name like 8bit): one
         # Hydra composition costs about as much as one profile's, and rm.plan's search waits for it.
-        raw = hydra_compose(config_name=None, overrides=[*search, *(f"+memory_profile@profiles.p{i}={name}"
-                                                                   for i, name in enumerate(names))])
-    profiles = [OmegaConf.to_object(raw.profiles[f"p{i}"]) for i in range(len(names))]
+        try:
+            raw = hydra_compose(config_name=None, overrides=[*search, *(f"+memory_profile@profiles.p{i}={name}"
+                                                                       for i, name in enumerate(names))],
+                                return_hydra_config=True)
+        except ConfigCompositionException as err:  # a profile file of the user's with a value of the wrong type
+            sources = hydra_compose(config_name=None, overrides=search, return_hydra_config=True)
+            raise ConfigError(_broken_profile_message(str(err), _runtime_facts(sources.hydra.runtime))) from None
+    runtime = _runtime_facts(raw.hydra.runtime)
+    profiles = []
+    for i, name in enumerate(names):
+        try:
+            profiles.append(OmegaConf.to_object(raw.profiles[f"p{i}"]))
+        except MissingMandatoryValue as err:  # a profile file of the user's that leaves out a mandatory key
+            key = "memory_profile." + err.full_key.split(".", 2)[2]  # profiles.p3.order -> memory_profile.order
+            raise ConfigError(missing_value_message(key, {**runtime, "choices": {"memory_profile": name}})) from None
     return sorted(profiles, key=lambda p: (p.order, p.name))
+
+
+def _broken_profile_message(hydra_message: str, runtime: dict) -> str:
+    """Hydra's error for the composition of every profile (:func:`memory_profiles`), about the one profile it names, by
+    its file and the key as a run names it (``memory_profile.order``, not the listing's ``profiles.p3.order``).
+
+    >>> _broken_profile_message("In 'memory_profile/bad': ValidationError raised while composing config:\\nValue 'abc' "
+    ...                         "of type 'str' could not be converted to Integer\\n    full_key: profiles.p1.order", {})
+    "memory_profile=bad cannot be read: memory_profile.order: Value 'abc' of type 'str' could not be converted to Integer. Fix it, or take the file off the config search path (hydra.searchpath)"
+    """
+    option = re.search(r"In 'memory_profile/([^']+)'", hydra_message)
+    key = re.search(r"full_key: profiles\.p\d+\.([\w.]+)", hydra_message)
+    # omegaconf's reason is the line after Hydra's "In '<option>': ..."; its own full_key/object_type lines follow
+    details = ("full_key:", "object_type=", "reference_type=")
+    lines = [line.strip() for line in hydra_message.splitlines()[1:] if line.strip() and not line.strip().startswith(details)]
+    reason = lines[0] if lines else hydra_message.splitlines()[0]
+    name = option.group(1) if option else None
+    file = option_file("memory_profile", name, runtime)
+    where = f"memory_profile={name}" + (f" ({file})" if file else "") if name else "a memory profile"
+    return (f"{where} cannot be read: {f'memory_profile.{key.group(1)}: ' if key else ''}{reason}. Fix it, or take the "
+            "file off the config search path (hydra.searchpath)")
 
 
 # Hydra flags whose value is a config directory: option lists then come from elsewhere too.

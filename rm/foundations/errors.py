@@ -109,14 +109,32 @@ class Interrupted(KeyboardInterrupt):
         self.signum = int(signum)
 
 
+def ended_if_forked(owner_pid: int, signum: int) -> bool:
+    """For a signal handler that process ``owner_pid`` installed: where it runs in a child forked from that process (a
+    DataLoader worker, a multiprocessing pool's process, which inherit Python's handlers with the memory), end the
+    child as the signal's default would and return True (the call does not return where the signal ends it). The
+    parent's handler would act as the parent there: raise :class:`Interrupted` inside a worker, with its traceback,
+    when the pool stops it with SIGTERM, or set a stop flag that no one reads. False in ``owner_pid`` itself."""
+    if os.getpid() == owner_pid:
+        return False
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+    return True
+
+
 @contextmanager
 def stop_on_signals():
     """Inside, SIGTERM stops the command as Ctrl-C does (:class:`Interrupted`), where Python's default for SIGTERM
     would end the process at once, in the middle of a write. For commands with nothing worth finishing
     (``rm.export``, ``rm.score``): each write they make is atomic, abandoned whole. ``rm.train`` keeps its own
-    handler (``rm.training.trainer.StopRequest``), which finishes a step and writes a checkpoint."""
+    handler (``rm.training.trainer.StopRequest``), which finishes a step and writes a checkpoint. A process forked
+    inside (:func:`ended_if_forked`) ends as the signal's default would."""
+
+    owner = os.getpid()
 
     def interrupt(signum, frame):
+        if ended_if_forked(owner, signum):
+            return
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -2,7 +2,8 @@
 
 A checkpoint records the *fingerprint* of the settings that shape the training trajectory:
 the model, the LoRA settings and memory profile (which weights train, how), the data and its
-policies, the seed, the batch sizes, the optimizer and the schedule. On ``train.checkpoint.resume=true``
+policies, the seed, the batch sizes and layout, the precision as resolved, the optimizer (Kahan summation
+included) and the schedule. On ``train.checkpoint.resume=true``
 the current settings are compared with it. A difference is refused, naming each changed key
 (a resumed run that silently trains on other data or at another learning rate is a different
 model under the same name), unless ``train.checkpoint.resume_allow_changes=true``; then each change is
@@ -28,16 +29,27 @@ from rm.settings.validate import Plan
 
 log = logging.getLogger(__name__)
 
-# Keys of the train group that shape the trajectory; the rest (logging, eval, saving, resume) do not.
+# Keys of the train group that shape the trajectory; the rest (logging, eval, saving, resume, threads: a resume keeps
+# its run's count through train_state's record) do not. share_prefix computes other sums (one row per pair, a 4D
+# mask), and is a layout knob that train.layout=auto reads back from the fingerprint on resume (rm.plan.auto).
 TRAIN_KEYS = (
     "seed", "max_steps", "num_train_epochs", "micro_batch_size", "global_batch_size", "group_by_length",
-    "packing", "max_tokens_per_micro_batch", "precision", "gradient_checkpointing", "center_rewards_coefficient",
+    "packing", "max_tokens_per_micro_batch", "share_prefix", "precision", "gradient_checkpointing",
+    "center_rewards_coefficient",
 )
-# Keys of train.optim that shape the trajectory.
+# Keys of train.optim that shape the trajectory. kahan_summation swaps torch's AdamW for optimi's, whose bf16
+# compensation buffer keeps updates that rounding drops.
 OPTIM_KEYS = (
     "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon", "lr_scheduler_type", "warmup_ratio",
-    "max_grad_norm",
+    "max_grad_norm", "kahan_summation",
 )
+# Keys of health that change the numbers trained, not only the alarms: fp32_head keeps the reward head's weights
+# and compute in fp32. (on_nonfinite stays out: resuming a stopped run with health.on_nonfinite=skip is the way on.)
+HEALTH_KEYS = ("fp32_head",)
+# Keys that checkpoints written by earlier versions of rm do not record (train.precision was recorded as configured,
+# "auto" included, not as the run resolved it): such a checkpoint says nothing of them, so they are not compared,
+# where they would read as a change from '(unset)' and refuse every older run's resume.
+LATER_KEYS = frozenset({"train.share_prefix", "train.optim.kahan_summation", "health.fp32_head", "train.precision"})
 # Data keys that only concern evaluation.
 EVAL_DATA_KEYS = ("eval_split", "eval_files", "extra_eval_files", "max_eval_samples", "synthetic_test_size")
 # Changes that apply_changes writes over the restored optimizer and schedule.
@@ -63,6 +75,9 @@ def fingerprint(cfg: RunConfig, plan: Plan, train_digest: Optional[str] = None) 
     fp.update({f"train.{k}": getattr(cfg.train, k) for k in TRAIN_KEYS})
     fp.update({f"train.optim.{k}": getattr(cfg.train.optim, k) for k in OPTIM_KEYS})
     fp["train.micro_batch_size"] = plan.micro_batch_size
+    # As resolved: precision=auto is bf16-mixed on one machine and 32-true on another, and the run computes in it.
+    fp["train.precision"] = plan.precision
+    fp.update({f"health.{k}": getattr(cfg.health, k) for k in HEALTH_KEYS})
     # Its order among the profiles is where rm.plan and the suggestions list it, nothing that trains
     fp.update({k: v for k, v in _flat("memory_profile", cfg.memory_profile).items() if k != "memory_profile.order"})
     if cfg.memory_profile.use_lora:
@@ -77,7 +92,10 @@ def stored_fingerprint(saved: Optional[Dict]) -> Optional[Dict]:
     by its old name, and would otherwise read as one key removed and another added."""
     if not saved:
         return saved
-    return {MOVED_KEYS.get(key, key): value for key, value in saved.items()}
+    renamed = {MOVED_KEYS.get(key, key): value for key, value in saved.items()}
+    if renamed.get("train.precision") == "auto":  # recorded as configured, before rm recorded what it resolved to
+        del renamed["train.precision"]
+    return renamed
 
 
 def data_digest(train_set) -> str:
@@ -92,14 +110,15 @@ def data_digest(train_set) -> str:
 
 
 def changed_keys(saved: Optional[Dict], current: Dict) -> List[str]:
-    """``key: old -> new`` for every key whose value differs (a key only one side has counts too)."""
+    """``key: old -> new`` for every key whose value differs (a key only one side has counts too, except one of
+    :data:`LATER_KEYS` that the checkpoint does not record)."""
     if not saved:
         return []
     missing = object()
     return [
         f"{key}: {saved.get(key, '(unset)')!r} -> {current.get(key, '(unset)')!r}"
         for key in sorted(set(saved) | set(current))
-        if saved.get(key, missing) != current.get(key, missing)
+        if saved.get(key, missing) != current.get(key, missing) and not (key in LATER_KEYS and key not in saved)
     ]
 
 

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from rm.runs.checkpoint import failed_ranks, raise_save_failure
 from rm.foundations.config import RunConfig
 from rm.data.batching import rows_at
-from rm.foundations.errors import Interrupted, StorageError
+from rm.foundations.errors import Interrupted, StorageError, ended_if_forked
 from rm.modelling.bundle import PROBE_PAIRS, export_final, model_card, reward_stats_from_eval
 from rm.training.health import SKIP, STOP
 from rm.memory.monitor import gather_snapshots
@@ -121,7 +121,7 @@ def fit(run: Run, stop: "StopRequest") -> Status:
             progress.update(1)
             if t.logging.logging_steps and (state.step % t.logging.logging_steps == 0 or state.step == run.total_steps):
                 log_window(run, progress)
-            evaluate_and_save(run)
+            evaluate_and_save(run, stop)
         return Status.OK
     finally:
         progress.close()
@@ -208,16 +208,28 @@ def log_window(run: Run, progress: tqdm) -> None:
     state.reset_window()
 
 
-def evaluate_and_save(run: Run) -> None:
-    """After a step: evaluation and a checkpoint when due; the time they take is not training time."""
+def evaluate_and_save(run: Run, stop: Optional["StopRequest"] = None) -> None:
+    """After a step: evaluation and a checkpoint when due; the time they take is not training time.
+
+    A signal (``stop``) during an evaluation before the last step's stops it at its next batch, unrecorded: the loop
+    then writes the checkpoint of this step and exits, without waiting for the rest of the eval set. The last step's
+    evaluation always finishes: the final model's reward statistics come from it (``finishing`` in :class:`StopRequest`).
+    """
     t, step = run.cfg.train, run.state.step
     paused = time.perf_counter()
     if (run.eval_set is not None or run.extra_eval_sets) and ((t.logging.eval_steps and step % t.logging.eval_steps == 0) or step == run.total_steps):
-        run.eval_metrics, run.eval_scores = evaluate_sets(
-            run.model, run.eval_set, run.extra_eval_sets, run.collator, t.eval_batch_size, run.engine, run.loss)
-        run.metrics.write("eval", step, run.eval_metrics)
-        run.health.check_eval(step, run.eval_metrics.get("eval_accuracy"))
-        log.info("step %d: %s", step, format_eval(run.eval_metrics))
+        stopping = (lambda: stop.signum > 0) if stop is not None and step < run.total_steps else None
+        done = evaluate_sets(run.model, run.eval_set, run.extra_eval_sets, run.collator, t.eval_batch_size, run.engine,
+                             run.loss, stopping=stopping)
+        if done is None:
+            stop.signum = stop.signum or signal.SIGTERM  # another rank's signal: this one stops with the same code
+            log.warning("step %d: evaluation stopped by %s before its end; no eval record for this step",
+                        step, signal.Signals(stop.signum).name)
+        else:
+            run.eval_metrics, run.eval_scores = done
+            run.metrics.write("eval", step, run.eval_metrics)
+            run.health.check_eval(step, run.eval_metrics.get("eval_accuracy"))
+            log.info("step %d: %s", step, format_eval(run.eval_metrics))
     if t.checkpoint.save_steps and step % t.checkpoint.save_steps == 0 and step < run.total_steps:
         checkpoint(run, paused)
     run.state.paused_s += time.perf_counter() - paused
@@ -382,9 +394,10 @@ class StopRequest:
 
     - ``set-up``: nothing was trained by this start, so it stops at once (:class:`~rm.foundations.errors.Interrupted`,
       exit 128 + N); a resume starts where this one would have (its checkpoint, or step 0).
-    - ``training`` (steps, evaluation, periodic checkpoints): a flag that every process checks before each step. The
-      step, its evaluation and its checkpoint finish; then the checkpoint of that step (none is written twice), and
-      exit 128 + N.
+    - ``training`` (steps, evaluation, periodic checkpoints): a flag that every process checks before each step and
+      each evaluation batch. The step and a checkpoint being written finish, an evaluation stops at its next batch
+      (unrecorded; the last step's finishes: the final model needs it); then the checkpoint of that step (none is
+      written twice), and exit 128 + N.
     - ``finishing`` (the run trained its last step: plots, ``final/``): the final model is finished, exit 0. It is
       the quicker way to keep the run: a checkpoint would also write the optimizer states.
 
@@ -393,7 +406,8 @@ class StopRequest:
     """
 
     _SAYS = {
-        TRAINING: "stopping after this step (its evaluation and checkpoint, if due) and writing a checkpoint",
+        TRAINING: "stopping after this step (an evaluation in progress stops at its next batch; a checkpoint due is "
+                  "written) and writing a checkpoint",
         FINISHING: "the run trained its last step: finishing the final model (a second Ctrl-C "
                    "abandons it, and the steps after the last checkpoint with it)",
     }
@@ -410,9 +424,7 @@ class StopRequest:
         return self
 
     def _handle(self, signum, frame):
-        if os.getpid() != self._pid:  # a process forked during set-up (the estimate's pool): its pool's SIGTERM ends it
-            signal.signal(signum, signal.SIG_DFL)  # as the default would, without this run's traceback
-            os.kill(os.getpid(), signum)
+        if ended_if_forked(self._pid, signum):  # a process forked during set-up (the estimate's pool, a DataLoader worker)
             return
         name = signal.Signals(signum).name
         if self.phase == SETUP or (self.signum and signum == signal.SIGINT):

@@ -564,6 +564,49 @@ def test_score_checks_the_weights_it_loads(six_step_run, tmp_path):
     assert err.value.exit_code == 4
 
 
+@pytest.mark.reliability("Data", "`rm.score` given several `--input` files of different layouts or columns (an hh file "
+                         "and a prompt file; texts with and without an extra column; pairs and single texts)",
+                         "each file read as its own layout, as `rm.train` reads a split's files, the rows scored in "
+                         "order; a bad row named `--input <file> row <n>`; pairs mixed with single texts or "
+                         "conversations: exit 2 naming each file, what it holds and its columns (was: datasets' "
+                         "`CastError ... column names don't match`)")
+def test_score_reads_each_input_file_as_its_own_layout(six_step_run, tmp_path, capsys):
+    import rm.score
+    from rm.foundations.errors import DataError
+
+    def write(name, *rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(path)
+
+    prompt = write("prompt.jsonl", {"prompt": "Human: hi", "chosen": " hello", "rejected": " go away"})
+    hh = write("hh.jsonl", {"chosen": "\n\nHuman: hi\n\nAssistant: hello", "rejected": "\n\nHuman: hi\n\nAssistant: go"},
+               {"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"})
+    texts = write("texts.jsonl", {"text": "Human: hi Assistant: hello"})
+    texts_with_id = write("texts_id.jsonl", {"text": "Human: hi Assistant: bye", "id": 7})
+    model = str(six_step_run / "final")
+
+    out = tmp_path / "scored.jsonl"
+    assert rm.score.main(["--model", model, "--input", prompt, hh, "--output", str(out)]) == 0
+    scored = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["chosen"] for r in scored] == ["Human: hi hello", "\n\nHuman: hi\n\nAssistant: hello",
+                                             "\n\nHuman: a\n\nAssistant: b"]
+    assert all("reward_chosen" in r and "reward_rejected" in r for r in scored)
+
+    assert rm.score.main(["--model", model, "--input", texts, texts_with_id, "--output", str(out)]) == 0
+    assert [r["text"] for r in map(json.loads, out.read_text().splitlines())] == ["Human: hi Assistant: hello",
+                                                                                   "Human: hi Assistant: bye"]
+
+    bad = write("bad.jsonl", {"prompt": "p", "chosen": "a", "rejected": "b"}, {"prompt": "p", "chosen": 3, "rejected": "b"})
+    with pytest.raises(DataError, match=rf"^--input {bad} row 1: 'chosen' is int"):
+        rm.score.main(["--model", model, "--input", hh, bad, "--on-malformed", "error"])
+
+    with pytest.raises(DataError, match=rf"^--input mixes pairs and single texts or conversations.*: {prompt}: pairs "
+                                        rf"\(columns prompt, chosen, rejected\); {texts}: texts \(columns text\)\. "
+                                        "Score each kind in a run of its own"):
+        rm.score.main(["--model", model, "--input", prompt, texts])
+
+
 @pytest.mark.reliability("Faults", "resume with changed settings that shape training (model, data, seed, batch sizes, optimizer, schedule)",
                          "refused, naming each changed key with its old and new value (`train.optim.learning_rate: 0.002 -> 0.01`); exit 2")
 def test_resume_refuses_changed_settings_naming_each_key(six_step_run, tmp_path):

@@ -94,8 +94,8 @@ def test_a_signal_while_the_final_model_is_written_finishes_it(signum, tmp_path,
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT to a real `rm.train` during set-up",
                          "stops at once, exit 128+N, no checkpoint (nothing trained); the printed command resumes it")
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT during a step, an evaluation or a checkpoint's write (real process)",
-                         "the step, evaluation or checkpoint finishes, then the checkpoint of that step (never written "
-                         "twice), exit 128+N; the printed command (the run's own overrides, `train.checkpoint.resume=true`, "
+                         "the step or checkpoint finishes (an evaluation stops at its next batch, unrecorded), then the "
+                         "checkpoint of that step (never written twice), exit 128+N; the printed command (the run's own overrides, `train.checkpoint.resume=true`, "
                          "`hydra.run.dir`) resumes it to the weights of an uninterrupted run")
 @pytest.mark.reliability("Faults", "SIGTERM or SIGINT while the plots are drawn (real process)",
                          "the run trained its last step: the final model is written, exit 0")
@@ -188,3 +188,40 @@ def test_a_second_ctrl_c_in_process_leaves_no_temporary_final(tiny_cfg, tmp_path
         rm_train.train(tiny_cfg("train.max_steps=4", "train.checkpoint.save_steps=2", "train.logging.eval_steps=0"), tmp_path)
     assert not (tmp_path / "final").exists() and _leftovers(tmp_path) == []
     assert f"the last good checkpoint is {tmp_path}/checkpoints/checkpoint-2. Continue with:" in caplog.text
+
+
+@pytest.mark.reliability("Faults", "SIGTERM or SIGINT during a long evaluation (before the last step)",
+                         "the evaluation stops at its next batch (every process agrees, as before a step), unrecorded "
+                         "(no eval record of that step, no alarm from part of the set); then the checkpoint of the step, "
+                         "exit 128+N, and the printed command resumes it; was: the whole eval set first. The last step's "
+                         "evaluation finishes: the final model's reward statistics come from it")
+def test_a_signal_during_an_evaluation_stops_it_at_the_next_batch(tiny_cfg, tmp_path, monkeypatch, caplog):
+    import os
+
+    import rm.evaluation.metrics as metrics
+    import rm.train as rm_train
+
+    real = metrics.pair_rewards
+    forwards = []
+
+    def signalled_on_the_first_batch(*args, **kwargs):  # a SIGTERM arrives while the first eval batch is scored
+        forwards.append(1)
+        if len(forwards) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "pair_rewards", signalled_on_the_first_batch)
+    overrides = ("train.max_steps=4", "train.checkpoint.save_steps=0", "train.logging.eval_steps=2", "train.eval_batch_size=8")
+    result = rm_train.train(tiny_cfg(*overrides), tmp_path)  # 128 eval pairs: 16 batches
+    assert (result["status"], result["step"], result["signal"]) == ("interrupted", 2, signal.SIGTERM)
+    assert len(forwards) == 1, f"{len(forwards)} eval batches scored after the signal"
+    assert "step 2: evaluation stopped by SIGTERM before its end; no eval record for this step" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records if r["event"] == "eval"] == []
+    assert _checkpoints(tmp_path) == [2] and _leftovers(tmp_path) == []
+
+    monkeypatch.setattr(metrics, "pair_rewards", real)
+    resumed = rm_train.train(tiny_cfg(*overrides, "train.checkpoint.resume=true"), tmp_path)
+    assert (resumed["status"], resumed["step"]) == ("ok", 4) and (tmp_path / "final").is_dir()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["event"] == "eval"] == [4]

@@ -177,3 +177,4 @@ def test_hardware_cpu_takes_this_machines_memory_unless_given(tiny_cfg):
     assert given.device_memory_gib == 16 and given.host_ram_gib == detected.host_ram_gib
     with pytest.raises(ConfigError, match="hardware.device_memory_gib=null with hardware=h100_80g"):
         resolve_hardware(tiny_cfg("hardware=h100_80g", "hardware.device_memory_gib=null").hardware)
+

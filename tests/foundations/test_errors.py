@@ -375,3 +375,46 @@ def test_a_lost_peer_is_exit_6_naming_the_rank_not_a_bug(monkeypatch):
                                     "[127.0.0.1]:14755: Connection reset by peer)")
     assert exit_code(dist.DistBackendError("NCCL communicator was aborted on rank 1")) == 6
     assert exit_code(RuntimeError("shape mismatch")) == 1
+
+
+def _forked_child_status(signum):
+    """Fork; the child sends itself ``signum`` under the handler it inherited. Its wait status: ended by the signal
+    (the default action), or exit 3 where the inherited handler raised as the parent's would."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(5)
+            os._exit(0)
+        except BaseException:  # noqa: BLE001  (the parent's handler raised Interrupted in the child)
+            os._exit(3)
+    return os.waitpid(pid, 0)[1]
+
+
+@pytest.mark.reliability("Entry points", "a process forked under a command's signal handler (a DataLoader worker, a "
+                         "pool's process) gets SIGTERM or SIGINT (the pool stopping it)",
+                         "it ends as the signal's default would; the parent's handler does not act in it (`Interrupted` "
+                         "raised inside the worker, or `rm.train`'s stop flag set where no one reads it)")
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_never_runs_the_parents_signal_handler():
+    import signal
+    import time
+
+    from rm.foundations.errors import Interrupted, stop_on_signals
+    from rm.training.trainer import StopRequest
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with stop_on_signals():
+            status = _forked_child_status(signum)
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signum, f"child wait status {status}"
+            with pytest.raises(Interrupted):  # the parent's own handler still acts in the parent
+                os.kill(os.getpid(), signum)
+                time.sleep(5)
+        with StopRequest() as stop:
+            stop.phase = "training"
+            status = _forked_child_status(signum)
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signum, f"child wait status {status}"
+            assert stop.signum == 0

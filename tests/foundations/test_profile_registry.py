@@ -78,3 +78,56 @@ def test_gpu_report_estimates_a_profile_on_the_search_path(search_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
     assert rows == ["full", "8bit", "lora", "adapters", "offload", "qlora"], proc.stdout
+
+
+# The profile a user writes from lora.yaml's example, forgetting the mandatory order:.
+WITHOUT_ORDER = """\
+defaults:
+  - base_memory_profile
+  - _self_
+name: mine
+use_lora: true
+"""
+
+
+@pytest.mark.reliability("Configuration", "a mandatory key left without a value (`???`): a memory-profile file of one's own "
+                         "without `order:`, `memory_profile.order=???` on the command line",
+                         "`memory_profile.order has no value (??? in the schema, mandatory): memory_profile=mine "
+                         "(<dir>/memory_profile/mine.yaml) does not set order.`, then the values the shipped profiles give "
+                         "it; exit 2 (was: omegaconf's traceback, exit 1). `rm.plan`'s and "
+                         "`rm.gpu_report`'s list of every profile names the broken file alike, and a profile file of a "
+                         "wrong type (`order: abc`) there: `memory_profile=bad (<file>) cannot be read: "
+                         "memory_profile.order: Value 'abc' ...`")
+def test_a_missing_mandatory_key_names_the_key_and_its_file(tmp_path):
+    from rm.foundations.errors import ConfigError
+
+    (tmp_path / "memory_profile").mkdir()
+    mine = tmp_path / "memory_profile" / "mine.yaml"
+    mine.write_text(WITHOUT_ORDER)
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    named = rf"memory_profile\.order has no value \(\?\?\? in the schema, mandatory\): memory_profile=mine \({mine}\) does not set order\."
+    with pytest.raises(ConfigError, match=rf"^{named}\nGive it a value in {mine} \(order: "):
+        compose([search, "experiment=tiny", "memory_profile=mine"])
+    with pytest.raises(ConfigError, match=rf"^{named}"):  # the list rm.plan, refusals and rm.gpu_report read
+        memory_profiles([search])
+    with pytest.raises(ConfigError, match=r"(?s)^memory_profile\.order has no value .*: the command line gives "
+                                          r"memory_profile\.order=\?\?\?\..*conf/memory_profile/'s options set it so: "
+                                          r".*lora 20"):
+        compose(["experiment=tiny", "memory_profile.order=???"])
+
+    # A value of the wrong type fails the listing's composition (Hydra's error, about profiles.p<i>.order)
+    other = tmp_path / "other"
+    (other / "memory_profile").mkdir(parents=True)
+    bad = other / "memory_profile" / "bad.yaml"
+    bad.write_text(WITHOUT_ORDER.replace("name: mine", "name: bad\norder: abc"))
+    with pytest.raises(ConfigError, match=rf"^memory_profile=bad \({bad}\) cannot be read: memory_profile\.order: "
+                                          r"Value 'abc' of type 'str' could not be converted to Integer"):
+        memory_profiles([f"hydra.searchpath=[file://{other}]"])
+
+    proc = subprocess.run([sys.executable, "-m", "rm.estimate", "experiment=tiny", "memory_profile=mine", search],
+                          cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"error: memory_profile.order has no value (??? in the schema, mandatory): memory_profile=mine ({mine})" in out
+    assert f"Give it a value in {mine} (order: " in out
+    assert "Traceback" not in out and "bug in rm" not in out

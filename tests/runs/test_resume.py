@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from rm.foundations.errors import ConfigError
@@ -61,3 +63,37 @@ def test_resuming_a_run_directory_written_before_keys_moved(tmp_path):
         directory.restore(StandInEngine(), TrainConfig(), {**current, "train.optim.learning_rate": 0.01}, total_steps=10)
     assert "train.learning_rate" not in str(err.value)
     assert directory.saved_fingerprint() == current
+
+
+@pytest.mark.reliability("Faults", "resume with a changed setting of the numerics: `train.optim.kahan_summation`, "
+                         "`train.share_prefix`, `health.fp32_head`, or `train.precision=auto` resolving to another "
+                         "precision (another machine)",
+                         "refused like any setting that shapes training, naming the key (`train.optim.kahan_summation: "
+                         "False -> True`, `train.precision: '32-true' -> 'bf16-mixed'`); was: resumed with other "
+                         "numerics in silence. A checkpoint written before rm recorded these keys resumes, them unchecked")
+def test_a_changed_numerics_setting_is_refused_on_resume(tiny_cfg):
+    import dataclasses
+
+    from rm.runs.resume import LATER_KEYS, fingerprint, stored_fingerprint
+    from rm.settings.validate import resolve_world_size, validate
+
+    cfg = tiny_cfg("train.precision=auto")
+    plan = validate(cfg, *resolve_world_size(cfg.distributed, launched=False))
+    saved = fingerprint(cfg, plan)
+    assert saved["train.precision"] == plan.precision == "32-true"  # as resolved on this CPU, not "auto"
+    train, optim = cfg.train, cfg.train.optim
+    changed = {
+        "train.optim.kahan_summation: False -> True":
+            (dataclasses.replace(cfg, train=dataclasses.replace(train, optim=dataclasses.replace(optim, kahan_summation=True))), plan),
+        "train.share_prefix: False -> True": (dataclasses.replace(cfg, train=dataclasses.replace(train, share_prefix=True)), plan),
+        "health.fp32_head: None -> True": (dataclasses.replace(cfg, health=dataclasses.replace(cfg.health, fp32_head=True)), plan),
+        "train.precision: '32-true' -> 'bf16-mixed'": (cfg, dataclasses.replace(plan, precision="bf16-mixed")),  # a bf16 machine
+    }
+    for change, (c, p) in changed.items():
+        with pytest.raises(ConfigError, match=re.escape(change)):
+            check_resume(saved, fingerprint(c, p), "checkpoint-4", allow_changes=False)
+    # A checkpoint of an earlier rm: none of these keys, precision as configured. It resumes; what it lacks is unchecked.
+    older = {**{k: v for k, v in saved.items() if k not in LATER_KEYS}, "train.precision": "auto"}
+    for c, p in changed.values():
+        assert check_resume(stored_fingerprint(older), fingerprint(c, p), "checkpoint-4", allow_changes=False) == []
+    assert changed_keys(stored_fingerprint(older), {**saved, "train.seed": 7}) == ["train.seed: 42 -> 7"]
