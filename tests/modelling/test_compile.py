@@ -133,6 +133,10 @@ def test_a_new_packing_reuses_the_compiled_graphs(full):
     assert counters["stats"]["unique_graphs"] == graphs
 
 
+@pytest.mark.reliability("Configuration", "`train.compile=true` with what it was never measured with: attention other "
+                         "than sdpa, `memory_profile=qlora` (bitsandbytes layers), DeepSpeed (`offload`), the CPU's "
+                         "tensor count (`train.logging.track_memory=true`)",
+                         "refused before anything loads, naming both keys and why; exit 2")
 @pytest.mark.parametrize("overrides, named", [
     (["model.attn_implementation=eager"], "model.attn_implementation=eager"),
     (["memory_profile=qlora"], "memory_profile=qlora"),
