@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _score(args) -> List[dict]:
     """The rows of ``--input`` with their rewards; prints the counts and the accuracy."""
     # Imported here so that --help answers without loading torch's model stack.
-    from rm.data.build import _without_row
+    from rm.data.build import without_row
     from rm.data.load import expand_files, load_preference_split, locate_row
     from rm.data.normalise import max_chars_for
     from rm.data.tokenise import encode_texts, leading_special_ids, tokenize_pairs, truncate_left
@@ -254,7 +254,7 @@ def _score(args) -> List[dict]:
             if not several or err.row is None:
                 raise
             file, row = locate_row(files, err.row)
-            raise DataError(f"--input {file} row {row}: {_without_row(str(err), err.row)}", row=err.row) from None
+            raise DataError(f"--input {file} row {row}: {without_row(str(err), err.row)}", row=err.row) from None
         print(counts.format())
         if len(tokenised) == 0:
             raise DataError(f"--input: no usable pairs ({counts.format()})")
@@ -271,31 +271,22 @@ def _score(args) -> List[dict]:
 
 def _normalised_pairs(parts, args, tokenizer):
     """The pairs of every ``(file, rows)`` part, each file normalised as its own layout (under ``--format auto``, the
-    layout of its own rows) and the parts joined in order, as rm.train joins a split's files; the ``row`` column and
-    the counts number the rows of all files in order. A refused row is named by its file and its row there."""
-    import datasets
-
-    from rm.data.build import _without_row
-    from rm.data.counts import PairCounts
+    layout of its own rows) and the parts joined in order, as rm.train joins a split's files
+    (:func:`rm.data.build.join_normalised`). A refused row is named by its file and its row there."""
+    from rm.data.build import join_normalised, without_row
     from rm.data.normalise import max_chars_for, normalise_pairs
 
-    joined, counts, first_row = [], PairCounts(), 0
-    for file, raw in parts:
-        try:
-            pairs, part_counts = normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed,
-                                                 row_index=True, max_chars=max_chars_for(args.max_length))
-        except DataError as err:
-            if len(parts) == 1:
-                raise
-            where = f" row {err.row}: {_without_row(str(err), err.row)}" if err.row is not None else f": {err}"
-            raise DataError(f"--input {file}{where}", row=None if err.row is None else err.row + first_row) from None
-        if first_row:
-            pairs = pairs.map(lambda batch: {"row": [r + first_row for r in batch["row"]]}, batched=True,
-                              load_from_cache_file=False, desc="numbering rows of the inputs")
-        joined.append(pairs)
-        counts.absorb(part_counts, first_row)
-        first_row += len(raw)
-    return (joined[0] if len(joined) == 1 else datasets.concatenate_datasets(joined)), counts
+    def normalise(raw):
+        return normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed, row_index=True,
+                               max_chars=max_chars_for(args.max_length))
+
+    def where(file, err, first_row):
+        if len(parts) == 1:
+            return err
+        named = f" row {err.row}: {without_row(str(err), err.row)}" if err.row is not None else f": {err}"
+        return DataError(f"--input {file}{named}", row=None if err.row is None else err.row + first_row)
+
+    return join_normalised(parts, normalise, where)
 
 
 if __name__ == "__main__":

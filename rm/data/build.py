@@ -76,24 +76,39 @@ def _normalised_split(data_cfg: DataConfig, tokenizer, split: str):
     normalised on its own (its layout detected from its own rows under ``data.format=auto``) and the parts joined
     in order; the ``row`` column and the counts name rows of the split. A refused row is reported with the data,
     split and file it is in, and its row in that file."""
-    parts, counts, first_row = [], PairCounts(), 0
-    for file, raw in _raw_parts(data_cfg, split):
+    def normalise(raw):
+        return normalise_pairs(raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
+                               on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
+                               max_chars=max_chars_for(data_cfg.max_length), truncation=data_cfg.truncation)
+
+    def where(file, err, first_row):
+        row = None if err.row is None else err.row + first_row
+        return DataError(f"data {data_cfg.name} [{split}]{_in_file(data_cfg, split, file, err)}", row=row)
+
+    return join_normalised(_raw_parts(data_cfg, split), normalise, where)
+
+
+def join_normalised(parts, normalise: Callable, where: Callable):
+    """Each ``(file, raw rows)`` part normalised on its own (``normalise(raw)``: pairs and :class:`PairCounts`) and
+    the parts joined in order, as a split's files are (``rm.train``) and ``rm.score``'s inputs; the ``row`` column and
+    the counts number the rows of all parts in order. A part's :class:`DataError` is raised as ``where(file, err,
+    first_row)`` gives it (the same error: unchanged), ``first_row`` being the part's first row among all."""
+    joined, counts, first_row = [], PairCounts(), 0
+    for file, raw in parts:
         try:
-            pairs, part_counts = normalise_pairs(
-                raw, data_cfg.format, tokenizer, margin_column=data_cfg.margin_column,
-                on_malformed=data_cfg.on_malformed, identical=data_cfg.identical_pairs, row_index=True,
-                max_chars=max_chars_for(data_cfg.max_length), truncation=data_cfg.truncation,
-            )
+            pairs, part_counts = normalise(raw)
         except DataError as err:
-            row = None if err.row is None else err.row + first_row
-            raise DataError(f"data {data_cfg.name} [{split}]{_in_file(data_cfg, split, file, err)}", row=row) from err
+            named = where(file, err, first_row)
+            if named is err:
+                raise
+            raise named from err
         if first_row:
             pairs = pairs.map(lambda batch: {"row": [r + first_row for r in batch["row"]]}, batched=True,
-                              load_from_cache_file=False, desc="numbering rows of the split")
-        parts.append(pairs)
+                              load_from_cache_file=False, desc="numbering rows")
+        joined.append(pairs)
         counts.absorb(part_counts, first_row)
         first_row += len(raw)
-    return (parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)), counts
+    return (joined[0] if len(joined) == 1 else datasets.concatenate_datasets(joined)), counts
 
 
 def _in_file(data_cfg: DataConfig, split: str, file: Optional[str], err: DataError) -> str:
@@ -104,10 +119,10 @@ def _in_file(data_cfg: DataConfig, split: str, file: Optional[str], err: DataErr
     several = len(expand_files(data_cfg.train_files if split == "train" else data_cfg.eval_files, f"data.{split}_files")) > 1
     if err.row is None or not several:
         return f" in {file}: {err}"
-    return f" in {file} row {err.row}: {_without_row(str(err), err.row)}"
+    return f" in {file} row {err.row}: {without_row(str(err), err.row)}"
 
 
-def _without_row(message: str, row: int) -> str:
+def without_row(message: str, row: int) -> str:
     """A row-level message (``row 4: 'chosen' is empty``) without its leading row number, which the file's own row replaces."""
     prefix = f"row {row}: "
     return message[len(prefix):] if message.startswith(prefix) else message
@@ -166,7 +181,7 @@ def _tokenised_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datas
         )
     except DataError as err:
         where = _where(data_cfg, split, err.row)
-        message = _without_row(str(err), err.row) if " row " in where else str(err)
+        message = without_row(str(err), err.row) if " row " in where else str(err)
         raise DataError(f"data {data_cfg.name} [{split}]{where}: {message}", row=err.row) from err
 
 
