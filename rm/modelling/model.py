@@ -246,7 +246,9 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     # for the first length, then again for any. What is left to recompile for is finite (training and evaluation,
     # each layout's keyword arguments, the two calls around the attention's graph break, checkpointing's recompute):
     # the demo's busiest frame takes 6 graphs, near dynamo's default limit of 8, past which a frame runs uncompiled.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name before torch 2.6
+    setattr(config, limit, max(getattr(config, limit), 32))
     for layer in layers:
         layer.compile(dynamic=True)
     return len(layers)

@@ -398,7 +398,8 @@ def summary(cfg: RunConfig, plan: Plan, engine: Engine, total_steps: int, num_pa
         f"tokens per step  at most {plan.max_tokens_per_step:,} ({t.global_batch_size} pairs x 2 x max_length {cfg.data.max_length})",
         f"schedule         {total_steps} steps = {total_steps * t.global_batch_size / num_pairs:.2f} epochs of {num_pairs:,} pairs,"
         f" lr {t.optim.learning_rate:g} {t.optim.lr_scheduler_type}, warmup {t.optim.warmup_ratio:g}",
-        f"gradient ckpt    {'on' if t.gradient_checkpointing else 'off'}",
+        f"gradient ckpt    {'on' if t.gradient_checkpointing else 'off'}"
+        + ("; each decoder layer compiled (train.compile)" if t.compile else ""),
         f"layout           {layout_of(t.packing, t.share_prefix)}"
         + (f", token budget {t.max_tokens_per_micro_batch}" if t.max_tokens_per_micro_batch else "")
         + (", grouped by length" if t.group_by_length else "")
