@@ -153,7 +153,9 @@ class VarlenLayout(NamedTuple):
     max_k: int  # and keys
 
     def to(self, device) -> "VarlenLayout":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        # From pinned memory: an asynchronous copy from pageable memory may wait for the device
+        pin = torch.device(device).type == "cuda"
+        move = lambda t: None if t is None else (t.pin_memory() if pin else t).to(device, non_blocking=True)  # noqa: E731
         cu_seq_q = move(self.cu_seq_q)
         cu_seq_k = cu_seq_q if self.cu_seq_k is self.cu_seq_q else move(self.cu_seq_k)
         return self._replace(cu_seq_q=cu_seq_q, cu_seq_k=cu_seq_k, key_index=move(self.key_index))
@@ -338,7 +340,8 @@ def windowed_causal(length: int, window: int, device) -> torch.Tensor:
 
 
 def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_ids: Optional[torch.Tensor] = None,
-                     roles: Optional[torch.Tensor] = None, bounds: Optional[Sequence[int]] = None) -> Optional[Dict]:
+                     roles: Optional[torch.Tensor] = None, bounds: Optional[Sequence[int]] = None,
+                     row_roles: Optional[Sequence[int]] = None) -> Optional[Dict]:
     """The model inputs beyond ids and positions that make :func:`segmented_sdpa` take a packed row a segment at a
     time: a stand-in for the row's mask and the row's :class:`PackedRow` (``packed_row``): its bounds, whether each
     segment is one causal sequence (plain packing) or a prefix-shared pair (``pair_ids`` and ``roles`` given) with
@@ -352,8 +355,10 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
     prefix-shared row's positions do not say it): an ``expand`` of one element, no memory.
 
     Args:
-        bounds: the segments, where the ids cannot be read (the estimate's fake tensors); otherwise read off
-            ``position_ids`` (plain packing) or ``pair_ids``.
+        bounds: the segments, where the ids cannot be read (the estimate's fake tensors) or were read on the host
+            (:func:`rm.modelling.model.host_hints`); otherwise read off ``position_ids`` (plain packing) or
+            ``pair_ids``.
+        row_roles: ``roles[0]`` as a list, read on the host; otherwise read off ``roles``.
 
     Returns:
         The keyword arguments, or None where the row stays one SDPA call: several rows, a single segment, or fake
@@ -368,14 +373,14 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
     shared = pair_ids is not None
     if bounds is None and not is_fake(input_ids):
         bounds = segment_bounds(pair_ids if shared else position_ids, starts_at_zero=not shared)
-    if bounds is None:
+    if bounds is None or len(bounds) <= 2:  # one segment (given as [0, T] by the host's reading): one call
         return None
     length = bounds[-1]
     stand_in = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device).expand(1, 1, length, length)
     row_layout = PackedRow(bounds, causal=not shared)
     row = None
     if shared:
-        row = None if is_fake(roles) else roles[0].tolist()  # fake ids (the estimate's trace): the per-token rule
+        row = row_roles if row_roles is not None else None if is_fake(roles) else roles[0].tolist()  # fake: the per-token rule
         if row is None and _ESTIMATED and _ESTIMATED[-1]:  # the estimate's trace of a varlen GPU: its pairs' roles
             row = _ESTIMATED[-1]
         masks = []

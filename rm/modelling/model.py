@@ -10,7 +10,7 @@ import time
 import types
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -411,6 +411,7 @@ def sequence_rewards(
     pair_ids: Optional[torch.Tensor] = None,
     roles: Optional[torch.Tensor] = None,
     segment_bounds: Optional[List[int]] = None,
+    segment_roles: Optional[List[int]] = None,
 ) -> torch.Tensor:
     """One reward per row, read at its last real token (by the attention mask), in one forward pass.
 
@@ -442,7 +443,10 @@ def sequence_rewards(
         pair_ids: prefix-shared only: ``(rows, T)`` pair of each token, -1 on padding.
         roles: prefix-shared only: ``(rows, T)`` prefix / chosen / rejected / pad per token.
         segment_bounds: packed only: where the row's sequences (pairs) start, ``[0, ..., T]``, for the estimate's
-            trace, whose fake ids cannot be read; a real batch's are read off its ids.
+            trace, whose fake ids cannot be read, and for the training loop, which reads them on the host before the
+            batch moves (:func:`host_hints`); otherwise read off the ids, on a GPU a copy that waits for the device.
+        segment_roles: prefix-shared and packed only: ``roles`` of the row as a host list (:func:`host_hints`);
+            otherwise read off ``roles``, on a GPU a copy that waits for the device.
 
     Returns:
         ``(N,)`` rewards, or ``(S,)`` when packed; differentiable.
@@ -463,7 +467,7 @@ def sequence_rewards(
         kwargs = {"position_ids": position_ids}  # no mask: transformers derives the sequence boundaries from these
         segmented = None
         if attn_implementation == "sdpa":  # a packed row's SDPA one sequence (or pair) at a time
-            segmented = segmented_inputs(input_ids, position_ids, pair_ids, roles, segment_bounds)
+            segmented = segmented_inputs(input_ids, position_ids, pair_ids, roles, segment_bounds, segment_roles)
         if segmented:
             kwargs.update(segmented)
         elif pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
@@ -484,6 +488,30 @@ def sequence_rewards(
     return caught[0][rows, last_token_index(attention_mask).to(caught[0].device)].squeeze(-1)
 
 
+def host_hints(batch: Dict[str, torch.Tensor]) -> Dict[str, object]:
+    """What :func:`sequence_rewards` would otherwise read off a packed batch's tensors once they are on the device,
+    read here from the collated batch while it is still on the host: the row's segments, and a prefix-shared row's
+    roles. On a GPU each such read copies to the host and waits for every kernel queued before it: one wait a
+    micro-batch, where the host would otherwise queue the next micro-batch's kernels while the device runs this
+    one's. (A padded batch has none here; transformers itself reads its mask once a forward, to skip it where
+    nothing is padded.)
+
+        >>> from rm.data.collator import PackedPairCollator
+        >>> host_hints(PackedPairCollator()([{"chosen_input_ids": [5, 6], "rejected_input_ids": [7]}]))
+        {'segment_bounds': [0, 2, 3]}
+    """
+    from rm.modelling.attention import segment_bounds
+
+    if "attention_mask" in batch or batch["input_ids"].shape[0] != 1:  # padded, or prefix-shared rows: not packed
+        return {}
+    shared = "pair_ids" in batch
+    bounds = segment_bounds(batch["pair_ids"] if shared else batch["position_ids"], not shared)
+    hints = {"segment_bounds": bounds or [0, batch["input_ids"].shape[1]]}  # [0, T]: one segment, nothing to read
+    if shared:
+        hints["segment_roles"] = batch["roles"][0].tolist()
+    return hints
+
+
 def _left_padded(attention_mask: torch.Tensor) -> bool:
     """Whether some row starts with padding. A fake tensor (the estimate's trace) holds no values: it takes
     the right-padded path, the one rm's collators produce."""
@@ -495,7 +523,7 @@ def _left_padded(attention_mask: torch.Tensor) -> bool:
 def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
                  position_ids: Optional[torch.Tensor] = None, ends: Optional[torch.Tensor] = None,
                  pair_ids: Optional[torch.Tensor] = None, roles: Optional[torch.Tensor] = None,
-                 segment_bounds: Optional[List[int]] = None):
+                 segment_bounds: Optional[List[int]] = None, segment_roles: Optional[List[int]] = None):
     """Score a :class:`~rm.data.collator.PairCollator`, :class:`~rm.data.collator.PackedPairCollator`
     or :class:`~rm.data.collator.PrefixSharedCollator` batch in one forward pass (:func:`sequence_rewards`).
 
@@ -503,7 +531,8 @@ def pair_rewards(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask
         ``(chosen_rewards, rejected_rewards)``, each of shape ``(B,)``.
     """
     rewards = sequence_rewards(model, input_ids, attention_mask, position_ids=position_ids, ends=ends,
-                               pair_ids=pair_ids, roles=roles, segment_bounds=segment_bounds)
+                               pair_ids=pair_ids, roles=roles, segment_bounds=segment_bounds,
+                               segment_roles=segment_roles)
     half = rewards.shape[0] // 2
     return rewards[:half], rewards[half:]
 

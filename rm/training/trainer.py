@@ -35,7 +35,7 @@ from rm.modelling.bundle import PROBE_PAIRS, export_final, model_card, reward_st
 from rm.training.health import SKIP, STOP
 from rm.memory.monitor import gather_snapshots
 from rm.evaluation.metrics import LineProgressFile, evaluate_sets, format_eval
-from rm.modelling.model import HEAD, pair_rewards
+from rm.modelling.model import HEAD, host_hints, pair_rewards
 from rm.evaluation.plots import write_eval_plots, write_train_plot
 from rm.runs.run_dir import RunDir
 from rm.runs.run_record import resume_command
@@ -139,8 +139,8 @@ class StepStats:
 def train_step(run: Run, micro_batches: List[List[int]]) -> StepStats:
     """Forward and backward over the step's micro-batches, the health checks, then the optimizer step.
 
-    Nothing here waits for the device per micro-batch: the loss is summed there, and the tokens are
-    counted on the host before the copy.
+    Nothing of rm's waits for the device per micro-batch: the loss is summed there, and the tokens and a packed row's
+    segments are read on the host before the copy (``host_hints``).
     """
     engine, per_rank = run.engine, run.batches.per_rank
     loss_sum = torch.zeros((), dtype=torch.float64, device=engine.device)
@@ -148,10 +148,11 @@ def train_step(run: Run, micro_batches: List[List[int]]) -> StepStats:
     for n, indices in enumerate(micro_batches):
         batch = run.train_collator(rows_at(run.train_set, indices))
         tokens += real_tokens(batch)
+        hints = host_hints(batch)  # read before the copy: on the device, each read would wait for it
         inputs = to_device(batch, (*MODEL_INPUTS, "margin"), engine.device)
         margin = inputs.pop("margin")
         with engine.autocast():
-            chosen, rejected = pair_rewards(run.model, **inputs)
+            chosen, rejected = pair_rewards(run.model, **inputs, **hints)
             loss = run.loss(chosen, rejected, margin)
         engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
         run.health.observe(loss, chosen, rejected)

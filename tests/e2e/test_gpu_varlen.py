@@ -164,3 +164,23 @@ def test_compiled_layers_keep_one_varlen_call_a_layer(collator):
         got = rewards_and_grads(model, collator(FEATURES))
     assert len(calls) == model.config.num_hidden_layers, calls
     assert_close_in_bf16(got, expected)
+
+
+@pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True)],
+                         ids=["packed", "packed+shared"])
+def test_a_packed_step_with_the_hosts_hints_never_waits_for_the_device(collator):
+    """The training step reads a packed row's layout on the host (rm.modelling.model.host_hints), so its forward and
+    backward queue every kernel without waiting for the device: CUDA's sync debug mode raises at any wait."""
+    from rm.modelling.model import host_hints
+
+    model = prepared("mistral-window", "bf16")
+    batch = collator(FEATURES)
+    inputs = {k: batch[k].to("cuda") for k in ("input_ids", "position_ids", "ends", "pair_ids", "roles") if k in batch}
+    hints = host_hints(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        chosen, rejected = pair_rewards(model, **inputs, **hints)
+        (chosen.float().sum() - rejected.float().sum()).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -13,7 +13,7 @@ from accelerate.utils import set_seed
 
 from rm.modelling.attention import PackedRow, segment_bounds, segmented_sdpa
 from rm.data.collator import PackedPairCollator, PrefixSharedCollator
-from rm.modelling.model import build_model, pair_rewards
+from rm.modelling.model import build_model, host_hints, pair_rewards
 
 # Sequences of different lengths, one of a single token, a shared prompt on most pairs (ids < 512, the tiny vocabulary).
 PROMPT = [2, 30, 31, 32, 33, 34, 35]
@@ -263,3 +263,22 @@ assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sys.modules["rm.modelling.attention"].
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+@pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True), PrefixSharedCollator(packed=False)],
+                         ids=["packed", "packed+shared", "shared rows"])
+def test_with_the_hosts_hints_the_forward_reads_no_value_off_its_inputs(model, collator):
+    """The training step reads a packed batch's layout on the host before the copy (rm.modelling.model.host_hints): on
+    a GPU a value read off a device tensor waits for every kernel queued before it. Here every such read raises; the
+    rewards are those of the forward that reads the layout itself. (Padded batches: transformers reads the mask.)"""
+    batch = collator(FEATURES)
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "ends", "pair_ids", "roles") if k in batch}
+    expected = torch.cat(pair_rewards(model, **inputs))
+    hints = host_hints(batch)
+
+    def read(*args, **kwargs):
+        raise AssertionError("a value was read off a tensor")
+
+    with mock.patch.object(torch.Tensor, "tolist", read), mock.patch.object(torch.Tensor, "item", read), \
+            mock.patch.object(torch.Tensor, "__bool__", read):
+        got = torch.cat(pair_rewards(model, **inputs, **hints))
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
