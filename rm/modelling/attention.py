@@ -14,8 +14,9 @@ It plugs in through transformers' ``AttentionInterface``, under the name ``sdpa`
 configured ``model.attn_implementation=sdpa``, the saved config and every consumer stay as they are: the
 function is transformers' own SDPA unless the caller passes ``packed_row`` (only
 :func:`rm.modelling.model.sequence_rewards` does, for packed rows). In the loop a plain packed sequence's call is
-SDPA's causal one, which on a GPU takes its flash kernel in half precision; finding the segments reads the row's ids
-on the host (one small copy a micro-batch).
+SDPA's causal one, which on a GPU takes its flash kernel in half precision. The segments are read off the row's ids:
+by the training step on the host before the batch moves (:func:`rm.modelling.model.host_hints`), elsewhere off the
+device (one small copy a micro-batch, which waits for the device).
 
 On a GPU every call, a segment's or a whole padded or prefix-shared row's, keeps off cuDNN's SDPA kernel
 (:func:`sdpa_kernels`); :func:`rm.modelling.model.sequence_rewards` registers this module whatever the layout, so that
