@@ -55,11 +55,13 @@ for name in $stages; do
               --timeout 50 -o log_cli=false >>"$out/gpu_tests.log" 2>&1
             tail -25 "$out/gpu_tests.log" ;;
     constants) stage constants 60 python3 benchmarks/gpu_constants.py --out "$out/gpu_constants.json" ;;
-    # Each failure's reason goes into the log as it happens (RM_TEST_FAILURES, tests/conftest.py); flex_attention's
-    # tests, whose compiles took minutes on the H200, run after the others.
+    # Each failure's reason goes into the log as it happens (RM_TEST_FAILURES, tests/conftest.py); the tests that
+    # compile (train.compile's, then flex_attention's, whose compiles took minutes on the H200) run after the others.
     tests) export RM_TEST_FAILURES="$out/gpu_tests.log"
            stage tests 100 python3 -m pytest -m gpu tests/e2e/test_gpu.py -v -rA -p no:cacheprovider --timeout 60 \
-             -o log_cli=false -k "${TESTS_K:-not flex_attention}" >>"$out/gpu_tests.log" 2>&1
+             -o log_cli=false -k "${TESTS_K:-not flex_attention and not compile}" >>"$out/gpu_tests.log" 2>&1
+           [[ -z ${TESTS_K:-} ]] && stage tests-compile 120 python3 -m pytest -m gpu tests/e2e/test_gpu.py -v -rA \
+             -p no:cacheprovider --timeout 100 -o log_cli=false -k compile >>"$out/gpu_tests.log" 2>&1
            [[ -z ${TESTS_K:-} ]] && stage tests-flex 60 python3 -m pytest -m gpu tests/e2e/test_gpu.py -v -rA -p no:cacheprovider \
              --timeout 50 -o log_cli=false -k flex_attention >>"$out/gpu_tests.log" 2>&1
            tail -40 "$out/gpu_tests.log" ;;

@@ -222,3 +222,22 @@ def test_packed_rows_take_one_sdpa_call_per_segment_on_cuda(packed_kind):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
     for name in grads:
         torch.testing.assert_close(grads[name], expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("layout", ["packed", "packed+shared"])
+def test_compiled_layers_keep_one_varlen_call_a_layer(layout):
+    """``train.compile``: the compiled layers hand a packed row to the eager attention, which still makes one varlen
+    call a layer, and the rewards and gradients stay the padded batch's."""
+    from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator
+    from rm.modelling.model import compile_decoder_layers
+    from tests.e2e.test_gpu_varlen import FEATURES, assert_close_in_bf16, counted_varlen_calls, prepared, rewards_and_grads
+
+    collator = PackedPairCollator() if layout == "packed" else PrefixSharedCollator(packed=True)
+    model = prepared("mistral-window", "bf16")
+    expected = rewards_and_grads(model, PairCollator(pad_token_id=0)(FEATURES))
+    compile_decoder_layers(model)
+    with counted_varlen_calls() as calls:
+        got = rewards_and_grads(model, collator(FEATURES))
+    assert len(calls) == model.config.num_hidden_layers, calls
+    assert_close_in_bf16(got, expected)
+

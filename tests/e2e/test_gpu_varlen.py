@@ -152,22 +152,6 @@ def test_fp32_on_cuda_keeps_the_segmented_loop(collator):
 
 @pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True)],
                          ids=["packed", "packed+shared"])
-def test_compiled_layers_keep_one_varlen_call_a_layer(collator):
-    """``train.compile``: the compiled layers hand a packed row to the eager attention, which still makes one varlen
-    call a layer, and the rewards and gradients stay the padded batch's."""
-    from rm.modelling.model import compile_decoder_layers
-
-    model = prepared("mistral-window", "bf16")
-    expected = rewards_and_grads(model, PairCollator(pad_token_id=0)(FEATURES))
-    compile_decoder_layers(model)
-    with counted_varlen_calls() as calls:
-        got = rewards_and_grads(model, collator(FEATURES))
-    assert len(calls) == model.config.num_hidden_layers, calls
-    assert_close_in_bf16(got, expected)
-
-
-@pytest.mark.parametrize("collator", [PackedPairCollator(), PrefixSharedCollator(packed=True)],
-                         ids=["packed", "packed+shared"])
 def test_a_packed_step_with_the_hosts_hints_never_waits_for_the_device(collator):
     """The training step reads a packed row's layout on the host (rm.modelling.model.host_hints), so its forward and
     backward queue every kernel without waiting for the device: CUDA's sync debug mode raises at any wait."""
