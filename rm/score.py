@@ -157,6 +157,30 @@ def check_model_dir(path: str) -> Path:
     return directory
 
 
+def check_output(path: str, inputs: Sequence[str]) -> Path:
+    """``--output`` as a file this command can write, or a :class:`ConfigError` naming it.
+
+    Checked before the model loads and any row is scored: the file is written last, and a path that cannot take it
+    would otherwise lose the whole scoring (and name only the hidden temporary file beside it). An ``--output`` that
+    is one of the ``--input`` files would replace the user's data with the scored rows, which keep only some columns.
+    """
+    from rm.data.load import expand_files
+
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"--output {path} is a directory: give a file to write, e.g. --output {target / 'scored.jsonl'}")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {path}: its directory {parent} does not exist; create it (mkdir -p {parent}) "
+                          "or write elsewhere")
+    if target.exists():
+        for file in expand_files(inputs, "--input"):
+            if target.samefile(file):
+                raise ConfigError(f"--output {path} is also an --input file: the scored rows would replace your data; "
+                                  "write them to another file")
+    return target
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rm.score", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
@@ -179,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             answer.write(json.dumps(rec) + "\n")
         answer.flush()
         return 0
+    check_output(args.output, args.input)
     records = _score(args)
     tmp = Path(args.output).with_name(f".tmp-{Path(args.output).name}")
     try:  # renamed into place: a stopped run leaves no --output cut short

@@ -289,6 +289,29 @@ def test_score_prints_each_rows_reward_on_stdout_without_output_or_with_dash(tmp
     assert "scored 2 texts" in err and not (tmp_path / "-").exists()
 
 
+@pytest.mark.reliability("Entry points", "`rm.score --output` that names one of its `--input` files, a directory, or a "
+                         "file in a directory that does not exist",
+                         "refused before the model loads or a row is scored, naming `--output` and the fix (`is also an "
+                         "--input file: the scored rows would replace your data`, `is a directory`, `its directory ... does "
+                         "not exist`); the input file unchanged; exit 2. Was: the input replaced by the scored rows (its "
+                         "`prompt` column gone), or the scoring done and lost with exit 5 naming the hidden `.tmp-` file")
+@pytest.mark.parametrize("case", ["same_as_input", "a_directory", "missing_directory"])
+def test_score_refuses_an_output_it_cannot_or_must_not_write_before_scoring(tmp_path, tiny_model_dir, case, capsys):
+    from rm.score import main
+
+    pairs = _write(tmp_path / "pairs.jsonl", [{"prompt": "Human: hi", "chosen": " yes", "rejected": " no"}])
+    before = pairs.read_bytes()
+    output, needle = {"same_as_input": (str(pairs), "is also an --input file"),
+                      "a_directory": (str(tmp_path), "is a directory"),
+                      "missing_directory": (str(tmp_path / "nope" / "scored.jsonl"), "does not exist")}[case]
+    with pytest.raises(SystemExit) as exited, boundary():
+        sys.exit(main(["--model", str(tiny_model_dir), "--input", str(pairs), "--output", output]))
+    out = "".join(capsys.readouterr())
+    assert exited.value.code == 2 and f"--output {output}" in out and needle in out, out[-3000:]
+    assert "Traceback" not in out and "pairs 1 -> 1 used" not in out, out[-3000:]  # refused before anything was scored
+    assert pairs.read_bytes() == before and not list(tmp_path.glob(".tmp-*"))
+
+
 @pytest.mark.reliability("Entry points", "a LoRA adapter whose base directory is gone (moved), to `rm.score`; "
                          "`rm.export --merge --base <path>` with a path that does not exist",
                          "`is an adapter whose base model <path> (named by .../adapter_config.json) does not exist` "
