@@ -126,13 +126,21 @@ def _write(path, rows):
 @pytest.mark.reliability("Data", "a file where every row is dropped (zero usable pairs)",
                          "`no usable pairs left (pairs 2 -> 0 used: ...; 1 x malformed: 'chosen' is int, expected a string (first: row 0 in <file>); 1 x empty: ...)`; exit 2")
 @pytest.mark.reliability("Data", "an empty or whitespace-only file", "`<file> is empty (0 bytes)` / `is whitespace only`; exit 2")
-@pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace"])
+@pytest.mark.reliability("Data", "fewer usable pairs than one optimizer step takes (a 5-row file, `train.global_batch_size=16`)",
+                         "`data local [train]: 5 usable pair(s), fewer than one optimizer step takes "
+                         "(train.global_batch_size=16) ... lower train.global_batch_size to at most 5`; exit 2 (was: a "
+                         "`ValueError` traceback from the layout's timing, exit 1)")
+@pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace", "too_few"])
 def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
     if case == "missing":
         files, needles = [str(tmp_path / "nope" / "*.jsonl")], ["data.train_files: no file matches", "nope"]
     elif case == "all_dropped":
         path = _write(tmp_path / "bad.jsonl", [{"chosen": 1, "rejected": "a"}, {"chosen": " ", "rejected": "b"}])
         files, needles = [str(path)], ["no usable pairs left", "'chosen' is int", f"(first: row 0 in {path})"]
+    elif case == "too_few":
+        path = _write(tmp_path / "few.jsonl", [{"prompt": f"q{i}", "chosen": f" yes {i}", "rejected": " no"} for i in range(5)])
+        files, needles = [str(path)], ["5 usable pair(s), fewer than one optimizer step takes (train.global_batch_size=16)",
+                                       "lower train.global_batch_size to at most 5"]
     else:
         path = tmp_path / "blank.jsonl"
         path.write_text("  \n\n")
