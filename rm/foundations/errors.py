@@ -372,6 +372,9 @@ def task_started() -> None:
 # returns lines to print instead of the generic one (none: not its case). rm.foundations.config adds the one for keys
 # that moved (MOVED_KEYS), so that this module, below it, imports nothing of it.
 COMPOSITION_HINTS: List[Callable[[Sequence[str], str], List[str]]] = []
+# Undo what a start made before Hydra failed to compose a job's config (rm.runs.run_record.undo_sweep_start: a
+# multirun's sweep folder and Hydra's multirun.yaml in it, written before the jobs are composed): nothing ran.
+COMPOSITION_CLEANUPS: List[Callable[[], None]] = []
 # Checks of the command line's names before Hydra composes (rm.foundations.config.unknown_names registers itself: the
 # schemas live above this module): each returns one line per unknown name.
 NAME_CHECKS: List[Callable[[], List[str]]] = []
@@ -416,6 +419,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
             text = "\n".join(hints) or f"error: the config could not be composed from the command line: {given}"
             if held is None:
                 print(text, file=sys.stderr)
+            for cleanup in COMPOSITION_CLEANUPS:
+                cleanup()
             record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
             raise SystemExit(2) from None
         raise
