@@ -226,6 +226,29 @@ def test_a_truncated_weights_file_is_named_as_damaged(tmp_path, tiny_model_dir):
     assert "Traceback" not in out
 
 
+@pytest.mark.reliability("Faults", "`model.pretrained` a directory whose `model.safetensors` is cut short (an interrupted "
+                         "download or copy)",
+                         "exit 5 naming the file as damaged or cut short and `model.pretrained=<dir>`, the fix: copy or "
+                         "download it again (was: `storage error: Error while deserializing header: invalid header "
+                         "length`, no file named, and 'check free space')")
+def test_a_truncated_pretrained_weights_file_is_named_with_its_key(tmp_path, tiny_model_dir):
+    import shutil
+
+    from rm.foundations.config import compose
+    from rm.foundations.errors import StorageError
+    from rm.modelling.model import build_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cfg = compose(["experiment=tiny", f"model.pretrained={model}"])
+    with pytest.raises(StorageError) as err:
+        build_model(cfg.model, 0, "float32", False)
+    assert f"{weights} cannot be read back" in str(err.value) and f"model.pretrained={model}" in str(err.value)
+    assert "free space" not in str(err.value)
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
