@@ -303,6 +303,31 @@ def test_score_cli_bad_input_exits_2_naming_it(tmp_path, tiny_model_dir, case, c
     assert needle in out and "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.reliability("Data", "`rm.score` with one `--input` file: columns of no known layout, a malformed row under "
+                         "`--on-malformed error`, no usable pair, an empty text",
+                         "each message names the file, as with several files (`--input <file>: cannot detect the "
+                         "preference format ...`, `--input <file> row 1: 'chosen' is int`, `--input <file>: no usable "
+                         "pairs`, `--input <file> row 0: 'text' is empty`); exit 2 (was: `--input` or no name at all)")
+@pytest.mark.parametrize("case", ["columns", "malformed", "no_pairs", "empty_text"])
+def test_score_names_its_one_input_file_in_every_data_error(tmp_path, tiny_model_dir, case, capsys):
+    from rm.score import main
+
+    rows, extra, needle = {
+        "columns": ([{"a": 1}], [], ": cannot detect the preference format"),
+        "malformed": ([{"chosen": "Human: hi Assistant: yes", "rejected": "Human: hi Assistant: no"},
+                       {"chosen": 5, "rejected": "Human: hi Assistant: no"}], ["--on-malformed", "error"],
+                      " row 1: 'chosen' is int"),
+        "no_pairs": ([{"chosen": "Human: hi Assistant: same", "rejected": "Human: hi Assistant: same"}], [],
+                     ": no usable pairs"),
+        "empty_text": ([{"text": " "}], [], " row 0: 'text' is empty"),
+    }[case]
+    path = _write(tmp_path / "in.jsonl", rows)
+    with pytest.raises(SystemExit) as exited, boundary():
+        sys.exit(main(["--model", str(tiny_model_dir), "--input", str(path), *extra]))
+    out = "".join(capsys.readouterr())
+    assert exited.value.code == 2 and f"--input {path}{needle}" in out and "Traceback" not in out, out[-3000:]
+
+
 @pytest.mark.parametrize("output", [None, "-"])
 def test_score_prints_each_rows_reward_on_stdout_without_output_or_with_dash(tmp_path, tiny_model_dir, capsys, output,
                                                                              monkeypatch):
