@@ -671,6 +671,7 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
 
 
     argv = sys.argv if argv is None else argv
+    problems = _unknown_flags(argv)
     args = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
     try:
         overrides = OverridesParser.create().parse_overrides(args)
@@ -685,7 +686,6 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
         near = difflib.get_close_matches(name, list(dict.fromkeys(names)), n=3, cutoff=0.5)
         return f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else ""
 
-    problems = []
     for override in overrides:
         key = override.key_or_group
         if key.split(".")[0].split("/")[0] == "hydra" or override.package is not None or override.is_delete():
@@ -724,6 +724,26 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
             node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
             if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
                 break  # a value, a Dict or a List: Hydra checks it
+    return problems
+
+
+def _unknown_flags(argv: List[str]) -> List[str]:
+    """Each ``--name`` on the command line that is not one of Hydra's own flags, written as it is meant: an override.
+
+    Hydra's argparse takes an abbreviation of a flag for the flag: ``--experiment=tiny`` is ``--experimental-rerun
+    tiny``, which fails with "File tiny does not exist!" as a traceback and exit 1 (and any other override is ignored).
+    """
+    from hydra._internal.utils import get_args_parser
+
+    flags = get_args_parser()._option_string_actions  # noqa: SLF001  (Hydra's flags, as its own parser knows them)
+    problems = []
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0]
+        if arg == "--" or not arg.startswith("--") or name in flags:
+            continue
+        meant = arg[2:] if "=" in arg else f"{arg[2:]}=<value>"
+        problems.append(f"{arg}: not an option of rm's commands, which take overrides: write {meant} (no dashes); "
+                        "Hydra's own flags are " + ", ".join(sorted(f for f in flags if f.startswith("--"))))
     return problems
 
 
