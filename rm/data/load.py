@@ -81,9 +81,16 @@ def _matches(files: Iterable[str]) -> tuple[list[str], list[str]]:
 
 
 def missing_files_error(missing: dict[str, list[str]]) -> DataFileNotFound:
-    """One error naming every entry that matches no file, under its config key."""
-    shown = "; ".join(f"{key}: no file matches {', '.join(repr(m) for m in entries)}" for key, entries in missing.items())
-    return DataFileNotFound(f"{shown} (relative paths are resolved against {os.getcwd()!r})")
+    """One error naming every entry that matches no file, under its config key; a directory is said to be one, with
+    the pattern of its files to give instead (rm reads files, never a directory's)."""
+    shown = []
+    for key, entries in missing.items():
+        folders = [m for m in entries if os.path.isdir(os.path.expanduser(m))]
+        gone = [m for m in entries if m not in folders]
+        said = [f"no file matches {', '.join(repr(m) for m in gone)}"] if gone else []
+        said += [f"{m!r} is a directory: name the files in it ({os.path.join(m, '*.jsonl')!r})" for m in folders]
+        shown.append(f"{key}: {'; '.join(said)}")
+    return DataFileNotFound(f"{'; '.join(shown)} (relative paths are resolved against {os.getcwd()!r})")
 
 
 def check_files_exist(files_by_key: dict[str, Iterable[str]]) -> None:

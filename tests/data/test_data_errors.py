@@ -35,6 +35,23 @@ def test_a_parquet_file_that_is_not_parquet_is_named(tmp_path):
         _split(path)
 
 
+@pytest.mark.reliability("Data", "a directory given as a data file (`data.train_files=[pairs/]`, `rm.score --input pairs/`)",
+                         "`data.train_files: '<dir>' is a directory: name the files in it ('<dir>/*.jsonl')`; beside "
+                         "a missing file both are named; exit 2 (was: `no file matches '<dir>'`, though it exists)")
+def test_a_directory_given_as_a_data_file_is_said_to_be_one(tmp_path):
+    from rm.data.build import check_data_files
+    from rm.data.load import expand_files
+
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    with pytest.raises(DataError, match=rf"--input: '{folder}' is a directory: name the files in it \('{folder}/\*.jsonl'\)"):
+        expand_files([str(folder)], "--input")
+    cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{folder},{tmp_path / 'gone.jsonl'}]"])
+    with pytest.raises(DataError) as err:
+        check_data_files(cfg.data)
+    assert f"data.train_files: no file matches '{tmp_path / 'gone.jsonl'}'; '{folder}' is a directory" in str(err.value)
+
+
 @pytest.mark.reliability("Data", "empty (0 bytes) and whitespace-only files", "`<file> is empty (0 bytes)` / `<file> is whitespace only`, each its own message")
 def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
