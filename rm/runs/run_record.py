@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from rm.foundations.errors import COMPOSITION_CLEANUPS, StorageError
+from rm.foundations.errors import COMPOSITION_CLEANUPS, ConfigError, StorageError, report
 
 RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir
 # What a resume command sets itself, in place of the run's own values.
@@ -144,25 +144,26 @@ class RunDirCallback(Callback):
         RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
         # Hydra writes its record there itself when hydra.output_subdir is set (rm.estimate with a hydra.run.dir); with
         # null (rm.train, whose first write is its lock: exit 5 at rm's boundary) the folder may be read-only.
-        _make(path, writes=config.hydra.output_subdir is not None)
+        _make(path, writes=config.hydra.output_subdir is not None, key="hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         path = Path(os.path.abspath(str(config.hydra.sweep.dir)))
         RunDirCallback.sweep_made = [d for d in [path, *path.parents] if not d.exists()]
         record = path / "multirun.yaml"
         RunDirCallback.sweep_record = None if record.exists() else record
-        _make(path, writes=True)  # Hydra writes multirun.yaml there
+        _make(path, writes=True, key="hydra.sweep.dir")  # Hydra writes multirun.yaml there
 
 
-def _make(path: Path, writes: bool) -> None:
+def _make(path: Path, writes: bool, key: str) -> None:
+    if path.exists() and not path.is_dir():  # a mistyped path, not a storage fault: mkdir's "File exists" says neither
+        raise SystemExit(report(ConfigError(f"{key}={path} is a file, not a directory: give the run a directory (a new "
+                                            "one, or the run's own to resume it)")))
     try:
         path.mkdir(parents=True, exist_ok=True)
         if writes and not os.access(path, os.W_OK | os.X_OK):  # an existing folder Hydra would fail to write in
             raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
                                   str(path))
     except OSError as err:
-        from rm.foundations.errors import report
-
         # Hydra turns an exception in a callback into a warning and goes on to fail at its own mkdir; an exit
         # passes through it.
         raise SystemExit(report(err)) from None
