@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import datasets
 
 from rm.foundations import cache
-from rm.foundations.config import DataConfig
+from rm.foundations.config import DataConfig, TrainConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
 from rm.data.load import check_files_exist, expand_files, load_preference_split, locate_row
@@ -303,6 +303,22 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     }
     audit = {"data": data_cfg.name, "policies": policies, "splits": audits}
     return sets["train"], sets.get("eval"), audit
+
+
+def check_enough_pairs(data_cfg: DataConfig, train_cfg: TrainConfig, num_pairs: int) -> None:
+    """A :class:`DataError` where the train split holds fewer usable pairs than one optimizer step takes.
+
+    A step trains on ``train.global_batch_size`` different pairs; with fewer, no step can be cut from the split
+    (:func:`rm.data.batching.micro_batches_for_step`), which would fail as a bug deep inside the layout's timing
+    (``rm.train``'s ``train.layout=auto``, ``rm.plan``).
+    """
+    if num_pairs >= train_cfg.global_batch_size:
+        return
+    raise DataError(
+        f"data {data_cfg.name} [train]: {num_pairs} usable pair(s), fewer than one optimizer step takes "
+        f"(train.global_batch_size={train_cfg.global_batch_size}). Give more training pairs, or lower "
+        f"train.global_batch_size to at most {num_pairs} (a multiple of train.micro_batch_size={train_cfg.micro_batch_size} "
+        "x the number of processes)")
 
 
 def build_extra_eval_sets(data_cfg: DataConfig, tokenizer) -> Dict[str, datasets.Dataset]:

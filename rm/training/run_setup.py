@@ -24,11 +24,11 @@ from accelerate.utils import set_seed
 from torch.optim.lr_scheduler import LambdaLR
 
 from rm.foundations.threads import apply_threads, resumed_threads
-from rm.foundations.errors import DataError
 from rm.foundations.config import EPOCHS_WARNED, HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
-from rm.data.build import build_datasets, build_extra_eval_sets, check_data_files, split_identity, train_pairs
+from rm.data.build import (build_datasets, build_extra_eval_sets, check_data_files, check_enough_pairs, split_identity,
+                           train_pairs)
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.distributed.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.training.health import HealthMonitor
@@ -120,7 +120,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
                               texts_identity=split_identity(cfg.data, "train"))
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
-    check_enough_pairs(cfg, len(train_set))  # the batches of a step would be cut from fewer pairs than they hold
+    check_enough_pairs(cfg.data, cfg.train, len(train_set))  # the batches of a step would be cut from fewer pairs than they hold
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # The exported model's readers must see the tokens training saw, on texts like the run's own.
     check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64],
@@ -353,22 +353,6 @@ def rebuild_base(run: Run) -> torch.nn.Module:
     set_seed(run.cfg.train.seed)
     return build_model(run.cfg.model, run.tokenizer.pad_token_id, run.plan.numerics.frozen, False,
                        run.cfg.memory_profile.quantize_base, init_device(run.cfg.model, run.plan, run.engine))
-
-
-def check_enough_pairs(cfg: RunConfig, num_pairs: int) -> None:
-    """A :class:`DataError` where the train split holds fewer usable pairs than one optimizer step takes.
-
-    A step trains on ``train.global_batch_size`` different pairs; with fewer, no step can be cut from the split
-    (:func:`rm.data.batching.micro_batches_for_step`), which would fail as a bug deep inside the layout's timing.
-    """
-    t = cfg.train
-    if num_pairs >= t.global_batch_size:
-        return
-    raise DataError(
-        f"data {cfg.data.name} [train]: {num_pairs} usable pair(s), fewer than one optimizer step takes "
-        f"(train.global_batch_size={t.global_batch_size}). Give more "
-        f"training pairs, or lower train.global_batch_size to at most {num_pairs} (a multiple of "
-        f"train.micro_batch_size={t.micro_batch_size} x the number of processes)")
 
 
 def warn_many_epochs(t: TrainConfig, total_steps: int, num_pairs: int) -> Optional[str]:
