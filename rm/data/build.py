@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -353,3 +354,11 @@ def check_data_files(data_cfg: DataConfig) -> None:
     keys = {"data.train_files": data_cfg.train_files, "data.eval_files": data_cfg.eval_files} if data_cfg.source == "local" else {}
     keys.update({f"data.extra_eval_files.{name}": files for name, files in data_cfg.extra_eval_files.items()})
     check_files_exist(keys)
+    # An eval set read from a training file scores pairs the model trained on: its accuracy looks like generalisation
+    # and is not. Allowed (a check that the model can fit its data), but never in silence.
+    trained = {os.path.realpath(f) for f in expand_files(keys.get("data.train_files", []), "data.train_files")}
+    for key, files in keys.items():
+        shared = [f for f in expand_files(files, key) if os.path.realpath(f) in trained]
+        if shared and key != "data.train_files":
+            log.warning("%s reads %s, also in data.train_files: its metrics score pairs the model trained on, not held-out "
+                        "ones; give it files of its own", key, ", ".join(shared))

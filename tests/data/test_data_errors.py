@@ -52,6 +52,26 @@ def test_a_directory_given_as_a_data_file_is_said_to_be_one(tmp_path):
     assert f"data.train_files: no file matches '{tmp_path / 'gone.jsonl'}'; '{folder}' is a directory" in str(err.value)
 
 
+@pytest.mark.reliability("Data", "an eval file that is also a training file (`data.eval_files`, `data.extra_eval_files.<name>`; "
+                         "the same path, or a glob or link reaching it)",
+                         "a warning naming the key and the file: `its metrics score pairs the model trained on, not "
+                         "held-out ones`; the run goes on (was: silent, the eval accuracy read as generalisation)")
+def test_an_eval_file_that_is_a_training_file_is_warned_about(tmp_path, caplog):
+    from rm.data.build import check_data_files
+
+    train = _jsonl(tmp_path / "train.jsonl", [GOOD])
+    held_out = _jsonl(tmp_path / "test.jsonl", [GOOD])
+    (tmp_path / "link.jsonl").symlink_to(train)
+    cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{train}]", f"data.eval_files=[{tmp_path}/t*.jsonl]",
+                   f"+data.extra_eval_files.hard=[{tmp_path / 'link.jsonl'}]"])
+    with caplog.at_level("WARNING"):
+        check_data_files(cfg.data)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"data.eval_files reads {train}, also in data.train_files") for m in said), said
+    assert any(m.startswith(f"data.extra_eval_files.hard reads {tmp_path / 'link.jsonl'}") for m in said), said
+    assert not any(str(held_out) in m for m in said) and len(said) == 2, said
+
+
 @pytest.mark.reliability("Data", "empty (0 bytes) and whitespace-only files", "`<file> is empty (0 bytes)` / `<file> is whitespace only`, each its own message")
 def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
