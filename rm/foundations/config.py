@@ -433,6 +433,24 @@ def moved_key_errors(argv: Sequence[str], hydra_message: str) -> List[str]:
 COMPOSITION_HINTS.append(moved_key_errors)  # run_hydra_app prints these lines for a composition that failed
 
 
+def list_value_errors(argv: Sequence[str], hydra_message: str) -> List[str]:
+    """A line for a list key given one bare value (``data.train_files=pairs.jsonl``), which Hydra refuses as "str is
+    not a ListConfig" without saying how to write a list: the override with its brackets.
+
+    >>> list_value_errors(["data.train_files=a.jsonl"], "str is not a ListConfig, list or tuple. full_key: data.train_files")
+    ["error: data.train_files is a list: write 'data.train_files=[a.jsonl]' (brackets; quoted for the shell)"]
+    """
+    if "is not a ListConfig" not in hydra_message:
+        return []
+    named = re.findall(r"full_key: ([\w.]+)", hydra_message)
+    given = {key: value for key, eq, value in (a.lstrip("+~").partition("=") for a in argv) if eq}
+    return [f"error: {key} is a list: write '{key}=[{given[key]}]' (brackets; quoted for the shell)"
+            for key in dict.fromkeys(named) if key in given]
+
+
+COMPOSITION_HINTS.append(list_value_errors)
+
+
 def to_run_config(cfg: DictConfig, runtime: Optional[dict] = None, overrides: Optional[Sequence[str]] = None) -> RunConfig:
     """Turn the composed Hydra config into typed objects, once, at the entry point.
 

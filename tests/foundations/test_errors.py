@@ -403,6 +403,17 @@ def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model
     assert f"base model {tmp_path / 'nope'} (given as the base) does not exist" in out and "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.reliability("Configuration", "a list key given one bare value (`data.train_files=pairs.jsonl`, no brackets)",
+                         "Hydra's message, then `data.train_files is a list: write 'data.train_files=[pairs.jsonl]'`; "
+                         "exit 2, no `Traceback` (was: Hydra's `str is not a ListConfig` and 'could not be composed', "
+                         "no fix)")
+def test_a_list_key_given_a_bare_value_is_shown_with_brackets(tmp_path):
+    code, out = _run("rm.train", "experiment=tiny", "data=local", "data.train_files=pairs.jsonl",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2 and "error: data.train_files is a list: write 'data.train_files=[pairs.jsonl]'" in out, out[-3000:]
+    assert "could not be composed" not in out and "Traceback" not in out, out[-3000:]
+
+
 @pytest.mark.reliability("Configuration", "a key that moved into a group (`train.learning_rate=1e-4`, now "
                          "`train.optim.learning_rate`), on the command line or in the user's own experiment YAML",
                          "an error, not an alias: `train.learning_rate moved to train.optim.learning_rate (after rm 0.1.0): "
