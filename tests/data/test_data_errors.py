@@ -72,6 +72,27 @@ def test_an_eval_file_that_is_a_training_file_is_warned_about(tmp_path, caplog):
     assert not any(str(held_out) in m for m in said) and len(said) == 2, said
 
 
+@pytest.mark.reliability("Data", "a `.json` file that is one object of columns (`{\"chosen\": [...], \"rejected\": [...]}`, or "
+                         "pandas' default `to_json`: `{\"chosen\": {\"0\": ...}}`)",
+                         "`<file> is one JSON object of columns (chosen, rejected: N values each), not rows`, with how to "
+                         "write rows; exit 2 (was: its columns read as one conversation, `'chosen' message 0 is str`, or "
+                         "'cannot detect the preference format'). One pair as one object is still one row")
+def test_a_json_object_of_columns_is_named_as_such(tmp_path):
+    from rm.data.load import load_preference_split
+
+    pairs = PAIRS[:3]
+    as_lists = tmp_path / "lists.json"
+    as_lists.write_text(json.dumps({k: [p[k] for p in pairs] for k in ("chosen", "rejected")}))
+    by_index = tmp_path / "pandas.json"
+    by_index.write_text(json.dumps({k: {str(i): p[k] for i, p in enumerate(pairs)} for k in ("chosen", "rejected")}))
+    for path in (as_lists, by_index):
+        with pytest.raises(DataError, match=rf"{path} is one JSON object of columns \(chosen, rejected: 3 values each\), not rows"):
+            _split(path)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(GOOD))
+    assert len(load_preference_split("local", files=[str(one)])) == 1
+
+
 @pytest.mark.reliability("Data", "empty (0 bytes) and whitespace-only files", "`<file> is empty (0 bytes)` / `<file> is whitespace only`, each its own message")
 def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
