@@ -145,6 +145,23 @@ def stop_on_signals():
             signal.signal(sig, handler)
 
 
+@contextmanager
+def named_hub_source(key: str, value: str):
+    """Inside, transformers' failure to fetch ``value`` from the Hugging Face Hub (no network, no such repository: an
+    ``OSError`` whose text names huggingface.co) is a :class:`StorageError` naming ``key=value`` and what to give
+    instead, where the boundary would print transformers' text alone with "check free space and permissions"."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, RmError) or "huggingface.co" not in str(err):
+            raise
+        said = " ".join(str(err).split())
+        raise StorageError(f"{key}={value} is not a local directory and could not be read from the Hugging Face Hub "
+                           f"here ({said}): give the directory of a downloaded copy ({key}=/path/to/it), or download "
+                           f"it where the Hub can be reached (huggingface-cli download {value}) and run with "
+                           "HF_HUB_OFFLINE=1 to use that cache") from err
+
+
 class PeerLost(RmError):
     """This rank lost its connection to another rank of the run (which stopped first, or cannot be reached)."""
 

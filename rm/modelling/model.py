@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrai
 
 from rm.foundations.cache import cache_root
 from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig, OptimConfig
+from rm.foundations.errors import named_hub_source
 from rm.foundations.launch_env import launch_env
 from rm.foundations.precision import Numerics, fp32_head_enabled  # noqa: F401  (callers build with it)
 
@@ -179,7 +180,8 @@ def build_model(
                 bnb_4bit_compute_dtype=dtype,
             )
         # A local directory's weights file cut short (an interrupted download or copy) is named, with its key.
-        with named_damage(Path(pretrained), fix=f"copy or download it again (model.pretrained={model_cfg.pretrained})"):
+        with named_damage(Path(pretrained), fix=f"copy or download it again (model.pretrained={model_cfg.pretrained})"), \
+                named_hub_source("model.pretrained", pretrained):
             model = AutoModelForSequenceClassification.from_pretrained(
                 pretrained,
                 num_labels=1,

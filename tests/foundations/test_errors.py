@@ -111,8 +111,9 @@ def test_a_bug_in_the_train_cli_shows_its_traceback_and_the_bug_line(tmp_path):
     assert "Set the environment variable HYDRA_FULL_ERROR" not in out  # the boundary, not Hydra, reported it
 
 
-def _run(module, *args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(module, *args, timeout=300, env=None):
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -247,6 +248,20 @@ def test_a_truncated_pretrained_weights_file_is_named_with_its_key(tmp_path, tin
         build_model(cfg.model, 0, "float32", False)
     assert f"{weights} cannot be read back" in str(err.value) and f"model.pretrained={model}" in str(err.value)
     assert "free space" not in str(err.value)
+
+
+@pytest.mark.reliability("Faults", "`model.pretrained` or `model.tokenizer` a Hub id that cannot be fetched here (no "
+                         "network, `HF_HUB_OFFLINE=1` without a cached copy, no such repository)",
+                         "`model.tokenizer=<id> is not a local directory and could not be read from the Hugging Face Hub "
+                         "here (<transformers' reason>): give the directory of a downloaded copy ...`; exit 5 (was: "
+                         "transformers' text alone, no key named, and 'check free space and permissions')")
+def test_a_hub_id_that_cannot_be_fetched_names_its_key(tmp_path):
+    for key in ("model.tokenizer", "model.pretrained"):  # the tokenizer of model.pretrained loads first
+        code, out = _run("rm.train", *FAST_TINY, f"{key}=someorg/no-such-model", f"hydra.run.dir={tmp_path / 'run'}",
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        said = f"{key}=someorg/no-such-model is not a local directory and could not be read from the Hugging Face Hub"
+        assert code == 5 and said in out and "huggingface-cli download someorg/no-such-model" in out, out[-3000:]
+        assert "free space" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.fixture(scope="module")
