@@ -47,7 +47,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.merge:
             if not (bundle / ADAPTER_CONFIG).is_file():
                 raise ConfigError(f"{bundle} is not a LoRA adapter ({ADAPTER_CONFIG} missing): nothing to merge")
-            out = merge_into_place(bundle, args.out or bundle / "merged", base_model=args.base, device=args.device)
+            out = check_out(args.out, bundle) if args.out else bundle / "merged"
+            out = merge_into_place(bundle, out, base_model=args.base, device=args.device)
             print(f"merged model written and verified: {out}")
         else:
             verify_bundle(bundle, base_model=args.base, device=args.device)
@@ -55,6 +56,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as err:  # a bundle that is not what it says (rm.modelling.bundle's own checks)
         raise ConfigError(str(err)) from err
     return 0
+
+
+def check_out(out: Path, bundle: Path) -> Path:
+    """``--out`` as a place the merged model may take, or a :class:`ConfigError` naming it; before the merge loads.
+
+    The merge replaces ``out`` whole (:func:`merge_into_place`): a file there, the adapter bundle itself (or a folder
+    holding it), or a directory with files of its own (another run's final/, a data folder) would be deleted with
+    it. Only ``<bundle>/merged``, where rm.export's own merges go, is replaced when it exists.
+    """
+    target, source = out.expanduser().resolve(), bundle.resolve()
+    if target.exists() and not target.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory for the merged model (a new one)")
+    if target == source or source.is_relative_to(target):
+        raise ConfigError(f"--out {out} holds the adapter bundle {bundle}, which the merged model would replace: "
+                          f"give a new directory (the default is {bundle / 'merged'})")
+    if target != source / "merged" and target.is_dir() and any(target.iterdir()):
+        raise ConfigError(f"--out {out} already holds files, which the merged model would replace: give a new "
+                          "directory, or remove that one first")
+    return out
 
 
 def merge_into_place(bundle: Path, out: Path, **merge_args) -> Path:

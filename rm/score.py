@@ -90,7 +90,7 @@ def conversation_texts(conversations: Sequence, tokenizer, where: str = "--input
     """Each conversation rendered by the chat template, checked as a pair's side is (rm.data.normalise).
 
     Args:
-        where: what the rows are named by in an error (``--input <file>`` where there are several files).
+        where: what the rows are named by in an error (``--input <file>``).
 
     Raises:
         DataError: a conversation that is not a list of role/content messages ending on an assistant answer,
@@ -157,6 +157,30 @@ def check_model_dir(path: str) -> Path:
     return directory
 
 
+def check_output(path: str, inputs: Sequence[str]) -> Path:
+    """``--output`` as a file this command can write, or a :class:`ConfigError` naming it.
+
+    Checked before the model loads and any row is scored: the file is written last, and a path that cannot take it
+    would otherwise lose the whole scoring (and name only the hidden temporary file beside it). An ``--output`` that
+    is one of the ``--input`` files would replace the user's data with the scored rows, which keep only some columns.
+    """
+    from rm.data.load import expand_files
+
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise ConfigError(f"--output {path} is a directory: give a file to write, e.g. --output {target / 'scored.jsonl'}")
+    parent = target.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--output {path}: its directory {parent} does not exist; create it (mkdir -p {parent}) "
+                          "or write elsewhere")
+    if target.exists():
+        for file in expand_files(inputs, "--input"):
+            if target.samefile(file):
+                raise ConfigError(f"--output {path} is also an --input file: the scored rows would replace your data; "
+                                  "write them to another file")
+    return target
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rm.score", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True,
@@ -179,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             answer.write(json.dumps(rec) + "\n")
         answer.flush()
         return 0
+    check_output(args.output, args.input)
     records = _score(args)
     tmp = Path(args.output).with_name(f".tmp-{Path(args.output).name}")
     try:  # renamed into place: a stopped run leaves no --output cut short
@@ -219,7 +244,6 @@ def _score(args) -> List[dict]:
     kind = next(iter(kinds.values()))
     if sum(len(raw) for _, raw in parts) == 0:
         raise DataError(f"--input {' '.join(args.input)}: no rows to score")
-    several = len(parts) > 1
     tokenizer, append_eos = bundle_tokenizer(model_dir)
     model = load_checked_bundle(model_dir)  # its weights as written and verified, and finite
     norm = (lambda r: (r - stats["mean"]) / stats["std"]) if stats else (lambda r: r)  # noqa: E731
@@ -228,7 +252,7 @@ def _score(args) -> List[dict]:
         column = "text" if kind == "texts" else "messages"
         values, texts = [], []
         for file, raw in parts:
-            where = f"--input {file}" if several else "--input"
+            where = f"--input {file}"
             if column not in raw.column_names:  # --format text on a file without one
                 raise DataError(f"{where} has no {column!r} column to score (columns {', '.join(raw.column_names)})")
             values += list(raw[column])
@@ -251,13 +275,13 @@ def _score(args) -> List[dict]:
             tokenised, counts = tokenize_pairs(pairs, tokenizer, args.max_length, on_malformed=args.on_malformed,
                                                counts=norm_counts, append_eos=append_eos)
         except DataError as err:
-            if not several or err.row is None:
+            if err.row is None:
                 raise
             file, row = locate_row(files, err.row)
             raise DataError(f"--input {file} row {row}: {without_row(str(err), err.row)}", row=err.row) from None
         print(counts.format())
         if len(tokenised) == 0:
-            raise DataError(f"--input: no usable pairs ({counts.format()})")
+            raise DataError(f"--input {' '.join(files)}: no usable pairs ({counts.format()})")
         chosen = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["chosen_input_ids"], args.batch_size)]
         rejected = [norm(r) for r in score_token_rows(model, tokenizer, tokenised["rejected_input_ids"], args.batch_size)]
         correct = sum(c > r for c, r in zip(chosen, rejected))
@@ -272,7 +296,7 @@ def _score(args) -> List[dict]:
 def _normalised_pairs(parts, args, tokenizer):
     """The pairs of every ``(file, rows)`` part, each file normalised as its own layout (under ``--format auto``, the
     layout of its own rows) and the parts joined in order, as rm.train joins a split's files
-    (:func:`rm.data.build.join_normalised`). A refused row is named by its file and its row there."""
+    (:func:`rm.data.build.join_normalised`). A refused file is named, a refused row by its file and its row there."""
     from rm.data.build import join_normalised, without_row
     from rm.data.normalise import max_chars_for, normalise_pairs
 
@@ -280,9 +304,7 @@ def _normalised_pairs(parts, args, tokenizer):
         return normalise_pairs(raw, args.format, tokenizer, on_malformed=args.on_malformed, row_index=True,
                                max_chars=max_chars_for(args.max_length))
 
-    def where(file, err, first_row):
-        if len(parts) == 1:
-            return err
+    def where(file, err, first_row):  # one file too: the message names it, as rm.train's do
         named = f" row {err.row}: {without_row(str(err), err.row)}" if err.row is not None else f": {err}"
         return DataError(f"--input {file}{named}", row=None if err.row is None else err.row + first_row)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -20,7 +21,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import datasets
 
 from rm.foundations import cache
-from rm.foundations.config import DataConfig
+from rm.foundations.config import DataConfig, TrainConfig
 from rm.data.audit import audit_split
 from rm.data.counts import PairCounts
 from rm.data.load import check_files_exist, expand_files, load_preference_split, locate_row
@@ -305,6 +306,22 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     return sets["train"], sets.get("eval"), audit
 
 
+def check_enough_pairs(data_cfg: DataConfig, train_cfg: TrainConfig, num_pairs: int) -> None:
+    """A :class:`DataError` where the train split holds fewer usable pairs than one optimizer step takes.
+
+    A step trains on ``train.global_batch_size`` different pairs; with fewer, no step can be cut from the split
+    (:func:`rm.data.batching.micro_batches_for_step`), which would fail as a bug deep inside the layout's timing
+    (``rm.train``'s ``train.layout=auto``, ``rm.plan``).
+    """
+    if num_pairs >= train_cfg.global_batch_size:
+        return
+    raise DataError(
+        f"data {data_cfg.name} [train]: {num_pairs} usable pair(s), fewer than one optimizer step takes "
+        f"(train.global_batch_size={train_cfg.global_batch_size}). Give more training pairs, or lower "
+        f"train.global_batch_size to at most {num_pairs} (a multiple of train.micro_batch_size={train_cfg.micro_batch_size} "
+        "x the number of processes)")
+
+
 def build_extra_eval_sets(data_cfg: DataConfig, tokenizer) -> Dict[str, datasets.Dataset]:
     """The named eval sets of ``data.extra_eval_files``, each built exactly like the main eval split.
 
@@ -337,3 +354,11 @@ def check_data_files(data_cfg: DataConfig) -> None:
     keys = {"data.train_files": data_cfg.train_files, "data.eval_files": data_cfg.eval_files} if data_cfg.source == "local" else {}
     keys.update({f"data.extra_eval_files.{name}": files for name, files in data_cfg.extra_eval_files.items()})
     check_files_exist(keys)
+    # An eval set read from a training file scores pairs the model trained on: its accuracy looks like generalisation
+    # and is not. Allowed (a check that the model can fit its data), but never in silence.
+    trained = {os.path.realpath(f) for f in expand_files(keys.get("data.train_files", []), "data.train_files")}
+    for key, files in keys.items():
+        shared = [f for f in expand_files(files, key) if os.path.realpath(f) in trained]
+        if shared and key != "data.train_files":
+            log.warning("%s reads %s, also in data.train_files: its metrics score pairs the model trained on, not held-out "
+                        "ones; give it files of its own", key, ", ".join(shared))

@@ -81,9 +81,16 @@ def _matches(files: Iterable[str]) -> tuple[list[str], list[str]]:
 
 
 def missing_files_error(missing: dict[str, list[str]]) -> DataFileNotFound:
-    """One error naming every entry that matches no file, under its config key."""
-    shown = "; ".join(f"{key}: no file matches {', '.join(repr(m) for m in entries)}" for key, entries in missing.items())
-    return DataFileNotFound(f"{shown} (relative paths are resolved against {os.getcwd()!r})")
+    """One error naming every entry that matches no file, under its config key; a directory is said to be one, with
+    the pattern of its files to give instead (rm reads files, never a directory's)."""
+    shown = []
+    for key, entries in missing.items():
+        folders = [m for m in entries if os.path.isdir(os.path.expanduser(m))]
+        gone = [m for m in entries if m not in folders]
+        said = [f"no file matches {', '.join(repr(m) for m in gone)}"] if gone else []
+        said += [f"{m!r} is a directory: name the files in it ({os.path.join(m, '*.jsonl')!r})" for m in folders]
+        shown.append(f"{key}: {'; '.join(said)}")
+    return DataFileNotFound(f"{'; '.join(shown)} (relative paths are resolved against {os.getcwd()!r})")
 
 
 def check_files_exist(files_by_key: dict[str, Iterable[str]]) -> None:
@@ -189,10 +196,35 @@ def load_preference_split(
             ds = datasets.load_dataset(builder, data_files=resolved, split="train")
         except datasets.exceptions.DatasetGenerationError as err:
             raise DataError(_unreadable(resolved, key, builder, err)) from err
+        if builder == "json" and len(resolved) == 1:
+            _check_rows_not_columns(ds, resolved[0], key)
 
     if max_samples is not None and len(ds) > max_samples:
         ds = ds.select(range(int(max_samples)))
     return ds
+
+
+def _check_rows_not_columns(ds, file: str, key: str) -> None:
+    """A ``.json`` file that is one object of columns (``{"chosen": [...], "rejected": [...]}``, or pandas' ``to_json``
+    without ``orient="records"``: ``{"chosen": {"0": ...}}``) reads as a single row whose every cell holds a column:
+    named as what it is, where its cells would be taken for conversations (``'chosen' message 0 is str``) or for
+    columns of no known layout."""
+    if len(ds) != 1 or not {"chosen", "rejected"} <= set(ds.column_names):
+        return
+    row = ds[0]
+
+    def values(cell):  # a column as a list ({"chosen": [...]}) or by row index (pandas' default, {"chosen": {"0": ...}})
+        if isinstance(cell, dict) and cell and all(str(k).isdigit() for k in cell):
+            return list(cell.values())
+        return cell if isinstance(cell, list) and all(not isinstance(x, dict) for x in cell) else None
+
+    columns = [values(cell) for cell in row.values()]
+    sizes = {-1 if c is None else len(c) for c in columns}
+    if len(sizes) == 1 and sizes.pop() > 1:
+        raise DataError(f"{key}: {file} is one JSON object of columns ({', '.join(ds.column_names)}: "
+                        f"{len(columns[0])} values each), not rows: write one object per pair, as a JSON array "
+                        "([{\"chosen\": ..., \"rejected\": ...}, ...]) or one per line in a .jsonl file "
+                        "(pandas: df.to_json(path, orient='records', lines=True))")
 
 
 def _check_content(file: str, key: str, builder: str) -> None:

@@ -54,7 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, List, Mapping, Option
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from rm.foundations import cache
-from rm.foundations.errors import ConfigError, StorageError, is_storage_failure
+from rm.foundations.errors import ConfigError, StorageError, is_storage_failure, named_hub_source
 from rm.foundations.cli import DETAIL
 
 if TYPE_CHECKING:  # transformers and the config schema are imported where used: training a BPE needs neither
@@ -238,9 +238,9 @@ def build_tokenizer(model_cfg: ModelConfig, texts: Optional[Callable[[], Iterabl
     elif kind == "words":
         tokenizer = build_word_level_tokenizer()
     else:
-        tokenizer = AutoTokenizer.from_pretrained(
-            model_cfg.tokenizer or model_cfg.pretrained, trust_remote_code=model_cfg.trust_remote_code
-        )
+        source = ("model.tokenizer", model_cfg.tokenizer) if model_cfg.tokenizer else ("model.pretrained", model_cfg.pretrained)
+        with named_hub_source(*source):
+            tokenizer = AutoTokenizer.from_pretrained(source[1], trust_remote_code=model_cfg.trust_remote_code)
     name = model_cfg.tokenizer or model_cfg.pretrained or kind
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"the tokenizer of {name} has no EOS token: rm reads the reward at the EOS that ends each "

@@ -433,6 +433,24 @@ def moved_key_errors(argv: Sequence[str], hydra_message: str) -> List[str]:
 COMPOSITION_HINTS.append(moved_key_errors)  # run_hydra_app prints these lines for a composition that failed
 
 
+def list_value_errors(argv: Sequence[str], hydra_message: str) -> List[str]:
+    """A line for a list key given one bare value (``data.train_files=pairs.jsonl``), which Hydra refuses as "str is
+    not a ListConfig" without saying how to write a list: the override with its brackets.
+
+    >>> list_value_errors(["data.train_files=a.jsonl"], "str is not a ListConfig, list or tuple. full_key: data.train_files")
+    ["error: data.train_files is a list: write 'data.train_files=[a.jsonl]' (brackets; quoted for the shell)"]
+    """
+    if "is not a ListConfig" not in hydra_message:
+        return []
+    named = re.findall(r"full_key: ([\w.]+)", hydra_message)
+    given = {key: value for key, eq, value in (a.lstrip("+~").partition("=") for a in argv) if eq}
+    return [f"error: {key} is a list: write '{key}=[{given[key]}]' (brackets; quoted for the shell)"
+            for key in dict.fromkeys(named) if key in given]
+
+
+COMPOSITION_HINTS.append(list_value_errors)
+
+
 def to_run_config(cfg: DictConfig, runtime: Optional[dict] = None, overrides: Optional[Sequence[str]] = None) -> RunConfig:
     """Turn the composed Hydra config into typed objects, once, at the entry point.
 
@@ -671,6 +689,7 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
 
 
     argv = sys.argv if argv is None else argv
+    problems = _unknown_flags(argv)
     args = [a for a in argv[1:] if "=" in a and not a.startswith("-")]
     try:
         overrides = OverridesParser.create().parse_overrides(args)
@@ -685,7 +704,6 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
         near = difflib.get_close_matches(name, list(dict.fromkeys(names)), n=3, cutoff=0.5)
         return f"; did you mean {' or '.join(prefix + n for n in near)}?" if near else ""
 
-    problems = []
     for override in overrides:
         key = override.key_or_group
         if key.split(".")[0].split("/")[0] == "hydra" or override.package is not None or override.is_delete():
@@ -724,6 +742,26 @@ def unknown_names(argv: Optional[List[str]] = None) -> List[str]:
             node = next((a for a in typing.get_args(node) if dataclasses.is_dataclass(a)), node)  # Optional[X]
             if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
                 break  # a value, a Dict or a List: Hydra checks it
+    return problems
+
+
+def _unknown_flags(argv: List[str]) -> List[str]:
+    """Each ``--name`` on the command line that is not one of Hydra's own flags, written as it is meant: an override.
+
+    Hydra's argparse takes an abbreviation of a flag for the flag: ``--experiment=tiny`` is ``--experimental-rerun
+    tiny``, which fails with "File tiny does not exist!" as a traceback and exit 1 (and any other override is ignored).
+    """
+    from hydra._internal.utils import get_args_parser
+
+    flags = get_args_parser()._option_string_actions  # noqa: SLF001  (Hydra's flags, as its own parser knows them)
+    problems = []
+    for arg in argv[1:]:
+        name = arg.split("=", 1)[0]
+        if arg == "--" or not arg.startswith("--") or name in flags:
+            continue
+        meant = arg[2:] if "=" in arg else f"{arg[2:]}=<value>"
+        problems.append(f"{arg}: not an option of rm's commands, which take overrides: write {meant} (no dashes); "
+                        "Hydra's own flags are " + ", ".join(sorted(f for f in flags if f.startswith("--"))))
     return problems
 
 

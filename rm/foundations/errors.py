@@ -145,6 +145,23 @@ def stop_on_signals():
             signal.signal(sig, handler)
 
 
+@contextmanager
+def named_hub_source(key: str, value: str):
+    """Inside, transformers' failure to fetch ``value`` from the Hugging Face Hub (no network, no such repository: an
+    ``OSError`` whose text names huggingface.co) is a :class:`StorageError` naming ``key=value`` and what to give
+    instead, where the boundary would print transformers' text alone with "check free space and permissions"."""
+    try:
+        yield
+    except OSError as err:
+        if isinstance(err, RmError) or "huggingface.co" not in str(err):
+            raise
+        said = " ".join(str(err).split())
+        raise StorageError(f"{key}={value} is not a local directory and could not be read from the Hugging Face Hub "
+                           f"here ({said}): give the directory of a downloaded copy ({key}=/path/to/it), or download "
+                           f"it where the Hub can be reached (huggingface-cli download {value}) and run with "
+                           "HF_HUB_OFFLINE=1 to use that cache") from err
+
+
 class PeerLost(RmError):
     """This rank lost its connection to another rank of the run (which stopped first, or cannot be reached)."""
 
@@ -372,6 +389,9 @@ def task_started() -> None:
 # returns lines to print instead of the generic one (none: not its case). rm.foundations.config adds the one for keys
 # that moved (MOVED_KEYS), so that this module, below it, imports nothing of it.
 COMPOSITION_HINTS: List[Callable[[Sequence[str], str], List[str]]] = []
+# Undo what a start made before Hydra failed to compose a job's config (rm.runs.run_record.undo_sweep_start: a
+# multirun's sweep folder and Hydra's multirun.yaml in it, written before the jobs are composed): nothing ran.
+COMPOSITION_CLEANUPS: List[Callable[[], None]] = []
 # Checks of the command line's names before Hydra composes (rm.foundations.config.unknown_names registers itself: the
 # schemas live above this module): each returns one line per unknown name.
 NAME_CHECKS: List[Callable[[], List[str]]] = []
@@ -416,6 +436,8 @@ def run_hydra_app(main: Callable[[], object]) -> None:
             text = "\n".join(hints) or f"error: the config could not be composed from the command line: {given}"
             if held is None:
                 print(text, file=sys.stderr)
+            for cleanup in COMPOSITION_CLEANUPS:
+                cleanup()
             record_exit(2, text if held is None else f"{held.text().strip()}\n{text}")
             raise SystemExit(2) from None
         raise

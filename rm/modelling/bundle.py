@@ -45,7 +45,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rm.foundations.cache import file_digest
 from rm.foundations.errors import ConfigError, NonFiniteError, StorageError
-from rm.modelling.model import evaluate_4bit_as_trained, last_token_index, sequence_rewards
+from rm.modelling.model import evaluate_4bit_as_trained, last_token_index, named_damage, sequence_rewards
 from rm.foundations.precision import Precision
 from rm.data.tokenizer import consumer_tokenizer, write_tokenizer_compat_fields
 
@@ -320,39 +320,6 @@ def load_checked_bundle(directory: Path, device="cpu"):
         raise NonFiniteError(f"{directory}: {len(bad)} weight tensor(s) hold NaN or inf ({', '.join(bad[:3])}"
                              f"{', ...' if len(bad) > 3 else ''}): this model cannot score; export an earlier checkpoint")
     return model
-
-
-@contextmanager
-def named_damage(directory: Path):
-    """A weights file that cannot be read back is named as damaged (exit 5), not reported as a full disk: the library's
-    own error (safetensors' "Error while deserializing header") names no file."""
-    from rm.foundations.errors import RmError, is_storage_failure
-
-    try:
-        yield
-    except Exception as err:  # noqa: BLE001  (re-raised unless it is a damaged file's)
-        if isinstance(err, RmError) or not is_storage_failure(err):
-            raise
-        damaged = damaged_weights(directory)
-        if not damaged:
-            raise
-        raise StorageError("; ".join(f"{path} cannot be read back ({why}): the file is damaged or cut short (a disk that "
-                                     "filled during a save, an interrupted copy); copy it again, or export the run "
-                                     "again from a checkpoint" for path, why in damaged)) from err
-
-
-def damaged_weights(directory: Path) -> List[Tuple[Path, str]]:
-    """The safetensors files under ``directory`` whose header safetensors cannot read, with its reason."""
-    from safetensors import safe_open
-
-    damaged = []
-    for path in sorted(Path(directory).rglob("*.safetensors")):
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                f.keys()
-        except Exception as err:  # noqa: BLE001  (whatever safetensors raises for this file is the reason)
-            damaged.append((path, f"{type(err).__name__}: {err}"))
-    return damaged
 
 
 def _load_bundle(directory: Path, base_model, device):

@@ -8,7 +8,7 @@ import os
 import tempfile
 import time
 import types
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, PreTrai
 
 from rm.foundations.cache import cache_root
 from rm.foundations.config import LoraConfig, MemoryProfileConfig, ModelConfig, OptimConfig
+from rm.foundations.errors import named_hub_source
 from rm.foundations.launch_env import launch_env
 from rm.foundations.precision import Numerics, fp32_head_enabled  # noqa: F401  (callers build with it)
 
@@ -110,6 +111,38 @@ def saved_random_init(model_cfg: ModelConfig, pad_token_id: int) -> Path:
     return path
 
 
+@contextmanager
+def named_damage(directory: Path, fix: str = "copy it again, or export the run again from a checkpoint"):
+    """A weights file under ``directory`` that cannot be read back is named as damaged (exit 5), with ``fix``, not
+    reported as a full disk: the library's own error (safetensors' "Error while deserializing header") names no file."""
+    from rm.foundations.errors import RmError, StorageError, is_storage_failure
+
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001  (re-raised unless it is a damaged file's)
+        if isinstance(err, RmError) or not is_storage_failure(err):
+            raise
+        damaged = damaged_weights(directory)
+        if not damaged:
+            raise
+        raise StorageError("; ".join(f"{path} cannot be read back ({why}): the file is damaged or cut short (a disk that "
+                                     f"filled during a save, an interrupted copy); {fix}" for path, why in damaged)) from err
+
+
+def damaged_weights(directory: Path) -> List[Tuple[Path, str]]:
+    """The safetensors files under ``directory`` whose header safetensors cannot read, with its reason."""
+    from safetensors import safe_open
+
+    damaged = []
+    for path in sorted(Path(directory).rglob("*.safetensors")):
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                f.keys()
+        except Exception as err:  # noqa: BLE001  (whatever safetensors raises for this file is the reason)
+            damaged.append((path, f"{type(err).__name__}: {err}"))
+    return damaged
+
+
 def build_model(
     model_cfg: ModelConfig, pad_token_id: int, dtype: str, gradient_checkpointing: bool, quantize_base: str = "none",
     device: Optional[torch.device] = None,
@@ -146,16 +179,19 @@ def build_model(
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                 bnb_4bit_compute_dtype=dtype,
             )
-        model = AutoModelForSequenceClassification.from_pretrained(
-            pretrained,
-            num_labels=1,
-            dtype=dtype,
-            attn_implementation=model_cfg.attn_implementation,
-            trust_remote_code=model_cfg.trust_remote_code,
-            quantization_config=quantization,
-            # bitsandbytes' 4-bit layers quantise where they are placed: on a machine without CUDA, the CPU backend
-            **({"device_map": "cpu"} if quantization is not None and not torch.cuda.is_available() else {}),
-        )
+        # A local directory's weights file cut short (an interrupted download or copy) is named, with its key.
+        with named_damage(Path(pretrained), fix=f"copy or download it again (model.pretrained={model_cfg.pretrained})"), \
+                named_hub_source("model.pretrained", pretrained):
+            model = AutoModelForSequenceClassification.from_pretrained(
+                pretrained,
+                num_labels=1,
+                dtype=dtype,
+                attn_implementation=model_cfg.attn_implementation,
+                trust_remote_code=model_cfg.trust_remote_code,
+                quantization_config=quantization,
+                # bitsandbytes' 4-bit layers quantise where they are placed: on a machine without CUDA, the CPU backend
+                **({"device_map": "cpu"} if quantization is not None and not torch.cuda.is_available() else {}),
+            )
         model.config.pad_token_id = pad_token_id
         if quantization is not None:
             keep_4bit_weights_on_load(model)

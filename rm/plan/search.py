@@ -577,6 +577,7 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
     Raises:
         ConfigError: ``cfg`` itself does not validate, or ``plan.*`` is out of range.
     """
+    from rm.data.build import check_enough_pairs
     from rm.foundations.errors import ConfigError
     from rm.plan.constants import rates_for
     from rm.settings.validate import resolve_world_size, validate
@@ -591,6 +592,10 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
     with Checker() as checker:  # its workers' imports start now, alongside this process's work
         rates = rates or rates_for(given_plan.hardware, given_plan.device)
         lengths = lengths or data_lengths(cfg.data, cfg.model, cfg.plan.stand_in_pairs)
+        if lengths.stand_in and len(lengths.chosen) < cfg.train.global_batch_size:
+            raise ConfigError(f"plan.stand_in_pairs={cfg.plan.stand_in_pairs} is fewer than one optimizer step takes "
+                              f"(train.global_batch_size={cfg.train.global_batch_size}): raise it")
+        check_enough_pairs(cfg.data, cfg.train, len(lengths.chosen))  # no step could be cut from fewer
         given = Candidate([], cfg=cfg, plan=given_plan)
         given_verdict = checker.submit([given], lengths)
         timer = _Timer(lengths, rates, cfg.plan.steps)

@@ -22,12 +22,12 @@ import os
 import shlex
 import sys
 from pathlib import Path
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from rm.foundations.errors import StorageError
+from rm.foundations.errors import COMPOSITION_CLEANUPS, ConfigError, StorageError, report
 
 RECORD_DIR = ".hydra"  # Hydra's default hydra.output_subdir
 # What a resume command sets itself, in place of the run's own values.
@@ -136,30 +136,57 @@ class RunDirCallback(Callback):
     """
 
     made: List[Path] = []  # this process's single run: the new folders, deepest first
+    sweep_made: List[Path] = []  # a multirun's: the sweep folder's new folders, deepest first
+    sweep_record: Optional[Path] = None  # the multirun.yaml Hydra writes there, where none was before
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         path = Path(os.path.abspath(str(config.hydra.run.dir)))  # as Hydra's run_job resolves it (${now:} is cached)
         RunDirCallback.made = [d for d in [path, *path.parents] if not d.exists()]
         # Hydra writes its record there itself when hydra.output_subdir is set (rm.estimate with a hydra.run.dir); with
         # null (rm.train, whose first write is its lock: exit 5 at rm's boundary) the folder may be read-only.
-        _make(path, writes=config.hydra.output_subdir is not None)
+        _make(path, writes=config.hydra.output_subdir is not None, key="hydra.run.dir")
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        _make(Path(os.path.abspath(str(config.hydra.sweep.dir))), writes=True)  # Hydra writes multirun.yaml there
+        path = Path(os.path.abspath(str(config.hydra.sweep.dir)))
+        RunDirCallback.sweep_made = [d for d in [path, *path.parents] if not d.exists()]
+        record = path / "multirun.yaml"
+        RunDirCallback.sweep_record = None if record.exists() else record
+        _make(path, writes=True, key="hydra.sweep.dir")  # Hydra writes multirun.yaml there
 
 
-def _make(path: Path, writes: bool) -> None:
+def _make(path: Path, writes: bool, key: str) -> None:
+    if path.exists() and not path.is_dir():  # a mistyped path, not a storage fault: mkdir's "File exists" says neither
+        raise SystemExit(report(ConfigError(f"{key}={path} is a file, not a directory: give the run a directory (a new "
+                                            "one, or the run's own to resume it)")))
     try:
         path.mkdir(parents=True, exist_ok=True)
         if writes and not os.access(path, os.W_OK | os.X_OK):  # an existing folder Hydra would fail to write in
             raise PermissionError(errno.EACCES, "the folder is not writable (permissions, or a read-only file system)",
                                   str(path))
     except OSError as err:
-        from rm.foundations.errors import report
-
         # Hydra turns an exception in a callback into a warning and goes on to fail at its own mkdir; an exit
         # passes through it.
         raise SystemExit(report(err)) from None
+
+
+def undo_sweep_start() -> None:
+    """A multirun whose job Hydra could not compose ran nothing: remove the multirun.yaml Hydra wrote before composing
+    the jobs (where there was none before) and the sweep folders this start made, while each is empty."""
+    if RunDirCallback.sweep_record is not None:
+        RunDirCallback.sweep_record.unlink(missing_ok=True)
+    _remove_empty(RunDirCallback.sweep_made)
+
+
+COMPOSITION_CLEANUPS.append(undo_sweep_start)  # run_hydra_app calls it when Hydra fails to compose
+
+
+def _remove_empty(made: List[Path]) -> None:
+    """``os.rmdir`` each folder, deepest first, while each is empty: whatever was written there stays, with its folder."""
+    for directory in made:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            return
 
 
 def remove_made(path: Path) -> None:
@@ -168,8 +195,4 @@ def remove_made(path: Path) -> None:
     made = RunDirCallback.made
     if not made or made[0] != Path(os.path.abspath(path)):
         return
-    for directory in made:
-        try:
-            os.rmdir(directory)
-        except OSError:
-            return
+    _remove_empty(made)

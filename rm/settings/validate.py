@@ -475,6 +475,8 @@ def _model_shape_errors(m) -> List[str]:
     if m.attn_implementation == "flash_attention_2" and not _installed("flash_attn"):
         errors.append("model.attn_implementation=flash_attention_2 needs flash-attn: pip install flash-attn "
                       "--no-build-isolation (CUDA only), or use model.attn_implementation=sdpa")
+    if m.tokenizer not in (None, "bpe", "words", "builtin"):
+        errors += _tokenizer_path_errors(m.tokenizer)
     if m.pretrained:
         errors += _pretrained_errors(m.pretrained)
         errors += _pretrained_tokenizer_errors(m.pretrained, m.tokenizer)
@@ -526,6 +528,24 @@ def _pretrained_tokenizer_errors(pretrained: str, tokenizer: Optional[str]) -> L
         return []
     return [f"model.pretrained={pretrained} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): name one with "
             "model.tokenizer=<directory or Hub id>"]
+
+
+def _tokenizer_path_errors(tokenizer: str) -> List[str]:
+    """A ``model.tokenizer`` that names a directory must hold a tokenizer; anything else must look like a Hub id.
+    Checked here, as ``model.pretrained`` is: transformers would take a path that does not exist for a Hub id and
+    fail with "Repo id must be in the form ...", an OSError that reads as a storage fault."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        if any((path / f).is_file() for f in TOKENIZER_FILES):
+            return []
+        return [f"model.tokenizer={tokenizer} is a directory without a tokenizer (none of {', '.join(TOKENIZER_FILES)}): "
+                "give the directory save_pretrained wrote the tokenizer to, or a Hub id"]
+    if path.exists():
+        return [f"model.tokenizer={tokenizer} is a file: give the directory that holds it (model.tokenizer={path.parent})"]
+    if tokenizer.startswith((".", "/", "~")) or not _HUB_ID.match(tokenizer):
+        return [f"model.tokenizer={tokenizer}: no such directory, and not a Hub id (org/name); or leave it null for "
+                "the model's own tokenizer"]
+    return []
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

@@ -27,7 +27,8 @@ from rm.foundations.threads import apply_threads, resumed_threads
 from rm.foundations.config import EPOCHS_WARNED, HealthConfig, MemoryProfileConfig, ModelConfig, OptimConfig, RunConfig, TrainConfig
 from rm.data.audit import format_audit, write_audit
 from rm.data.batching import StepBatches, steps_per_epoch, total_training_steps  # noqa: F401  (imported from here too)
-from rm.data.build import build_datasets, build_extra_eval_sets, check_data_files, split_identity, train_pairs
+from rm.data.build import (build_datasets, build_extra_eval_sets, check_data_files, check_enough_pairs, split_identity,
+                           train_pairs)
 from rm.data.collator import PackedPairCollator, PairCollator, PrefixSharedCollator, common_prefix_length
 from rm.distributed.engine import AccelerateEngine, DeepSpeedEngine, Engine, deepspeed_config
 from rm.training.health import HealthMonitor
@@ -119,6 +120,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
                               texts_identity=split_identity(cfg.data, "train"))
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
+    check_enough_pairs(cfg.data, cfg.train, len(train_set))  # the batches of a step would be cut from fewer pairs than they hold
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # The exported model's readers must see the tokens training saw, on texts like the run's own.
     check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64],

@@ -35,6 +35,64 @@ def test_a_parquet_file_that_is_not_parquet_is_named(tmp_path):
         _split(path)
 
 
+@pytest.mark.reliability("Data", "a directory given as a data file (`data.train_files=[pairs/]`, `rm.score --input pairs/`)",
+                         "`data.train_files: '<dir>' is a directory: name the files in it ('<dir>/*.jsonl')`; beside "
+                         "a missing file both are named; exit 2 (was: `no file matches '<dir>'`, though it exists)")
+def test_a_directory_given_as_a_data_file_is_said_to_be_one(tmp_path):
+    from rm.data.build import check_data_files
+    from rm.data.load import expand_files
+
+    folder = tmp_path / "pairs"
+    folder.mkdir()
+    with pytest.raises(DataError, match=rf"--input: '{folder}' is a directory: name the files in it \('{folder}/\*.jsonl'\)"):
+        expand_files([str(folder)], "--input")
+    cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{folder},{tmp_path / 'gone.jsonl'}]"])
+    with pytest.raises(DataError) as err:
+        check_data_files(cfg.data)
+    assert f"data.train_files: no file matches '{tmp_path / 'gone.jsonl'}'; '{folder}' is a directory" in str(err.value)
+
+
+@pytest.mark.reliability("Data", "an eval file that is also a training file (`data.eval_files`, `data.extra_eval_files.<name>`; "
+                         "the same path, or a glob or link reaching it)",
+                         "a warning naming the key and the file: `its metrics score pairs the model trained on, not "
+                         "held-out ones`; the run goes on (was: silent, the eval accuracy read as generalisation)")
+def test_an_eval_file_that_is_a_training_file_is_warned_about(tmp_path, caplog):
+    from rm.data.build import check_data_files
+
+    train = _jsonl(tmp_path / "train.jsonl", [GOOD])
+    held_out = _jsonl(tmp_path / "test.jsonl", [GOOD])
+    (tmp_path / "link.jsonl").symlink_to(train)
+    cfg = compose(["experiment=tiny", "data=local", f"data.train_files=[{train}]", f"data.eval_files=[{tmp_path}/t*.jsonl]",
+                   f"+data.extra_eval_files.hard=[{tmp_path / 'link.jsonl'}]"])
+    with caplog.at_level("WARNING"):
+        check_data_files(cfg.data)
+    said = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"data.eval_files reads {train}, also in data.train_files") for m in said), said
+    assert any(m.startswith(f"data.extra_eval_files.hard reads {tmp_path / 'link.jsonl'}") for m in said), said
+    assert not any(str(held_out) in m for m in said) and len(said) == 2, said
+
+
+@pytest.mark.reliability("Data", "a `.json` file that is one object of columns (`{\"chosen\": [...], \"rejected\": [...]}`, or "
+                         "pandas' default `to_json`: `{\"chosen\": {\"0\": ...}}`)",
+                         "`<file> is one JSON object of columns (chosen, rejected: N values each), not rows`, with how to "
+                         "write rows; exit 2 (was: its columns read as one conversation, `'chosen' message 0 is str`, or "
+                         "'cannot detect the preference format'). One pair as one object is still one row")
+def test_a_json_object_of_columns_is_named_as_such(tmp_path):
+    from rm.data.load import load_preference_split
+
+    pairs = PAIRS[:3]
+    as_lists = tmp_path / "lists.json"
+    as_lists.write_text(json.dumps({k: [p[k] for p in pairs] for k in ("chosen", "rejected")}))
+    by_index = tmp_path / "pandas.json"
+    by_index.write_text(json.dumps({k: {str(i): p[k] for i, p in enumerate(pairs)} for k in ("chosen", "rejected")}))
+    for path in (as_lists, by_index):
+        with pytest.raises(DataError, match=rf"{path} is one JSON object of columns \(chosen, rejected: 3 values each\), not rows"):
+            _split(path)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps(GOOD))
+    assert len(load_preference_split("local", files=[str(one)])) == 1
+
+
 @pytest.mark.reliability("Data", "empty (0 bytes) and whitespace-only files", "`<file> is empty (0 bytes)` / `<file> is whitespace only`, each its own message")
 def test_empty_and_whitespace_files_have_their_own_message(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")

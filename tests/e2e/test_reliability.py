@@ -220,6 +220,20 @@ def test_a_run_dir_that_cannot_be_made_is_a_storage_error(tmp_path):
     assert f"storage error ({tmp_path / 'a_file' / 'run'})" in out and "could not be composed" not in out, out[-2000:]
 
 
+@pytest.mark.reliability("Configuration", "`hydra.run.dir` (or a multirun's `hydra.sweep.dir`) that names an existing file",
+                         "`hydra.run.dir=<path> is a file, not a directory`; exit 2, the file unchanged (was: `storage "
+                         "error (<path>): File exists`, exit 5, and 'check free space and permissions')")
+def test_a_run_dir_that_is_a_file_is_named_as_a_setting(tmp_path):
+    a_file = tmp_path / "pairs.jsonl"
+    a_file.write_text("{}\n")
+    for mode, key in (([], "hydra.run.dir"), (["-m"], "hydra.sweep.dir")):
+        proc = subprocess.run([sys.executable, "-m", "rm.train", *mode, *FAST_TINY, f"{key}={a_file}"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2 and f"{key}={a_file} is a file, not a directory" in out, out[-2000:]
+        assert "Traceback" not in out and "free space" not in out and a_file.read_text() == "{}\n", out[-2000:]
+
+
 @pytest.mark.reliability("Security", "tokens in the environment (`HF_TOKEN`, `WANDB_API_KEY`)", "never in the log, `metrics.jsonl`, the saved Hydra config or any other file of the run")
 def test_secrets_in_the_environment_stay_out_of_the_run_directory(tmp_path):
     secret = "hf_SECRETtoken1234567890"

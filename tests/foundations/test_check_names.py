@@ -33,3 +33,23 @@ def test_an_unknown_name_is_named_with_its_close_matches(override, said):
 def test_every_unknown_name_is_named_at_once():
     unknown = unknown_names(["rm.train", "experiment=tyni", "train.learning_rat=1", "lora.r=8"])
     assert len(unknown) == 2 and "experiment=tyni" in unknown[0] and "did you mean train.optim.learning_rate" in unknown[1]
+
+
+@pytest.mark.reliability("Configuration", "an override written as an option (`--experiment=tiny`, `--max_steps=3`), which "
+                         "Hydra's argparse takes for an abbreviation of its own flag (`--experimental-rerun tiny`)",
+                         "`--experiment=tiny: not an option of rm's commands, which take overrides: write experiment=tiny "
+                         "(no dashes)`, with Hydra's flags; exit 2, no `Traceback` (was: `ValueError: File tiny does not "
+                         "exist!` with its traceback, exit 1); Hydra's own flags (`--cfg job`, `-m`) pass")
+def test_an_override_written_as_an_option_is_named_not_taken_for_hydras_flag(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import CONF_DIR
+
+    unknown = unknown_names(["rm.train", "--max_steps=3", "--cfg", "job", "-m", "--config-name", "config"])
+    assert len(unknown) == 1 and "--max_steps=3: not an option of rm's commands" in unknown[0], unknown
+    assert "write max_steps=3 (no dashes)" in unknown[0]
+    proc = subprocess.run([sys.executable, "-m", "rm.train", "--experiment=tiny", f"hydra.run.dir={tmp_path / 'run'}"],
+                          cwd=CONF_DIR.parent, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "write experiment=tiny (no dashes)" in out and "Traceback" not in out, out[-3000:]

@@ -111,8 +111,9 @@ def test_a_bug_in_the_train_cli_shows_its_traceback_and_the_bug_line(tmp_path):
     assert "Set the environment variable HYDRA_FULL_ERROR" not in out  # the boundary, not Hydra, reported it
 
 
-def _run(module, *args, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def _run(module, *args, timeout=300, env=None):
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
     return proc.returncode, proc.stdout + proc.stderr
 
 
@@ -126,13 +127,21 @@ def _write(path, rows):
 @pytest.mark.reliability("Data", "a file where every row is dropped (zero usable pairs)",
                          "`no usable pairs left (pairs 2 -> 0 used: ...; 1 x malformed: 'chosen' is int, expected a string (first: row 0 in <file>); 1 x empty: ...)`; exit 2")
 @pytest.mark.reliability("Data", "an empty or whitespace-only file", "`<file> is empty (0 bytes)` / `is whitespace only`; exit 2")
-@pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace"])
+@pytest.mark.reliability("Data", "fewer usable pairs than one optimizer step takes (a 5-row file, `train.global_batch_size=16`)",
+                         "`data local [train]: 5 usable pair(s), fewer than one optimizer step takes "
+                         "(train.global_batch_size=16) ... lower train.global_batch_size to at most 5`; exit 2 (was: a "
+                         "`ValueError` traceback from the layout's timing, exit 1)")
+@pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace", "too_few"])
 def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
     if case == "missing":
         files, needles = [str(tmp_path / "nope" / "*.jsonl")], ["data.train_files: no file matches", "nope"]
     elif case == "all_dropped":
         path = _write(tmp_path / "bad.jsonl", [{"chosen": 1, "rejected": "a"}, {"chosen": " ", "rejected": "b"}])
         files, needles = [str(path)], ["no usable pairs left", "'chosen' is int", f"(first: row 0 in {path})"]
+    elif case == "too_few":
+        path = _write(tmp_path / "few.jsonl", [{"prompt": f"q{i}", "chosen": f" yes {i}", "rejected": " no"} for i in range(5)])
+        files, needles = [str(path)], ["5 usable pair(s), fewer than one optimizer step takes (train.global_batch_size=16)",
+                                       "lower train.global_batch_size to at most 5"]
     else:
         path = tmp_path / "blank.jsonl"
         path.write_text("  \n\n")
@@ -218,6 +227,43 @@ def test_a_truncated_weights_file_is_named_as_damaged(tmp_path, tiny_model_dir):
     assert "Traceback" not in out
 
 
+@pytest.mark.reliability("Faults", "`model.pretrained` a directory whose `model.safetensors` is cut short (an interrupted "
+                         "download or copy)",
+                         "exit 5 naming the file as damaged or cut short and `model.pretrained=<dir>`, the fix: copy or "
+                         "download it again (was: `storage error: Error while deserializing header: invalid header "
+                         "length`, no file named, and 'check free space')")
+def test_a_truncated_pretrained_weights_file_is_named_with_its_key(tmp_path, tiny_model_dir):
+    import shutil
+
+    from rm.foundations.config import compose
+    from rm.foundations.errors import StorageError
+    from rm.modelling.model import build_model
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    weights = model / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cfg = compose(["experiment=tiny", f"model.pretrained={model}"])
+    with pytest.raises(StorageError) as err:
+        build_model(cfg.model, 0, "float32", False)
+    assert f"{weights} cannot be read back" in str(err.value) and f"model.pretrained={model}" in str(err.value)
+    assert "free space" not in str(err.value)
+
+
+@pytest.mark.reliability("Faults", "`model.pretrained` or `model.tokenizer` a Hub id that cannot be fetched here (no "
+                         "network, `HF_HUB_OFFLINE=1` without a cached copy, no such repository)",
+                         "`model.tokenizer=<id> is not a local directory and could not be read from the Hugging Face Hub "
+                         "here (<transformers' reason>): give the directory of a downloaded copy ...`; exit 5 (was: "
+                         "transformers' text alone, no key named, and 'check free space and permissions')")
+def test_a_hub_id_that_cannot_be_fetched_names_its_key(tmp_path):
+    for key in ("model.tokenizer", "model.pretrained"):  # the tokenizer of model.pretrained loads first
+        code, out = _run("rm.train", *FAST_TINY, f"{key}=someorg/no-such-model", f"hydra.run.dir={tmp_path / 'run'}",
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        said = f"{key}=someorg/no-such-model is not a local directory and could not be read from the Hugging Face Hub"
+        assert code == 5 and said in out and "huggingface-cli download someorg/no-such-model" in out, out[-3000:]
+        assert "free space" not in out and "Traceback" not in out, out[-3000:]
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A saved tiny reward model (random weights): enough for rm.score's input handling."""
@@ -272,6 +318,31 @@ def test_score_cli_bad_input_exits_2_naming_it(tmp_path, tiny_model_dir, case, c
     assert needle in out and "Traceback" not in out, out[-3000:]
 
 
+@pytest.mark.reliability("Data", "`rm.score` with one `--input` file: columns of no known layout, a malformed row under "
+                         "`--on-malformed error`, no usable pair, an empty text",
+                         "each message names the file, as with several files (`--input <file>: cannot detect the "
+                         "preference format ...`, `--input <file> row 1: 'chosen' is int`, `--input <file>: no usable "
+                         "pairs`, `--input <file> row 0: 'text' is empty`); exit 2 (was: `--input` or no name at all)")
+@pytest.mark.parametrize("case", ["columns", "malformed", "no_pairs", "empty_text"])
+def test_score_names_its_one_input_file_in_every_data_error(tmp_path, tiny_model_dir, case, capsys):
+    from rm.score import main
+
+    rows, extra, needle = {
+        "columns": ([{"a": 1}], [], ": cannot detect the preference format"),
+        "malformed": ([{"chosen": "Human: hi Assistant: yes", "rejected": "Human: hi Assistant: no"},
+                       {"chosen": 5, "rejected": "Human: hi Assistant: no"}], ["--on-malformed", "error"],
+                      " row 1: 'chosen' is int"),
+        "no_pairs": ([{"chosen": "Human: hi Assistant: same", "rejected": "Human: hi Assistant: same"}], [],
+                     ": no usable pairs"),
+        "empty_text": ([{"text": " "}], [], " row 0: 'text' is empty"),
+    }[case]
+    path = _write(tmp_path / "in.jsonl", rows)
+    with pytest.raises(SystemExit) as exited, boundary():
+        sys.exit(main(["--model", str(tiny_model_dir), "--input", str(path), *extra]))
+    out = "".join(capsys.readouterr())
+    assert exited.value.code == 2 and f"--input {path}{needle}" in out and "Traceback" not in out, out[-3000:]
+
+
 @pytest.mark.parametrize("output", [None, "-"])
 def test_score_prints_each_rows_reward_on_stdout_without_output_or_with_dash(tmp_path, tiny_model_dir, capsys, output,
                                                                              monkeypatch):
@@ -287,6 +358,29 @@ def test_score_prints_each_rows_reward_on_stdout_without_output_or_with_dash(tmp
     assert [r["text"] for r in rows] == ["hello there", "a longer text to score"], out
     assert all(isinstance(r["reward"], float) for r in rows)
     assert "scored 2 texts" in err and not (tmp_path / "-").exists()
+
+
+@pytest.mark.reliability("Entry points", "`rm.score --output` that names one of its `--input` files, a directory, or a "
+                         "file in a directory that does not exist",
+                         "refused before the model loads or a row is scored, naming `--output` and the fix (`is also an "
+                         "--input file: the scored rows would replace your data`, `is a directory`, `its directory ... does "
+                         "not exist`); the input file unchanged; exit 2. Was: the input replaced by the scored rows (its "
+                         "`prompt` column gone), or the scoring done and lost with exit 5 naming the hidden `.tmp-` file")
+@pytest.mark.parametrize("case", ["same_as_input", "a_directory", "missing_directory"])
+def test_score_refuses_an_output_it_cannot_or_must_not_write_before_scoring(tmp_path, tiny_model_dir, case, capsys):
+    from rm.score import main
+
+    pairs = _write(tmp_path / "pairs.jsonl", [{"prompt": "Human: hi", "chosen": " yes", "rejected": " no"}])
+    before = pairs.read_bytes()
+    output, needle = {"same_as_input": (str(pairs), "is also an --input file"),
+                      "a_directory": (str(tmp_path), "is a directory"),
+                      "missing_directory": (str(tmp_path / "nope" / "scored.jsonl"), "does not exist")}[case]
+    with pytest.raises(SystemExit) as exited, boundary():
+        sys.exit(main(["--model", str(tiny_model_dir), "--input", str(pairs), "--output", output]))
+    out = "".join(capsys.readouterr())
+    assert exited.value.code == 2 and f"--output {output}" in out and needle in out, out[-3000:]
+    assert "Traceback" not in out and "pairs 1 -> 1 used" not in out, out[-3000:]  # refused before anything was scored
+    assert pairs.read_bytes() == before and not list(tmp_path.glob(".tmp-*"))
 
 
 @pytest.mark.reliability("Entry points", "a LoRA adapter whose base directory is gone (moved), to `rm.score`; "
@@ -322,6 +416,17 @@ def test_an_adapter_whose_base_is_gone_is_named_with_exit_2(tmp_path, tiny_model
     assert exited.value.code == 2
     out = "".join(capsys.readouterr())
     assert f"base model {tmp_path / 'nope'} (given as the base) does not exist" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.reliability("Configuration", "a list key given one bare value (`data.train_files=pairs.jsonl`, no brackets)",
+                         "Hydra's message, then `data.train_files is a list: write 'data.train_files=[pairs.jsonl]'`; "
+                         "exit 2, no `Traceback` (was: Hydra's `str is not a ListConfig` and 'could not be composed', "
+                         "no fix)")
+def test_a_list_key_given_a_bare_value_is_shown_with_brackets(tmp_path):
+    code, out = _run("rm.train", "experiment=tiny", "data=local", "data.train_files=pairs.jsonl",
+                     f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 2 and "error: data.train_files is a list: write 'data.train_files=[pairs.jsonl]'" in out, out[-3000:]
+    assert "could not be composed" not in out and "Traceback" not in out, out[-3000:]
 
 
 @pytest.mark.reliability("Configuration", "a key that moved into a group (`train.learning_rate=1e-4`, now "

@@ -250,6 +250,32 @@ def test_lora_bundle_holds_its_random_base_and_loads_after_the_run_moves(lora_ru
         rm_export.rehome(final)
 
 
+@pytest.mark.reliability("Entry points", "`rm.export --merge --out` naming a file, the adapter bundle itself, the run "
+                         "directory that holds it, or a directory with files of its own (another run's final/)",
+                         "refused before the merge, naming `--out` (`is a file`, `holds the adapter bundle`, `already "
+                         "holds files`); every file there unchanged; exit 2 (was: each replaced by the merged model, the "
+                         "adapter and its base deleted). `<bundle>/merged`, the default, is still replaced by a new merge")
+def test_export_merge_refuses_an_out_that_would_delete_files(lora_run, tmp_path, capsys):
+    import rm.export
+    from rm.foundations.errors import boundary
+
+    _, run_dir, _ = lora_run
+    final = run_dir / "final"
+    a_file = tmp_path / "pairs.jsonl"
+    a_file.write_text("{}\n")
+    other = tmp_path / "other_final"
+    other.mkdir()
+    (other / "model.safetensors").write_bytes(b"weights")
+    before = {p: p.read_bytes() for p in [*final.rglob("*"), a_file, other / "model.safetensors"] if p.is_file()}
+    for out, said in ((a_file, "is a file"), (final, "holds the adapter bundle"), (run_dir, "holds the adapter bundle"),
+                      (other, "already holds files")):
+        with pytest.raises(SystemExit) as exited, boundary():
+            sys.exit(rm.export.main([str(run_dir), "--merge", "--out", str(out)]))
+        text = "".join(capsys.readouterr())
+        assert exited.value.code == 2 and f"--out {out} {said}" in text and "Traceback" not in text, text[-2000:]
+    assert {p: p.read_bytes() for p in before} == before
+
+
 def test_export_cli_refuses_to_merge_an_adapter_without_its_base(lora_run, tmp_path):
     _, run_dir, _ = lora_run
     bundle = shutil.copytree(run_dir / "final", tmp_path / "final",

@@ -203,6 +203,26 @@ def test_user_set_knobs_stay_and_candidates_pass_validation(tiny_cfg):
     assert any(c.cfg.train.share_prefix for c in result.candidates)  # not set by the user: varied
 
 
+@pytest.mark.reliability("Configuration", "`rm.plan` on fewer training pairs than one optimizer step takes (a 5-row "
+                         "file, or `plan.stand_in_pairs=4` for data it cannot read here)",
+                         "the data's: `data local [train]: 5 usable pair(s), fewer than one optimizer step takes ...`, "
+                         "exit 2; the stand-in's: `plan.stand_in_pairs=4 is fewer than one optimizer step takes`, exit 2 "
+                         "(was: `ValueError: 5 pairs cannot fill one global batch of 32` with its traceback, exit 1)")
+def test_plan_on_fewer_pairs_than_a_step_takes_names_them(tiny_cfg):
+    from rm.foundations.errors import ConfigError, DataError
+    from rm.plan.lengths import PairLengths, stand_in_lengths
+    from rm.plan.search import plan
+
+    cfg = tiny_cfg()
+    few = PairLengths.of([20] * 5, [25] * 5, [10] * 5)
+    with pytest.raises(DataError, match=rf"5 usable pair\(s\), fewer than one optimizer step takes \(train.global_batch_size="
+                                        rf"{cfg.train.global_batch_size}\)"):
+        plan(cfg, [], lengths=few, rates=_rates(), top=1)
+    stand_in = tiny_cfg("plan.stand_in_pairs=4")
+    with pytest.raises(ConfigError, match=r"plan.stand_in_pairs=4 is fewer than one optimizer step takes"):
+        plan(stand_in, [], lengths=stand_in_lengths(64, 4, "on the Hub"), rates=_rates(), top=1)
+
+
 def test_on_a_gpu_profile_layouts_never_timed_there_rank_after_those_that_were(tiny_cfg):
     """Packed and prefix-shared rows were timed on CPUs only (their one GPU run, an H200, took 6x the padded step):
     on hardware=h100_80g every layout that turns one on comes after every layout that does not, and says so; on a

@@ -128,6 +128,24 @@ def test_an_invalid_job_under_on_failure_raise_ends_the_sweep_with_its_message_a
     assert "the sweep failed: job 0 exited 2" in out
 
 
+@pytest.mark.reliability("Configuration", "a multirun (`-m`) whose job Hydra cannot compose (`train.micro_batch_size=4,abc`), "
+                         "into a new sweep directory or one that existed before",
+                         "Hydra's message and rm's line quoting the command line; exit 2; no job ran, and the sweep folder "
+                         "Hydra made and its `multirun.yaml` are removed again (a folder that existed before stays, empty "
+                         "as it was); was: `multirun.yaml` left in a new sweep folder")
+def test_a_multirun_hydra_cannot_compose_leaves_no_sweep_folder(tmp_path):
+    new = tmp_path / "sweeps" / "new"
+    proc = multirun(["train.micro_batch_size=4,abc"], new)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "could not be composed" in out and "Traceback" not in out, out[-3000:]
+    assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    proc = multirun(["train.micro_batch_size=4,abc"], existing)
+    assert proc.returncode == 2, (proc.stdout + proc.stderr)[-3000:]
+    assert existing.is_dir() and list(existing.iterdir()) == []
+
+
 @pytest.mark.slow
 def test_optuna_study_of_three_trials_counts_refusals_as_failed_trials(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_optuna_sweeper")

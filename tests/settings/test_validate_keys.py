@@ -21,6 +21,11 @@ from tests.conftest import FAST_TINY
                          "names the key and the install command (`pip install flash-attn`)")
 @pytest.mark.reliability("Configuration", "`model.pretrained` an empty or non-model directory, a directory of weights without a tokenizer (a saved random init), or a path that does not exist",
                          "`is a directory without config.json` / `holds config.json but no weights` / `holds no tokenizer ... name one with model.tokenizer=` / `no such directory, and not a Hub id`")
+@pytest.mark.reliability("Configuration", "`model.tokenizer` a path that does not exist, a directory without a tokenizer, "
+                         "or a file",
+                         "`model.tokenizer=<path>: no such directory, and not a Hub id` / `is a directory without a "
+                         "tokenizer` / `is a file: give the directory that holds it`, before anything loads; exit 2 (was: "
+                         "the Hub's `Repo id must be in the form ...` as a storage error, exit 5, after the data pass)")
 @pytest.mark.parametrize("overrides,needle", [
     (["train.optim.adam_beta1=1.5"], "train.optim.adam_beta1=1.5 must be in [0, 1)"),
     (["train.optim.adam_beta2=-0.1"], "train.optim.adam_beta2=-0.1 must be in [0, 1)"),
@@ -40,6 +45,9 @@ from tests.conftest import FAST_TINY
     (["model.pretrained=CONFIG_ONLY"], "holds config.json but no weights"),
     (["model.pretrained=WEIGHTS_ONLY"], "holds no tokenizer (none of tokenizer.json"),
     (["model.pretrained=/no/such/model/dir"], "no such directory, and not a Hub id"),
+    (["model.tokenizer=/no/such/tokenizer"], "model.tokenizer=/no/such/tokenizer: no such directory, and not a Hub id"),
+    (["model.tokenizer=EMPTY"], "is a directory without a tokenizer (none of tokenizer.json"),
+    (["model.tokenizer=CONFIG_ONLY/config.json"], "is a file: give the directory that holds it"),
 ])
 def test_each_bad_value_is_rejected_naming_its_key(tiny_cfg, tmp_path, overrides, needle):
     if "flash" in needle and __import__("importlib").util.find_spec("flash_attn"):
