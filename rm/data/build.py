@@ -145,12 +145,15 @@ def build_split(data_cfg: DataConfig, tokenizer, split: str) -> Tuple[datasets.D
     entry = split_cache_entry(data_cfg, tokenizer, split)
     cached = _read_split(entry) if entry is not None else None
     if cached is None:
-        log.info("data %s [%s]: reading, normalising and tokenising the pairs%s", data_cfg.name, split,
-                 " (kept in the cache for the next run)" if entry is not None else "")
+        log.info("data %s [%s]: reading, normalising and tokenising the pairs", data_cfg.name, split)
         with _logged() as lines:
             tokenised, counts = _tokenised_split(data_cfg, tokenizer, split)
         if entry is not None:
-            _write_split(entry, tokenised, counts, lines)
+            if _write_split(entry, tokenised, counts, lines):
+                log.info("data %s [%s]: kept in the cache for the next run (%s)", data_cfg.name, split, entry, extra=DETAIL)
+            else:
+                log.warning("data %s [%s]: not kept for the next run, which tokenises again: the cache %s cannot be "
+                            "written (RM_CACHE names another directory)", data_cfg.name, split, cache.cache_root())
     else:
         tokenised, counts, lines = cached
         for name, level, message in lines:  # what loading the split logged (its format, a column it ignores)
@@ -229,14 +232,15 @@ def _read_split(entry: Path) -> Optional[Tuple[datasets.Dataset, PairCounts, Lis
         return None
 
 
-def _write_split(entry: Path, tokenised: datasets.Dataset, counts: PairCounts, lines: List) -> None:
+def _write_split(entry: Path, tokenised: datasets.Dataset, counts: PairCounts, lines: List) -> bool:
+    """Store the tokenised split under ``entry``; whether it was (a cache that cannot be written fails nothing)."""
     def fill(tmp: Path) -> None:
         tokenised.save_to_disk(str(tmp))
         files = {p.name: cache.file_digest(p) for p in sorted(tmp.iterdir())}
         if not cache.write_json(tmp / "entry.json", {"files": files, "counts": counts.to_json(), "logs": lines}):
             raise OSError("entry.json not written")
 
-    cache.write_dir(entry, fill)
+    return cache.write_dir(entry, fill)
 
 
 @contextlib.contextmanager

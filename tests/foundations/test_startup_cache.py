@@ -273,12 +273,16 @@ def test_hub_data_is_not_cached():
     assert split_identity(compose(["data=hh_helpful"]).data, "train") is None
 
 
-def test_a_split_cache_that_cannot_be_written_changes_nothing_but_the_time(tokenised, monkeypatch, tmp_path):
+def test_a_split_cache_that_cannot_be_written_changes_nothing_but_the_time(tokenised, monkeypatch, tmp_path, caplog):
     computed = build_split(data_cfg(), WORDS, "train")
     monkeypatch.setenv("RM_CACHE", unwritable(tmp_path))
+    caplog.set_level(logging.INFO, logger="rm.data")
     assert same(build_split(data_cfg(), WORDS, "train"), computed)
     assert same(build_split(data_cfg(), WORDS, "train"), computed)
     assert tokenised == ["train"] * 3
+    # said as it is: not "kept in the cache for the next run"
+    assert "kept in the cache" not in caplog.text
+    assert caplog.text.count(f"not kept for the next run, which tokenises again: the cache {unwritable(tmp_path)}") == 2
 
 
 # ---- the byte-level BPE trained on the train split's texts
