@@ -429,8 +429,8 @@ def keep_attention_eager() -> None:
     run up to it and resume after it, and it runs as it does uncompiled.
 
     Why: a packed row's segment bounds, and the varlen layout's lengths, are Python numbers that change every
-    micro-batch; traced into a compiled layer, each new packing recompiles it (on a CPU, 5 to 23 s a micro-batch
-    on the benchmark's 4-layer model before dynamo gave up). Eager, it costs one graph break a layer. Registering
+    micro-batch; traced into a compiled layer, each new packing recompiled it (on a CPU, 5 to 23 s a micro-batch
+    on the benchmark's 4-layer model; the demo reached dynamo's recompile limit). Eager, it costs one graph break a layer. Registering
     the disabled function under the same name changes nothing for an uncompiled model, so it stays registered.
     """
     AttentionInterface.register("sdpa", torch.compiler.disable(segmented_sdpa))
