@@ -32,9 +32,9 @@ index built once a micro-batch on the host (:func:`varlen_layout`). Flash's caus
 a sequence has fewer queries than keys: query ``i`` of ``n_q`` sees keys up to ``i + n_k - n_q`` (``mask.h`` of
 torch's flash-attention: ``col_idx_limit_right = row + 1 + seqlen_k - seqlen_q + window_right``), so rejected token
 ``j`` sees the whole prompt and rejected tokens ``0 .. j``: what it sees in its own unshared sequence, window
-included. (The loop gives a pair its mask without the window, as every prefix-shared mask form does,
-:mod:`rm.modelling.prefix_sharing`: where a window shorter than a pair binds, the two paths differ, and the varlen one
-is the unshared computation.) Which path runs where (:func:`takes_varlen`, the one switch):
+included. (The loop windows a pair's mask by the row's unshared positions where the layer's window is shorter than the
+pair, as every prefix-shared mask form does: :func:`rm.modelling.prefix_sharing.within_window`.) Which path runs where
+(:func:`takes_varlen`, the one switch):
 
 * CPU: segmented SDPA, as above (the estimate's trace too, unless it traces a GPU run: below);
 * CUDA in fp16 or bf16 (bf16-true's queries, or any under bf16/fp16 autocast, which SDPA would have cast down),
@@ -88,6 +88,8 @@ class PackedRow:
             give it.
         masks: per segment, its own ``(1, 1, n, n)`` mask (a prefix-shared pair's), where the segments are not causal
             sequences.
+        positions: the row's ``(T,)`` position ids (a prefix-shared pair's are its unshared ones), read only where a
+            layer's sliding window is shorter than a pair (:meth:`windowed_mask`).
         varlen: the same segments as varlen sequences (:func:`varlen_layout`, on the query's device): where
             :func:`takes_varlen`, the whole row is one varlen flash call instead of a call per segment.
 
@@ -96,11 +98,26 @@ class PackedRow:
     layer's arguments, a list's length included, and would recompile every layer for each new packing.
     """
 
-    __slots__ = ("bounds", "causal", "masks", "varlen")
+    __slots__ = ("bounds", "causal", "masks", "varlen", "positions", "_windowed")
 
     def __init__(self, bounds: Sequence[int], causal: bool = True, masks: Optional[Sequence[torch.Tensor]] = None,
-                 varlen: Optional["VarlenLayout"] = None):
+                 varlen: Optional["VarlenLayout"] = None, positions: Optional[torch.Tensor] = None):
         self.bounds, self.causal, self.masks, self.varlen = list(bounds), causal, masks, varlen
+        self.positions, self._windowed = positions, {}
+
+    def windowed_mask(self, segment: int, window: int) -> torch.Tensor:
+        """Segment ``segment``'s mask less the keys ``window`` or more positions before their query: built once a
+        micro-batch and window, then kept (every layer of a Mistral takes the same; checkpointing's recomputation
+        too)."""
+        key = (segment, window)
+        if key not in self._windowed:
+            from rm.modelling.prefix_sharing import within_window
+
+            if self.positions is None:
+                raise ValueError("a prefix-shared pair longer than the sliding window needs the row's positions")
+            start, end = self.bounds[segment], self.bounds[segment + 1]
+            self._windowed[key] = self.masks[segment] & within_window(self.positions[start:end], window)
+        return self._windowed[key]
 
 
 def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -138,7 +155,7 @@ def segmented_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tens
             if packed_row.causal:
                 mask = windowed_causal(n, window, query.device) if window and n > window else None
             else:
-                mask = packed_row.masks[i]
+                mask = packed_row.windowed_mask(i, window) if window and n > window else packed_row.masks[i]
             outputs.append(torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None and n > 1))
     return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
@@ -378,7 +395,7 @@ def segmented_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, pair_i
         return None
     length = bounds[-1]
     stand_in = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=input_ids.device).expand(1, 1, length, length)
-    row_layout = PackedRow(bounds, causal=not shared)
+    row_layout = PackedRow(bounds, causal=not shared, positions=position_ids[0])
     row = None
     if shared:
         row = row_roles if row_roles is not None else None if is_fake(roles) else roles[0].tolist()  # fake: the per-token rule

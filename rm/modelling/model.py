@@ -507,9 +507,10 @@ def sequence_rewards(
         if segmented:
             kwargs.update(segmented)
         elif pair_ids is not None:  # prefix-shared: a 4D mask, which transformers passes to the kernel as it is
-            from rm.modelling.prefix_sharing import model_dtype, shared_prefix_mask
+            from rm.modelling.prefix_sharing import base_config, mask_windows, model_dtype, shared_prefix_mask
 
-            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation, model_dtype(model))
+            kwargs["attention_mask"] = shared_prefix_mask(pair_ids, roles, attn_implementation, model_dtype(model),
+                                                          position_ids, mask_windows(base_config(model)))
     elif _left_padded(attention_mask):
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     try:

@@ -13,6 +13,11 @@ Every token then sees exactly the tokens it would see in its own unshared sequen
 position ids (the collator continues the rejected suffix's positions from the prefix end), so the
 rewards are those of the unshared computation up to floating-point summation order.
 
+A model with a sliding window (Mistral's ``sliding_window``; Qwen2's on its ``sliding_attention`` layers) adds a
+fourth rule, as its own mask does on an unshared sequence: the key is fewer than ``window`` positions before the
+query. The position ids are the unshared ones, so the rule reads them (:func:`within_window`). A window no row
+reaches (Mistral-7B's 4,096 with ``data.max_length`` at most that) adds nothing, and is not built.
+
 One rule, three forms, chosen by the model's ``attn_implementation``:
 
 * ``sdpa``: a boolean ``(rows, 1, T, T)`` mask, True where attention is allowed; transformers passes
@@ -31,7 +36,7 @@ flash-attention 2 takes no arbitrary mask; ``rm.settings.validate`` refuses it w
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -40,12 +45,14 @@ from rm.data.collator import CHOSEN, PREFIX, REJECTED
 MASKABLE = ("sdpa", "eager", "flex_attention")
 
 
-def allowed(pair_ids: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
+def allowed(pair_ids: torch.Tensor, roles: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+            window: Optional[int] = None) -> torch.Tensor:
     """Boolean ``(rows, 1, T, T)``: may query ``q`` (dim 2) attend to key ``k`` (dim 3).
 
     Args:
         pair_ids: ``(rows, T)`` pair index of each token, -1 on padding.
         roles: ``(rows, T)`` ``PREFIX``, ``CHOSEN``, ``REJECTED`` or ``PAD`` per token.
+        position_ids, window: the model's sliding window and the row's (unshared) positions; None: no window.
 
     Example (one pair: prefix 2 tokens, chosen suffix 1, rejected suffix 2):
         >>> allowed(torch.tensor([[0, 0, 0, 0, 0]]), torch.tensor([[0, 0, 1, 2, 2]]))[0, 0].int()
@@ -60,7 +67,44 @@ def allowed(pair_ids: torch.Tensor, roles: torch.Tensor) -> torch.Tensor:
     causal = positions[None, :] <= positions[:, None]  # (q, k)
     same_pair = pair_ids[:, :, None] == pair_ids[:, None, :]
     rejected_sees_chosen = (roles[:, :, None] == REJECTED) & (roles[:, None, :] == CHOSEN)
-    return (causal & same_pair & ~rejected_sees_chosen).unsqueeze(1)
+    rule = (causal & same_pair & ~rejected_sees_chosen).unsqueeze(1)
+    return rule if window is None else rule & within_window(position_ids, window).unsqueeze(1)
+
+
+def within_window(position_ids: torch.Tensor, window: int) -> torch.Tensor:
+    """Boolean ``(..., T, T)``: key ``k`` is fewer than ``window`` positions before query ``q`` (transformers' sliding
+    window: ``q - window < k``, with causality left to the other rules). On a prefix-shared row the positions are
+    each token's in its own unshared sequence, so where the other rules allow a key this is the unshared distance.
+
+    >>> within_window(torch.tensor([0, 1, 2, 1, 2]), 2).int()  # a prompt of 1 token, then two 2-token answers
+    tensor([[1, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1],
+            [0, 1, 1, 1, 1],
+            [1, 1, 1, 1, 1],
+            [0, 1, 1, 1, 1]], dtype=torch.int32)
+    """
+    return position_ids[..., :, None] - position_ids[..., None, :] < window
+
+
+def mask_windows(config) -> Dict[Optional[str], Optional[int]]:
+    """The sliding windows a model's layers take, keyed as its forward takes their masks: ``{None: window}`` where
+    one mask serves every layer (Llama: no window; Mistral: ``sliding_window`` on every layer, or none), and
+    ``{"full_attention": None, "sliding_attention": window}`` where the layers differ (Qwen2's ``layer_types``
+    with ``use_sliding_window``), whose model takes a dict of masks by layer type.
+
+    >>> from transformers import MistralConfig, Qwen2Config
+    >>> mask_windows(MistralConfig(sliding_window=8)), mask_windows(MistralConfig(sliding_window=None))
+    ({None: 8}, {None: None})
+    >>> mask_windows(Qwen2Config(use_sliding_window=True, sliding_window=8, num_hidden_layers=4, max_window_layers=2))
+    {'full_attention': None, 'sliding_attention': 8}
+    """
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not window or (types and "sliding_attention" not in types):
+        return {None: None}
+    if types and types != {"sliding_attention"}:
+        return {layer_type: window if layer_type == "sliding_attention" else None for layer_type in sorted(types)}
+    return {None: window}
 
 
 def pair_mask(roles: Sequence[int], device) -> Optional[torch.Tensor]:
@@ -100,8 +144,9 @@ def pair_parts(roles: Sequence[int]) -> Optional[Tuple[int, int, int]]:
 
 
 def shared_prefix_mask(
-    pair_ids: torch.Tensor, roles: torch.Tensor, attn_implementation: str, dtype: torch.dtype
-) -> Union[torch.Tensor, "torch.nn.attention.flex_attention.BlockMask"]:
+    pair_ids: torch.Tensor, roles: torch.Tensor, attn_implementation: str, dtype: torch.dtype,
+    position_ids: Optional[torch.Tensor] = None, windows: Optional[Dict[Optional[str], Optional[int]]] = None,
+) -> Union[torch.Tensor, "torch.nn.attention.flex_attention.BlockMask", Dict[str, object]]:
     """The mask of prefix-shared rows in the form ``attn_implementation`` takes, on the ids' device.
 
     Args:
@@ -109,43 +154,69 @@ def shared_prefix_mask(
         roles: ``(rows, T)`` role of each token (``rm.data.collator`` constants).
         attn_implementation: the model's: ``sdpa``, ``eager`` or ``flex_attention``.
         dtype: the model's compute dtype (the additive mask of eager attention is in it).
+        position_ids: ``(rows, T)``, the collator's (unshared) positions; read only where a window binds.
+        windows: the model's :func:`mask_windows`; None: no window.
 
     Returns:
-        A boolean or additive ``(rows, 1, T, T)`` tensor, or a flex-attention ``BlockMask``.
+        A boolean or additive ``(rows, 1, T, T)`` tensor, or a flex-attention ``BlockMask``; where the model's layers
+        take different windows, one of them per layer type, in a dict (the form such a model's forward takes).
 
     Raises:
         ValueError: an attention implementation that takes no custom mask (flash-attention 2).
     """
-    if attn_implementation == "sdpa":
-        return allowed(pair_ids, roles)
-    if attn_implementation == "eager":
-        mask = torch.zeros((*pair_ids.shape[:1], 1, *pair_ids.shape[1:2] * 2), dtype=dtype, device=pair_ids.device)
-        return mask.masked_fill_(~allowed(pair_ids, roles), torch.finfo(dtype).min)
-    if attn_implementation == "flex_attention":
-        return block_mask(pair_ids, roles)
-    raise ValueError(f"attn_implementation={attn_implementation!r} takes no custom attention mask; "
-                     f"prefix sharing needs one of {', '.join(MASKABLE)}")
+    if attn_implementation not in MASKABLE:
+        raise ValueError(f"attn_implementation={attn_implementation!r} takes no custom attention mask; "
+                         f"prefix sharing needs one of {', '.join(MASKABLE)}")
+    length = pair_ids.shape[-1]
+    # A window no row reaches is the plain rule: build that once, for every layer type
+    windows = {key: w if w is not None and w < length else None for key, w in (windows or {None: None}).items()}
+    built: Dict[Optional[int], object] = {}
+    for window in windows.values():
+        if window in built:
+            continue
+        if attn_implementation == "flex_attention":
+            built[window] = block_mask(pair_ids, roles, position_ids, window)
+            continue
+        rule = allowed(pair_ids, roles, position_ids, window)
+        if attn_implementation == "eager":
+            rule = torch.zeros(rule.shape, dtype=dtype, device=pair_ids.device).masked_fill_(~rule, torch.finfo(dtype).min)
+        built[window] = rule
+    if None in windows:
+        return built[windows[None]]
+    return {layer_type: built[window] for layer_type, window in windows.items()}
 
 
-def block_mask(pair_ids: torch.Tensor, roles: torch.Tensor):
+def block_mask(pair_ids: torch.Tensor, roles: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+               window: Optional[int] = None):
     """A flex-attention ``BlockMask`` of the same rule; blocks in which nothing is allowed are skipped."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     rows, length = pair_ids.shape
 
-    def mask_mod(b, h, q, k):
+    def rule(b, h, q, k):
         return (k <= q) & (pair_ids[b, q] == pair_ids[b, k]) & ~((roles[b, q] == REJECTED) & (roles[b, k] == CHOSEN))
 
-    return create_block_mask(mask_mod, B=rows, H=None, Q_LEN=length, KV_LEN=length, device=pair_ids.device)
+    def windowed(b, h, q, k):
+        return rule(b, h, q, k) & (position_ids[b, q] - position_ids[b, k] < window)
+
+    # Two functions, not one that branches on the window: one that holds no window compiles as it did without
+    # (inductor's CPU code for flex attention failed to compile from the branching one, torch 2.13)
+    return create_block_mask(rule if window is None else windowed, B=rows, H=None, Q_LEN=length, KV_LEN=length,
+                             device=pair_ids.device)
 
 
 def attn_implementation_of(model: torch.nn.Module) -> str:
     """The attention implementation of a model, through DDP, DeepSpeed and PEFT wrappers."""
+    return base_config(model)._attn_implementation
+
+
+def base_config(model: torch.nn.Module):
+    """The transformers config of a model, through DDP, DeepSpeed and PEFT wrappers."""
     while isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     if hasattr(model, "get_base_model"):
         model = model.get_base_model()
-    return model.config._attn_implementation
+    return model.config
 
 
 def model_dtype(model: torch.nn.Module) -> torch.dtype:

@@ -112,9 +112,15 @@ def test_bf16_mixed_is_the_default_on_a_bf16_gpu(tmp_path):
     assert memory["estimate"]["numerics"]["weights"] == "float32"
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "row-per-pair"])
-@pytest.mark.parametrize("attn", ["sdpa", "flex_attention"])
-def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn, packed):
+# Mistral's default window (4096) binds on no pair here; 5 binds on most (the windowed flex block mask runs only here:
+# inductor's CPU code for it does not compile, tests/modelling/test_prefix_sharing.py)
+SHARED_CASES = [*((attn, packed, 4096) for attn in ("sdpa", "flex_attention") for packed in (True, False)),
+                ("sdpa", True, 5), ("sdpa", False, 5), ("flex_attention", True, 5)]
+
+
+@pytest.mark.parametrize("attn, packed, window", SHARED_CASES,
+                         ids=[f"{a}-{'packed' if p else 'row-per-pair'}-window-{w}" for a, p, w in SHARED_CASES])
+def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn, packed, window):
     """The CUDA kernels under the prefix-shared mask give the unshared rewards (fp32, every case)."""
     from rm.data.collator import PairCollator, PrefixSharedCollator
     from rm.modelling.model import build_model, pair_rewards
@@ -122,6 +128,7 @@ def test_prefix_shared_rewards_equal_unshared_on_cuda(tiny_cfg, attn, packed):
     cfg = tiny_cfg(f"model.attn_implementation={attn}")
     set_seed(0)
     model = build_model(cfg.model, pad_token_id=0, dtype="float32", gradient_checkpointing=False).cuda().eval()
+    model.config.sliding_window = window
     cuda = lambda batch: {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()}  # noqa: E731
     plain, rows = cuda(PairCollator(pad_token_id=0)(FEATURES)), cuda(PrefixSharedCollator(packed=packed, pad_token_id=0)(FEATURES))
     with torch.no_grad():

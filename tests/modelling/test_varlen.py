@@ -249,8 +249,8 @@ def test_prefix_shared_pairs_equal_the_segmented_loop():
 
 def test_prefix_shared_pairs_keep_the_window_of_their_unshared_sequences():
     """With Mistral's window, each token must see what it sees in its own unshared sequence (prompt + its answer,
-    windowed there): today's segmented loop gives a pair its mask without the window, so the oracle here is the
-    segmented loop on the unshared sequences, gathered from the same q, k, v, read back at the shared row's tokens."""
+    windowed there), on both paths. The oracle is the segmented loop on the unshared sequences (plain causal windows),
+    gathered from the same q, k, v, read back at the shared row's tokens."""
     window = 3
     roles, bounds = roles_of(SHARED)
     index, row_of, sequence_bounds = [], [], [0]
@@ -275,6 +275,15 @@ def test_prefix_shared_pairs_keep_the_window_of_their_unshared_sequences():
         got = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=row, sliding_window=window),
                                 q, k, v)
     _assert_same(got, expected)
+    # The loop: each pair's mask, windowed by the collator's (unshared) positions
+    positions = torch.tensor([i for p, c, r in SHARED for i in [*range(p + c), *range(p, p + r)]])
+    masks = [pair_mask(roles[s:e], "cpu") for s, e in zip(bounds[:-1], bounds[1:])]
+    row = PackedRow(bounds, causal=False, masks=masks, positions=positions)
+    looped = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=row, sliding_window=window),
+                               q, k, v)
+    _assert_same(looped, expected)
+    unwindowed = _output_and_grads(lambda *t: segmented_sdpa(_module(), *t, None, packed_row=row), q, k, v)
+    assert not torch.allclose(unwindowed[0], expected[0], atol=1e-3)  # the window binds on these pairs
 
 
 # ---------------------------------------------------------------- through the model
