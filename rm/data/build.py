@@ -310,20 +310,41 @@ def build_datasets(data_cfg: DataConfig, tokenizer):
     return sets["train"], sets.get("eval"), audit
 
 
-def check_enough_pairs(data_cfg: DataConfig, train_cfg: TrainConfig, num_pairs: int) -> None:
+def check_enough_pairs(data_cfg: DataConfig, train_cfg: TrainConfig, num_pairs: int, world_size: int = 1) -> None:
     """A :class:`DataError` where the train split holds fewer usable pairs than one optimizer step takes.
 
     A step trains on ``train.global_batch_size`` different pairs; with fewer, no step can be cut from the split
     (:func:`rm.data.batching.micro_batches_for_step`), which would fail as a bug deep inside the layout's timing
-    (``rm.train``'s ``train.layout=auto``, ``rm.plan``).
+    (``rm.train``'s ``train.layout=auto``, ``rm.plan``). The message names sizes that fit (:func:`sizes_that_fit`).
     """
     if num_pairs >= train_cfg.global_batch_size:
         return
     raise DataError(
         f"data {data_cfg.name} [train]: {num_pairs} usable pair(s), fewer than one optimizer step takes "
-        f"(train.global_batch_size={train_cfg.global_batch_size}). Give more training pairs, or lower "
-        f"train.global_batch_size to at most {num_pairs} (a multiple of train.micro_batch_size={train_cfg.micro_batch_size} "
-        "x the number of processes)")
+        f"(train.global_batch_size={train_cfg.global_batch_size}). Give more training pairs, or "
+        + sizes_that_fit(train_cfg.micro_batch_size, num_pairs, world_size))
+
+
+def sizes_that_fit(micro_batch_size: int, num_pairs: int, world_size: int) -> str:
+    """The largest step that ``num_pairs`` pairs hold, in override words: a global batch is a multiple of the micro-batch
+    x the processes, so the micro-batch shrinks too where even one micro-batch a process is more than there is.
+
+    >>> sizes_that_fit(8, 20, 2)
+    'set train.global_batch_size=16 (a multiple of train.micro_batch_size=8 x 2 process(es))'
+    >>> sizes_that_fit(8, 5, 1)
+    'set train.micro_batch_size=5 train.global_batch_size=5 (one micro-batch on each of 1 process(es))'
+    >>> sizes_that_fit(8, 3, 4)
+    'run on at most 3 process(es): each takes at least one pair a step'
+    """
+    unit = micro_batch_size * world_size
+    if num_pairs >= unit:
+        return (f"set train.global_batch_size={num_pairs // unit * unit} (a multiple of "
+                f"train.micro_batch_size={micro_batch_size} x {world_size} process(es))")
+    micro = num_pairs // world_size
+    if micro:
+        return (f"set train.micro_batch_size={micro} train.global_batch_size={micro * world_size} "
+                f"(one micro-batch on each of {world_size} process(es))")
+    return f"run on at most {num_pairs} process(es): each takes at least one pair a step"
 
 
 def build_extra_eval_sets(data_cfg: DataConfig, tokenizer) -> Dict[str, datasets.Dataset]:

@@ -595,7 +595,7 @@ def plan(cfg: RunConfig, overrides: Sequence[str] = (), lengths: Optional[PairLe
         if lengths.stand_in and len(lengths.chosen) < cfg.train.global_batch_size:
             raise ConfigError(f"plan.stand_in_pairs={cfg.plan.stand_in_pairs} is fewer than one optimizer step takes "
                               f"(train.global_batch_size={cfg.train.global_batch_size}): raise it")
-        check_enough_pairs(cfg.data, cfg.train, len(lengths.chosen))  # no step could be cut from fewer
+        check_enough_pairs(cfg.data, cfg.train, len(lengths.chosen), given_plan.world_size)  # no step could be cut from fewer
         given = Candidate([], cfg=cfg, plan=given_plan)
         given_verdict = checker.submit([given], lengths)
         timer = _Timer(lengths, rates, cfg.plan.steps)

@@ -120,7 +120,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
                               texts_identity=split_identity(cfg.data, "train"))
     check_tokenizer_fits(cfg.model, tokenizer)  # ids beyond model.vocab_size would fail mid-forward
     train_set, eval_set, data_audit = build_datasets(cfg.data, tokenizer)
-    check_enough_pairs(cfg.data, cfg.train, len(train_set))  # the batches of a step would be cut from fewer pairs than they hold
+    check_enough_pairs(cfg.data, cfg.train, len(train_set), plan.world_size)  # the batches of a step would be cut from fewer pairs than they hold
     extra_eval_sets = build_extra_eval_sets(cfg.data, tokenizer)  # data.extra_eval_files, reported as eval_<name>_*
     # The exported model's readers must see the tokens training saw, on texts like the run's own.
     check_consumers_tokenize_alike(cfg.model, tokenizer, tuple(tokenizer.batch_decode(train_set["chosen_input_ids"][:64],

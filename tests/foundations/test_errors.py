@@ -129,7 +129,8 @@ def _write(path, rows):
 @pytest.mark.reliability("Data", "an empty or whitespace-only file", "`<file> is empty (0 bytes)` / `is whitespace only`; exit 2")
 @pytest.mark.reliability("Data", "fewer usable pairs than one optimizer step takes (a 5-row file, `train.global_batch_size=16`)",
                          "`data local [train]: 5 usable pair(s), fewer than one optimizer step takes "
-                         "(train.global_batch_size=16) ... lower train.global_batch_size to at most 5`; exit 2 (was: a "
+                         "(train.global_batch_size=16) ... set train.micro_batch_size=5 train.global_batch_size=5`, sizes that fit "
+                         "(was: `at most 5`, which no multiple of the micro-batch of 8 is); exit 2 (was: a "
                          "`ValueError` traceback from the layout's timing, exit 1)")
 @pytest.mark.parametrize("case", ["missing", "all_dropped", "whitespace", "too_few"])
 def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
@@ -141,7 +142,7 @@ def test_train_cli_data_errors_exit_2_without_traceback(tmp_path, case):
     elif case == "too_few":
         path = _write(tmp_path / "few.jsonl", [{"prompt": f"q{i}", "chosen": f" yes {i}", "rejected": " no"} for i in range(5)])
         files, needles = [str(path)], ["5 usable pair(s), fewer than one optimizer step takes (train.global_batch_size=16)",
-                                       "lower train.global_batch_size to at most 5"]
+                                       "set train.micro_batch_size=5 train.global_batch_size=5"]
     else:
         path = tmp_path / "blank.jsonl"
         path.write_text("  \n\n")

@@ -223,6 +223,19 @@ def test_plan_on_fewer_pairs_than_a_step_takes_names_them(tiny_cfg):
         plan(stand_in, [], lengths=stand_in_lengths(64, 4, "on the Hub"), rates=_rates(), top=1)
 
 
+@pytest.mark.parametrize("micro, pairs, world", [(8, 5, 1), (8, 20, 2), (4, 7, 2), (2, 37, 3)])
+def test_the_sizes_named_for_too_few_pairs_are_valid_and_fit(tiny_cfg, micro, pairs, world):
+    """The overrides the message names validate, and their step takes no more pairs than there are."""
+    from rm.data.build import sizes_that_fit
+    from rm.settings.validate import validate
+
+    words = sizes_that_fit(micro, pairs, world).split(" (")[0].removeprefix("set ").split()
+    cfg = tiny_cfg(f"train.micro_batch_size={micro}", f"distributed.num_processes={world}", *words)
+    plan = validate(cfg, world)
+    assert plan.world_size == world and cfg.train.global_batch_size <= pairs
+    assert cfg.train.global_batch_size > pairs - cfg.train.micro_batch_size * world  # the largest step that fits
+
+
 def test_on_a_gpu_profile_layouts_never_timed_there_rank_after_those_that_were(tiny_cfg):
     """Packed and prefix-shared rows were timed on CPUs only (their one GPU run, an H200, took 6x the padded step):
     on hardware=h100_80g every layout that turns one on comes after every layout that does not, and says so; on a
