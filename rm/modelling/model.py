@@ -143,6 +143,22 @@ def damaged_weights(directory: Path) -> List[Tuple[Path, str]]:
     return damaged
 
 
+def check_pretrained_source(model_cfg: ModelConfig) -> None:
+    """Where ``model.pretrained`` is a Hub id, its config is fetched now (a few KB, the file the model's load reads
+    first, cached for it): a Hub that cannot be reached here, or a repository that does not exist, is named before the
+    data pass, which on HH-RLHF takes minutes, instead of after it. A local directory is checked by
+    :mod:`rm.settings.validate`; a model built from its shape (no ``model.pretrained``) needs nothing.
+
+    Raises:
+        StorageError: the id cannot be fetched (``named_hub_source``'s message, exit 5).
+    """
+    pretrained = model_cfg.pretrained
+    if not pretrained or Path(pretrained).expanduser().is_dir():
+        return
+    with named_hub_source("model.pretrained", pretrained):
+        AutoConfig.from_pretrained(pretrained, trust_remote_code=model_cfg.trust_remote_code)
+
+
 def build_model(
     model_cfg: ModelConfig, pad_token_id: int, dtype: str, gradient_checkpointing: bool, quantize_base: str = "none",
     device: Optional[torch.device] = None,

@@ -39,8 +39,9 @@ from rm.memory.monitor import MemoryMonitor
 from rm.evaluation.metrics import MetricsLog
 from rm.plan.auto import LayoutChoice, choose_layout
 from rm.plan.lengths import lengths_of
-from rm.modelling.model import (build_model, build_optimizer, build_reward_model, compile_decoder_layers,
-                                count_parameters, fp32_head_enabled, quantization_state_tensors, random_init_saved)
+from rm.modelling.model import (build_model, build_optimizer, build_reward_model, check_pretrained_source,
+                                compile_decoder_layers, count_parameters, fp32_head_enabled, quantization_state_tensors,
+                                random_init_saved)
 from rm.data.shapes import BatchShapes, data_shapes, layout_of
 from rm.data.tokenise import pair_lengths
 from rm.foundations.precision import SHORT
@@ -112,6 +113,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
     """
     check_data_files(cfg.data)  # every missing file named at once, before the estimate's table
     plan, estimate = plan_run(cfg, overrides)
+    check_pretrained_source(cfg.model)  # a Hub id that cannot be fetched: named here, before the data pass
 
     # model.tokenizer=bpe is trained on the train split's texts and kept in the run directory; a resumed run reads it
     # back, so its checkpoints meet the tokenizer they were trained with.

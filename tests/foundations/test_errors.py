@@ -255,14 +255,24 @@ def test_a_truncated_pretrained_weights_file_is_named_with_its_key(tmp_path, tin
                          "network, `HF_HUB_OFFLINE=1` without a cached copy, no such repository)",
                          "`model.tokenizer=<id> is not a local directory and could not be read from the Hugging Face Hub "
                          "here (<transformers' reason>): give the directory of a downloaded copy ...`; exit 5 (was: "
-                         "transformers' text alone, no key named, and 'check free space and permissions')")
+                         "transformers' text alone, no key named, and 'check free space and permissions'); "
+                         "`model.pretrained`'s before the data pass, with a local `model.tokenizer` too (was: after it, "
+                         "minutes on HH-RLHF)")
 def test_a_hub_id_that_cannot_be_fetched_names_its_key(tmp_path):
-    for key in ("model.tokenizer", "model.pretrained"):  # the tokenizer of model.pretrained loads first
-        code, out = _run("rm.train", *FAST_TINY, f"{key}=someorg/no-such-model", f"hydra.run.dir={tmp_path / 'run'}",
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    from rm.data.build import train_pairs
+    from rm.data.tokenizer import run_tokenizer
+    from rm.foundations.config import compose
+
+    cfg = compose(["experiment=tiny"])
+    run_tokenizer(cfg.model, train_pairs(cfg.data)).save_pretrained(tmp_path / "tokenizer")
+    for key, extra in [("model.tokenizer", []), ("model.pretrained", []),  # the tokenizer of model.pretrained loads first
+                       ("model.pretrained", [f"model.tokenizer={tmp_path / 'tokenizer'}"])]:
+        code, out = _run("rm.train", *FAST_TINY, f"{key}=someorg/no-such-model", *extra,
+                         f"hydra.run.dir={tmp_path / 'run'}", env={**os.environ, "HF_HUB_OFFLINE": "1"})
         said = f"{key}=someorg/no-such-model is not a local directory and could not be read from the Hugging Face Hub"
         assert code == 5 and said in out and "huggingface-cli download someorg/no-such-model" in out, out[-3000:]
         assert "free space" not in out and "Traceback" not in out, out[-3000:]
+        assert "tokenising the pairs" not in out, out[-3000:]  # before the data pass
 
 
 @pytest.fixture(scope="module")
