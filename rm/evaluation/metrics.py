@@ -80,12 +80,10 @@ def evaluate(
             )
         diff = (chosen - rejected).float()
         n = diff.numel()
-        mean_loss = loss(chosen, rejected, batch["margin"].to(engine.device)).item()
-        sums += torch.tensor(
-            [n, (diff > 0).sum().item(), diff.sum().item(), mean_loss * n],
-            dtype=torch.float64,
-            device=engine.device,
-        )
+        mean_loss = loss(chosen, rejected, batch["margin"].to(engine.device))
+        # Summed on the device: reading each batch's numbers (.item()) would wait for its forward before the host
+        # collates the next batch, three waits a batch on a GPU
+        sums += torch.stack([diff.new_tensor(n), (diff > 0).sum(), diff.sum(), mean_loss.detach() * n]).double()
         lengths = batch["attention_mask"].sum(dim=1).to(engine.device, torch.float64)
         per_pair[torch.tensor(chunk, device=engine.device)] = torch.stack(
             [chosen.double(), rejected.double(), lengths[:n], lengths[n:]], dim=1

@@ -215,6 +215,7 @@ def test_evaluate_gathers_every_pairs_rewards_and_lengths(diag_run):
     assert metrics["eval_reward_mean"] == pytest.approx(rewards.mean().item(), abs=1e-12)
     assert metrics["eval_reward_std"] == pytest.approx(rewards.std(correction=0).item(), abs=1e-12)
     assert metrics["eval_accuracy"] == (scores.chosen > scores.rejected).double().mean().item()
+    assert metrics["eval_margin"] == pytest.approx((scores.chosen - scores.rejected).mean().item(), abs=1e-6)
     assert 0 <= metrics["eval_tie_rate"] <= 1
     # The saved model gives the run's own final evaluation.
     assert metrics["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-5)
