@@ -257,6 +257,11 @@ class Engine(Protocol):
     def end(self) -> None:
         """After the run's last collective, once the caller holds no reference to the prepared model."""
 
+    def release(self) -> None:
+        """However the job ended (trained, refused, failed): undo what starting the engine changed in this process
+        beyond the job, so that the next job of a Hydra sweep (one process, jobs in turn) starts from the process as
+        it was; under torchrun the process ends with the job and there is nothing to undo."""
+
 
 class AccelerateEngine:
     """One process, or DDP over torchrun's processes (NCCL on GPUs, gloo on CPUs), through accelerate."""
@@ -387,6 +392,10 @@ class AccelerateEngine:
         self.accelerator.free_memory()  # accelerate's references, then a collection: DDP holds reference cycles
         self.accelerator.end_training()
 
+    def release(self) -> None:
+        # One process: accelerate started no process group; several are torchrun's, which ends them with the process.
+        pass
+
 
 class DeepSpeedEngine:
     """DeepSpeed's engine (ZeRO stage 1-3, optional CPU offload), launched by torchrun, on GPUs or CPUs."""
@@ -394,10 +403,14 @@ class DeepSpeedEngine:
     def __init__(self, cpu: bool, config: Dict):
         import deepspeed
 
+        # The variables as they were, where this engine sets them (None: torchrun's, left alone); see release().
+        self._saved_env: Optional[Dict[str, Optional[str]]] = None
         if launch_env().rank is None:
             # Started without torchrun (one process): give DeepSpeed the rendezvous torchrun would,
             # otherwise it falls back to MPI discovery.
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            rendezvous = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            self._saved_env = {name: os.environ.get(name) for name in rendezvous}
+            os.environ.update(rendezvous)
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
         self.config = config
         self.accumulation = config["gradient_accumulation_steps"]
@@ -561,3 +574,26 @@ class DeepSpeedEngine:
 
     def end(self) -> None:
         dist.barrier()
+
+    def release(self) -> None:
+        """The one-process rendezvous __init__ made, undone: its process group destroyed and RANK, WORLD_SIZE,
+        MASTER_* as they were. Left in place, a sweep's next job took them for torchrun's: accelerate ran it as
+        MULTI_CPU on this group, with DDP, and set torch's threads to the machine's physical cores over
+        ``train.threads``' choice (OMP_NUM_THREADS unset). A CI run's two-job sweep (a refused offload job, then
+        a full one) ran out its 600 s once in that state; not reproduced here, in 12 runs of 10-13 s."""
+        if self._saved_env is None:
+            return
+        import deepspeed.comm
+
+        # DeepSpeed's engine and optimizer hold the group: dropped first, so that the group's last reference is the
+        # one destroy_process_group lets go of (see AccelerateEngine.end for the gloo hang otherwise).
+        self.engine = self.optimizer = self.scheduler = None
+        gc.collect()
+        if dist.is_initialized():
+            deepspeed.comm.destroy_process_group()
+        for name, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        self._saved_env = None

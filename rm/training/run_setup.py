@@ -138,6 +138,7 @@ def setup(cfg: RunConfig, directory: RunDir, overrides: Sequence[str], cleanup: 
         overrides = [*overrides, *layout.changed]  # what the pre-flight composes its suggestions with
     t = cfg.train
     engine = _start_engine(cfg, plan, directory)
+    cleanup.callback(engine.release)  # a sweep's next job starts without this one's process group (a refusal below too)
     run_dir = directory.path
     total_steps = total_training_steps(t, len(train_set))
     warn_many_epochs(t, total_steps, len(train_set))
@@ -236,8 +237,12 @@ def run_shapes(train_cfg: TrainConfig, batches: StepBatches, total_steps: int, t
 
 
 def _start_engine(cfg: RunConfig, plan: Plan, directory: RunDir) -> Engine:
-    """The engine, and the seed set."""
+    """The engine, and the seed set; torch's threads stay ``train.threads``' choice."""
     engine = build_engine(cfg, plan)
+    if torch.get_num_threads() != plan.threads.count:
+        # accelerate's CPU process group (torchrun with one process, OMP_NUM_THREADS unset) sets them to the
+        # machine's physical cores, which ignores this process's CPU affinity and the load train.threads=0 read.
+        torch.set_num_threads(plan.threads.count)
     set_seed(cfg.train.seed)
     return engine
 

@@ -360,8 +360,8 @@ def close(run: Run, finished: bool) -> None:
     (a barrier under DeepSpeed) only when the run got to its end, since after an error on one process the
     others might never reach that barrier."""
     run.metrics.close()
+    run.model = run.engine.unwrapped_model()  # the DDP wrapper must be gone before its process group (rm.distributed.engine)
     if finished:
-        run.model = run.engine.unwrapped_model()  # the DDP wrapper must be gone before its process group (rm.distributed.engine)
         run.engine.end()
 
 

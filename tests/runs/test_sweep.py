@@ -28,11 +28,14 @@ SMALL_RUN = [
 
 
 def multirun(args, sweep_dir, timeout=600):
-    proc = subprocess.run(
-        [sys.executable, "-m", "rm.train", "-m", *SMALL_RUN, *args, f"hydra.sweep.dir={sweep_dir}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-    )
-    return proc
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "rm.train", "-m", *SMALL_RUN, *args, f"hydra.sweep.dir={sweep_dir}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as late:  # the sweep's last lines say which job and where: pytest shows only the first
+        said = "".join(o.decode(errors="replace") if isinstance(o, bytes) else o for o in (late.stdout, late.stderr) if o)
+        pytest.fail(f"the sweep ran past {timeout} s; its output ended:\n{said[-4000:]}")
 
 
 def summary_rows(sweep_dir):
