@@ -300,7 +300,9 @@ class AccelerateEngine:
         # An equal micro-batch (share 1/accumulation, exactly so in floating point) divides by the count,
         # which is exact where multiplying by its rounded inverse may be off by one unit in the last place.
         scaled = loss / self.accumulation if share == 1 / self.accumulation else loss * share
-        # Gradients are all-reduced once per optimizer step, not once per micro-batch.
+        # Only the backward is under no_sync, not the forward, which DDP reads it in: the reducer all-reduces every
+        # micro-batch's gradients (counted with a comm hook: 8 all-reduces for 2 steps of 4 micro-batches, 2 with
+        # the forward inside). The sum is the same; the estimate counts the memory of this pattern.
         with nullcontext() if last else self.accelerator.no_sync(self.model):
             self.accelerator.backward(scaled)
 

@@ -1032,7 +1032,16 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         backward = t.weights + states + max(activations, t.gradients)
     # Evaluation runs after an optimizer step has freed the gradients (DeepSpeed keeps its partitions, DDP its buckets).
     kept_gradients = t.gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
+    # DDP rebuilds its buckets once, in the order the first all-reducing backward made the gradients: in the forward
+    # after it (DistributedDataParallel._pre_forward), all new buckets are allocated while the old ones still hold the
+    # gradients. rm's micro-batch forwards run outside no_sync, so under accumulation that is step 1's second forward,
+    # before any optimizer state (measured on a 2-process 8-bit point: weights + twice the buckets, 2.3% over the
+    # estimate's evaluation, the peak it named). Without accumulation the rebuild comes after the first optimizer step;
+    # a toy measurement there showed no second copy at the peak, so none is counted.
+    # Counted at every micro-batch weighed: the moment is the step's, whichever of its micro-batches bounds the others.
+    rebuild = ddp_buckets and plan.gradient_accumulation_steps > 1
     phases = {
+        "bucket rebuild": t.weights + t.before_first_step + 2 * t.gradients + temporaries if rebuild else 0,
         "forward/backward": backward + backward_temporaries,
         "optimizer step": t.weights + t.gradients + t.states + temporaries + t.step_extra,
         "gradient reduction": t.reduction - (t.states - states if t.reduction else 0),
@@ -1046,7 +1055,8 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     # Paged 8-bit states live in CUDA managed memory: on the device, but not in torch's allocator.
     paged = plan.device == "cuda" and cfg.memory_profile.optimizer == "adamw_8bit"
     before_engine = ("random-init build", "4-bit load")
-    held_states = {"forward/backward": states, "load": 0, **{p: 0 for p in before_engine}}.get(phase, t.states)
+    held_states = {"forward/backward": states, "bucket rebuild": t.before_first_step, "load": 0,
+                   **{p: 0 for p in before_engine}}.get(phase, t.states)
     outside = held_states if paged else 0
     # The engine's buffers are made when it wraps the model: after the model is built.
     allocated = phases[phase] + (0 if phase in before_engine else t.overhead) - outside
