@@ -1,5 +1,7 @@
 """How many gradient all-reduces DDP makes over 2 steps of 4 micro-batches, with the forward outside ``no_sync`` (as
-``rm.distributed.engine.AccelerateEngine.backward`` wraps only the backward) and inside it (as PyTorch documents).
+rm's engine had it until 2026-12-07: only the backward was wrapped) and inside it (as PyTorch documents, and as
+``rm.distributed.engine.AccelerateEngine.micro_batch`` now does; tests/distributed/test_ddp_accumulation.py counts
+rm's own: one a step, and one more at the process's first micro-batch).
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 benchmarks/ddp_no_sync_allreduces.py
 

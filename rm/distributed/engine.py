@@ -3,7 +3,7 @@
 ``rm.training.trainer`` and ``rm.training.run_setup`` talk to an engine only through :class:`Engine`: the subset of
 ``accelerate.Accelerator`` they need (``device``, ``process_index``,
 ``num_processes``, ``is_main_process``, ``autocast``, ``reduce``,
-``wait_for_everyone``) plus ``backward``, ``clip_gradients``, ``step``,
+``wait_for_everyone``) plus ``micro_batch``, ``backward``, ``clip_gradients``, ``step``,
 ``grad_norm``, ``gradients_of``, ``stepped_parameters`` (the health checks of ``rm.training.health``), ``save_state``,
 ``load_state`` and ``model_state_dict`` (what ``rm.export`` saves). So the same
 loop runs on one CPU, on 8 GPUs with DDP, and under ZeRO-3 with offload.
@@ -200,15 +200,22 @@ class Engine(Protocol):
     def autocast(self) -> ContextManager:
         """The context the forward runs in."""
 
-    def backward(self, loss: torch.Tensor, share: float, last: bool) -> None:
-        """Accumulate the gradient of one micro-batch's mean loss.
+    def micro_batch(self, last: bool) -> ContextManager:
+        """The context one micro-batch's forward and :meth:`backward` run in, both of them: DDP decides in the
+        forward whether the backward all-reduces.
+
+        Args:
+            last: whether this is the step's last micro-batch, after which gradients are synchronised.
+        """
+
+    def backward(self, loss: torch.Tensor, share: float) -> None:
+        """Accumulate the gradient of one micro-batch's mean loss, inside :meth:`micro_batch`.
 
         Args:
             loss: the micro-batch's mean loss.
             share: the micro-batch's fraction of this rank's pairs in the step. Packed steps
                 (``train.packing``) cut them into micro-batches of unequal sizes; weighting each mean by
                 its share keeps the gradient that of the mean over the step.
-            last: whether this is the step's last micro-batch, after which gradients are synchronised.
         """
 
     def clip_gradients(self) -> Optional[float]:
@@ -281,10 +288,12 @@ class AccelerateEngine:
         self.num_processes = self.accelerator.num_processes
         self.is_main_process = self.accelerator.is_main_process
         self._norm: Optional[float] = None
+        self._micro_batches = 0  # run by this process: the first all-reduces (see micro_batch)
 
     def prepare(self, model: torch.nn.Module, optimizer_factory: Callable, scheduler_factory: Callable) -> torch.nn.Module:
         optimizer = optimizer_factory(model)
         self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        self._ddp = isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
         # The schedule stays outside accelerate: its prepared scheduler steps once per process on each
         # call under DDP (it assumes per-process dataloader steps), which would run the schedule
         # world_size times too fast; rm counts optimizer steps itself.
@@ -295,16 +304,28 @@ class AccelerateEngine:
     def autocast(self) -> ContextManager:
         return self.accelerator.autocast()
 
-    def backward(self, loss: torch.Tensor, share: float, last: bool) -> None:
+    def micro_batch(self, last: bool) -> ContextManager:
+        """See :meth:`Engine.micro_batch`. DDP all-reduces the step's last micro-batch, and the process's first.
+
+        The forward is inside ``no_sync`` with the backward: DDP reads it in the forward, and a backward under
+        ``no_sync`` after a forward outside it all-reduces anyway (``benchmarks/ddp_no_sync_allreduces.py``: every
+        micro-batch did, 8 all-reduces for 2 steps of 4, before this). The process's first micro-batch all-reduces
+        too, once: DDP rebuilds its buckets in the forward after the first all-reducing backward, and from a first
+        micro-batch under ``no_sync`` every ``.grad`` would be a second copy beside the buckets until the step's end.
+        Synchronised first, ``.grad`` are views of the buckets from then on, and the rebuild falls in step 1's second
+        forward, before any optimizer state, where ``rm.memory.terms`` counts it. Averaging an already averaged
+        gradient plus the rest of the step's gives the step's average, so the result is the same.
+        """
+        synchronise = last or self._micro_batches == 0
+        self._micro_batches += 1
+        return nullcontext() if synchronise else self.accelerator.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor, share: float) -> None:
         """See :meth:`Engine.backward`."""
         # An equal micro-batch (share 1/accumulation, exactly so in floating point) divides by the count,
         # which is exact where multiplying by its rounded inverse may be off by one unit in the last place.
         scaled = loss / self.accumulation if share == 1 / self.accumulation else loss * share
-        # Only the backward is under no_sync, not the forward, which DDP reads it in: the reducer all-reduces every
-        # micro-batch's gradients (counted with a comm hook: 8 all-reduces for 2 steps of 4 micro-batches, 2 with
-        # the forward inside). The sum is the same; the estimate counts the memory of this pattern.
-        with nullcontext() if last else self.accelerator.no_sync(self.model):
-            self.accelerator.backward(scaled)
+        self.accelerator.backward(scaled)
 
     def clip_gradients(self) -> Optional[float]:
         """Unscale (fp16), clip to ``max_grad_norm`` when it is > 0, and return the norm before clipping.
@@ -328,7 +349,12 @@ class AccelerateEngine:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # One process: freed gradients are memory the next forward can use. DDP's buckets hold that memory whatever
+        # .grad is; .grad kept as zeroed views of them is where the next step's no_sync backwards add in place (None,
+        # each would be a new tensor beside its bucket). Not before the buckets are rebuilt (the forward after the
+        # first micro-batch): a view would keep its old bucket alive beside the new one, with the optimizer's states.
+        keep_views = self._ddp and self._micro_batches > 1
+        self.optimizer.zero_grad(set_to_none=not keep_views)
         return not skip and not self.optimizer.step_was_skipped
 
     def grad_norm(self) -> Optional[float]:
@@ -415,6 +441,7 @@ class DeepSpeedEngine:
             os.environ.update(rendezvous)
         deepspeed.init_distributed(dist_backend="gloo" if cpu else "nccl")
         self.config = config
+        self._last = True  # the running micro-batch's (micro_batch)
         self.accumulation = config["gradient_accumulation_steps"]
         self.process_index = dist.get_rank()
         self.num_processes = dist.get_world_size()
@@ -444,19 +471,24 @@ class DeepSpeedEngine:
         # DeepSpeed casts the module to bf16/fp16 itself; autocast on top would only add casts.
         return nullcontext()
 
-    def backward(self, loss: torch.Tensor, share: float, last: bool) -> None:
+    def micro_batch(self, last: bool) -> ContextManager:
+        """See :meth:`Engine.micro_batch`. DeepSpeed reduces at its own boundary; ``last`` is checked against it."""
+        self._last = last
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor, share: float) -> None:
         """See :meth:`Engine.backward`. DeepSpeed counts micro-batches itself: ``gradient_accumulation_steps``
         equal ones per step, each loss divided by that count. ``rm.settings.validate`` refuses ``train.packing`` with
-        DeepSpeed, so ``share`` and ``last`` can only confirm its count; were they to differ, its weighting
-        would be silently wrong, hence the error.
+        DeepSpeed, so ``share`` and the micro-batch's ``last`` can only confirm its count; were they to differ, its
+        weighting would be silently wrong, hence the error.
 
         Raises:
             ValueError: ``share`` is not ``1 / gradient_accumulation_steps``, or ``last`` is not DeepSpeed's boundary.
         """
         boundary = self.engine.is_gradient_accumulation_boundary()
-        if not math.isclose(share * self.accumulation, 1.0) or last != boundary:
+        if not math.isclose(share * self.accumulation, 1.0) or self._last != boundary:
             raise ValueError(f"DeepSpeed accumulates {self.accumulation} equal micro-batches per step; got a share of "
-                             f"{share:g} and last={last} where its boundary is {boundary}")
+                             f"{share:g} and last={self._last} where its boundary is {boundary}")
         self.engine.backward(loss)  # divides by gradient_accumulation_steps itself
         gc.collect()  # see step(): the same reference cycles form within an accumulation window
         if not self.engine.is_gradient_accumulation_boundary():

@@ -1034,10 +1034,11 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
     kept_gradients = t.gradients if plan.strategy == "deepspeed" or ddp_buckets else 0
     # DDP rebuilds its buckets once, in the order the first all-reducing backward made the gradients: in the forward
     # after it (DistributedDataParallel._pre_forward), all new buckets are allocated while the old ones still hold the
-    # gradients. rm's micro-batch forwards run outside no_sync, so under accumulation that is step 1's second forward,
-    # before any optimizer state (measured on a 2-process 8-bit point: weights + twice the buckets, 2.3% over the
-    # estimate's evaluation, the peak it named). Without accumulation the rebuild comes after the first optimizer step;
-    # a toy measurement there showed no second copy at the peak, so none is counted.
+    # gradients. rm's engine all-reduces the process's first micro-batch (AccelerateEngine.micro_batch), so under
+    # accumulation that is step 1's second forward, before any optimizer state (measured on a 2-process 8-bit point:
+    # weights + twice the buckets, 2.3% over the estimate's evaluation, the peak it named). Without accumulation the
+    # rebuild comes in step 2's first forward, after zero_grad(set_to_none=True) let the old buckets go (the engine
+    # keeps .grad as bucket views only after the rebuild): no second copy, none counted.
     # Counted at every micro-batch weighed: the moment is the step's, whichever of its micro-batches bounds the others.
     rebuild = ddp_buckets and plan.gradient_accumulation_steps > 1
     phases = {

@@ -151,10 +151,11 @@ def train_step(run: Run, micro_batches: List[List[int]]) -> StepStats:
         hints = host_hints(batch)  # read before the copy: on the device, each read would wait for it
         inputs = to_device(batch, (*MODEL_INPUTS, "margin"), engine.device)
         margin = inputs.pop("margin")
-        with engine.autocast():
-            chosen, rejected = pair_rewards(run.model, **inputs, **hints)
-            loss = run.loss(chosen, rejected, margin)
-        engine.backward(loss, share=len(indices) / per_rank, last=n == len(micro_batches) - 1)
+        with engine.micro_batch(last=n == len(micro_batches) - 1):
+            with engine.autocast():
+                chosen, rejected = pair_rewards(run.model, **inputs, **hints)
+                loss = run.loss(chosen, rejected, margin)
+            engine.backward(loss, share=len(indices) / per_rank)
         run.health.observe(loss, chosen, rejected)
         loss_sum += loss.detach().double() * len(indices) / per_rank
     step = run.state.step + 1

@@ -37,11 +37,14 @@ class RecordingAccelerator:
 
 def test_accelerate_backward_weights_by_share_and_syncs_on_the_last():
     """Accumulation 3. An equal third is divided by 3: 7 / 3 = 2.3333333 in float32, where 7 x fl(1/3) gives
-    2.3333335. An unequal share (packing) multiplies: 7 x 1/4 = 1.75. Only the last micro-batch synchronises."""
-    engine = AccelerateEngine.__new__(AccelerateEngine)  # no Accelerator: only backward's arithmetic is under test
-    engine.accelerator, engine.accumulation, engine.model = RecordingAccelerator(), 3, None
+    2.3333335. An unequal share (packing) multiplies: 7 x 1/4 = 1.75. The last micro-batch of a step synchronises,
+    and the process's first (once, so that DDP's buckets hold the gradients from then on); the rest do not."""
+    engine = AccelerateEngine.__new__(AccelerateEngine)  # no Accelerator: only the arithmetic and the syncs are under test
+    engine.accelerator, engine.accumulation, engine.model, engine._micro_batches = RecordingAccelerator(), 3, None, 0
     loss = torch.tensor(7.0)
-    engine.backward(loss, share=2 / 6, last=False)
-    engine.backward(loss, share=1 / 4, last=True)
-    assert engine.accelerator.calls == [((loss / 3).item(), False), (1.75, True)]
+    for share, last in ((2 / 6, False), (1 / 3, False), (1 / 4, True), (1 / 3, False), (1 / 3, True)):
+        with engine.micro_batch(last=last):
+            engine.backward(loss, share=share)
+    third = (loss / 3).item()
+    assert engine.accelerator.calls == [(third, True), (third, False), (1.75, True), (third, False), (third, True)]
     assert (loss / 3).item() != (loss * (1 / 3)).item()
