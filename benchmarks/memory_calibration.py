@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # rm itself, when this file runs as a script from anywhere
@@ -91,7 +92,18 @@ def rank_errors(proc) -> str:
 
 def random_init_env(cache: Path) -> dict:
     """The environment of a run whose QLoRA random init lives in ``cache`` (``$RM_CACHE``), not the user's cache:
-    whether the run finds it saved is the point's choice, not what earlier runs left."""
+    whether the run finds it saved is the point's choice, not what earlier runs left.
+
+    The machine's measured CPU rates (``speed/``, what ``train.layout=auto`` prices layouts with) are the user's, linked
+    in: they belong to the machine, not the point, and measured afresh in every point's empty cache they cost 7-8
+    minutes a point on 2 cores (a 2-process point measured them on both ranks at once)."""
+    from rm.foundations.cache import cache_root
+
+    shared = cache_root() / "speed"
+    shared.mkdir(parents=True, exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
+    if not (cache / "speed").exists():
+        (cache / "speed").symlink_to(shared, target_is_directory=True)
     return {**os.environ, "RM_CACHE": str(cache)}
 
 
@@ -367,7 +379,7 @@ def random_recompute(path: Path, out=None) -> None:
     misses; with ``--out``, a markdown table of them (measurements as run, errors then and now)."""
     saved = json.loads(path.read_text())
     rows, meta = saved["rows"], saved["meta"]
-    misses, lines = [], []
+    misses, stale, lines = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         for row in rows:
             if "measured_per_rank_mib" not in row:
@@ -379,13 +391,23 @@ def random_recompute(path: Path, out=None) -> None:
             per_rank = [b / 2**20 for b in (est.rank_peak_bytes or [est.peak_bytes])]
             errors = [100 * (e - m) / m for e, m in zip(per_rank, row["measured_per_rank_mib"])]
             before = row["errors_per_rank_pct"]
+            now, then = (" / ".join(f"{e:+.2f}%" for e in errs) for errs in (errors, before))
+            changed = data_changed(row.get("shapes"), est.shapes)
+            if changed:  # the measurement was of other micro-batches: no verdict on the estimator either way
+                stale.append(row["index"])
+                print(f"{row['index']:3d} {row['short']}: {now}  (was {then})  DATA CHANGED: {changed}", flush=True)
+                lines.append(f"| {row['index']} | {row['short']} | {' / '.join(f'{m:.2f}' for m in row['measured_per_rank_mib'])} "
+                             f"| {' / '.join(f'{e:.2f}' for e in per_rank)} | not comparable: {changed} | {then} |")
+                continue
             miss = is_miss({"errors_per_rank_pct": errors})
             misses += [row["index"]] if miss else []
-            now, then = (" / ".join(f"{e:+.2f}%" for e in errs) for errs in (errors, before))
             print(f"{row['index']:3d} {row['short']}: {now}  (was {then})" + ("  MISS" if miss else ""), flush=True)
             lines.append(f"| {row['index']} | {row['short']} | {' / '.join(f'{m:.2f}' for m in row['measured_per_rank_mib'])} "
                          f"| {' / '.join(f'{e:.2f}' for e in per_rank)} | {now}{' **MISS**' if miss else ''} | {then} |")
     print(f"{len(misses)} MISS: {misses}")
+    if stale:
+        print(f"{len(stale)} not comparable (their pairs tokenise to other micro-batches now; re-measure them with "
+              f"--random {meta['n']} --seed {meta['seed']} ... or run_random_point): {stale}")
     if out:
         head = [f"# Random calibration (seed {meta['seed']}) re-estimated", "",
                 f"`python benchmarks/memory_calibration.py --random-recompute {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
@@ -398,6 +420,31 @@ def random_recompute(path: Path, out=None) -> None:
                 "| ---: | --- | ---: | ---: | ---: | ---: |"]
         Path(out).write_text("\n".join(head + lines) + "\n")
         print(f"wrote {out}")
+
+
+def data_changed(measured: Optional[dict], now: Optional[dict]) -> str:
+    """How the micro-batch shapes a point was measured at differ from those its pairs give now ("" where they agree,
+    or where the record kept none). Written again from their seed, the pairs are the same text, but the tokens are
+    what rm makes of it today: a change of tokenisation (EOS appended, BOS kept) or batching moves every length, and
+    the old peak is then a measurement of other micro-batches. Only the keys both hold are compared (later versions
+    of the estimate record more of them).
+
+        >>> data_changed({"train": {"rows": 1, "length": 1024}}, {"train": {"rows": 1, "length": 1022}, "segment": 511})
+        'train length 1024 -> 1022'
+        >>> data_changed({"train": {"rows": 1, "length": 1024}}, {"train": {"rows": 1, "length": 1024}})
+        ''
+    """
+    if not measured or not now:
+        return ""
+    diffs = []
+    for key in measured.keys() & now.keys():
+        then_value, now_value = measured[key], now[key]
+        if isinstance(then_value, dict) and isinstance(now_value, dict):
+            diffs += [f"{key} {k} {then_value[k]} -> {now_value[k]}" for k in sorted(then_value.keys() & now_value.keys())
+                      if then_value[k] != now_value[k]]
+        elif then_value != now_value:
+            diffs.append(f"{key} {then_value} -> {now_value}")
+    return ", ".join(sorted(diffs))
 
 
 def gpu_point(spec, workdir: Path, data: Path, dry_run: bool, timeout: int = 300) -> dict:
@@ -773,7 +820,8 @@ def main() -> None:
             if args.part in ("all", "qlora"):
                 q_rows = qlora_rows(Path(tmp), [] if args.part == "all" else q_rows)
     elapsed = time.perf_counter() - start
-    RESULTS.write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows,
+    # Beside the doc written: with --out, the committed record (RESULTS, the rows a part is merged into) stays as it is.
+    out.with_suffix(".json").write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows,
                                    "qlora": q_rows}, indent=1) + "\n")
     write_doc(out, rows, zero_rows, multi_rows, args, elapsed, bf16_rows, q_rows)
     if args.part == "all":
