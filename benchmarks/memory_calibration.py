@@ -406,8 +406,8 @@ def random_recompute(path: Path, out=None) -> None:
                          f"| {' / '.join(f'{e:.2f}' for e in per_rank)} | {now}{' **MISS**' if miss else ''} | {then} |")
     print(f"{len(misses)} MISS: {misses}")
     if stale:
-        print(f"{len(stale)} not comparable (their pairs tokenise to other micro-batches now; re-measure them with "
-              f"--random {meta['n']} --seed {meta['seed']} ... or run_random_point): {stale}")
+        print(f"{len(stale)} not comparable (their pairs tokenise to other micro-batches now; train them again with "
+              f"--random-rerun {path.name} --only ...): {stale}")
     if out:
         head = [f"# Random calibration (seed {meta['seed']}) re-estimated", "",
                 f"`python benchmarks/memory_calibration.py --random-recompute {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}"
@@ -420,6 +420,25 @@ def random_recompute(path: Path, out=None) -> None:
                 "| ---: | --- | ---: | ---: | ---: | ---: |"]
         Path(out).write_text("\n".join(head + lines) + "\n")
         print(f"wrote {out}")
+
+
+def random_rerun(path: Path, only, timeout: int) -> None:
+    """``--random-rerun FILE [--only I ...]``: train the saved points of a random calibration again with rm as it is now
+    (the points as the record holds them: a seed's draw changes when the draw gains an option, so ``--random N --seed
+    S --only I`` may be another point today). Prints each point's errors now beside those as run."""
+    rows = [r for r in json.loads(path.read_text())["rows"] if "measured_per_rank_mib" in r]
+    rows = [r for r in rows if only is None or r["index"] in only]
+    with tempfile.TemporaryDirectory() as tmp:
+        for row in rows:
+            now = run_random_point(row["index"], row["point"], Path(tmp), timeout)
+            if now.get("failed"):
+                print(f"{row['index']:3d} {row['short']}: failed: {now['failed']}", flush=True)
+                continue
+            fmt = lambda values, unit: " / ".join(f"{v:.2f}{unit}" for v in values)  # noqa: E731
+            print(f"{row['index']:3d} {row['short']}: measured {fmt(now['measured_per_rank_mib'], '')} MiB, estimate "
+                  f"{fmt(now['estimate_per_rank_mib'], '')}: {fmt(now['errors_per_rank_pct'], '%')}"
+                  f"{'  MISS' if is_miss(now) else ''}  (as run: {fmt(row['measured_per_rank_mib'], '')} MiB, "
+                  f"{fmt(row['errors_per_rank_pct'], '%')}; {now['wall_s']:.0f} s, load {now['load_after']})", flush=True)
 
 
 def data_changed(measured: Optional[dict], now: Optional[dict]) -> str:
@@ -768,9 +787,11 @@ def main() -> None:
                         help="runs per 2-process point; each rank's highest peak is compared (default 2)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--dry-run", action="store_true", help="with --device cuda: three tiny points on the CPU")
-    parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid; with --random: only these points of the draw (0-based)")
+    parser.add_argument("--only", nargs="*", type=int, help="with --device cuda: only these points of the grid; with --random: only these points of the draw (0-based); with --random-rerun: these saved points")
     parser.add_argument("--random-recompute", metavar="FILE",
                         help="re-estimate the measured points of a random calibration's JSON (no training)")
+    parser.add_argument("--random-rerun", metavar="FILE",
+                        help="train the measured points of a random calibration's JSON again (with --only: those points)")
     parser.add_argument("--save-random-weights", nargs=2, metavar=("MODEL", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument("--out", default=None)
     parser.add_argument("--share-prefix", action="store_true",
@@ -792,6 +813,8 @@ def main() -> None:
         return save_random_weights(args.save_random_weights[0], Path(args.save_random_weights[1]))
     if args.random_recompute:
         return random_recompute(Path(args.random_recompute).resolve(), args.out)
+    if args.random_rerun:
+        return random_rerun(Path(args.random_rerun), args.only, args.point_timeout)
     if args.random:
         random_main(args)
         return
@@ -824,7 +847,7 @@ def main() -> None:
     out.with_suffix(".json").write_text(json.dumps({"single": rows, "zero": zero_rows, "multi": multi_rows, "precision": bf16_rows,
                                    "qlora": q_rows}, indent=1) + "\n")
     write_doc(out, rows, zero_rows, multi_rows, args, elapsed, bf16_rows, q_rows)
-    if args.part == "all":
+    if args.part == "all" and not args.recompute:  # its rows are not kept: recomputing them would mean training them
         write_shared_section(out, shared_points(models))
     plot(rows + zero_rows + multi_rows + q_rows, out.with_suffix(".png"))
     print(f"wrote {out}")
@@ -1016,10 +1039,11 @@ def write_shared_section(path: Path, rows: list) -> None:
         SHARED_BEGIN,
         "## Prefix sharing (`train.share_prefix=true`)",
         "",
-        f"Regenerate: `python benchmarks/memory_calibration.py --share-prefix` ({len(rows)} points). The estimate sizes each",
-        "pair at chosen + rejected tokens (no common prefix, the worst case) and counts the 4D mask; the synthetic",
-        "pairs share their prompt and rarely fill a row, so it over-estimates by what sharing saves: an upper bound,",
-        "never below the measurement. For a full row it is exact to the byte",
+        f"Regenerate: `python benchmarks/memory_calibration.py --share-prefix` ({len(rows)} points, "
+        f"{time.strftime('%Y-%m-%d')}, load {os.getloadavg()[0]:.1f} at the end). Each",
+        "point trains 2 steps on the synthetic pairs, and its peak is compared with the estimate the run decides by:",
+        "sized by the micro-batches this data forms (each pair's prompt once, both answers after it; a packed row up to",
+        "its budget), with the 4D mask counted. For a full row it is exact to the byte",
         "(`tests/modelling/test_prefix_sharing.py::test_activation_estimate_matches_a_real_shared_step`).",
         f"Largest error: **{worst:.2f}%**.",
         "",

@@ -200,8 +200,12 @@ def log_window(run: Run, progress: tqdm) -> None:
         values["lost_update_fraction"] = lost
     run.metrics.write("train", state.step, values)
     # Once, at the second window (the first holds the first step's warm-up): a prediction from CPU rates measured
-    # under other load is dropped for the next plan to measure again (rm.plan.constants.check_prediction).
-    if run.layout is not None and not run.step_time_checked and state.step > t.logging.logging_steps:
+    # under other load is dropped for the next plan to measure again (rm.plan.constants.check_prediction). Not under
+    # train.logging.track_memory: every operator then goes through the live-tensor count in Python, and the step it
+    # times is that count's (4.8x the prediction on a 1-process offload point of the random calibration, which then
+    # dropped the machine's good rates for every later run to measure again).
+    if (run.layout is not None and not run.step_time_checked and state.step > t.logging.logging_steps
+            and not t.logging.track_memory):
         run.step_time_checked = True
         stale = run.layout.against_run(values["step_time_s"]) if engine.is_main_process else None
         if stale:
