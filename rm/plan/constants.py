@@ -196,6 +196,9 @@ def _fixed_costs(device: str = "cpu", sync=None) -> Dict[str, float]:
     return {"kernel_seconds": layer / (3 * LAYER_KERNELS), "micro_batch_seconds": max(seconds[1] - layer, 0.0)}
 
 
+RATES_LOCK_WAIT_S = 1800  # how long a process waits for another's measurement of the CPU rates
+
+
 def cpu_rates(refresh: bool = False) -> Dict:
     """This machine's measured rates, from the cache or measured now and cached."""
     from filelock import FileLock, Timeout
@@ -204,7 +207,10 @@ def cpu_rates(refresh: bool = False) -> Dict:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # The ranks of one run measure once and read the same figures: train.layout=auto must choose alike on each.
-        lock = FileLock(str(path) + ".lock", timeout=120)
+        # The others wait as long as a measurement takes on a busy machine (over 4 minutes on 2 shared cores, where
+        # 120 s let the second rank time out and measure beside the first, both slower and both under the other's
+        # load); the lock is the kernel's, released if its holder dies.
+        lock = FileLock(str(path) + ".lock", timeout=RATES_LOCK_WAIT_S)
         lock.acquire()
     except (OSError, Timeout):
         lock = None  # a read-only cache: measured here, again next time
