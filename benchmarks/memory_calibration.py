@@ -442,28 +442,26 @@ def random_rerun(path: Path, only, timeout: int) -> None:
 
 
 def data_changed(measured: Optional[dict], now: Optional[dict]) -> str:
-    """How the micro-batch shapes a point was measured at differ from those its pairs give now ("" where they agree,
-    or where the record kept none). Written again from their seed, the pairs are the same text, but the tokens are
-    what rm makes of it today: a change of tokenisation (EOS appended, BOS kept) or batching moves every length, and
-    the old peak is then a measurement of other micro-batches. Only the keys both hold are compared (later versions
-    of the estimate record more of them).
+    """How the micro-batches that size a point's estimate (the step's longest, ``train``, and the evaluation's,
+    ``eval``) differ between its measurement and what its pairs give now ("" where they agree, or where the record
+    kept none). Written again from their seed, the pairs are the same text, but the tokens are what rm makes of it
+    today: a change of tokenisation (EOS appended, BOS kept) or batching moves the lengths, and the old peak is then a
+    measurement of other micro-batches. The first step's shapes are left out: they may be another rank's.
 
         >>> data_changed({"train": {"rows": 1, "length": 1024}}, {"train": {"rows": 1, "length": 1022}, "segment": 511})
         'train length 1024 -> 1022'
-        >>> data_changed({"train": {"rows": 1, "length": 1024}}, {"train": {"rows": 1, "length": 1024}})
+        >>> data_changed({"train": {"rows": 1, "length": 1024}, "first_micro_batch": {"length": 96}},
+        ...              {"train": {"rows": 1, "length": 1024}, "first_micro_batch": {"length": 48}})
         ''
     """
     if not measured or not now:
         return ""
     diffs = []
-    for key in measured.keys() & now.keys():
-        then_value, now_value = measured[key], now[key]
-        if isinstance(then_value, dict) and isinstance(now_value, dict):
-            diffs += [f"{key} {k} {then_value[k]} -> {now_value[k]}" for k in sorted(then_value.keys() & now_value.keys())
-                      if then_value[k] != now_value[k]]
-        elif then_value != now_value:
-            diffs.append(f"{key} {then_value} -> {now_value}")
-    return ", ".join(sorted(diffs))
+    for key in ("train", "eval"):
+        then_shape, now_shape = measured.get(key) or {}, now.get(key) or {}
+        diffs += [f"{key} {k} {then_shape[k]} -> {now_shape[k]}" for k in sorted(then_shape.keys() & now_shape.keys())
+                  if then_shape[k] != now_shape[k]]
+    return ", ".join(diffs)
 
 
 def gpu_point(spec, workdir: Path, data: Path, dry_run: bool, timeout: int = 300) -> dict:
@@ -1008,9 +1006,10 @@ def independent_check(rows, multi_rows) -> list:
 
 
 # train.share_prefix layouts: one row of prefix + both suffixes per pair, or all pairs of a micro-batch in one row.
-SHARED_LAYOUTS = {"row per pair": ("train.share_prefix=true",),
+# train.layout=given: each point measures the layout it names (train.layout=auto packed the rows per pair as well).
+SHARED_LAYOUTS = {"row per pair": ("train.share_prefix=true", "train.layout=given"),
                   "packed, budget 256": ("train.share_prefix=true", "train.packing=true",
-                                         "train.max_tokens_per_micro_batch=256")}
+                                         "train.max_tokens_per_micro_batch=256", "train.layout=given")}
 SHARED_BEGIN, SHARED_END = "<!-- share_prefix:begin -->", "<!-- share_prefix:end -->"
 
 
