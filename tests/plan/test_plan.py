@@ -79,6 +79,12 @@ def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert list((tmp_path / "speed").glob("*.json"))
 
 
+# What rm.plan.constants.measure_rates returns, for some machine: tests that must not spend minutes measuring this one.
+FAKE_MEASURED = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]},
+                 "attention": {"float32": [[256, 1e9]], "bfloat16": [[256, 1e9]]}, "memory": 1e10,
+                 "kernel_seconds": 1e-6, "micro_batch_seconds": 1e-3, "dropout": 1e9, "elementwise": []}
+
+
 def test_cpu_rates_say_when_and_at_what_load_and_a_run_that_disagrees_drops_them(tmp_path, monkeypatch):
     """The cached entry records when it was measured, the load average then and the host, and the prediction's rates
     carry them; a run whose measured step is over 2x off the prediction (here 0.05 s against 1.37: rates measured
@@ -89,11 +95,8 @@ def test_cpu_rates_say_when_and_at_what_load_and_a_run_that_disagrees_drops_them
     from rm.plan import constants
     from rm.plan.auto import LayoutChoice
 
-    fake = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]}, "attention": {"float32": [[256, 1e9]],
-            "bfloat16": [[256, 1e9]]}, "memory": 1e10, "kernel_seconds": 1e-6, "micro_batch_seconds": 1e-3,
-            "dropout": 1e9, "elementwise": []}
     monkeypatch.setenv("RM_CACHE", str(tmp_path))
-    monkeypatch.setattr(constants, "measure_rates", lambda: dict(fake))
+    monkeypatch.setattr(constants, "measure_rates", lambda: dict(FAKE_MEASURED))
     monkeypatch.setattr(constants.os, "getloadavg", lambda: (3.25, 1.0, 1.0))
     constants.cpu_rates()
     entry = json.loads(constants.rates_path().read_text())
@@ -277,12 +280,9 @@ def _deepspeed_installed() -> bool:
 
 
 def _run(*args, tmp_path):
-    # The machine's measured CPU rates are the session's (tests/conftest.py, _fresh_cache): measured once per worker,
-    # not again in each command's empty cache (over 5 minutes on a 2-core machine without bf16 instructions).
-    speed = Path(os.environ["RM_CACHE"]) / "speed"
-    if not (tmp_path / "speed").exists():
-        (tmp_path / "speed").symlink_to(speed.resolve(), target_is_directory=True)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RM_CACHE": str(tmp_path)}
+    # The test's own empty cache (tests/conftest.py, _fresh_cache), whose measured CPU rates are the session's: measured
+    # once per worker, not again in each command's (over 5 minutes on a 2-core machine without bf16 instructions).
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "rm.plan", *args], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=900)
 
@@ -666,10 +666,7 @@ def test_a_run_counting_live_tensors_does_not_judge_the_cached_rates_by_its_step
     checked = []
     monkeypatch.setattr(LayoutChoice, "against_run", lambda self, measured_s: checked.append(measured_s))
     # Rates of some machine, not measured (minutes on a busy CPU) nor cached (the session's entry stays the machine's).
-    monkeypatch.setattr(constants, "cpu_rates", lambda refresh=False: {
-        "matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]}, "attention": {"float32": [[256, 1e9]],
-        "bfloat16": [[256, 1e9]]}, "memory": 1e10, "kernel_seconds": 1e-6, "micro_batch_seconds": 1e-3, "dropout": 1e9,
-        "elementwise": []})
+    monkeypatch.setattr(constants, "cpu_rates", lambda refresh=False: dict(FAKE_MEASURED))
 
     overrides = [*FAST_TINY, "train.layout=auto", "train.max_steps=4", "train.logging.eval_steps=0",
                  f"train.logging.track_memory={str(track_memory).lower()}"]
