@@ -46,6 +46,13 @@ ATTENTION_LENGTHS = (64, 128, 256, 512)  # tokens of one attention call measured
 ELEMENTWISE_MIB = (1, 4, 16, 64)  # sizes of the tensor an elementwise op writes, measured on a CPU
 
 
+# The longest one timed call of measure_rates may take. Where a CPU lacks native bf16 (a 2-core EPYC VM without
+# avx512_bf16 ran bf16 matmuls about 100x slower than fp32), the largest products took minutes each and measuring
+# the rates over 5 minutes; on that CPU the rate no longer grows with the product's size, so the last one measured
+# stands in for the larger ones. On CPUs with bf16 and on GPUs every listed shape runs within it (the largest, fp32 at
+# width 1,024 and 4,096 rows, took 1.1 s on a 2-core EPYC with avx512_bf16).
+CALL_BUDGET_S = 3.0
+
 # A run's measured step time this many times off the prediction (either way) drops the CPU rates it came from.
 DISAGREEMENT = 2.0
 
@@ -93,14 +100,16 @@ def _best(fn, seconds: float = 0.015, repeats: int = 3, sync=None) -> float:
 
 
 def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATTENTION_LENGTHS,
-                  elementwise_mib=ELEMENTWISE_MIB) -> Dict:
+                  elementwise_mib=ELEMENTWISE_MIB, call_budget_s: float = CALL_BUDGET_S) -> Dict:
     """Measure this CPU's rates (the figures :func:`cpu_rates` caches), or with ``device="cuda"`` a GPU's by the
     same micro-benchmarks (``benchmarks/gpu_constants.py`` records them, at a GPU's widths and sizes).
 
     Returns:
         ``{"matmul": {dtype: [[width, rows, FLOP/s], ...]}, "attention": {dtype: [[width, length, FLOP/s], ...]}, "memory":
         bytes/s, "elementwise": [[bytes, bytes/s], ...], "kernel_seconds": s, "micro_batch_seconds": s, "dropout":
-        elements/s}``.
+        elements/s}``. A product or attention call the rate measured so far says would take longer than
+        ``call_budget_s`` is not run: it gets the rate of the last shape of that op and dtype measured (see
+        :data:`CALL_BUDGET_S`).
     """
     import functools
 
@@ -110,6 +119,15 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
 
     sync = torch.cuda.synchronize if device == "cuda" else None
     _timed = functools.partial(_best, sync=sync)
+    last_rate: Dict = {}
+
+    def rate(fn, flops: float, op, **timing) -> float:
+        # Shapes are measured small to large: the op's last rate predicts this call's seconds before it runs.
+        if op in last_rate and flops / last_rate[op] > call_budget_s:
+            return last_rate[op]
+        last_rate[op] = flops / _timed(fn, **timing)
+        return last_rate[op]
+
     out: Dict = {"matmul": {}, "attention": {}}
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).removeprefix("torch.")
@@ -127,7 +145,7 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
                     torch.nn.functional.linear(x, w).backward(grad)
                     x.grad = w.grad = None
 
-                table.append([width, rows, 6 * rows * width * 4 * width / _timed(linear, repeats=2)])
+                table.append([width, rows, rate(linear, 6 * rows * width * 4 * width, ("matmul", dtype), repeats=2)])
         out["matmul"][name] = table
         # SDPA with a boolean mask over 8 heads of 64, forward and backward (4 x 8 x 64 x L^2 FLOPs forward, twice
         # that backward), at the lengths one call computes: a padded row, a packed row's sequence or a shared pair.
@@ -145,7 +163,7 @@ def measure_rates(device: str = "cpu", widths=WIDTHS, tokens=TOKENS, lengths=ATT
                     torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).backward(grad)
                 q.grad = k.grad = v.grad = None
 
-            table.append([heads * dim, length, 3 * 4 * heads * dim * length * length / _timed(attention)])
+            table.append([heads * dim, length, rate(attention, 3 * 4 * heads * dim * length * length, ("attention", dtype))])
         out["attention"][name] = table
     # 16 MiB: beyond the caches of a small CPU, not of every one (a 2-core EPYC VM's L3 held it: 93-137 GB/s, where
     # 64 MiB and more copied at 32); what the optimizer step and the CPU's link are priced at

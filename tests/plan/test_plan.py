@@ -79,6 +79,26 @@ def test_rates_are_measured_once_per_machine(tmp_path, monkeypatch):
     assert list((tmp_path / "speed").glob("*.json"))
 
 
+def test_a_call_the_rates_so_far_say_is_over_budget_is_not_run(monkeypatch):
+    """measure_rates times shapes small to large; one the op's last rate says would take longer than the call budget
+    (a CPU without native bf16 took minutes a product) takes that rate instead of running. Here every timed call
+    "takes" 1 s: the second product (2x the FLOPs, 2 s) is timed, the third (8x more, 16 s) is not."""
+    from rm.plan import constants
+
+    timed = []
+    monkeypatch.setattr(constants, "_best", lambda fn, sync=None, **_: timed.append(fn) or 1.0)
+    monkeypatch.setattr(constants, "_fixed_costs", lambda *a, **k: {})
+    out = constants.measure_rates(widths=(8,), tokens=(4, 8, 64), lengths=(4, 8), elementwise_mib=(1,),
+                                  call_budget_s=2.5)
+    flops = [6 * rows * 8 * 4 * 8 for rows in (4, 8, 64)]
+    for dtype in ("float32", "bfloat16"):
+        assert out["matmul"][dtype] == [[8, 4, flops[0]], [8, 8, flops[1]], [8, 64, flops[1]]]
+        # attention is its own op: its first call is timed, not priced from the matmuls; its second is 4x the first
+        assert out["attention"][dtype] == [[512, 4, 3 * 4 * 512 * 16], [512, 8, 3 * 4 * 512 * 16]]
+    # 2 products and 1 attention call a dtype, a copy, an elementwise op and the dropout
+    assert len(timed) == 2 * 3 + 3
+
+
 # What rm.plan.constants.measure_rates returns, for some machine: tests that must not spend minutes measuring this one.
 FAKE_MEASURED = {"matmul": {"float32": [[128, 1e9]], "bfloat16": [[128, 2e9]]},
                  "attention": {"float32": [[256, 1e9]], "bfloat16": [[256, 1e9]]}, "memory": 1e10,
