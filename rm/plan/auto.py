@@ -8,8 +8,9 @@ What is the user's: a knob set on the command line, or set by a config file to s
 default (``experiment=tiny`` sets ``train.share_prefix: true``). Those stay; ``train.layout=given`` keeps every
 knob as configured. Only the knobs of :data:`rm.plan.search.KNOBS` vary; the memory profile, the precision, the
 global batch, the learning rate and the distribution never do. A resumed run takes its checkpoint's layout, so
-that it goes on exactly as it started. On a GPU, packing and prefix sharing stay as configured: their speed there
-hangs on the masked-attention kernels' rate, which the datasheet figures do not give and no GPU has measured yet.
+that it goes on exactly as it started. It never turns on a feature whose step time was never measured on the run's
+device (:func:`rm.plan.features.unmeasured`; on a GPU today: packing, token budgets, prefix sharing, checkpointing):
+the predicted gain hangs on a rate, such as the masked-attention kernels', that the datasheet figures do not give.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from rm.foundations.config import RunConfig, TrainConfig
+from rm.plan.features import unmeasured
 from rm.plan.lengths import PairLengths
 from rm.plan.search import KNOBS, Candidate, _Timer, candidates, check_fastest, set_keys
 
@@ -27,8 +29,6 @@ log = logging.getLogger("rm.train")
 # A layout has to be predicted this much faster than the one configured to replace it: the model's errors between
 # close layouts are larger than what so small a gain would bring.
 MIN_GAIN = 0.03
-# The knobs whose gain on a GPU hangs on the masked-attention rate, not measured on any GPU yet.
-GPU_UNMEASURED = ("train.packing", "train.max_tokens_per_micro_batch", "train.share_prefix")
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,6 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
             return cfg, plan, LayoutChoice((), kept, None, None, "the checkpoint's layout, resumed")
         c_cfg = replace(cfg, train=replace(cfg.train, **saved))
         return c_cfg, validate(c_cfg, *world), LayoutChoice(changed, kept, None, None, "the checkpoint's layout, resumed")
-    if plan.device != "cpu":
-        # A custom mask takes SDPA off its flash kernel on a GPU, at a rate no GPU has measured for rm yet (the
-        # datasheet's is the unmasked one): packing and prefix sharing stay as configured there until one does.
-        fixed |= set(GPU_UNMEASURED)
     base = cfg
     if cfg.preflight.auto_micro_batch:  # the pre-flight already picked the micro-batch: it stays
         fixed.add("train.micro_batch_size")
@@ -119,6 +115,9 @@ def choose_layout(cfg: RunConfig, plan, overrides: Sequence[str], lengths: PairL
     except ConfigError as err:  # a CUDA profile that states no rates: nothing to rank layouts by
         return cfg, plan, LayoutChoice((), kept, None, None, f"the layout as configured: {err}")
     found, _ = candidates(base, (), world, fixed=fixed | {"memory_profile", "distributed"})
+    # What the registry says no run on this device timed is not turned on for the user; what they configured may go.
+    already = set(unmeasured(cfg.train, plan.device))
+    found = [c for c in found if set(unmeasured(c.cfg.train, plan.device)) <= already]
     timer = _Timer(lengths, rates, cfg.plan.steps)
     given = Candidate([], cfg=base, plan=plan)
     given.step = timer(given)

@@ -263,8 +263,6 @@ def test_on_a_gpu_profile_layouts_never_timed_there_rank_after_those_that_were(t
     """Packed and prefix-shared rows were timed on CPUs only (their one GPU run, an H200, took 6x the padded step):
     on hardware=h100_80g every layout that turns one on comes after every layout that does not, and says so; on a
     CPU none is marked. ZeRO-1 is offered as distributed=zero1, not as zero2 with zero_stage=1."""
-    from rm.plan.auto import GPU_UNMEASURED
-    from rm.plan.features import FEATURES
     from rm.plan.lengths import PairLengths
     from rm.plan.search import plan
 
@@ -288,9 +286,6 @@ def test_on_a_gpu_profile_layouts_never_timed_there_rank_after_those_that_were(t
     cpu = plan(tiny_cfg("distributed.num_processes=2"), ["distributed.num_processes=2"], lengths=lengths,
                rates=_rates(), top=1)
     assert not any(c.unmeasured for c in cpu.candidates)
-    # train.layout=auto keeps on a GPU what no GPU has timed: the registry says so of each of those knobs
-    unmeasured_keys = {k for f in FEATURES if f.measured_on and "cuda" not in f.measured_on for k in f.keys}
-    assert set(GPU_UNMEASURED) <= unmeasured_keys
 
 
 def _deepspeed_installed() -> bool:
@@ -474,9 +469,27 @@ def test_auto_layout_given_and_resumed_runs(tiny_cfg):
     # A GPU whose profile states no rates (hardware=auto on an unnamed card): nothing to rank by, nothing changes.
     cfg, (same, _, choice) = _auto(tiny_cfg, "hardware=h100_80g", "hardware.memory_gbps=null")
     assert same is cfg and not choice.changed and "hardware.memory_gbps" in choice.reason
-    # A GPU with its datasheet rates: packing and prefix sharing stay as configured (masked attention unmeasured).
+    # A GPU with its datasheet rates: no feature that no GPU run timed (rm.plan.features) is turned on.
+    from rm.plan.features import unmeasured
+
     cfg, (gpu, _, choice) = _auto(tiny_cfg, "hardware=h100_80g")
-    assert (gpu.train.share_prefix, gpu.train.packing) == (cfg.train.share_prefix, cfg.train.packing)
+    assert not unmeasured(cfg.train, "cuda") and not unmeasured(gpu.train, "cuda")
+    assert not (gpu.train.share_prefix or gpu.train.packing or gpu.train.gradient_checkpointing)
+
+
+def test_auto_layout_turns_on_no_feature_the_registry_says_was_never_timed_on_the_device(tiny_cfg, monkeypatch):
+    """Which features auto may turn on comes from rm.plan.features alone: on long shared prompts a CPU run shares
+    them (test above); were prefix sharing timed on GPUs only, the same run would not."""
+    from dataclasses import replace as with_
+
+    from rm.plan import features
+
+    _, (chosen, _, _) = _auto(tiny_cfg, rates=_rates())
+    assert chosen.train.share_prefix
+    monkeypatch.setattr(features, "FEATURES", tuple(with_(f, measured_on=("cuda",)) if f.name == "prefix sharing" else f
+                                                    for f in features.FEATURES))
+    _, (chosen, _, choice) = _auto(tiny_cfg, rates=_rates())
+    assert not chosen.train.share_prefix and not features.unmeasured(chosen.train, "cpu")
 
 
 def test_auto_layout_never_picks_what_does_not_fit(tiny_cfg):
