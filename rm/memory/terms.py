@@ -1030,13 +1030,14 @@ def _estimate_at(cfg: RunConfig, plan: Plan, shapes: "BatchShapes", rank: Option
         backward = t.weights + states + max(activations, act["backward_with_gradients_bytes"], t.gradients)
     else:  # ZeRO-2/3 hooks move each gradient into a bucket as it is made: the partition at the end
         backward = t.weights + states + max(activations, t.gradients)
-    # Evaluation runs after an optimizer step has freed the gradients; DDP keeps its buckets, ZeRO-1/3 their partitions
-    # (counted: no evaluation-peak point has measured them). ZeRO-2's step drops its partition (stage_1_and_2.py sets
-    # averaged_gradients to None after the step; the flat grads_in_partition is released at each backward's end): two
-    # 2-process ZeRO-2 points of the seed-13 random calibration whose peak is the evaluation were over by that
-    # partition to the MiB on each rank (+5.42%, the one miss of that draw, and +1.46%).
-    zero2 = plan.strategy == "deepspeed" and plan.zero_stage == 2
-    kept_gradients = t.gradients if (plan.strategy == "deepspeed" and not zero2) or ddp_buckets else 0
+    # Evaluation runs after an optimizer step has freed the gradients; DDP keeps its buckets, ZeRO-3 its partition.
+    # ZeRO-1 and ZeRO-2 (one optimizer, stage_1_and_2.py) drop theirs: the step sets averaged_gradients to None, and
+    # the flat grads_in_partition is released at each backward's end. Measured on seed-13 point 19 of the random
+    # calibration (2 processes, the peak at a 64-pair evaluation): ZeRO-2 was over by its partition to the MiB on each
+    # rank (+5.42%) and ZeRO-1 by its full gradients (+9.40%); both peak at 735.37 MiB, estimated so now. ZeRO-3 there
+    # measured 807.59 MiB against 804.51 estimated with its partition kept (-0.38%).
+    freed = plan.strategy == "deepspeed" and plan.zero_stage in (1, 2)
+    kept_gradients = t.gradients if (plan.strategy == "deepspeed" and not freed) or ddp_buckets else 0
     # DDP rebuilds its buckets once, in the order the first all-reducing backward made the gradients: in the forward
     # after it (DistributedDataParallel._pre_forward), all new buckets are allocated while the old ones still hold the
     # gradients. rm's engine all-reduces the process's first micro-batch (AccelerateEngine.micro_batch), so under
